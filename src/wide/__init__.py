@@ -1,0 +1,27 @@
+"""wide: token-level dynamic width pruning (WIDE) for Llama-family LLMs.
+
+Quick use::
+
+    import wide
+    model = wide.load("runs/smollm2-s50")        # WideModel with argmax routing
+    out = model(input_ids)                        # Hugging Face CausalLMOutput
+"""
+
+from .config import ModelDims, WideConfig
+from .errors import WideError
+
+__version__ = "0.1.0"
+__all__ = ["WideConfig", "ModelDims", "WideError", "WideModel", "load", "load_base_model", "__version__"]
+
+
+def __getattr__(name):  # lazy: keep `import wide` light (no transformers import until needed)
+    if name == "load":
+        from .checkpoint import load
+        return load
+    if name == "WideModel":
+        from .modeling import WideModel
+        return WideModel
+    if name == "load_base_model":
+        from .modeling import load_base_model
+        return load_base_model
+    raise AttributeError(name)

@@ -1,0 +1,135 @@
+"""WIDE checkpoint directories: routers as safetensors, ``wide_config.json`` and the base-model reference.
+
+Layout of a saved directory::
+
+    routers.safetensors   # float32 router weights, keys "attn.<layer>.w1.weight", ...
+    wide_config.json      # the WideConfig
+    base_model.json       # {"model": <ref>, "fingerprint": <hash>, "architecture": ..., "dims": {...}}
+
+Every file is written atomically (temporary file, then rename); nothing is ever unpickled.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import tempfile
+from pathlib import Path
+
+import torch
+
+from .config import CONFIG_NAME, WideConfig, atomic_write_text
+from .errors import WideError
+from .modeling import WideModel, check_architecture, dims_of, fingerprint, load_base_model
+
+ROUTERS_NAME = "routers.safetensors"
+BASE_NAME = "base_model.json"
+
+
+def atomic_save_safetensors(tensors: dict[str, torch.Tensor], path: str | os.PathLike, metadata: dict | None = None) -> None:
+    """Write a safetensors file atomically."""
+    from safetensors.torch import save_file
+
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
+    os.close(fd)
+    try:
+        save_file(tensors, tmp, metadata=metadata)
+        os.replace(tmp, path)
+    except BaseException:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+        raise
+
+
+def read_safetensors(path: str | os.PathLike) -> dict[str, torch.Tensor]:
+    """Read a safetensors file. Raises WideError if it is missing or corrupt."""
+    from safetensors import SafetensorError
+    from safetensors.torch import load_file
+
+    path = Path(path)
+    if not path.is_file():
+        raise WideError(f"missing checkpoint file {path}")
+    try:
+        return load_file(str(path))
+    except (SafetensorError, OSError, ValueError, RuntimeError) as e:
+        raise WideError(f"corrupt checkpoint file {path}: {e}") from None
+
+
+def save_wide(model: WideModel, directory: str | os.PathLike, model_ref: str, extra: dict | None = None) -> Path:
+    """Save routers, config and base-model reference into ``directory`` (created if needed).
+
+    Args:
+        model: the routed model.
+        directory: output folder.
+        model_ref: how to load the base model again (``--model`` value).
+        extra: optional JSON-able facts stored in ``base_model.json`` under ``"extra"``.
+    """
+    directory = Path(directory)
+    atomic_save_safetensors(model.router_state_dict(), directory / ROUTERS_NAME, metadata={"format": "wide-routers-v1"})
+    base = {
+        "model": model_ref,
+        "fingerprint": fingerprint(model.base),
+        "architecture": check_architecture(model.base.config),
+        "dims": model.dims.__dict__,
+    }
+    if extra:
+        base["extra"] = extra
+    atomic_write_text(directory / BASE_NAME, json.dumps(base, indent=2) + "\n")
+    model.config.save(directory)
+    return directory
+
+
+def read_base_info(directory: str | os.PathLike) -> dict:
+    path = Path(directory) / BASE_NAME
+    if not path.is_file():
+        raise WideError(f"no {BASE_NAME} in {str(directory)!r}: not a WIDE checkpoint directory")
+    try:
+        info = json.loads(path.read_text())
+        info["model"], info["fingerprint"]
+    except (json.JSONDecodeError, UnicodeDecodeError, KeyError, TypeError) as e:
+        raise WideError(f"corrupt {path}: {e}") from None
+    return info
+
+
+def load(path: str | os.PathLike, model: str | torch.nn.Module | None = None, device=None, dtype=None,
+         tokenizer: bool = False):
+    """Load a saved WIDE model, ready for evaluation (argmax routing).
+
+    Args:
+        path: a directory written by :func:`save_wide` (``wide calibrate`` output).
+        model: ``None`` to load the base model recorded in the checkpoint, a ``--model`` string, or an
+            already loaded Hugging Face model.
+        device, dtype: as in :func:`wide.modeling.load_base_model`.
+        tokenizer: also return the tokenizer (then ``model`` must not be a module).
+
+    Returns:
+        :class:`WideModel` (or ``(WideModel, tokenizer)``).
+
+    Raises:
+        WideError: missing directory or files, corrupt files, a checkpoint made for another base model,
+            or router shapes that do not fit.
+    """
+    path = Path(path)
+    if not path.is_dir():
+        raise WideError(f"WIDE checkpoint {str(path)!r} not found (expected a directory with {CONFIG_NAME})")
+    config = WideConfig.load(path)
+    info = read_base_info(path)
+    tok = None
+    if isinstance(model, torch.nn.Module):
+        base = model
+    else:
+        base, tok, _ = load_base_model(model if model is not None else info["model"], device=device, dtype=dtype)
+    dims = dims_of(base.config)
+    if info.get("dims") and info["dims"] != dims.__dict__:
+        raise WideError(f"checkpoint {str(path)!r} was made for a model with dims {info['dims']}, "
+                        f"this model has {dims.__dict__}")
+    fp = fingerprint(base)
+    if fp != info["fingerprint"]:
+        raise WideError(f"checkpoint {str(path)!r} was made for base model {info['model']!r} "
+                        f"(fingerprint {info['fingerprint']}), not this one (fingerprint {fp})")
+    wm = WideModel(base, config)
+    wm.load_router_state_dict(read_safetensors(path / ROUTERS_NAME))
+    wm.eval()
+    return (wm, tok) if tokenizer else wm

@@ -1,0 +1,300 @@
+"""The ``wide`` command line: ``info``, ``calibrate``, ``eval-ppl``, ``demo`` (and ``bench``).
+
+Bad input ends with one line on stderr naming the bad value and what is allowed, and exit code 2.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+from .errors import WideError
+
+
+# --- shared options --------------------------------------------------------------------------------
+def _add_model(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", default=None,
+                   help="local HF checkpoint dir, .gguf file, or 'smollm2-135m' (default: the bundled SmolLM2-135M-Instruct GGUF)")
+    p.add_argument("--device", default=None, help="cpu or cuda (default: cuda if available)")
+
+
+def _add_method(p: argparse.ArgumentParser, sparsity_default: float = 0.5) -> None:
+    g = p.add_argument_group("WIDE method (WideConfig)")
+    g.add_argument("--sparsity", "-S", type=float, default=sparsity_default, help="target sparsity S in [0, 1)")
+    g.add_argument("--alpha", type=float, default=20.0, help="sparsity-loss weight (>= 0)")
+    g.add_argument("--attn-group-size", type=int, default=None,
+                   help="attention G: multiple of head_dim dividing the attention width (default: the GQA group)")
+    g.add_argument("--ffn-group-size", type=int, default=128, help="FFN G: power of two >= 16 dividing the FFN size")
+    g.add_argument("--rank", type=int, default=16, help="router bottleneck rank r")
+    g.add_argument("--tau-start", type=float, default=5.0)
+    g.add_argument("--tau-end", type=float, default=0.5)
+    g.add_argument("--mode", choices=["global", "uniform"], default="global",
+                   help="global = Eq. 6, uniform = Eq. 22 (attention and FFN each at S)")
+    g.add_argument("--routed", choices=["both", "attn", "ffn"], default="both")
+
+
+def _add_train(p: argparse.ArgumentParser, steps: int = 500, batch: int = 8, seq_len: int = 2048, lr: float = 1e-3) -> None:
+    g = p.add_argument_group("calibration run")
+    g.add_argument("--steps", type=int, default=steps)
+    g.add_argument("--batch-size", type=int, default=batch, help="sequences per micro-batch")
+    g.add_argument("--grad-accum", type=int, default=1)
+    g.add_argument("--seq-len", type=int, default=seq_len, help="tokens per packed sequence")
+    g.add_argument("--lr", type=float, default=lr)
+    g.add_argument("--warmup-steps", type=int, default=None, help="default: 5%% of --steps")
+    g.add_argument("--seed", type=int, default=0)
+    g.add_argument("--save-every", type=int, default=100, help="checkpoint every N steps")
+    g.add_argument("--max-blocks", type=int, default=None, help="use at most this many packed sequences")
+
+
+def _config_from(args):
+    from .config import WideConfig
+
+    return WideConfig(attn_group_size=args.attn_group_size, ffn_group_size=args.ffn_group_size,
+                      router_rank=args.rank, target_sparsity=args.sparsity, alpha=args.alpha,
+                      tau_start=args.tau_start, tau_end=args.tau_end, sparsity_mode=args.mode, routed=args.routed)
+
+
+def _train_args_from(args):
+    from .training import CalibrationArgs
+
+    warm = args.warmup_steps if args.warmup_steps is not None else max(0, args.steps // 20)
+    a = CalibrationArgs(steps=args.steps, batch_size=args.batch_size, grad_accum=args.grad_accum, lr=args.lr,
+                        warmup_steps=warm, seed=args.seed, save_every=args.save_every)
+    a.validate()
+    return a
+
+
+def _print(msg: str = "") -> None:
+    print(msg, flush=True)
+
+
+def _summary_line(name: str, r: dict) -> str:
+    s = f"{name:<6} ppl {r['ppl']:8.3f}"
+    if "realized_sparsity" in r:
+        s += (f"   sparsity attn {r['attn_sparsity']:.3f}  ffn {r['ffn_sparsity']:.3f}  overall "
+              f"{r['realized_sparsity']:.3f}  flop-weighted {r['flop_weighted_sparsity']:.3f}")
+    return s
+
+
+# --- commands --------------------------------------------------------------------------------------
+def cmd_info(args) -> int:
+    from transformers import AutoConfig
+
+    from .modeling import check_architecture, dims_of, resolve_model, router_param_count
+
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    cfg = _config_from(args)
+    src = resolve_model(args.model)
+    try:
+        hf = AutoConfig.from_pretrained(src.directory, **src.hf_kwargs())
+    except (OSError, ValueError) as e:
+        raise WideError(f"cannot read model config from {src.ref!r}: {str(e).splitlines()[0]}") from None
+    arch = check_architecture(hf)
+    dims = dims_of(hf)
+    rc = cfg.resolve(dims)
+    n_a, n_f = rc.n_groups(dims)
+    _print(f"model              {src.ref}  ({arch})")
+    _print(f"layers             {dims.num_layers}")
+    _print(f"hidden size        {dims.hidden_size}")
+    _print(f"heads / KV heads   {dims.num_heads} / {dims.num_kv_heads}")
+    _print(f"head_dim           {dims.head_dim}")
+    _print(f"intermediate size  {dims.intermediate_size}")
+    _print(f"legal attention G  {dims.legal_attn_group_sizes()}  (default {dims.gqa_group_size} = GQA group)")
+    _print(f"legal FFN G        {dims.legal_ffn_group_sizes()}")
+    _print(f"chosen G           attention {rc.attn_group_size} (N_G={n_a}), FFN {rc.ffn_group_size} (N_G={n_f})")
+    _print(f"router params      {router_param_count(dims, rc):,}  (rank r={rc.router_rank}, routed: {rc.routed})")
+    return 0
+
+
+def _load(args):
+    from .modeling import load_base_model
+
+    return load_base_model(args.model, device=args.device)
+
+
+def cmd_calibrate(args) -> int:
+    from .data import load_texts, pack
+    from .modeling import WideModel
+    from .training import calibrate
+
+    cfg = _config_from(args)
+    targs = _train_args_from(args)
+    out = Path(args.output)
+    if args.resume and not (out / "train_state.pt").is_file():
+        raise WideError(f"--resume: no train_state.pt in {str(out)!r}")
+    docs = load_texts(args.text, split="calib")
+    model, tok, src = _load(args)
+    wm = WideModel(model, cfg)
+    blocks = pack(docs, tok, args.seq_len, max_blocks=args.max_blocks)
+    _print(f"calibrating {src.ref}: {blocks.shape[0]} sequences x {blocks.shape[1]} tokens, S={cfg.target_sparsity}, "
+           f"G_attn={wm.config.attn_group_size}, G_ffn={wm.config.ffn_group_size}, {targs.steps} steps")
+    t0 = time.time()
+    recs = calibrate(wm, blocks, targs, out, src.ref, resume=args.resume)
+    if recs:
+        r = recs[-1]
+        _print(f"done in {time.time() - t0:.0f}s: lm_loss {r['lm_loss']:.3f}, attn sparsity {r['attn_sparsity']:.3f}, "
+               f"ffn sparsity {r['ffn_sparsity']:.3f}")
+    _print(f"saved WIDE checkpoint to {out}")
+    return 0
+
+
+def cmd_eval_ppl(args) -> int:
+    from .checkpoint import load
+    from .config import WideConfig  # noqa: F401
+    from .data import load_texts, ppl_windows
+    from .evaluation import format_layer_table, perplexity
+
+    docs = load_texts(args.text, split="eval")
+    if args.wide:
+        wm, tok = load(args.wide, model=args.model, device=args.device, tokenizer=True)
+        model = wm.base
+    else:
+        model, tok, _ = _load(args)
+        wm = None
+    win = ppl_windows(docs, tok, args.ctx, max_tokens=args.max_tokens)
+    _print(f"{win.shape[0]} windows of {args.ctx} tokens")
+    results = {}
+    if wm is not None:
+        with wm.masks_fixed(attn=True, ffn=True):
+            dense = perplexity(wm, win, args.batch_size, desc="dense")
+        results["dense"] = {k: dense[k] for k in ("ppl", "nll", "tokens", "ctx")}
+        results["wide"] = perplexity(wm, win, args.batch_size, desc="wide")
+    else:
+        results["dense"] = perplexity(model, win, args.batch_size, desc="dense")
+    for k, r in results.items():
+        _print(_summary_line(k, r))
+    if "wide" in results:
+        _print(f"ppl ratio wide/dense: {results['wide']['ppl'] / results['dense']['ppl']:.3f}")
+        if args.layers:
+            _print(format_layer_table(results["wide"]))
+    if args.json:
+        from .config import atomic_write_text
+
+        atomic_write_text(args.json, json.dumps(results, indent=2) + "\n")
+    return 0
+
+
+def cmd_demo(args) -> int:
+    import torch
+
+    from .checkpoint import save_wide
+    from .config import atomic_write_text
+    from .data import load_texts, pack, ppl_windows
+    from .evaluation import format_layer_table, perplexity
+    from .modeling import WideModel
+    from .training import calibrate
+
+    gpu = (args.device or ("cuda" if torch.cuda.is_available() else "cpu")).startswith("cuda")
+    ctx = args.ctx or (2048 if gpu else 512)
+    seq_len = args.seq_len or (2048 if gpu else 256)
+    steps = args.steps or (300 if gpu else 80)
+    eval_tokens = args.eval_tokens or (None if gpu else 12288)
+    cfg = _config_from(args)
+    out = Path(args.output)
+    torch.manual_seed(0)
+    t_all = time.time()
+    _print(f"[1/5] loading {args.model or 'the bundled SmolLM2-135M-Instruct (GGUF)'} on {'cuda' if gpu else 'cpu'}")
+    if not gpu:
+        torch.set_num_threads(os.cpu_count() or 1)
+    model, tok, src = _load(args)
+    wm = WideModel(model, cfg)
+    d = wm.dims
+    _print(f"      {d.num_layers} layers, hidden {d.hidden_size}, heads {d.num_heads}/{d.num_kv_heads} KV, head_dim "
+           f"{d.head_dim}, FFN {d.intermediate_size}; G_attn={wm.config.attn_group_size} G_ffn={wm.config.ffn_group_size}; "
+           f"{wm.router_param_count():,} router parameters")
+    win = ppl_windows(load_texts(args.text, split="eval"), tok, ctx, max_tokens=eval_tokens)
+    blocks = pack(load_texts(args.text, split="calib"), tok, seq_len)
+    _print(f"[2/5] dense perplexity on {win.numel():,} held-out tokens (ctx {ctx})")
+    with wm.masks_fixed(attn=True, ffn=True):
+        dense = perplexity(wm, win, args.batch_size)
+    _print(f"      dense ppl {dense['ppl']:.3f}")
+    _print(f"[3/5] calibrating routers to S={cfg.target_sparsity}: {steps} steps x {args.batch_size} x {seq_len} tokens "
+           f"({blocks.shape[0]} calibration sequences)")
+    targs = _train_args_from(argparse.Namespace(**{**vars(args), "steps": steps, "seq_len": seq_len}))
+    calibrate(wm, blocks, targs, out, src.ref)
+    _print("[4/5] WIDE perplexity (argmax routing)")
+    wide = perplexity(wm, win, args.batch_size)
+    _print(_summary_line("dense", dense))
+    _print(_summary_line("wide", wide))
+    _print(f"ppl ratio wide/dense: {wide['ppl'] / dense['ppl']:.3f}")
+    _print(format_layer_table(wide))
+    _print(f"[5/5] saving checkpoint to {out}")
+    save_wide(wm, out, src.ref)
+    result = {"model": src.ref, "target_sparsity": cfg.target_sparsity, "steps": steps, "seq_len": seq_len,
+              "ctx": ctx, "dense_ppl": dense["ppl"], "ppl": wide["ppl"], **{k: v for k, v in wide.items() if k != "ppl"},
+              "wall_s": time.time() - t_all}
+    atomic_write_text(out / "demo_result.json", json.dumps(result, indent=2) + "\n")
+    _print(f"done in {time.time() - t_all:.0f}s; results in {out / 'demo_result.json'}")
+    return 0
+
+
+# --- parser ----------------------------------------------------------------------------------------
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="wide", description="WIDE: token-level dynamic width pruning for LLMs")
+    sub = p.add_subparsers(dest="command", required=True)
+
+    s = sub.add_parser("info", help="model dims, legal group sizes and router parameter count")
+    _add_model(s)
+    _add_method(s)
+    s.set_defaults(func=cmd_info)
+
+    s = sub.add_parser("calibrate", help="stage 1: train the routers to a target sparsity (base frozen)")
+    _add_model(s)
+    s.add_argument("--text", default=None, help="calibration text: .txt, .jsonl with 'text', datasets folder "
+                                                "(default: BoolQ Wikipedia passages, calibration split)")
+    s.add_argument("--output", "-o", required=True, help="checkpoint directory")
+    s.add_argument("--resume", action="store_true", help="continue from <output>/train_state.pt")
+    _add_method(s)
+    _add_train(s)
+    s.set_defaults(func=cmd_calibrate)
+
+    s = sub.add_parser("eval-ppl", help="token perplexity, dense and WIDE side by side, with realized sparsity")
+    _add_model(s)
+    s.add_argument("--wide", default=None, help="WIDE checkpoint directory (omit for dense only)")
+    s.add_argument("--text", default=None, help="evaluation text (default: BoolQ passages, evaluation split)")
+    s.add_argument("--ctx", type=int, default=2048, help="tokens per window")
+    s.add_argument("--batch-size", type=int, default=1)
+    s.add_argument("--max-tokens", type=int, default=None, help="evaluate at most this many tokens")
+    s.add_argument("--layers", action="store_true", help="print the per-layer sparsity table")
+    s.add_argument("--json", default=None, help="write results to this JSON file")
+    s.set_defaults(func=cmd_eval_ppl)
+
+    s = sub.add_parser("demo", help="dense ppl, short calibration to S=0.5, WIDE ppl, per-layer table, save")
+    _add_model(s)
+    s.add_argument("--text", default=None)
+    s.add_argument("--output", "-o", default="runs/demo")
+    s.add_argument("--ctx", type=int, default=None, help="default 512 on CPU, 2048 on GPU")
+    s.add_argument("--eval-tokens", type=int, default=None, help="default 12288 on CPU, all on GPU")
+    _add_method(s)
+    _add_train(s, steps=0, batch=4, seq_len=0, lr=1e-2)
+    s.set_defaults(func=cmd_demo)
+
+    try:
+        from .bench import cli as bench_cli
+    except ImportError:
+        bench_cli = None
+    if bench_cli is not None:
+        bench_cli.register(sub)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    args = build_parser().parse_args(argv)
+    try:
+        return args.func(args)
+    except WideError as e:
+        print(f"wide {args.command}: error: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print(f"wide {args.command}: interrupted", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

