@@ -1,0 +1,286 @@
+"""Shared helpers for the routed kernels: Triton guard, argument checks, the reorder result type,
+and the on-disk autotuning cache.
+
+Triton is imported in a guarded way: ``import wide.kernels`` works without Triton installed.  The
+public ops then run the plain PyTorch reference (see :func:`use_triton`).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import tempfile
+import threading
+from typing import Callable, NamedTuple, Sequence
+
+import torch
+
+try:  # pragma: no cover - exercised implicitly
+    from wide.errors import WideError as _KernelError
+except Exception:  # pragma: no cover
+    _KernelError = ValueError
+
+try:
+    import triton  # noqa: F401
+    import triton.language as tl  # noqa: F401
+
+    HAS_TRITON = True
+except Exception:  # pragma: no cover - only without triton
+    triton = None
+    tl = None
+    HAS_TRITON = False
+
+
+class KernelArgumentError(_KernelError):
+    """Bad argument to a routed kernel; a ``ValueError`` naming the value and what is allowed."""
+
+
+class Reordered(NamedTuple):
+    """Result of :func:`wide.kernels.reorder` (Eq. 7, Algorithm 1).
+
+    Attributes:
+        index: int32 ``[..., M, N_G]``. ``index[j, g]`` is the original row of the j-th row of
+            routing column g after the stable descending sort; active rows form the prefix.
+        mask: bool ``[..., M, N_G]``, the sorted mask: ``mask[j, g] = route[index[j, g], g]``,
+            equivalently ``j < counts[g]``.
+        counts: int32 ``[..., N_G]``, number of active rows per routing column.
+    """
+
+    index: torch.Tensor
+    mask: torch.Tensor
+    counts: torch.Tensor
+
+
+HALF_DTYPES = (torch.float16, torch.bfloat16)
+FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+
+
+def interpret_mode() -> bool:
+    """True when Triton runs in its CPU interpreter (``TRITON_INTERPRET=1``)."""
+    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+
+
+def use_triton(t: torch.Tensor) -> bool:
+    """Whether the Triton kernels run for tensor ``t``.
+
+    Triton runs on CUDA tensors, or on CPU tensors under ``TRITON_INTERPRET=1``.  Otherwise
+    (no Triton, or CPU without the interpreter) the public ops fall back to the PyTorch reference
+    in :mod:`wide.kernels.reference`, computed in float32 and returned in the input dtype.
+    """
+    if not HAS_TRITON:
+        return False
+    if t.is_cuda:
+        return True
+    return interpret_mode() and t.device.type == "cpu"
+
+
+def fail(msg: str) -> None:
+    raise KernelArgumentError(msg)
+
+
+def check_tensor(name: str, t, ndim: int | None = None, dtypes: Sequence[torch.dtype] | None = None):
+    if not isinstance(t, torch.Tensor):
+        fail(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+    if ndim is not None and t.dim() != ndim:
+        fail(f"{name} must have {ndim} dimensions, got shape {tuple(t.shape)}")
+    if dtypes is not None and t.dtype not in dtypes:
+        allowed = ", ".join(str(d).replace("torch.", "") for d in dtypes)
+        fail(f"{name} has dtype {str(t.dtype).replace('torch.', '')}; allowed: {allowed}")
+
+
+def check_same_device(**tensors: torch.Tensor) -> None:
+    devs = {k: v.device for k, v in tensors.items() if v is not None}
+    if len(set(devs.values())) > 1:
+        desc = ", ".join(f"{k} on {v}" for k, v in devs.items())
+        fail(f"all tensors must be on one device; got {desc}")
+
+
+def check_group(G, dim: int, what: str) -> int:
+    """G must be a positive multiple of 16 dividing ``dim`` (FFN: powers of two 16..512; attention
+    projections: the head-group width, a multiple of head_dim such as 192)."""
+    if isinstance(G, bool) or not isinstance(G, int):
+        fail(f"G must be an int, got {G!r}")
+    if G < 16 or G % 16 != 0:
+        fail(f"G={G} is not allowed; G must be a multiple of 16 (FFN: 16, 32, ..., 512)")
+    if dim % G != 0:
+        fail(f"G={G} does not divide {what}={dim}")
+    return G
+
+
+def check_route(route: torch.Tensor, M: int, NG: int, name: str = "route") -> None:
+    check_tensor(name, route, 2, (torch.bool,))
+    if tuple(route.shape) != (M, NG):
+        fail(f"{name} must have shape [M, N_G] = [{M}, {NG}], got {tuple(route.shape)}")
+
+
+def check_reordered(r, shape: tuple, name: str = "reordered") -> Reordered:
+    if not isinstance(r, tuple) or len(r) != 3:
+        fail(f"{name} must be a Reordered(index, mask, counts) from wide.kernels.reorder")
+    r = Reordered(*r)
+    if tuple(r.index.shape) != tuple(shape) or r.index.dtype != torch.int32:
+        fail(f"{name}.index must be int32 with shape {tuple(shape)}, got {r.index.dtype} {tuple(r.index.shape)}")
+    if tuple(r.counts.shape) != tuple(shape[:-2]) + (shape[-1],) or r.counts.dtype != torch.int32:
+        fail(f"{name}.counts must be int32 with shape {tuple(shape[:-2]) + (shape[-1],)}, got "
+             f"{r.counts.dtype} {tuple(r.counts.shape)}")
+    return r
+
+
+def check_out(out, shape, dtype, device, name: str = "out"):
+    if out is None:
+        return None
+    check_tensor(name, out)
+    if tuple(out.shape) != tuple(shape) or out.dtype != dtype or out.device != device:
+        fail(f"{name} must be a {str(dtype).replace('torch.', '')} tensor of shape {tuple(shape)} on {device}; "
+             f"got {str(out.dtype).replace('torch.', '')} {tuple(out.shape)} on {out.device}")
+    if not out.is_contiguous():
+        fail(f"{name} must be contiguous")
+    return out
+
+
+def pow2_part(G: int) -> int:
+    """Largest power of two dividing G (the largest tile width that stays inside one group)."""
+    return G & -G
+
+
+def next_pow2(x: int) -> int:
+    return 1 if x <= 1 else 1 << (int(x) - 1).bit_length()
+
+
+def m_bucket(M: int) -> int:
+    """Autotuning key bucket for a row count (next power of two, capped)."""
+    return min(next_pow2(M), 1 << 16)
+
+
+# ----------------------------------------------------------------------------------------------
+# Autotuning cache
+# ----------------------------------------------------------------------------------------------
+
+_CACHE_LOCK = threading.Lock()
+_CACHE: dict | None = None
+
+
+def cache_dir() -> str:
+    """Directory of the autotuning cache: ``$WIDE_CACHE_DIR`` or ``~/.cache/wide``."""
+    d = os.environ.get("WIDE_CACHE_DIR") or os.path.join(os.path.expanduser("~"), ".cache", "wide")
+    return d
+
+
+def _cache_path() -> str:
+    return os.path.join(cache_dir(), "kernel_autotune.json")
+
+
+def _load_cache() -> dict:
+    global _CACHE
+    if _CACHE is None:
+        try:
+            with open(_cache_path()) as f:
+                _CACHE = json.load(f)
+        except Exception:
+            _CACHE = {}
+    return _CACHE
+
+
+def _store_cache(key: str, value: dict) -> None:
+    path = _cache_path()
+    try:
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        try:
+            with open(path) as f:
+                disk = json.load(f)
+        except Exception:
+            disk = {}
+        disk.update(_load_cache())
+        disk[key] = value
+        fd, tmp = tempfile.mkstemp(dir=os.path.dirname(path), prefix=".tune")
+        with os.fdopen(fd, "w") as f:
+            json.dump(disk, f, indent=0, sort_keys=True)
+        os.replace(tmp, path)
+    except OSError:
+        pass  # cache is an optimisation only
+
+
+def _device_tag(device: torch.device) -> str:
+    if device.type == "cuda":
+        return torch.cuda.get_device_name(device).replace(" ", "_")
+    return device.type
+
+
+def _capturing() -> bool:
+    try:
+        return torch.cuda.is_current_stream_capturing()
+    except Exception:
+        return False
+
+
+def pick_config(op: str, key: tuple, device: torch.device, candidates: Sequence[dict],
+                run: Callable[[dict], None]) -> dict:
+    """Return the fastest of ``candidates`` for ``(op, key)`` on this GPU, tuning once.
+
+    Tuning times each candidate with ``triton.testing.do_bench`` (median) and stores the winner in
+    ``$WIDE_CACHE_DIR/kernel_autotune.json`` (default ``~/.cache/wide``), so a second process reuses
+    it.  Tuning never happens during CUDA-graph capture, under the interpreter, or with
+    ``WIDE_AUTOTUNE=0``: then the cached winner, or else ``candidates[0]``, is used.  ``run(cfg)``
+    must launch the op with config ``cfg`` (it may write scratch outputs).
+    """
+    if len(candidates) == 1 or device.type != "cuda":
+        return dict(candidates[0])
+    skey = f"{op}|{_device_tag(device)}|triton{getattr(triton, '__version__', '?')}|" + ",".join(map(str, key))
+    with _CACHE_LOCK:
+        cache = _load_cache()
+        hit = cache.get(skey)
+    if hit is not None:
+        for c in candidates:
+            if c == hit:
+                return dict(c)
+    if _capturing() or os.environ.get("WIDE_AUTOTUNE", "1") == "0":
+        return dict(candidates[0])
+    from triton.testing import do_bench
+
+    best, best_t = None, float("inf")
+    for c in candidates:
+        try:
+            run(c)  # compile + warm
+            torch.cuda.synchronize(device)
+            t = do_bench(lambda: run(c), warmup=3, rep=15, return_mode="median")
+        except Exception:  # a config that fails to compile (e.g. too much shared memory)
+            continue
+        if t < best_t:
+            best, best_t = c, t
+    if best is None:
+        best = candidates[0]
+    with _CACHE_LOCK:
+        _load_cache()[skey] = dict(best)
+        _store_cache(skey, dict(best))
+    return dict(best)
+
+
+def cfg_kwargs(cfg: dict) -> dict:
+    return {k: v for k, v in cfg.items() if k not in ("num_warps", "num_stages")}
+
+
+def launch_opts(cfg: dict) -> dict:
+    if interpret_mode():
+        return {}
+    return {"num_warps": cfg.get("num_warps", 4), "num_stages": cfg.get("num_stages", 3)}
+
+
+if HAS_TRITON:
+    # Triton 3.6's CPU interpreter computes bf16 ``tl.dot`` wrongly; under the interpreter the
+    # operands are upcast to fp32 (exact for bf16/fp16 inputs).  Compiled kernels use native MMA.
+    DOT_F32 = tl.constexpr(interpret_mode())
+
+    @triton.jit
+    def mma(a, b, acc):
+        """``acc + a @ b`` with fp32 accumulation."""
+        if DOT_F32:
+            a = a.to(tl.float32)
+            b = b.to(tl.float32)
+        return tl.dot(a, b, acc)
+
+    @triton.jit
+    def mm(a, b):
+        """``a @ b`` in fp32."""
+        if DOT_F32:
+            a = a.to(tl.float32)
+            b = b.to(tl.float32)
+        return tl.dot(a, b)

@@ -1,0 +1,228 @@
+"""Routed flash attention for prefill (paper Eq. 2, Algorithm 4).
+
+Routing is per token and per head group: ``route[b, t, g]`` (True = execute) with head group g made
+of the ``G / d`` consecutive query heads ``[g*G/d, (g+1)*G/d)``.  Every (b, g) routing column is
+reordered (Algorithm 1) so the active query rows form a prefix; a program owns a tile of BM sorted
+query rows of one (b, query head):
+
+* level 0: a tile whose first sorted row is inactive exits after writing zeros to its rows;
+* active tiles gather their Q rows through the index, stream dense K/V tiles (online softmax), and
+  scatter the normalised rows back; inactive rows of the boundary tile are written as 0;
+* causal range shortening: since the partition is stable, the last active sorted row of a tile
+  is its largest query position, so keys beyond ``delta + that + 1`` are never streamed
+  (``delta = Tk - Tq``); tiles wholly below the smallest query position skip the element-wise
+  mask (fully-valid fast path); left padding starts the stream at ``left_pad[b]``.
+
+``Tq == 1`` dispatches to the split-KV decode kernel (:func:`wide.kernels.decode.decode_attention`).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from . import reference
+from ._common import (
+    HALF_DTYPES, HAS_TRITON, Reordered, check_out, check_reordered, check_same_device, check_tensor, fail,
+    interpret_mode, use_triton,
+)
+
+if HAS_TRITON:
+    import triton
+    import triton.language as tl
+
+    from ._common import mm, mma  # noqa: F401
+
+    @triton.jit
+    def _attn_inner(acc, l_i, m_i, q, kbase, vbase, skt, svt, start, end, qpos, lo, Tk, qk_scale,
+                    offs_d, BN: tl.constexpr, MASKED: tl.constexpr, CAUSAL: tl.constexpr):
+        for j in range(start, end, BN):
+            offs_n = j + tl.arange(0, BN)
+            if MASKED:
+                kmask = (offs_n < Tk) & (offs_n >= lo)
+                kt = tl.load(kbase + offs_n[None, :].to(tl.int64) * skt + offs_d[:, None], mask=kmask[None, :],
+                             other=0.0)
+            else:
+                kt = tl.load(kbase + offs_n[None, :].to(tl.int64) * skt + offs_d[:, None])
+            s = mm(q, kt) * qk_scale
+            if MASKED:
+                vis = kmask[None, :]
+                if CAUSAL:
+                    vis = vis & (offs_n[None, :] <= qpos[:, None])
+                s = tl.where(vis, s, float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(s, axis=1))
+            alpha = tl.exp2(m_i - m_new)
+            p = tl.exp2(s - m_new[:, None])
+            l_i = l_i * alpha + tl.sum(p, axis=1)
+            if MASKED:
+                vt = tl.load(vbase + offs_n[:, None].to(tl.int64) * svt + offs_d[None, :], mask=kmask[:, None],
+                             other=0.0)
+            else:
+                vt = tl.load(vbase + offs_n[:, None].to(tl.int64) * svt + offs_d[None, :])
+            acc = acc * alpha[:, None] + mm(p.to(vt.dtype), vt)
+            m_i = m_new
+        return acc, l_i, m_i
+
+    @triton.jit
+    def _attn_fwd_kernel(q_ptr, k_ptr, v_ptr, out_ptr, idx_ptr, cnt_ptr, lp_ptr,
+                         Hq, Tq, Tk, NG, REP, HPG, scale,
+                         sqb, sqh, sqt, skb, skh, skt, svb, svh, svt, sob, soh, sot,
+                         D: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, CAUSAL: tl.constexpr,
+                         HAS_LP: tl.constexpr):
+        num_m = tl.cdiv(Tq, BM)
+        pid_m = tl.program_id(0)
+        if CAUSAL:
+            pid_m = num_m - 1 - pid_m  # heavy (late) tiles first
+        bh = tl.program_id(1)
+        b = bh // Hq
+        h = bh % Hq
+        g = h // HPG
+        hk = h // REP
+        cnt = tl.load(cnt_ptr + b * NG + g)
+        m0 = pid_m * BM
+        offs_j = m0 + tl.arange(0, BM)
+        valid = offs_j < Tq
+        col_ptr = idx_ptr + (b * Tq).to(tl.int64) * NG + g
+        rows = tl.load(col_ptr + offs_j.to(tl.int64) * NG, mask=valid, other=0)
+        offs_d = tl.arange(0, D)
+        o_ptrs = (out_ptr + b.to(tl.int64) * sob + h.to(tl.int64) * soh + rows[:, None].to(tl.int64) * sot
+                  + offs_d[None, :])
+        if m0 >= cnt:
+            tl.store(o_ptrs, tl.zeros((BM, D), dtype=out_ptr.dtype.element_ty), mask=valid[:, None])
+        else:
+            active = offs_j < cnt
+            q = tl.load(q_ptr + b.to(tl.int64) * sqb + h.to(tl.int64) * sqh + rows[:, None].to(tl.int64) * sqt
+                        + offs_d[None, :], mask=active[:, None], other=0.0)
+            delta = Tk - Tq
+            lo = 0
+            if HAS_LP:
+                lo = tl.load(lp_ptr + b).to(tl.int32)
+            qpos = rows + delta
+            if CAUSAL:
+                last_row = tl.load(col_ptr + (tl.minimum(m0 + BM, cnt) - 1).to(tl.int64) * NG)
+                first_row = tl.load(col_ptr + m0.to(tl.int64) * NG)
+                hi = tl.minimum(Tk, delta + last_row + 1)
+                full_hi = ((delta + first_row + 1) // BN) * BN
+            else:
+                hi = Tk
+                full_hi = (Tk // BN) * BN
+            lo_t = (lo // BN) * BN
+            full_lo = tl.cdiv(lo, BN) * BN
+            mid_end = tl.maximum(full_lo, tl.minimum(full_hi, hi))
+            m_i = tl.full((BM,), -1.0e30, dtype=tl.float32)
+            l_i = tl.zeros((BM,), dtype=tl.float32)
+            acc = tl.zeros((BM, D), dtype=tl.float32)
+            qk_scale = scale * 1.4426950408889634
+            kbase = k_ptr + b.to(tl.int64) * skb + hk.to(tl.int64) * skh
+            vbase = v_ptr + b.to(tl.int64) * svb + hk.to(tl.int64) * svh
+            # part A: boundary tile of the left padding (masked)
+            acc, l_i, m_i = _attn_inner(acc, l_i, m_i, q, kbase, vbase, skt, svt, lo_t, tl.minimum(full_lo, hi),
+                                        qpos, lo, Tk, qk_scale, offs_d, BN, True, CAUSAL)
+            # part B: fully visible tiles, no element-wise mask
+            acc, l_i, m_i = _attn_inner(acc, l_i, m_i, q, kbase, vbase, skt, svt, full_lo, mid_end,
+                                        qpos, lo, Tk, qk_scale, offs_d, BN, False, CAUSAL)
+            # part C: causal diagonal band / ragged end (masked)
+            acc, l_i, m_i = _attn_inner(acc, l_i, m_i, q, kbase, vbase, skt, svt, mid_end, hi,
+                                        qpos, lo, Tk, qk_scale, offs_d, BN, True, CAUSAL)
+            keep = active & (l_i > 0)
+            res = acc / tl.where(keep, l_i, 1.0)[:, None]
+            res = tl.where(keep[:, None], res, 0.0).to(out_ptr.dtype.element_ty)
+            tl.store(o_ptrs, res, mask=valid[:, None])
+
+
+def _validate(q, k, v, route, left_pad):
+    check_tensor("q", q, 4, HALF_DTYPES + (torch.float32,))
+    check_tensor("k", k, 4, (q.dtype,))
+    check_tensor("v", v, 4, (q.dtype,))
+    B, Hq, Tq, D = q.shape
+    if k.shape != v.shape:
+        fail(f"k and v must have the same shape, got {tuple(k.shape)} and {tuple(v.shape)}")
+    if k.shape[0] != B or k.shape[3] != D:
+        fail(f"k/v must be [B={B}, Hk, Tk, d={D}], got {tuple(k.shape)}")
+    Hk, Tk = k.shape[1], k.shape[2]
+    if Hk == 0 or Hq % Hk != 0:
+        fail(f"Hq={Hq} must be a multiple of Hk={Hk} (GQA)")
+    if Tq > Tk:
+        fail(f"Tq={Tq} must not exceed Tk={Tk} (queries are the last Tq positions of the key sequence)")
+    if D < 16 or D > 256 or D & (D - 1):
+        fail(f"head_dim d={D} must be a power of two in [16, 256]")
+    check_tensor("route", route, 3, (torch.bool,))
+    if route.shape[0] != B or route.shape[1] != Tq:
+        fail(f"route must be [B={B}, Tq={Tq}, N_G], got {tuple(route.shape)}")
+    NG = route.shape[2]
+    if NG == 0 or Hq % NG != 0:
+        fail(f"route has N_G={NG} head groups; N_G must divide Hq={Hq} (G = Hq*d/N_G a multiple of d={D})")
+    if left_pad is not None:
+        check_tensor("left_pad", left_pad, 1, (torch.int32, torch.int64))
+        if left_pad.shape[0] != B:
+            fail(f"left_pad must have shape [B={B}], got {tuple(left_pad.shape)}")
+    check_same_device(q=q, k=k, v=v, route=route, left_pad=left_pad)
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        if t.stride(3) != 1:
+            fail(f"{name} must have a contiguous last dimension (stride 1), got strides {t.stride()}")
+    return B, Hq, Tq, D, Hk, Tk, NG
+
+
+def routed_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, route: torch.Tensor,
+                     causal: bool = False, *, left_pad: torch.Tensor | None = None, scale: float | None = None,
+                     reordered: Reordered | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
+    """Routed FlashAttention prefill (Algorithm 4); same layout as ``F.scaled_dot_product_attention``.
+
+    Args:
+        q: ``[B, Hq, Tq, d]`` bf16/fp16/fp32 (d a power of two in [16, 256]; last dim contiguous).
+        k, v: ``[B, Hk, Tk, d]`` with ``Hq % Hk == 0`` (GQA: query head h uses KV head
+            ``h // (Hq / Hk)``) and ``Tk >= Tq``; K/V are never skipped.
+        route: bool ``[B, Tq, N_G]``, True = token t executes head group g, a group being the
+            ``Hq / N_G`` consecutive query heads ``[g*Hq/N_G, (g+1)*Hq/N_G)`` (G = Hq*d/N_G, a
+            multiple of d; the paper's GQA choice is N_G = Hk).
+        causal: query i (0-based) sits at key position ``i + delta``, ``delta = Tk - Tq`` (chunked
+            prefill / prefix cache), and sees keys ``j <= i + delta``.
+        left_pad: optional int32/int64 ``[B]``: keys ``j < left_pad[b]`` are padding and masked.
+        scale: softmax scale, default ``1 / sqrt(d)``.
+        reordered: optional :func:`wide.kernels.reorder` result of ``route`` (shared with the Q and
+            O projections' routing after the appropriate reshape); computed here when None.
+        out: optional preallocated contiguous ``[B, Hq, Tq, d]`` output (q's dtype).
+
+    Returns:
+        ``[B, Hq, Tq, d]`` in q's dtype.  Inactive (token, head group) rows are 0; a query row that
+        sees no key (e.g. inside the left padding) is 0.
+
+    ``Tq == 1`` uses the split-KV decode kernel.  CPU without ``TRITON_INTERPRET=1`` falls back to
+    :func:`reference.attention_ref`.
+
+    Raises:
+        ValueError: bad ranks/shapes/dtypes/devices, Hq not a multiple of Hk, N_G not dividing Hq,
+            Tq > Tk, unsupported head_dim, malformed left_pad/reordered/out.
+    """
+    B, Hq, Tq, D, Hk, Tk, NG = _validate(q, k, v, route, left_pad)
+    check_out(out, (B, Hq, Tq, D), q.dtype, q.device)
+    scale = 1.0 / math.sqrt(D) if scale is None else float(scale)
+    if not use_triton(q):
+        res = reference.attention_ref(q, k, v, route, causal, left_pad, scale)
+        return out.copy_(res) if out is not None else res
+    if out is None:
+        out = torch.empty((B, Hq, Tq, D), dtype=q.dtype, device=q.device)
+    if B * Tq == 0:
+        return out
+    if Tq == 1:
+        from .decode import decode_attention
+        return decode_attention(q, k, v, route, left_pad=left_pad, scale=scale, out=out)
+    if reordered is None:
+        from .reorder import reorder
+        reordered = reorder(route)
+    else:
+        reordered = check_reordered(reordered, (B, Tq, NG))
+    if interpret_mode():
+        bm, bn, opts = 16, 16, {}
+    else:
+        bm, bn = (128, 64) if D <= 128 else (64, 32)
+        opts = {"num_warps": 8 if D >= 128 else 4, "num_stages": 3}
+    lp = left_pad if left_pad is not None else reordered.counts
+    grid = (triton.cdiv(Tq, bm), B * Hq)
+    _attn_fwd_kernel[grid](q, k, v, out, reordered.index, reordered.counts, lp,
+                           Hq, Tq, Tk, NG, Hq // Hk, Hq // NG, scale,
+                           q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
+                           v.stride(0), v.stride(1), v.stride(2), out.stride(0), out.stride(1), out.stride(2),
+                           D=D, BM=bm, BN=bn, CAUSAL=bool(causal), HAS_LP=left_pad is not None, **opts)
+    return out

@@ -1,0 +1,315 @@
+"""Decode paths (M = 1..4 rows): routed GEMV for GEMM-MN, GEMM-K and fused SwiGLU, and split-KV
+decode attention with GQA packing (paper Appendix B: GEMV variants dispatched for M <= 4; for
+decoding, mask reordering is bypassed and routing is checked directly at the block level).
+
+All kernels read the route directly (no reorder).  Weight loads are predicated by "any of the
+M rows executes this group": a group no row executes moves no weight bytes, which is the whole
+cost of a GEMV.  Outputs of inactive (row, group) pairs are written as 0.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from . import reference
+from ._common import (
+    HAS_TRITON, check_out, fail, interpret_mode, launch_opts, next_pow2, pick_config, use_triton,
+)
+
+if HAS_TRITON:
+    import triton
+    import triton.language as tl
+
+    from ._common import mm, mma  # noqa: F401
+
+    @triton.jit
+    def _gemv_mn_kernel(x_ptr, w_ptr, w2_ptr, out_ptr, route_ptr, M, N, K, NG,
+                        stride_xm, stride_wn, stride_om,
+                        G: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, MP: tl.constexpr,
+                        SWIGLU: tl.constexpr, EVEN_K: tl.constexpr):
+        pid = tl.program_id(0)
+        offs_n = pid * BN + tl.arange(0, BN)
+        nmask = offs_n < N
+        offs_m = tl.arange(0, MP)
+        mmask = offs_m < M
+        r = tl.load(route_ptr + offs_m[:, None] * NG + (offs_n // G)[None, :],
+                    mask=mmask[:, None] & nmask[None, :], other=0) != 0  # [MP, BN]
+        colact = tl.max(r.to(tl.int32), axis=0) != 0  # [BN]
+        o_ptrs = out_ptr + offs_m[:, None] * stride_om + offs_n[None, :]
+        if tl.max(colact.to(tl.int32), axis=0) == 0:
+            tl.store(o_ptrs, tl.zeros((MP, BN), dtype=out_ptr.dtype.element_ty),
+                     mask=mmask[:, None] & nmask[None, :])
+        else:
+            offs_k = tl.arange(0, BK)
+            acc = tl.zeros((MP, BN), dtype=tl.float32)
+            if SWIGLU:
+                acc2 = tl.zeros((MP, BN), dtype=tl.float32)
+            wmask = colact & nmask
+            for k0 in range(0, K, BK):
+                kk = k0 + offs_k
+                if EVEN_K:
+                    wt = tl.load(w_ptr + offs_n[:, None].to(tl.int64) * stride_wn + kk[None, :],
+                                 mask=wmask[:, None], other=0.0)
+                    xt = tl.load(x_ptr + offs_m[:, None] * stride_xm + kk[None, :], mask=mmask[:, None],
+                                 other=0.0)
+                else:
+                    km = kk < K
+                    wt = tl.load(w_ptr + offs_n[:, None].to(tl.int64) * stride_wn + kk[None, :],
+                                 mask=wmask[:, None] & km[None, :], other=0.0)
+                    xt = tl.load(x_ptr + offs_m[:, None] * stride_xm + kk[None, :],
+                                 mask=mmask[:, None] & km[None, :], other=0.0)
+                xf = xt.to(tl.float32)
+                acc += tl.sum(xf[:, None, :] * wt.to(tl.float32)[None, :, :], axis=2)
+                if SWIGLU:
+                    if EVEN_K:
+                        w2t = tl.load(w2_ptr + offs_n[:, None].to(tl.int64) * stride_wn + kk[None, :],
+                                      mask=wmask[:, None], other=0.0)
+                    else:
+                        w2t = tl.load(w2_ptr + offs_n[:, None].to(tl.int64) * stride_wn + kk[None, :],
+                                      mask=wmask[:, None] & km[None, :], other=0.0)
+                    acc2 += tl.sum(xf[:, None, :] * w2t.to(tl.float32)[None, :, :], axis=2)
+            if SWIGLU:
+                acc = acc / (1.0 + tl.exp(-acc)) * acc2
+            res = tl.where(r, acc, 0.0).to(out_ptr.dtype.element_ty)
+            tl.store(o_ptrs, res, mask=mmask[:, None] & nmask[None, :])
+
+    @triton.jit
+    def _gemv_k_kernel(x_ptr, w_ptr, out_ptr, route_ptr, M, N, K, NG, stride_xm, stride_wn, stride_om,
+                       G: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, MP: tl.constexpr):
+        pid = tl.program_id(0)
+        offs_n = pid * BN + tl.arange(0, BN)
+        nmask = offs_n < N
+        offs_m = tl.arange(0, MP)
+        mmask = offs_m < M
+        offs_k = tl.arange(0, BK)
+        acc = tl.zeros((MP, BN), dtype=tl.float32)
+        for k0 in range(0, K, BK):
+            kk = k0 + offs_k
+            r = tl.load(route_ptr + offs_m[:, None] * NG + (kk // G)[None, :], mask=mmask[:, None],
+                        other=0) != 0  # [MP, BK]
+            kact = tl.max(r.to(tl.int32), axis=0) != 0  # [BK]: some row executes this column's group
+            wt = tl.load(w_ptr + offs_n[:, None].to(tl.int64) * stride_wn + kk[None, :],
+                         mask=nmask[:, None] & kact[None, :], other=0.0)
+            xt = tl.load(x_ptr + offs_m[:, None] * stride_xm + kk[None, :], mask=r, other=0.0)
+            acc += tl.sum(xt.to(tl.float32)[:, None, :] * wt.to(tl.float32)[None, :, :], axis=2)
+        o_ptrs = out_ptr + offs_m[:, None] * stride_om + offs_n[None, :]
+        tl.store(o_ptrs, acc.to(out_ptr.dtype.element_ty), mask=mmask[:, None] & nmask[None, :])
+
+    @triton.jit
+    def _decode_attn_split_kernel(q_ptr, k_ptr, v_ptr, route_ptr, lp_ptr, mpart_ptr, lpart_ptr, opart_ptr,
+                                  Hq, Hk, Tk, NG, REP, HPG, SPLITS, split_len, scale,
+                                  sqb, sqh, skb, skh, skt, svb, svh, svt,
+                                  D: tl.constexpr, RP: tl.constexpr, BN: tl.constexpr, HAS_LP: tl.constexpr):
+        pid = tl.program_id(0)
+        sp = tl.program_id(1)
+        b = pid // Hk
+        hk = pid % Hk
+        offs_r = tl.arange(0, RP)
+        hmask = offs_r < REP
+        h = hk * REP + offs_r
+        act = tl.load(route_ptr + b * NG + h // HPG, mask=hmask, other=0) != 0
+        if tl.max(act.to(tl.int32), axis=0) != 0:  # skip KV reads of an inactive head group pack
+            offs_d = tl.arange(0, D)
+            q = tl.load(q_ptr + b.to(tl.int64) * sqb + h[:, None].to(tl.int64) * sqh + offs_d[None, :],
+                        mask=(hmask & act)[:, None], other=0.0)
+            lo = 0
+            if HAS_LP:
+                lo = tl.load(lp_ptr + b).to(tl.int32)
+            start = sp * split_len
+            end = tl.minimum(start + split_len, Tk)
+            jstart = tl.maximum(start, (lo // BN) * BN)
+            m_i = tl.full((RP,), -1.0e30, dtype=tl.float32)
+            l_i = tl.zeros((RP,), dtype=tl.float32)
+            acc = tl.zeros((RP, D), dtype=tl.float32)
+            qk_scale = scale * 1.4426950408889634
+            kbase = k_ptr + b.to(tl.int64) * skb + hk.to(tl.int64) * skh
+            vbase = v_ptr + b.to(tl.int64) * svb + hk.to(tl.int64) * svh
+            for j in range(jstart, end, BN):
+                offs_j = j + tl.arange(0, BN)
+                jm = (offs_j < end) & (offs_j >= lo)
+                kt = tl.load(kbase + offs_j[None, :].to(tl.int64) * skt + offs_d[:, None], mask=jm[None, :],
+                             other=0.0)  # [D, BN]
+                s = mm(q, kt) * qk_scale
+                s = tl.where(jm[None, :], s, float("-inf"))
+                m_new = tl.maximum(m_i, tl.max(s, axis=1))
+                alpha = tl.exp2(m_i - m_new)
+                p = tl.exp2(s - m_new[:, None])
+                l_i = l_i * alpha + tl.sum(p, axis=1)
+                vt = tl.load(vbase + offs_j[:, None].to(tl.int64) * svt + offs_d[None, :], mask=jm[:, None],
+                             other=0.0)
+                acc = acc * alpha[:, None] + mm(p.to(vt.dtype), vt)
+                m_i = m_new
+            pidx = (b * Hq + h) * SPLITS + sp
+            tl.store(mpart_ptr + pidx, m_i, mask=hmask)
+            tl.store(lpart_ptr + pidx, l_i, mask=hmask)
+            tl.store(opart_ptr + pidx[:, None].to(tl.int64) * D + offs_d[None, :], acc, mask=hmask[:, None])
+
+    @triton.jit
+    def _decode_attn_combine_kernel(route_ptr, mpart_ptr, lpart_ptr, opart_ptr, out_ptr, Hq, NG, HPG, SPLITS,
+                                    sob, soh, D: tl.constexpr, SP: tl.constexpr):
+        pid = tl.program_id(0)
+        b = pid // Hq
+        h = pid % Hq
+        act = tl.load(route_ptr + b * NG + h // HPG) != 0
+        offs_d = tl.arange(0, D)
+        o_ptrs = out_ptr + b.to(tl.int64) * sob + h.to(tl.int64) * soh + offs_d
+        if act:
+            offs_s = tl.arange(0, SP)
+            smask = offs_s < SPLITS
+            base = (b * Hq + h) * SPLITS
+            m = tl.load(mpart_ptr + base + offs_s, mask=smask, other=-1.0e30)
+            l = tl.load(lpart_ptr + base + offs_s, mask=smask, other=0.0)
+            o = tl.load(opart_ptr + (base + offs_s)[:, None].to(tl.int64) * D + offs_d[None, :],
+                        mask=smask[:, None], other=0.0)
+            mmax = tl.max(m, axis=0)
+            wgt = tl.exp2(m - mmax)
+            den = tl.sum(l * wgt, axis=0)
+            num = tl.sum(o * wgt[:, None], axis=0)
+            res = tl.where(den > 0, num / tl.where(den > 0, den, 1.0), 0.0)
+            tl.store(o_ptrs, res.to(out_ptr.dtype.element_ty))
+        else:
+            tl.store(o_ptrs, tl.zeros((D,), dtype=out_ptr.dtype.element_ty))
+
+
+def _check_small(x, M, what):
+    if M > 4:
+        fail(f"{what}: the GEMV path takes M <= 4 rows, got M={M}")
+
+
+def _gemv_cands(G, K, swiglu=False):
+    if interpret_mode():
+        return [dict(BN=16, BK=min(64, next_pow2(K)))]
+    c = []
+    for bn, bk, w in [(16, 256, 4), (8, 512, 4), (32, 128, 4), (16, 512, 8), (8, 256, 2)]:
+        if swiglu and bn * bk > 4096:
+            continue
+        c.append(dict(BN=bn, BK=min(bk, next_pow2(K)), num_warps=w, num_stages=4))
+    return c
+
+
+def gemv_mn(x: torch.Tensor, w: torch.Tensor, route: torch.Tensor, G: int, *,
+            out: torch.Tensor | None = None, w2: torch.Tensor | None = None) -> torch.Tensor:
+    """Decode GEMV for GEMM-MN (``M <= 4``): ``out[m, n] = (x @ w.T)[m, n] if route[m, n // G] else 0``.
+
+    x ``[M, K]``, w ``[N, K]``, route bool ``[M, N // G]``.  No reorder; weight rows of groups that no
+    row executes are not read.  With ``w2`` given, computes the fused SwiGLU
+    ``silu(x w.T) * (x w2.T)`` instead (see :func:`gemv_swiglu`).  Arguments are validated by the
+    public ops (:func:`wide.kernels.gemm_mn`); calling this directly with M > 4 raises ValueError.
+    """
+    M, K = x.shape
+    N = w.shape[0]
+    _check_small(x, M, "gemv_mn")
+    if out is None:
+        out = torch.empty((M, N), dtype=x.dtype, device=x.device)
+    if not use_triton(x):
+        res = (reference.gemm_mn_ref(x, w, route, G) if w2 is None
+               else reference.swiglu_ref(x, w, w2, route, G))
+        return out.copy_(res)
+    x = x.contiguous()
+    w = w.contiguous()
+    w2c = w2.contiguous() if w2 is not None else w
+    route = route.contiguous()
+    NG = N // G
+    mp = next_pow2(M)
+
+    def run(cfg):
+        grid = (triton.cdiv(N, cfg["BN"]),)
+        _gemv_mn_kernel[grid](x, w, w2c, out, route, M, N, K, NG, x.stride(0), w.stride(0), out.stride(0),
+                              G=G, BN=cfg["BN"], BK=cfg["BK"], MP=mp, SWIGLU=w2 is not None,
+                              EVEN_K=(K % cfg["BK"] == 0), **launch_opts(cfg))
+
+    op = "gemv_swiglu" if w2 is not None else "gemv_mn"
+    cfg = pick_config(op, (M, N, K, G, str(x.dtype)), x.device, _gemv_cands(G, K, w2 is not None), run)
+    run(cfg)
+    return out
+
+
+def gemv_swiglu(x, w_gate, w_up, route, G, *, out=None):
+    """Decode fused routed SwiGLU (``M <= 4``): ``silu(x Wg^T) * (x Wu^T)`` on active groups, else 0.
+
+    Shapes as :func:`wide.kernels.swiglu`; reads each active weight group of both matrices once.
+    """
+    return gemv_mn(x, w_gate, route, G, out=out, w2=w_up)
+
+
+def gemv_k(a: torch.Tensor, w: torch.Tensor, route: torch.Tensor, G: int, *,
+           out: torch.Tensor | None = None) -> torch.Tensor:
+    """Decode GEMV for GEMM-K (``M <= 4``): ``out[m] = sum_{g: route[m, g]} a[m, K_g] @ w[:, K_g].T``.
+
+    a ``[M, K]``, w ``[N, K]``, route bool ``[M, K // G]``.  Weight columns of K-groups that no row
+    executes are not read.  fp32 accumulation, no atomics (each program owns full output columns).
+    """
+    M, K = a.shape
+    N = w.shape[0]
+    _check_small(a, M, "gemv_k")
+    if out is None:
+        out = torch.empty((M, N), dtype=a.dtype, device=a.device)
+    if not use_triton(a):
+        return out.copy_(reference.gemm_k_ref(a, w, route, G))
+    a = a.contiguous()
+    w = w.contiguous()
+    route = route.contiguous()
+    NG = K // G
+    mp = next_pow2(M)
+
+    def run(cfg):
+        grid = (triton.cdiv(N, cfg["BN"]),)
+        _gemv_k_kernel[grid](a, w, out, route, M, N, K, NG, a.stride(0), w.stride(0), out.stride(0),
+                             G=G, BN=cfg["BN"], BK=cfg["BK"], MP=mp, **launch_opts(cfg))
+
+    cfg = pick_config("gemv_k", (M, N, K, G, str(a.dtype)), a.device, _gemv_cands(G, K), run)
+    run(cfg)
+    return out
+
+
+def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, route: torch.Tensor, *,
+                     left_pad: torch.Tensor | None = None, scale: float | None = None,
+                     out: torch.Tensor | None = None, splits: int | None = None) -> torch.Tensor:
+    """Split-KV routed decode attention (``Tq == 1``) with GQA packing.
+
+    q ``[B, Hq, 1, d]``, k/v ``[B, Hk, Tk, d]`` (KV cache, SDPA layout, last dim contiguous), route
+    bool ``[B, 1, N_G]`` with ``G = Hq * d / N_G`` a multiple of d.  One program handles the
+    ``Hq / Hk`` query heads sharing a KV head over one KV split; when none of them is active it
+    reads no K/V at all.  The query sits at position ``Tk - 1`` (sees every key, so causal is
+    irrelevant); keys ``j < left_pad[b]`` are masked.  A second kernel merges the splits
+    (log-sum-exp) and writes 0 for inactive heads and for rows without a visible key.
+    Arguments are validated by :func:`wide.kernels.routed_attention`.
+    """
+    B, Hq, Tq, D = q.shape
+    Hk, Tk = k.shape[1], k.shape[2]
+    NG = route.shape[-1]
+    if Tq != 1:
+        fail(f"decode_attention needs Tq == 1, got Tq={Tq}")
+    scale = 1.0 / math.sqrt(D) if scale is None else float(scale)
+    if out is None:
+        out = torch.empty_like(q)
+    if not use_triton(q):
+        return out.copy_(reference.attention_ref(q, k, v, route, False, left_pad, scale))
+    rep = Hq // Hk
+    hpg = Hq // NG
+    route = route.contiguous()
+    if splits is None:
+        if interpret_mode():
+            splits = 2
+        else:
+            sms = torch.cuda.get_device_properties(q.device).multi_processor_count
+            splits = max(1, min(triton.cdiv(Tk, 256), triton.cdiv(2 * sms, B * Hk)))
+    bn = 16 if interpret_mode() else 64
+    split_len = triton.cdiv(triton.cdiv(Tk, splits), bn) * bn
+    splits = triton.cdiv(Tk, split_len)
+    mpart = torch.empty((B, Hq, splits), dtype=torch.float32, device=q.device)
+    lpart = torch.empty_like(mpart)
+    opart = torch.empty((B, Hq, splits, D), dtype=torch.float32, device=q.device)
+    rp = max(16, next_pow2(rep))
+    lp = left_pad if left_pad is not None else mpart  # dummy pointer when unused
+    opts = {} if interpret_mode() else {"num_warps": 4, "num_stages": 3}
+    _decode_attn_split_kernel[(B * Hk, splits)](
+        q, k, v, route, lp, mpart, lpart, opart, Hq, Hk, Tk, NG, rep, hpg, splits, split_len, scale,
+        q.stride(0), q.stride(1), k.stride(0), k.stride(1), k.stride(2), v.stride(0), v.stride(1), v.stride(2),
+        D=D, RP=rp, BN=bn, HAS_LP=left_pad is not None, **opts)
+    _decode_attn_combine_kernel[(B * Hq,)](route, mpart, lpart, opart, out, Hq, NG, hpg, splits,
+                                           out.stride(0), out.stride(1), D=D, SP=max(2, next_pow2(splits)),
+                                           **({} if interpret_mode() else {"num_warps": 1}))
+    return out

@@ -1,0 +1,280 @@
+"""GEMM-K: K-axis routed GEMM (paper Eq. 21, Algorithm 3), used by the O and down projections.
+
+``out[m, :] = sum over active groups g of a[m, gG:(g+1)G] @ w[:, gG:(g+1)G].T``
+
+Two execution paths, chosen **on the device** by every program from the reorder counts (no host
+synchronisation; the path that is not taken exits at once):
+
+* ``sparse`` (Algorithm 3): programs own a (sorted row tile, N tile) and a chunk of ``GPC``
+  K-groups, run a group-local pipeline over each active group (level-0 skip of inactive
+  ``[BM, G]`` blocks), and scatter-add the fp32 partial tile through the reorder index with
+  relaxed atomics into an fp32 workspace, which a last pass converts to the output dtype.
+* ``dense`` (fused mask-multiply): programs own an output tile in the original row order and
+  run one dense K pipeline whose A loads are predicated by the route (inactive groups read no
+  A bytes, level 1).  No atomics, no workspace pass; used when the active fraction is high, where
+  the atomic epilogue of the sparse path would cost more than it saves.
+
+For ``M <= 4`` the op dispatches to the reorder-free GEMV path in :mod:`wide.kernels.decode`.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from . import reference
+from ._common import (
+    FLOAT_DTYPES, HAS_TRITON, Reordered, check_group, check_out, check_reordered, check_route,
+    check_same_device, check_tensor, fail, interpret_mode, launch_opts, m_bucket, next_pow2,
+    pick_config, pow2_part, use_triton,
+)
+
+# Active fraction above which the auto path runs the dense (mask-predicated) kernel, per G.
+# Set from the H200 measurements in benchmarks/kernels/ (see README there).
+DENSE_ABOVE = {16: 0.0, 32: 0.0, 64: 0.35, 128: 0.55, 256: 0.7, 512: 0.8}
+
+if HAS_TRITON:
+    import triton
+    import triton.language as tl
+
+    from ._common import mm, mma  # noqa: F401
+
+    @triton.jit
+    def _use_dense(cnt_ptr, M, NG, THR_PPM, NG_P2: tl.constexpr):
+        offs = tl.arange(0, NG_P2)
+        c = tl.load(cnt_ptr + offs, mask=offs < NG, other=0).to(tl.int64)
+        total = tl.sum(c, axis=0)
+        # dense iff total / (M * NG) > THR_PPM / 1e6
+        return total * 1000000 > THR_PPM.to(tl.int64) * M * NG
+
+    @triton.jit
+    def _gemm_k_sparse_kernel(x_ptr, w_ptr, ws_ptr, idx_ptr, cnt_ptr, M, N, NG, THR_PPM,
+                              stride_xm, stride_wn,
+                              G: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
+                              GPC: tl.constexpr, NG_P2: tl.constexpr):
+        if _use_dense(cnt_ptr, M, NG, THR_PPM, NG_P2):
+            return
+        pid = tl.program_id(0)
+        split = tl.program_id(1)
+        num_pid_n = tl.cdiv(N, BN)
+        pid_m = pid // num_pid_n
+        pid_n = pid % num_pid_n
+        m0 = pid_m * BM
+        offs_j = m0 + tl.arange(0, BM)
+        valid = offs_j < M
+        offs_n = pid_n * BN + tl.arange(0, BN)
+        nmask = offs_n < N
+        offs_k = tl.arange(0, BK)
+        for gi in range(0, GPC):
+            g = split * GPC + gi
+            if g < NG:
+                cnt = tl.load(cnt_ptr + g)
+                if m0 < cnt:  # level 0: skip the whole [BM, G] block otherwise
+                    active = offs_j < cnt
+                    rows = tl.load(idx_ptr + offs_j.to(tl.int64) * NG + g, mask=valid, other=0).to(tl.int64)
+                    a_ptrs = x_ptr + rows[:, None] * stride_xm + (g * G + offs_k)[None, :]
+                    b_ptrs = w_ptr + offs_n[None, :].to(tl.int64) * stride_wn + (g * G + offs_k)[:, None]
+                    acc = tl.zeros((BM, BN), dtype=tl.float32)
+                    for kk in range(0, G // BK):
+                        a = tl.load(a_ptrs, mask=active[:, None], other=0.0)
+                        b = tl.load(b_ptrs, mask=nmask[None, :], other=0.0)
+                        acc = mma(a, b, acc)
+                        a_ptrs += BK
+                        b_ptrs += BK
+                    c_ptrs = ws_ptr + rows[:, None] * N + offs_n[None, :]
+                    tl.atomic_add(c_ptrs, acc, mask=active[:, None] & nmask[None, :], sem="relaxed")
+
+    @triton.jit
+    def _gemm_k_dense_kernel(x_ptr, w_ptr, out_ptr, route_ptr, cnt_ptr, M, N, K, NG, THR_PPM,
+                             stride_xm, stride_wn, stride_om,
+                             G: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
+                             GROUP_M: tl.constexpr, NG_P2: tl.constexpr, FORCE: tl.constexpr):
+        if not FORCE:
+            if not _use_dense(cnt_ptr, M, NG, THR_PPM, NG_P2):
+                return
+        pid = tl.program_id(0)
+        num_pid_m = tl.cdiv(M, BM)
+        num_pid_n = tl.cdiv(N, BN)
+        num_pid_in_group = GROUP_M * num_pid_n
+        group_id = pid // num_pid_in_group
+        first_pid_m = group_id * GROUP_M
+        group_size_m = tl.minimum(num_pid_m - first_pid_m, GROUP_M)
+        pid_m = first_pid_m + ((pid % num_pid_in_group) % group_size_m)
+        pid_n = (pid % num_pid_in_group) // group_size_m
+        offs_m = pid_m * BM + tl.arange(0, BM)
+        valid = offs_m < M
+        offs_m64 = offs_m.to(tl.int64)
+        offs_n = pid_n * BN + tl.arange(0, BN)
+        nmask = offs_n < N
+        offs_k = tl.arange(0, BK)
+        a_ptrs = x_ptr + offs_m64[:, None] * stride_xm + offs_k[None, :]
+        b_ptrs = w_ptr + offs_n[None, :].to(tl.int64) * stride_wn + offs_k[:, None]
+        r_ptrs = route_ptr + offs_m64 * NG
+        acc = tl.zeros((BM, BN), dtype=tl.float32)
+        for kt in range(0, K // BK):
+            g = (kt * BK) // G
+            rm = tl.load(r_ptrs + g, mask=valid, other=0) != 0
+            a = tl.load(a_ptrs, mask=rm[:, None], other=0.0)
+            b = tl.load(b_ptrs, mask=nmask[None, :], other=0.0)
+            acc = mma(a, b, acc)
+            a_ptrs += BK
+            b_ptrs += BK
+        o_ptrs = out_ptr + offs_m64[:, None] * stride_om + offs_n[None, :]
+        tl.store(o_ptrs, acc.to(out_ptr.dtype.element_ty), mask=valid[:, None] & nmask[None, :])
+
+    @triton.jit
+    def _ws_kernel(ws_ptr, out_ptr, cnt_ptr, M, NG, THR_PPM, total, CONVERT: tl.constexpr,
+                   BLOCK: tl.constexpr, NG_P2: tl.constexpr):
+        """Zero (CONVERT=False) or convert (CONVERT=True) the fp32 workspace, sparse path only."""
+        if _use_dense(cnt_ptr, M, NG, THR_PPM, NG_P2):
+            return
+        offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+        msk = offs < total
+        if CONVERT:
+            v = tl.load(ws_ptr + offs, mask=msk, other=0.0)
+            tl.store(out_ptr + offs, v.to(out_ptr.dtype.element_ty), mask=msk)
+        else:
+            tl.store(ws_ptr + offs, tl.zeros((BLOCK,), dtype=tl.float32), mask=msk)
+
+
+def _sparse_candidates(G):
+    if interpret_mode():
+        return [dict(BM=32, BN=32, BK=min(pow2_part(G), 32), GPC=2)]
+    out = []
+    for bm, bn, bk, gpc, w, s in [(128, 128, 64, 8, 8, 3), (128, 128, 64, 2, 8, 3), (64, 128, 64, 8, 4, 3),
+                                  (128, 64, 64, 8, 4, 3), (64, 64, 64, 8, 4, 3)]:
+        out.append(dict(BM=bm, BN=bn, BK=min(bk, pow2_part(G)), GPC=gpc, num_warps=w, num_stages=s))
+    return out
+
+
+def _dense_candidates(G, M):
+    if interpret_mode():
+        return [dict(BM=32, BN=32, BK=min(pow2_part(G), 32), GROUP_M=4)]
+    base = [(128, 256, 64, 8, 3), (128, 128, 64, 8, 4), (128, 128, 64, 4, 4), (64, 128, 64, 4, 4),
+            (64, 64, 64, 4, 4)]
+    if M <= 64:
+        base = [(64, 128, 64, 4, 4), (32, 128, 128, 4, 4), (64, 64, 128, 4, 4), (32, 64, 128, 4, 4)]
+    return [dict(BM=bm, BN=bn, BK=min(bk, pow2_part(G)), GROUP_M=8, num_warps=w, num_stages=s) for bm, bn, bk, w, s in base]
+
+
+def gemm_k(a: torch.Tensor, w: torch.Tensor, route: torch.Tensor, G: int, *,
+           reordered: Reordered | None = None, out: torch.Tensor | None = None,
+           path: str = "auto") -> torch.Tensor:
+    """K-axis routed GEMM (Eq. 21, Algorithm 3): ``out[m] = sum_{g: route[m, g]} a[m, K_g] @ w[:, K_g].T``.
+
+    Args:
+        a: ``[M, K]`` activations (bf16/fp16/fp32), e.g. the attention output or SwiGLU output.
+        w: ``[N, K]`` weight (``nn.Linear`` layout), same dtype/device as a.
+        route: bool ``[M, K // G]``, True = group g of the reduction dimension is used by row m.
+        G: group size along K, a multiple of 16 dividing K (FFN down: a power of two 16..512;
+            O projection: the head-group width).
+        reordered: optional shared :func:`wide.kernels.reorder` result of ``route``.  Ignored for
+            M <= 4.
+        out: optional preallocated contiguous ``[M, N]`` output (a's dtype); every element written.
+        path: ``"auto"`` (default: chosen on the device from the active fraction, see
+            ``DENSE_ABOVE``), ``"sparse"`` (atomic scatter-add, Algorithm 3) or ``"dense"``
+            (route-predicated dense pipeline).  All paths give the same function.
+
+    Returns:
+        ``[M, N]`` in a's dtype, accumulated in fp32 (the result does not depend on the order of the
+        atomics beyond fp32 rounding).  The sparse path needs an fp32 ``[M, N]`` workspace.
+
+    M <= 4 uses :func:`wide.kernels.decode.gemv_k`.  CPU without ``TRITON_INTERPRET=1`` falls back to
+    :func:`reference.gemm_k_ref`.
+
+    Raises:
+        ValueError: wrong rank/shape/dtype/device, G illegal or not dividing K, bad route/out/path.
+    """
+    check_tensor("a", a, 2, FLOAT_DTYPES)
+    check_tensor("w", w, 2, FLOAT_DTYPES)
+    if w.dtype != a.dtype:
+        fail(f"w dtype {w.dtype} must match a dtype {a.dtype}")
+    M, K = a.shape
+    N = w.shape[0]
+    if w.shape[1] != K:
+        fail(f"w must have shape [N, K] with K={K} (a is [M, K]); got {tuple(w.shape)}")
+    check_group(G, K, "K (input features)")
+    NG = K // G
+    check_route(route, M, NG)
+    check_same_device(a=a, w=w, route=route)
+    check_out(out, (M, N), a.dtype, a.device)
+    if path not in ("auto", "sparse", "dense"):
+        fail(f"path={path!r}; allowed: 'auto', 'sparse', 'dense'")
+    if not use_triton(a):
+        res = reference.gemm_k_ref(a, w, route, G)
+        return out.copy_(res) if out is not None else res
+    if M == 0:
+        return out if out is not None else torch.empty((0, N), dtype=a.dtype, device=a.device)
+    if M <= 4:
+        from .decode import gemv_k
+        return gemv_k(a, w, route, G, out=out)
+    if a.stride(1) != 1:
+        a = a.contiguous()
+    if w.stride(1) != 1:
+        w = w.contiguous()
+    route = route.contiguous()
+    if out is None:
+        out = torch.empty((M, N), dtype=a.dtype, device=a.device)
+    thr = DENSE_ABOVE.get(G, 0.8) if path == "auto" else (2.0 if path == "sparse" else -1.0)
+    thr_ppm = int(round(thr * 1_000_000))
+    ng_p2 = max(16, next_pow2(NG))
+
+    if path == "dense":
+        # no reorder needed at all
+        cnt = torch.zeros(1, dtype=torch.int32, device=a.device)
+        def run_dense(cfg):
+            grid = (triton.cdiv(M, cfg["BM"]) * triton.cdiv(N, cfg["BN"]),)
+            _gemm_k_dense_kernel[grid](a, w, out, route, cnt, M, N, K, NG, thr_ppm,
+                                       a.stride(0), w.stride(0), out.stride(0), G=G, BM=cfg["BM"],
+                                       BN=cfg["BN"], BK=cfg["BK"], GROUP_M=cfg["GROUP_M"], NG_P2=16,
+                                       FORCE=True, **launch_opts(cfg))
+        cfg = pick_config("gemm_k_dense", (m_bucket(M), N, K, G, str(a.dtype)), a.device,
+                          _dense_candidates(G, M), run_dense)
+        run_dense(cfg)
+        return out
+
+    if reordered is None:
+        from .reorder import reorder
+        reordered = reorder(route)
+    else:
+        reordered = check_reordered(reordered, (M, NG))
+    idx, cnt = reordered.index, reordered.counts
+    ws = torch.empty((M, N), dtype=torch.float32, device=a.device)
+    total = M * N
+    wsblock = 1024
+
+    def run_ws(convert):
+        _ws_kernel[(triton.cdiv(total, wsblock),)](ws, out, cnt, M, NG, thr_ppm, total, CONVERT=convert,
+                                                  BLOCK=wsblock, NG_P2=ng_p2)
+
+    def run_sparse(cfg):
+        grid = (triton.cdiv(M, cfg["BM"]) * triton.cdiv(N, cfg["BN"]), triton.cdiv(NG, cfg["GPC"]))
+        _gemm_k_sparse_kernel[grid](a, w, ws, idx, cnt, M, N, NG, thr_ppm, a.stride(0), w.stride(0),
+                                    G=G, BM=cfg["BM"], BN=cfg["BN"], BK=cfg["BK"], GPC=cfg["GPC"],
+                                    NG_P2=ng_p2, **launch_opts(cfg))
+
+    def run_dense_auto(cfg):
+        grid = (triton.cdiv(M, cfg["BM"]) * triton.cdiv(N, cfg["BN"]),)
+        _gemm_k_dense_kernel[grid](a, w, out, route, cnt, M, N, K, NG, thr_ppm,
+                                   a.stride(0), w.stride(0), out.stride(0), G=G, BM=cfg["BM"],
+                                   BN=cfg["BN"], BK=cfg["BK"], GROUP_M=cfg["GROUP_M"], NG_P2=ng_p2,
+                                   FORCE=False, **launch_opts(cfg))
+
+    key = (m_bucket(M), N, K, G, str(a.dtype))
+    if thr < 1.0:
+        # tune the dense kernel with the path forced on (the auto kernel may exit early)
+        def run_dense_forced(cfg):
+            grid = (triton.cdiv(M, cfg["BM"]) * triton.cdiv(N, cfg["BN"]),)
+            _gemm_k_dense_kernel[grid](a, w, out, route, cnt, M, N, K, NG, thr_ppm,
+                                       a.stride(0), w.stride(0), out.stride(0), G=G, BM=cfg["BM"],
+                                       BN=cfg["BN"], BK=cfg["BK"], GROUP_M=cfg["GROUP_M"], NG_P2=ng_p2,
+                                       FORCE=True, **launch_opts(cfg))
+        dcfg = pick_config("gemm_k_dense", key, a.device, _dense_candidates(G, M), run_dense_forced)
+    if thr >= 0.0:
+        scfg = pick_config("gemm_k_sparse", key, a.device, _sparse_candidates(G),
+                           lambda c: (run_ws(False), run_sparse(c)))
+        run_ws(False)
+        run_sparse(scfg)
+        run_ws(True)
+    if thr < 1.0:
+        run_dense_auto(dcfg)
+    return out

@@ -1,0 +1,200 @@
+"""GEMM-MN: N-axis routed GEMM (paper §3.3, Eq. 9 level 0, Algorithm 2), used by Q, up and gate.
+
+``out[m, n] = (x @ w.T)[m, n]`` where ``route[m, n // G]`` is True, else 0.
+
+Each program owns one ``(BM, BN)`` tile of the *reordered* row space of one routing group
+(``BN | G``).  Rows are gathered from ``x`` through the reorder index and the outputs scattered back
+through it.  A tile whose first sorted row is inactive (``m0 >= counts[g]``, the level-0 predicate
+``s^(0)``) does no loads and no MMA: it only writes zeros to its scattered rows (this replaces the
+zero-initialisation of C, so every output element is written exactly once).  Inactive rows of the
+single boundary tile per group are load-predicated off and written as zeros.  The same kernel,
+with two weight pointers, is the fused routed SwiGLU (:mod:`wide.kernels.swiglu`).
+
+For ``M <= 4`` the op dispatches to the reorder-free GEMV path in :mod:`wide.kernels.decode`.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from . import reference
+from ._common import (
+    FLOAT_DTYPES, HAS_TRITON, Reordered, check_group, check_out, check_reordered, check_route,
+    check_same_device, check_tensor, fail, interpret_mode, launch_opts, m_bucket, pick_config,
+    pow2_part, use_triton,
+)
+
+if HAS_TRITON:
+    import triton
+    import triton.language as tl
+
+    from ._common import mm, mma  # noqa: F401
+
+    @triton.jit
+    def _gemm_mn_kernel(x_ptr, w_ptr, w2_ptr, out_ptr, idx_ptr, cnt_ptr,
+                        M, N, K, NG, stride_xm, stride_wn, stride_om,
+                        G: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
+                        GROUP_M: tl.constexpr, EVEN_K: tl.constexpr, SWIGLU: tl.constexpr):
+        pid = tl.program_id(0)
+        num_pid_m = tl.cdiv(M, BM)
+        num_pid_n = N // BN
+        # grouped ordering: GROUP_M row tiles share a weight column panel in L2
+        num_pid_in_group = GROUP_M * num_pid_n
+        group_id = pid // num_pid_in_group
+        first_pid_m = group_id * GROUP_M
+        group_size_m = tl.minimum(num_pid_m - first_pid_m, GROUP_M)
+        pid_m = first_pid_m + ((pid % num_pid_in_group) % group_size_m)
+        pid_n = (pid % num_pid_in_group) // group_size_m
+
+        m0 = pid_m * BM
+        n0 = pid_n * BN
+        g = n0 // G
+        cnt = tl.load(cnt_ptr + g)
+        offs_j = m0 + tl.arange(0, BM)
+        valid = offs_j < M
+        rows = tl.load(idx_ptr + offs_j.to(tl.int64) * NG + g, mask=valid, other=0).to(tl.int64)
+        offs_n = n0 + tl.arange(0, BN)
+        out_ptrs = out_ptr + rows[:, None] * stride_om + offs_n[None, :]
+        if m0 >= cnt:
+            # level-0 predicate s^(0) = 0: CTA early exit (only the zero epilogue)
+            tl.store(out_ptrs, tl.zeros((BM, BN), dtype=out_ptr.dtype.element_ty), mask=valid[:, None])
+        else:
+            active = offs_j < cnt
+            offs_k = tl.arange(0, BK)
+            a_ptrs = x_ptr + rows[:, None] * stride_xm + offs_k[None, :]
+            b_ptrs = w_ptr + offs_n[None, :].to(tl.int64) * stride_wn + offs_k[:, None]
+            acc = tl.zeros((BM, BN), dtype=tl.float32)
+            if SWIGLU:
+                b2_ptrs = w2_ptr + offs_n[None, :].to(tl.int64) * stride_wn + offs_k[:, None]
+                acc2 = tl.zeros((BM, BN), dtype=tl.float32)
+            for kt in range(0, tl.cdiv(K, BK)):
+                if EVEN_K:
+                    a = tl.load(a_ptrs, mask=active[:, None], other=0.0)
+                    b = tl.load(b_ptrs)
+                else:
+                    kmask = (kt * BK + offs_k) < K
+                    a = tl.load(a_ptrs, mask=active[:, None] & kmask[None, :], other=0.0)
+                    b = tl.load(b_ptrs, mask=kmask[:, None], other=0.0)
+                acc = mma(a, b, acc)
+                if SWIGLU:
+                    if EVEN_K:
+                        b2 = tl.load(b2_ptrs)
+                    else:
+                        b2 = tl.load(b2_ptrs, mask=kmask[:, None], other=0.0)
+                    acc2 = mma(a, b2, acc2)
+                    b2_ptrs += BK
+                a_ptrs += BK
+                b_ptrs += BK
+            if SWIGLU:
+                acc = acc / (1.0 + tl.exp(-acc)) * acc2
+            res = tl.where(active[:, None], acc, 0.0).to(out_ptr.dtype.element_ty)
+            tl.store(out_ptrs, res, mask=valid[:, None])
+
+
+def _candidates(G: int, M: int, swiglu: bool) -> list[dict]:
+    if interpret_mode():
+        bn = min(pow2_part(G), 64)
+        return [dict(BM=32, BN=bn, BK=32, GROUP_M=4)]
+    cands = []
+    if swiglu:
+        base = [(128, 128, 64, 8, 3), (128, 64, 64, 4, 4), (64, 128, 64, 4, 4), (64, 64, 64, 4, 4)]
+    else:
+        base = [(128, 256, 64, 8, 3), (128, 128, 64, 8, 4), (128, 128, 64, 4, 4), (128, 64, 64, 4, 4),
+                (64, 128, 64, 4, 4), (64, 64, 64, 4, 4)]
+    if M <= 64:
+        base = [(64, b[1], b[2], 4, 4) for b in base] + [(32, b[1], 128, 4, 4) for b in base]
+    seen = set()
+    for bm, bn, bk, w, s in base:
+        bn = min(bn, pow2_part(G))
+        key = (bm, bn, bk, w, s)
+        if key in seen:
+            continue
+        seen.add(key)
+        cands.append(dict(BM=bm, BN=bn, BK=bk, GROUP_M=8, num_warps=w, num_stages=s))
+    return cands
+
+
+def _validate(x, w, route, G, name_w="w"):
+    check_tensor("x", x, 2, FLOAT_DTYPES)
+    check_tensor(name_w, w, 2, FLOAT_DTYPES)
+    if w.dtype != x.dtype:
+        fail(f"{name_w} dtype {w.dtype} must match x dtype {x.dtype}")
+    M, K = x.shape
+    N = w.shape[0]
+    if w.shape[1] != K:
+        fail(f"{name_w} must have shape [N, K] with K={K} (x is [M, K]); got {tuple(w.shape)}")
+    check_group(G, N, "N (output features)")
+    check_route(route, M, N // G)
+    check_same_device(x=x, **{name_w: w}, route=route)
+    return M, N, K
+
+
+def launch_gemm_mn(x, w, w2, route, G, reordered, out, swiglu):
+    """Shared launcher of the GEMM-MN / fused-SwiGLU tile kernel (M > 4 path)."""
+    M, K = x.shape
+    N = w.shape[0]
+    NG = N // G
+    if reordered is None:
+        from .reorder import reorder
+        reordered = reorder(route)
+    else:
+        reordered = check_reordered(reordered, (M, NG))
+    if x.stride(1) != 1:
+        x = x.contiguous()
+    if w.stride(1) != 1:
+        w = w.contiguous()
+    if w2 is not None and (w2.stride(1) != 1 or w2.stride(0) != w.stride(0)):
+        w2 = w2.contiguous()
+        w = w.contiguous()
+    if out is None:
+        out = torch.empty((M, N), dtype=x.dtype, device=x.device)
+    idx, cnt = reordered.index, reordered.counts
+
+    def run(cfg):
+        grid = (triton.cdiv(M, cfg["BM"]) * (N // cfg["BN"]),)
+        _gemm_mn_kernel[grid](x, w, w2 if w2 is not None else w, out, idx, cnt,
+                              M, N, K, NG, x.stride(0), w.stride(0), out.stride(0),
+                              G=G, BM=cfg["BM"], BN=cfg["BN"], BK=cfg["BK"], GROUP_M=cfg["GROUP_M"],
+                              EVEN_K=(K % cfg["BK"] == 0), SWIGLU=swiglu, **launch_opts(cfg))
+
+    op = "swiglu" if swiglu else "gemm_mn"
+    cfg = pick_config(op, (m_bucket(M), N, K, G, str(x.dtype)), x.device, _candidates(G, M, swiglu), run)
+    run(cfg)
+    return out
+
+
+def gemm_mn(x: torch.Tensor, w: torch.Tensor, route: torch.Tensor, G: int, *,
+            reordered: Reordered | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
+    """N-axis routed GEMM (Algorithm 2): ``out[m, n] = (x @ w.T)[m, n] if route[m, n // G] else 0``.
+
+    Args:
+        x: ``[M, K]`` activations, bf16/fp16/fp32, last dim contiguous preferred.
+        w: ``[N, K]`` weight (``nn.Linear`` layout), same dtype and device as x.
+        route: bool ``[M, N // G]``, True = execute group g = n // G for row m.
+        G: group size along N, a multiple of 16 dividing N (FFN: a power of two 16..512;
+            Q projection: the head-group width Hq/N_G*d).
+        reordered: optional :func:`wide.kernels.reorder` result of ``route`` (shared with the other
+            ops of the same routing decision); computed here when None.  Ignored for M <= 4.
+        out: optional preallocated contiguous ``[M, N]`` output of x's dtype; every element is written.
+
+    Returns:
+        ``[M, N]`` in x's dtype; fp32 accumulation.
+
+    M <= 4 uses the reorder-free GEMV path (:func:`wide.kernels.decode.gemv_mn`).  On CPU without
+    ``TRITON_INTERPRET=1`` (or without Triton) falls back to :func:`reference.gemm_mn_ref`.
+
+    Raises:
+        ValueError: wrong rank/shape/dtype/device, G not a multiple of 16 or not dividing N,
+            route not bool ``[M, N // G]``, malformed ``reordered`` or ``out``.
+    """
+    M, N, K = _validate(x, w, route, G)
+    check_out(out, (M, N), x.dtype, x.device)
+    if not use_triton(x):
+        res = reference.gemm_mn_ref(x, w, route, G)
+        return out.copy_(res) if out is not None else res
+    if M == 0:
+        return out if out is not None else torch.empty((0, N), dtype=x.dtype, device=x.device)
+    if M <= 4:
+        from .decode import gemv_mn
+        return gemv_mn(x, w, route, G, out=out)
+    return launch_gemm_mn(x, w, None, route, G, reordered, out, swiglu=False)

@@ -1,0 +1,51 @@
+"""Fused routed SwiGLU (paper Eq. 3 with the GEMM-MN pipeline of Algorithm 2).
+
+``out = silu(x Wg^T) * (x Wu^T)`` for active groups, 0 elsewhere, computed in one pass that reads
+each gathered tile of ``x`` once for both weights (two accumulators in one program).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from . import reference
+from ._common import Reordered, check_out, fail, use_triton
+from .gemm_mn import _validate, launch_gemm_mn
+
+
+def swiglu(x: torch.Tensor, w_gate: torch.Tensor, w_up: torch.Tensor, route: torch.Tensor, G: int, *,
+           reordered: Reordered | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
+    """Routed fused SwiGLU: ``out[m, n] = silu((x Wg^T)[m, n]) * (x Wu^T)[m, n]`` if ``route[m, n // G]``.
+
+    Args:
+        x: ``[M, K]`` activations (bf16/fp16/fp32).
+        w_gate, w_up: ``[N, K]`` gate and up weights, same dtype/device as x.
+        route: bool ``[M, N // G]`` (the FFN routing mask of Eq. 3), True = execute.
+        G: group size along the intermediate dimension N, a multiple of 16 dividing N
+            (the paper's FFN choice: a power of two 16..512).
+        reordered: optional shared :func:`wide.kernels.reorder` result of ``route``.
+        out: optional preallocated contiguous ``[M, N]`` output (x's dtype).
+
+    Returns:
+        ``[M, N]`` in x's dtype (fp32 accumulation and activation), 0 for inactive groups.
+
+    M <= 4 uses :func:`wide.kernels.decode.gemv_swiglu`.  CPU without ``TRITON_INTERPRET=1`` falls
+    back to :func:`reference.swiglu_ref`.
+
+    Raises:
+        ValueError: shapes, dtypes or devices of x/w_gate/w_up/route disagree, or G is illegal.
+    """
+    M, N, K = _validate(x, w_gate, route, G, "w_gate")
+    _validate(x, w_up, route, G, "w_up")
+    if w_up.shape != w_gate.shape:
+        fail(f"w_up shape {tuple(w_up.shape)} must equal w_gate shape {tuple(w_gate.shape)}")
+    check_out(out, (M, N), x.dtype, x.device)
+    if not use_triton(x):
+        res = reference.swiglu_ref(x, w_gate, w_up, route, G)
+        return out.copy_(res) if out is not None else res
+    if M == 0:
+        return out if out is not None else torch.empty((0, N), dtype=x.dtype, device=x.device)
+    if M <= 4:
+        from .decode import gemv_swiglu
+        return gemv_swiglu(x, w_gate, w_up, route, G, out=out)
+    return launch_gemm_mn(x, w_gate, w_up, route, G, reordered, out, swiglu=True)

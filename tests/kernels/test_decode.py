@@ -1,0 +1,53 @@
+"""Direct tests of the decode (M <= 4) GEMV paths and of the split-KV decode attention."""
+
+import pytest
+import torch
+
+from kernel_testutil import DEVICE, check_close, make_mask, poisoned, randn, seed_for
+from wide.kernels import decode_attention, gemv_k, gemv_mn, gemv_swiglu
+from wide.kernels.reference import attention_ref, gemm_k_ref, gemm_mn_ref, swiglu_ref
+
+
+@pytest.mark.parametrize("M", [1, 2, 3, 4])
+@pytest.mark.parametrize("G", [16, 512])
+@pytest.mark.parametrize("kind", ["random", "none", "one_row"])
+def test_gemv_paths(M, G, kind):
+    gen = seed_for("gemv", M, G, kind)
+    N, K = 512, 96
+    x = randn((M, K), torch.bfloat16, gen)
+    w = randn((N, K), torch.bfloat16, gen)
+    w2 = randn((N, K), torch.bfloat16, gen)
+    r = make_mask(kind, (M, N // G), gen)
+    out = poisoned((M, N), torch.bfloat16)
+    gemv_mn(x, w, r, G, out=out)
+    check_close(out, gemm_mn_ref(x.double(), w.double(), r, G))
+    out = poisoned((M, N), torch.bfloat16)
+    gemv_swiglu(x, w, w2, r, G, out=out)
+    check_close(out, swiglu_ref(x.double(), w.double(), w2.double(), r, G))
+    a = randn((M, N), torch.bfloat16, gen)
+    wk = randn((K, N), torch.bfloat16, gen)
+    out = poisoned((M, K), torch.bfloat16)
+    gemv_k(a, wk, r, G, out=out)
+    check_close(out, gemm_k_ref(a.double(), wk.double(), r, G))
+
+
+def test_gemv_rejects_many_rows():
+    x = torch.zeros(5, 32, dtype=torch.bfloat16, device=DEVICE)
+    with pytest.raises(ValueError, match="M <= 4"):
+        gemv_mn(x, torch.zeros(32, 32, dtype=torch.bfloat16, device=DEVICE),
+                torch.ones(5, 2, dtype=torch.bool, device=DEVICE), 16)
+
+
+@pytest.mark.parametrize("splits", [1, 3, 8])
+@pytest.mark.parametrize("kind", ["random", "all", "none"])
+def test_decode_attention_splits(splits, kind):
+    gen = seed_for("decode_attn", splits, kind)
+    B, Hq, Hk, Tk, D, NG = 3, 8, 2, 45, 32, 4
+    q = randn((B, Hq, 1, D), torch.bfloat16, gen)
+    k = randn((B, Hk, Tk, D), torch.bfloat16, gen)
+    v = randn((B, Hk, Tk, D), torch.bfloat16, gen)
+    r = make_mask(kind, (B, 1, NG), gen)
+    lp = torch.tensor([0, 20, 45], dtype=torch.int64, device=DEVICE)  # last row sees no key at all
+    out = poisoned((B, Hq, 1, D), torch.bfloat16)
+    decode_attention(q, k, v, r, left_pad=lp, out=out, splits=splits)
+    check_close(out, attention_ref(q.double(), k.double(), v.double(), r, False, lp))

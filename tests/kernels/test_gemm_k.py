@@ -1,0 +1,63 @@
+import pytest
+import torch
+
+from kernel_testutil import DEVICE, DTYPES, check_close, make_mask, poisoned, randn, seed_for
+from wide.kernels import gemm_k, reorder
+from wide.kernels.reference import gemm_k_ref
+
+
+def _run(M, N, K, G, dtype, kind, path="auto", shared=False, p=0.5):
+    gen = seed_for("gemm_k", M, N, K, G, dtype, kind, path, shared, p)
+    a = randn((M, K), dtype, gen)
+    w = randn((N, K), dtype, gen)
+    route = make_mask(kind, (M, K // G), gen, p=p)
+    out = poisoned((M, N), dtype)
+    kw = {"reordered": reorder(route)} if shared else {}
+    res = gemm_k(a, w, route, G, out=out, path=path, **kw)
+    assert res is out
+    check_close(out, gemm_k_ref(a.double(), w.double(), route, G))
+    assert (out[~route.any(dim=1)] == 0).all()
+
+
+@pytest.mark.parametrize("G", [16, 32, 64, 128, 256, 512])
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("path", ["sparse", "dense"])
+def test_every_group_size(G, dtype, path):
+    _run(37, 40, max(G, 64), G, dtype, "random", path)
+
+
+@pytest.mark.parametrize("p", [0.1, 0.9])
+def test_auto_path_either_side_of_threshold(p):
+    _run(50, 48, 256, 64, torch.bfloat16, "random", "auto", p=p)
+
+
+@pytest.mark.parametrize("M", [1, 2, 3, 4])
+@pytest.mark.parametrize("G", [16, 128])
+def test_decode_rows(M, G):
+    _run(M, 72, 256, G, torch.bfloat16, "random")
+
+
+@pytest.mark.parametrize("kind", ["all", "none", "one_row"])
+@pytest.mark.parametrize("path", ["sparse", "dense", "auto"])
+def test_mask_kinds(kind, path):
+    _run(33, 32, 128, 32, torch.float16, kind, path, shared=True)
+
+
+def test_errors():
+    a = torch.zeros(8, 64, dtype=torch.bfloat16, device=DEVICE)
+    w = torch.zeros(16, 64, dtype=torch.bfloat16, device=DEVICE)
+    with pytest.raises(ValueError, match="does not divide"):
+        gemm_k(a[:, :48], w[:, :48], torch.ones(8, 1, dtype=torch.bool, device=DEVICE), 32)
+    with pytest.raises(ValueError, match="route"):
+        gemm_k(a, w, torch.ones(8, 4, dtype=torch.bool, device=DEVICE), 32)
+    with pytest.raises(ValueError, match="path"):
+        gemm_k(a, w, torch.ones(8, 2, dtype=torch.bool, device=DEVICE), 32, path="fast")
+    with pytest.raises(ValueError, match="reordered"):
+        gemm_k(a, w, torch.ones(8, 2, dtype=torch.bool, device=DEVICE), 32, path="sparse",
+               reordered=reorder(torch.ones(8, 4, dtype=torch.bool, device=DEVICE)))
+
+
+@pytest.mark.parametrize("G,M,path", [(48, 37, "sparse"), (48, 37, "dense"), (192, 21, "auto"), (192, 3, "auto")])
+def test_head_group_widths(G, M, path):
+    # attention O projection: K-groups of the head-group width
+    _run(M, 40, 2 * G, G, torch.bfloat16, "random", path)

@@ -1,0 +1,71 @@
+import pytest
+import torch
+
+from kernel_testutil import DEVICE, DTYPES, check_close, make_mask, poisoned, randn, seed_for
+from wide.kernels import gemm_mn, reorder
+from wide.kernels.reference import expand_route, gemm_mn_ref
+
+GS = [16, 32, 64, 128, 256, 512]
+
+
+def _run(M, N, K, G, dtype, kind, shared=False):
+    gen = seed_for("gemm_mn", M, N, K, G, dtype, kind, shared)
+    x = randn((M, K), dtype, gen)
+    w = randn((N, K), dtype, gen)
+    route = make_mask(kind, (M, N // G), gen)
+    out = poisoned((M, N), dtype)
+    kw = {"reordered": reorder(route)} if shared else {}
+    res = gemm_mn(x, w, route, G, out=out, **kw)
+    assert res is out
+    ref = gemm_mn_ref(x.double(), w.double(), route, G)
+    check_close(out, ref)
+    assert (out[~expand_route(route, G)] == 0).all()
+
+
+@pytest.mark.parametrize("G", GS)
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_every_group_size(G, dtype):
+    # M = 37 is not a multiple of the row tile; N = max(2G, 64) keeps the interpreter fast
+    _run(37, max(G, 64), 48, G, dtype, "random")
+
+
+@pytest.mark.parametrize("M", [1, 2, 3, 4])
+@pytest.mark.parametrize("G", [16, 64, 256])
+def test_decode_rows(M, G):
+    _run(M, max(G, 128), 96, G, torch.bfloat16, "random")
+
+
+@pytest.mark.parametrize("kind", ["all", "none", "one_row"])
+@pytest.mark.parametrize("M", [3, 70])
+def test_mask_kinds(kind, M):
+    _run(M, 128, 64, 32, torch.float16, kind)
+
+
+def test_shared_reorder_and_ragged_k():
+    _run(45, 64, 40, 16, torch.bfloat16, "random", shared=True)
+
+
+def test_errors():
+    x = torch.zeros(8, 32, dtype=torch.bfloat16, device=DEVICE)
+    w = torch.zeros(64, 32, dtype=torch.bfloat16, device=DEVICE)
+    r = torch.ones(8, 2, dtype=torch.bool, device=DEVICE)
+    with pytest.raises(ValueError, match="G=24"):
+        gemm_mn(x, w, torch.ones(8, 1, dtype=torch.bool, device=DEVICE), 24)
+    with pytest.raises(ValueError, match="does not divide"):
+        gemm_mn(x, w[:48], r, 32)
+    with pytest.raises(ValueError, match="route"):
+        gemm_mn(x, w, r[:7], 32)
+    with pytest.raises(ValueError, match="dtype"):
+        gemm_mn(x, w.half(), r, 32)
+    with pytest.raises(ValueError, match="dtype"):
+        gemm_mn(x, w, r.int(), 32)
+    with pytest.raises(ValueError, match="shape"):
+        gemm_mn(x, w[:, :16], r, 32)
+    with pytest.raises(ValueError, match="out"):
+        gemm_mn(x, w, r, 32, out=torch.empty(8, 63, dtype=torch.bfloat16, device=DEVICE))
+
+
+@pytest.mark.parametrize("G,M", [(48, 37), (192, 21), (192, 2)])
+def test_head_group_widths(G, M):
+    # attention Q projection: G is the head-group width, a multiple of head_dim (e.g. 3 x 64)
+    _run(M, 2 * G, 64, G, torch.bfloat16, "random")

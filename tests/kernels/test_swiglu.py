@@ -1,0 +1,45 @@
+import pytest
+import torch
+
+from kernel_testutil import DEVICE, DTYPES, check_close, make_mask, poisoned, randn, seed_for
+from wide.kernels import reorder, swiglu
+from wide.kernels.reference import expand_route, swiglu_ref
+
+
+def _run(M, N, K, G, dtype, kind, shared=False):
+    gen = seed_for("swiglu", M, N, K, G, dtype, kind, shared)
+    x = randn((M, K), dtype, gen)
+    wg = randn((N, K), dtype, gen)
+    wu = randn((N, K), dtype, gen)
+    route = make_mask(kind, (M, N // G), gen)
+    out = poisoned((M, N), dtype)
+    kw = {"reordered": reorder(route)} if shared else {}
+    swiglu(x, wg, wu, route, G, out=out, **kw)
+    check_close(out, swiglu_ref(x.double(), wg.double(), wu.double(), route, G))
+    assert (out[~expand_route(route, G)] == 0).all()
+
+
+@pytest.mark.parametrize("G", [16, 32, 64, 128, 256, 512])
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_every_group_size(G, dtype):
+    _run(37, max(G, 64), 32, G, dtype, "random")
+
+
+@pytest.mark.parametrize("M", [1, 2, 3, 4])
+def test_decode_rows(M):
+    _run(M, 128, 80, 32, torch.bfloat16, "random")
+
+
+@pytest.mark.parametrize("kind", ["all", "none", "one_row"])
+def test_mask_kinds(kind):
+    _run(40, 64, 32, 16, torch.float16, kind, shared=True)
+
+
+def test_errors():
+    x = torch.zeros(8, 32, dtype=torch.bfloat16, device=DEVICE)
+    w = torch.zeros(64, 32, dtype=torch.bfloat16, device=DEVICE)
+    r = torch.ones(8, 2, dtype=torch.bool, device=DEVICE)
+    with pytest.raises(ValueError, match="w_up"):
+        swiglu(x, w, w[:, :16], r, 32)
+    with pytest.raises(ValueError, match="multiple of 16"):
+        swiglu(x, w, w, torch.ones(8, 3, dtype=torch.bool, device=DEVICE), 21)
