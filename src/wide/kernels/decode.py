@@ -27,7 +27,7 @@ if HAS_TRITON:
     @triton.jit
     def _gemv_mn_kernel(x_ptr, w_ptr, w2_ptr, out_ptr, route_ptr, M, N, K, NG,
                         stride_xm, stride_wn, stride_om,
-                        G: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, MP: tl.constexpr,
+                        G, BN: tl.constexpr, BK: tl.constexpr, MP: tl.constexpr,
                         SWIGLU: tl.constexpr, EVEN_K: tl.constexpr):
         pid = tl.program_id(0)
         offs_n = pid * BN + tl.arange(0, BN)
@@ -77,7 +77,7 @@ if HAS_TRITON:
 
     @triton.jit
     def _gemv_k_kernel(x_ptr, w_ptr, out_ptr, route_ptr, M, N, K, NG, stride_xm, stride_wn, stride_om,
-                       G: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, MP: tl.constexpr):
+                       G, BN: tl.constexpr, BK: tl.constexpr, MP: tl.constexpr):
         pid = tl.program_id(0)
         offs_n = pid * BN + tl.arange(0, BN)
         nmask = offs_n < N
@@ -182,7 +182,7 @@ def _gemv_cands(G, K, swiglu=False):
     if interpret_mode():
         return [dict(BN=16, BK=min(64, next_pow2(K)))]
     c = []
-    for bn, bk, w in [(16, 256, 4), (8, 512, 4), (32, 128, 4), (16, 512, 8), (8, 256, 2)]:
+    for bn, bk, w in [(16, 256, 4), (8, 512, 4), (32, 256, 8)]:
         if swiglu and bn * bk > 4096:
             continue
         c.append(dict(BN=bn, BK=min(bk, next_pow2(K)), num_warps=w, num_stages=4))
@@ -217,7 +217,7 @@ def gemv_mn(x: torch.Tensor, w: torch.Tensor, route: torch.Tensor, G: int, *,
     def run(cfg):
         grid = (triton.cdiv(N, cfg["BN"]),)
         _gemv_mn_kernel[grid](x, w, w2c, out, route, M, N, K, NG, x.stride(0), w.stride(0), out.stride(0),
-                              G=G, BN=cfg["BN"], BK=cfg["BK"], MP=mp, SWIGLU=w2 is not None,
+                              G, BN=cfg["BN"], BK=cfg["BK"], MP=mp, SWIGLU=w2 is not None,
                               EVEN_K=(K % cfg["BK"] == 0), **launch_opts(cfg))
 
     op = "gemv_swiglu" if w2 is not None else "gemv_mn"
@@ -257,7 +257,7 @@ def gemv_k(a: torch.Tensor, w: torch.Tensor, route: torch.Tensor, G: int, *,
     def run(cfg):
         grid = (triton.cdiv(N, cfg["BN"]),)
         _gemv_k_kernel[grid](a, w, out, route, M, N, K, NG, a.stride(0), w.stride(0), out.stride(0),
-                             G=G, BN=cfg["BN"], BK=cfg["BK"], MP=mp, **launch_opts(cfg))
+                             G, BN=cfg["BN"], BK=cfg["BK"], MP=mp, **launch_opts(cfg))
 
     cfg = pick_config("gemv_k", (M, N, K, G, str(a.dtype)), a.device, _gemv_cands(G, K), run)
     run(cfg)

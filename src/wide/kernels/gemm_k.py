@@ -48,8 +48,8 @@ if HAS_TRITON:
 
     @triton.jit
     def _gemm_k_sparse_kernel(x_ptr, w_ptr, ws_ptr, idx_ptr, cnt_ptr, M, N, NG, THR_PPM,
-                              stride_xm, stride_wn,
-                              G: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
+                              stride_xm, stride_wn, G,
+                              BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
                               GPC: tl.constexpr, NG_P2: tl.constexpr):
         if _use_dense(cnt_ptr, M, NG, THR_PPM, NG_P2):
             return
@@ -85,8 +85,8 @@ if HAS_TRITON:
 
     @triton.jit
     def _gemm_k_dense_kernel(x_ptr, w_ptr, out_ptr, route_ptr, cnt_ptr, M, N, K, NG, THR_PPM,
-                             stride_xm, stride_wn, stride_om,
-                             G: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
+                             stride_xm, stride_wn, stride_om, G,
+                             BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
                              GROUP_M: tl.constexpr, NG_P2: tl.constexpr, FORCE: tl.constexpr):
         if not FORCE:
             if not _use_dense(cnt_ptr, M, NG, THR_PPM, NG_P2):
@@ -140,8 +140,7 @@ def _sparse_candidates(G):
     if interpret_mode():
         return [dict(BM=32, BN=32, BK=min(pow2_part(G), 32), GPC=2)]
     out = []
-    for bm, bn, bk, gpc, w, s in [(128, 128, 64, 8, 8, 3), (128, 128, 64, 2, 8, 3), (64, 128, 64, 8, 4, 3),
-                                  (128, 64, 64, 8, 4, 3), (64, 64, 64, 8, 4, 3)]:
+    for bm, bn, bk, gpc, w, s in [(128, 128, 64, 8, 8, 3), (64, 128, 64, 8, 4, 3), (128, 64, 64, 4, 4, 3)]:
         out.append(dict(BM=bm, BN=bn, BK=min(bk, pow2_part(G)), GPC=gpc, num_warps=w, num_stages=s))
     return out
 
@@ -149,10 +148,9 @@ def _sparse_candidates(G):
 def _dense_candidates(G, M):
     if interpret_mode():
         return [dict(BM=32, BN=32, BK=min(pow2_part(G), 32), GROUP_M=4)]
-    base = [(128, 256, 64, 8, 3), (128, 128, 64, 8, 4), (128, 128, 64, 4, 4), (64, 128, 64, 4, 4),
-            (64, 64, 64, 4, 4)]
+    base = [(128, 256, 64, 8, 3), (128, 128, 64, 8, 4), (64, 128, 64, 4, 4)]
     if M <= 64:
-        base = [(64, 128, 64, 4, 4), (32, 128, 128, 4, 4), (64, 64, 128, 4, 4), (32, 64, 128, 4, 4)]
+        base = [(64, 128, 64, 4, 4), (32, 64, 128, 4, 4), (64, 64, 128, 4, 3)]
     return [dict(BM=bm, BN=bn, BK=min(bk, pow2_part(G)), GROUP_M=8, num_warps=w, num_stages=s) for bm, bn, bk, w, s in base]
 
 
@@ -224,7 +222,7 @@ def gemm_k(a: torch.Tensor, w: torch.Tensor, route: torch.Tensor, G: int, *,
         def run_dense(cfg):
             grid = (triton.cdiv(M, cfg["BM"]) * triton.cdiv(N, cfg["BN"]),)
             _gemm_k_dense_kernel[grid](a, w, out, route, cnt, M, N, K, NG, thr_ppm,
-                                       a.stride(0), w.stride(0), out.stride(0), G=G, BM=cfg["BM"],
+                                       a.stride(0), w.stride(0), out.stride(0), G, BM=cfg["BM"],
                                        BN=cfg["BN"], BK=cfg["BK"], GROUP_M=cfg["GROUP_M"], NG_P2=16,
                                        FORCE=True, **launch_opts(cfg))
         cfg = pick_config("gemm_k_dense", (m_bucket(M), N, K, G, str(a.dtype)), a.device,
@@ -242,20 +240,20 @@ def gemm_k(a: torch.Tensor, w: torch.Tensor, route: torch.Tensor, G: int, *,
     total = M * N
     wsblock = 1024
 
-    def run_ws(convert):
-        _ws_kernel[(triton.cdiv(total, wsblock),)](ws, out, cnt, M, NG, thr_ppm, total, CONVERT=convert,
+    def run_ws(convert, thr=thr_ppm):
+        _ws_kernel[(triton.cdiv(total, wsblock),)](ws, out, cnt, M, NG, thr, total, CONVERT=convert,
                                                   BLOCK=wsblock, NG_P2=ng_p2)
 
-    def run_sparse(cfg):
+    def run_sparse(cfg, thr=thr_ppm):
         grid = (triton.cdiv(M, cfg["BM"]) * triton.cdiv(N, cfg["BN"]), triton.cdiv(NG, cfg["GPC"]))
-        _gemm_k_sparse_kernel[grid](a, w, ws, idx, cnt, M, N, NG, thr_ppm, a.stride(0), w.stride(0),
-                                    G=G, BM=cfg["BM"], BN=cfg["BN"], BK=cfg["BK"], GPC=cfg["GPC"],
+        _gemm_k_sparse_kernel[grid](a, w, ws, idx, cnt, M, N, NG, thr, a.stride(0), w.stride(0), G,
+                                    BM=cfg["BM"], BN=cfg["BN"], BK=cfg["BK"], GPC=cfg["GPC"],
                                     NG_P2=ng_p2, **launch_opts(cfg))
 
     def run_dense_auto(cfg):
         grid = (triton.cdiv(M, cfg["BM"]) * triton.cdiv(N, cfg["BN"]),)
         _gemm_k_dense_kernel[grid](a, w, out, route, cnt, M, N, K, NG, thr_ppm,
-                                   a.stride(0), w.stride(0), out.stride(0), G=G, BM=cfg["BM"],
+                                   a.stride(0), w.stride(0), out.stride(0), G, BM=cfg["BM"],
                                    BN=cfg["BN"], BK=cfg["BK"], GROUP_M=cfg["GROUP_M"], NG_P2=ng_p2,
                                    FORCE=False, **launch_opts(cfg))
 
@@ -265,13 +263,13 @@ def gemm_k(a: torch.Tensor, w: torch.Tensor, route: torch.Tensor, G: int, *,
         def run_dense_forced(cfg):
             grid = (triton.cdiv(M, cfg["BM"]) * triton.cdiv(N, cfg["BN"]),)
             _gemm_k_dense_kernel[grid](a, w, out, route, cnt, M, N, K, NG, thr_ppm,
-                                       a.stride(0), w.stride(0), out.stride(0), G=G, BM=cfg["BM"],
+                                       a.stride(0), w.stride(0), out.stride(0), G, BM=cfg["BM"],
                                        BN=cfg["BN"], BK=cfg["BK"], GROUP_M=cfg["GROUP_M"], NG_P2=ng_p2,
                                        FORCE=True, **launch_opts(cfg))
         dcfg = pick_config("gemm_k_dense", key, a.device, _dense_candidates(G, M), run_dense_forced)
     if thr >= 0.0:
         scfg = pick_config("gemm_k_sparse", key, a.device, _sparse_candidates(G),
-                           lambda c: (run_ws(False), run_sparse(c)))
+                           lambda c: (run_ws(False, 2_000_000), run_sparse(c, 2_000_000)))  # forced sparse
         run_ws(False)
         run_sparse(scfg)
         run_ws(True)

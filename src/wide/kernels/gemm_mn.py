@@ -32,8 +32,8 @@ if HAS_TRITON:
 
     @triton.jit
     def _gemm_mn_kernel(x_ptr, w_ptr, w2_ptr, out_ptr, idx_ptr, cnt_ptr,
-                        M, N, K, NG, stride_xm, stride_wn, stride_om,
-                        G: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
+                        M, N, K, NG, stride_xm, stride_wn, stride_om, G,
+                        BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
                         GROUP_M: tl.constexpr, EVEN_K: tl.constexpr, SWIGLU: tl.constexpr):
         pid = tl.program_id(0)
         num_pid_m = tl.cdiv(M, BM)
@@ -97,12 +97,13 @@ def _candidates(G: int, M: int, swiglu: bool) -> list[dict]:
         return [dict(BM=32, BN=bn, BK=32, GROUP_M=4)]
     cands = []
     if swiglu:
-        base = [(128, 128, 64, 8, 3), (128, 64, 64, 4, 4), (64, 128, 64, 4, 4), (64, 64, 64, 4, 4)]
+        base = [(128, 128, 64, 8, 3), (128, 64, 64, 4, 4), (64, 128, 64, 4, 4)]
+        if M <= 64:
+            base = [(64, 64, 64, 4, 4), (32, 64, 128, 4, 3)]
     else:
-        base = [(128, 256, 64, 8, 3), (128, 128, 64, 8, 4), (128, 128, 64, 4, 4), (128, 64, 64, 4, 4),
-                (64, 128, 64, 4, 4), (64, 64, 64, 4, 4)]
+        base = [(128, 256, 64, 8, 3), (128, 128, 64, 8, 4), (128, 64, 64, 4, 4), (64, 128, 64, 4, 4)]
     if M <= 64:
-        base = [(64, b[1], b[2], 4, 4) for b in base] + [(32, b[1], 128, 4, 4) for b in base]
+        base = [(64, 128, 64, 4, 4), (32, 64, 128, 4, 4), (64, 64, 128, 4, 3)]
     seen = set()
     for bm, bn, bk, w, s in base:
         bn = min(bn, pow2_part(G))
@@ -153,8 +154,8 @@ def launch_gemm_mn(x, w, w2, route, G, reordered, out, swiglu):
     def run(cfg):
         grid = (triton.cdiv(M, cfg["BM"]) * (N // cfg["BN"]),)
         _gemm_mn_kernel[grid](x, w, w2 if w2 is not None else w, out, idx, cnt,
-                              M, N, K, NG, x.stride(0), w.stride(0), out.stride(0),
-                              G=G, BM=cfg["BM"], BN=cfg["BN"], BK=cfg["BK"], GROUP_M=cfg["GROUP_M"],
+                              M, N, K, NG, x.stride(0), w.stride(0), out.stride(0), G,
+                              BM=cfg["BM"], BN=cfg["BN"], BK=cfg["BK"], GROUP_M=cfg["GROUP_M"],
                               EVEN_K=(K % cfg["BK"] == 0), SWIGLU=swiglu, **launch_opts(cfg))
 
     op = "swiglu" if swiglu else "gemm_mn"

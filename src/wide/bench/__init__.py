@@ -1,0 +1,1 @@
+"""Benchmarks (``wide bench ...``); each module exposes ``add_arguments(parser)`` and ``run(args)``."""
