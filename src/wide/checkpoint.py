@@ -116,6 +116,7 @@ def load(path: str | os.PathLike, model: str | torch.nn.Module | None = None, de
         raise WideError(f"WIDE checkpoint {str(path)!r} not found (expected a directory with {CONFIG_NAME})")
     config = WideConfig.load(path)
     info = read_base_info(path)
+    routers = read_safetensors(path / ROUTERS_NAME)  # fail on a corrupt file before loading any model
     tok = None
     if isinstance(model, torch.nn.Module):
         base = model
@@ -130,6 +131,6 @@ def load(path: str | os.PathLike, model: str | torch.nn.Module | None = None, de
         raise WideError(f"checkpoint {str(path)!r} was made for base model {info['model']!r} "
                         f"(fingerprint {info['fingerprint']}), not this one (fingerprint {fp})")
     wm = WideModel(base, config)
-    wm.load_router_state_dict(read_safetensors(path / ROUTERS_NAME))
+    wm.load_router_state_dict(routers)
     wm.eval()
     return (wm, tok) if tokenizer else wm

@@ -110,10 +110,17 @@ def cmd_info(args) -> int:
     return 0
 
 
-def _load(args):
-    from .modeling import load_base_model
+def _load(args, cfg=None, then=None):
+    """Load ``--model``; validate ``cfg`` against its dims and run ``then(tokenizer)`` before the weights load."""
+    from .modeling import dims_of, load_base_model
 
-    return load_base_model(args.model, device=args.device)
+    def check(hf, tok):
+        if cfg is not None:
+            cfg.resolve(dims_of(hf))
+        if then is not None:
+            then(tok)
+
+    return load_base_model(args.model, device=args.device, check=check)
 
 
 def cmd_calibrate(args) -> int:
@@ -127,9 +134,11 @@ def cmd_calibrate(args) -> int:
     if args.resume and not (out / "train_state.pt").is_file():
         raise WideError(f"--resume: no train_state.pt in {str(out)!r}")
     docs = load_texts(args.text, split="calib")
-    model, tok, src = _load(args)
+    packed = {}
+    model, tok, src = _load(args, cfg, then=lambda tok: packed.setdefault(
+        "blocks", pack(docs, tok, args.seq_len, max_blocks=args.max_blocks)))
+    blocks = packed["blocks"]
     wm = WideModel(model, cfg)
-    blocks = pack(docs, tok, args.seq_len, max_blocks=args.max_blocks)
     _print(f"calibrating {src.ref}: {blocks.shape[0]} sequences x {blocks.shape[1]} tokens, S={cfg.target_sparsity}, "
            f"G_attn={wm.config.attn_group_size}, G_ffn={wm.config.ffn_group_size}, {targs.steps} steps")
     t0 = time.time()
@@ -200,14 +209,19 @@ def cmd_demo(args) -> int:
     _print(f"[1/5] loading {args.model or 'the bundled SmolLM2-135M-Instruct (GGUF)'} on {'cuda' if gpu else 'cpu'}")
     if not gpu:
         torch.set_num_threads(os.cpu_count() or 1)
-    model, tok, src = _load(args)
+    data = {}
+
+    def prepare(tok):
+        data["win"] = ppl_windows(load_texts(args.text, split="eval"), tok, ctx, max_tokens=eval_tokens)
+        data["blocks"] = pack(load_texts(args.text, split="calib"), tok, seq_len)
+
+    model, tok, src = _load(args, cfg, then=prepare)
+    win, blocks = data["win"], data["blocks"]
     wm = WideModel(model, cfg)
     d = wm.dims
     _print(f"      {d.num_layers} layers, hidden {d.hidden_size}, heads {d.num_heads}/{d.num_kv_heads} KV, head_dim "
            f"{d.head_dim}, FFN {d.intermediate_size}; G_attn={wm.config.attn_group_size} G_ffn={wm.config.ffn_group_size}; "
            f"{wm.router_param_count():,} router parameters")
-    win = ppl_windows(load_texts(args.text, split="eval"), tok, ctx, max_tokens=eval_tokens)
-    blocks = pack(load_texts(args.text, split="calib"), tok, seq_len)
     _print(f"[2/5] dense perplexity on {win.numel():,} held-out tokens (ctx {ctx})")
     with wm.masks_fixed(attn=True, ffn=True):
         dense = perplexity(wm, win, args.batch_size)

@@ -129,13 +129,15 @@ def default_device() -> torch.device:
 
 
 def load_base_model(spec: str | None = None, device: str | torch.device | None = None,
-                    dtype: torch.dtype | None = None):
+                    dtype: torch.dtype | None = None, check=None):
     """Load a frozen base model and its tokenizer, offline.
 
     Args:
         spec: see :func:`resolve_model`.
         device: default: CUDA when available, else CPU.
         dtype: default: bfloat16 on CUDA, float32 on CPU. GGUF weights are dequantized.
+        check: optional callable ``f(hf_config, tokenizer)`` run before any weight is read (e.g. to
+            validate group sizes against the model's dims, or to tokenize the text), so bad input fails fast.
 
     Returns:
         ``(model, tokenizer, source)``; the model is in eval mode with ``requires_grad=False``.
@@ -156,6 +158,11 @@ def load_base_model(spec: str | None = None, device: str | torch.device | None =
     check_architecture(hf_config)
     try:
         tok = AutoTokenizer.from_pretrained(src.directory, **src.hf_kwargs())
+    except (OSError, ValueError) as e:
+        raise WideError(f"cannot load the tokenizer of {src.ref!r}: {str(e).splitlines()[0]}") from None
+    if check is not None:
+        check(hf_config, tok)
+    try:
         model = AutoModelForCausalLM.from_pretrained(src.directory, dtype=dtype, **src.hf_kwargs())
     except (OSError, ValueError) as e:
         raise WideError(f"cannot load model {src.ref!r}: {str(e).splitlines()[0]}") from None

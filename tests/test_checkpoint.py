@@ -1,0 +1,72 @@
+import pytest
+import torch
+
+from conftest import tiny_model
+from wide.checkpoint import ROUTERS_NAME, load, save_wide
+from wide.config import WideConfig
+from wide.errors import WideError
+from wide.modeling import WideModel
+
+
+def _saved(tmp_path, model):
+    wm = WideModel(model, WideConfig(ffn_group_size=32, target_sparsity=0.3))
+    with torch.no_grad():
+        for p in wm.router_parameters():
+            p.add_(torch.randn_like(p))
+    save_wide(wm, tmp_path / "ckpt", model_ref="tiny")
+    return wm, tmp_path / "ckpt"
+
+
+def test_round_trip(tmp_path, model):
+    wm, path = _saved(tmp_path, model)
+    wm2 = load(path, model=tiny_model())
+    assert wm2.config == wm.config
+    for k, v in wm.router_state_dict().items():
+        assert torch.equal(v, wm2.router_state_dict()[k])
+    x = torch.randint(0, 128, (2, 9))
+    with torch.no_grad():
+        assert torch.equal(wm.eval()(x).logits, wm2(x).logits)
+    assert not list(path.glob(".*"))  # no temporary files left behind
+
+
+def test_missing_directory(tmp_path):
+    with pytest.raises(WideError, match="not found"):
+        load(tmp_path / "nope", model=tiny_model())
+
+
+def test_corrupt_router_file(tmp_path, model):
+    _, path = _saved(tmp_path, model)
+    (path / ROUTERS_NAME).write_bytes(b"\x00garbage" * 10)
+    with pytest.raises(WideError, match="corrupt checkpoint file"):
+        load(path, model=tiny_model())
+
+
+def test_truncated_router_file(tmp_path, model):
+    _, path = _saved(tmp_path, model)
+    data = (path / ROUTERS_NAME).read_bytes()
+    (path / ROUTERS_NAME).write_bytes(data[: len(data) // 2])
+    with pytest.raises(WideError, match="corrupt checkpoint file"):
+        load(path, model=tiny_model())
+
+
+def test_other_base_model_weights(tmp_path, model):
+    _, path = _saved(tmp_path, model)
+    with pytest.raises(WideError, match="was made for base model 'tiny'"):
+        load(path, model=tiny_model(seed=1))
+
+
+def test_other_base_model_dims(tmp_path, model):
+    _, path = _saved(tmp_path, model)
+    with pytest.raises(WideError, match="was made for a model with dims"):
+        load(path, model=tiny_model(intermediate_size=256))
+
+
+def test_router_shapes_that_do_not_fit(tmp_path, model):
+    from safetensors.torch import save_file
+
+    wm, path = _saved(tmp_path, model)
+    sd = wm.router_state_dict()
+    sd["ffn.0.w1.weight"] = torch.zeros(3, 64)
+    save_file(sd, str(path / ROUTERS_NAME))
+    with pytest.raises(WideError, match=r"ffn.0.w1.weight has shape \(3, 64\)"):
+        load(path, model=tiny_model())

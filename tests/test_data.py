@@ -1,0 +1,54 @@
+import json
+
+import pytest
+import torch
+
+from wide.data import load_texts, pack, ppl_windows, split_default
+from wide.errors import WideError
+
+
+def test_pack_keeps_eos(tokenizer):
+    blocks = pack(["w1 w2 w3", "w4 w5"], tokenizer, seq_len=3)
+    eos = tokenizer.eos_token_id
+    ids = [tokenizer.convert_tokens_to_ids(w) for w in ["w1", "w2", "w3"]] + [eos] + \
+          [tokenizer.convert_tokens_to_ids(w) for w in ["w4", "w5"]]
+    assert blocks.tolist() == [ids[:3], ids[3:6]]  # tail of 1 token (EOS) dropped
+    assert blocks.dtype == torch.long
+
+
+def test_pack_too_short(tokenizer):
+    with pytest.raises(WideError, match="shorter than one sequence of 64"):
+        pack(["w1 w2"], tokenizer, seq_len=64)
+
+
+def test_windows_too_short(tokenizer):
+    with pytest.raises(WideError, match="shorter than one window of --ctx 2048"):
+        ppl_windows(["w1 w2"], tokenizer, ctx=2048)
+
+
+def test_text_formats(tmp_path):
+    (tmp_path / "a.txt").write_text("hello world\n")
+    assert load_texts(str(tmp_path / "a.txt")) == ["hello world\n"]
+    (tmp_path / "b.jsonl").write_text(json.dumps({"text": "one"}) + "\n\n" + json.dumps({"text": "two"}) + "\n")
+    assert load_texts(str(tmp_path / "b.jsonl")) == ["one", "two"]
+    (tmp_path / "c.jsonl").write_text('{"body": "x"}\n')
+    with pytest.raises(WideError, match="line 1 is not a JSON object with a 'text' field"):
+        load_texts(str(tmp_path / "c.jsonl"))
+    (tmp_path / "e.txt").write_text("  \n")
+    with pytest.raises(WideError, match="is empty"):
+        load_texts(str(tmp_path / "e.txt"))
+    with pytest.raises(WideError, match="not found"):
+        load_texts(str(tmp_path / "missing.txt"))
+
+
+def test_saved_dataset_folder(tmp_path):
+    datasets = pytest.importorskip("datasets")
+    datasets.Dataset.from_dict({"text": ["a b", "c d"]}).save_to_disk(str(tmp_path / "ds"))
+    assert load_texts(str(tmp_path / "ds")) == ["a b", "c d"]
+
+
+def test_default_text_split_is_disjoint_and_deterministic():
+    calib, evals = load_texts(None, "calib"), load_texts(None, "eval")
+    assert len(calib) > 1000 and len(evals) > 300
+    assert not set(calib) & set(evals)
+    assert split_default(calib + evals) == split_default(calib + evals)

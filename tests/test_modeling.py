@@ -1,0 +1,106 @@
+import pytest
+import torch
+
+from conftest import tiny_model
+from wide.config import WideConfig
+from wide.errors import WideError
+from wide.modeling import WideModel, decoder_layers, router_param_count
+
+
+def ids(b=2, t=12, seed=0):
+    return torch.randint(0, 128, (b, t), generator=torch.Generator().manual_seed(seed))
+
+
+@pytest.mark.parametrize("arch", ["llama", "mistral", "qwen2"])
+def test_all_execute_equals_dense(arch):
+    base = tiny_model(arch)
+    x = ids()
+    with torch.no_grad():
+        dense = base(x).logits.clone()
+        wm = WideModel(base, WideConfig(ffn_group_size=32))
+        with wm.masks_fixed(attn=True, ffn=True):
+            routed = wm(x).logits
+    assert torch.equal(routed, dense)
+
+
+def test_all_skip_ffn_gives_post_attention_residual(model):
+    wm = WideModel(model, WideConfig(ffn_group_size=32))
+    layer = decoder_layers(model)[1]
+    seen = {}
+    layer.post_attention_layernorm.register_forward_pre_hook(lambda m, a: seen.__setitem__("resid", a[0].clone()))
+    layer.register_forward_hook(lambda m, a, out: seen.__setitem__("out", (out[0] if isinstance(out, tuple) else out).clone()))
+    with torch.no_grad(), wm.masks_fixed(attn=None, ffn=False):
+        wm(ids())
+    assert torch.equal(seen["out"], seen["resid"])
+
+
+@pytest.mark.parametrize("kind,group", [("attn", 16), ("attn", 32), ("ffn", 16), ("ffn", 64)])
+def test_group_gating_matches_float64_reference(model, kind, group):
+    """The input of o_proj / down_proj is the ungated input times the group mask, in float64."""
+    cfg = WideConfig(attn_group_size=group if kind == "attn" else None, ffn_group_size=group if kind == "ffn" else 16)
+    wm = WideModel(model, cfg)
+    layer = decoder_layers(model)[0]
+    target = layer.self_attn.o_proj if kind == "attn" else layer.mlp.down_proj
+    n_groups = target.in_features // group
+    g = torch.Generator().manual_seed(1)
+    mask = torch.rand(2, 12, n_groups, generator=g) > 0.5
+    seen = {}
+    target.register_forward_hook(lambda m, a, out: seen.__setitem__("gated", a[0].clone()))
+    x = ids()
+    with torch.no_grad():
+        with wm.masks_fixed(attn=True, ffn=True):
+            wm(x)
+        ungated = seen["gated"].double()
+        full = torch.stack([mask] + [torch.ones_like(mask)] * (len(decoder_layers(model)) - 1))
+        with wm.masks_fixed(**{kind: full}, **{("ffn" if kind == "attn" else "attn"): True}):
+            out = wm(x).logits
+    ref = (ungated.view(2, 12, n_groups, group) * mask.double().unsqueeze(-1)).view(2, 12, -1)
+    assert torch.allclose(seen["gated"].double(), ref, rtol=0, atol=1e-6)
+    assert torch.isfinite(out).all()
+
+
+def test_argmax_routing_deterministic(model):
+    wm = WideModel(model, WideConfig(ffn_group_size=32)).eval()
+    with torch.no_grad():
+        a = wm(ids()).logits
+        ka = [k.item() for k in wm.record.ffn_keep]
+        b = wm(ids()).logits
+        kb = [k.item() for k in wm.record.ffn_keep]
+    assert torch.equal(a, b) and ka == kb
+
+
+def test_padding_excluded_from_keep_ratio(model):
+    wm = WideModel(model, WideConfig(ffn_group_size=32)).eval()
+    x = ids(1, 10)
+    att = torch.ones(1, 10, dtype=torch.long)
+    att[0, :4] = 0
+    with torch.no_grad():
+        wm(x, attention_mask=att)
+        padded = [k.item() for k in wm.record.ffn_keep]
+        wm.record_masks = True
+        wm(x, attention_mask=att)
+    m = wm.record.masks[("ffn", 0)][0, 4:].float().mean().item()
+    assert padded[0] == pytest.approx(m)
+
+
+def test_router_param_count(model):
+    wm = WideModel(model, WideConfig(ffn_group_size=32, router_rank=4))
+    assert wm.router_param_count() == router_param_count(wm.dims, wm.config)
+    # 2 layers x [attn: 64*4+4 + 4*2*2+2*2 ; ffn: 64*4+4 + 4*2*4+2*4]
+    assert wm.router_param_count() == 2 * ((260 + 16 + 4) + (260 + 32 + 8))
+
+
+def test_unsupported_architecture():
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    m = GPT2LMHeadModel(GPT2Config(n_layer=1, n_embd=32, n_head=2, vocab_size=50))
+    m.config.architectures = ["GPT2LMHeadModel"]
+    with pytest.raises(WideError, match="unsupported architecture GPT2LMHeadModel"):
+        WideModel(m, WideConfig())
+
+
+def test_group_size_errors_name_value(model):
+    with pytest.raises(WideError, match="G=24 must be a multiple of head_dim=16"):
+        WideModel(model, WideConfig(attn_group_size=24))
+    with pytest.raises(WideError, match="G=256 does not divide the intermediate size 128"):
+        WideModel(model, WideConfig(ffn_group_size=256))
