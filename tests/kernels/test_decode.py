@@ -51,3 +51,21 @@ def test_decode_attention_splits(splits, kind):
     out = poisoned((B, Hq, 1, D), torch.bfloat16)
     decode_attention(q, k, v, r, left_pad=lp, out=out, splits=splits)
     check_close(out, attention_ref(q.double(), k.double(), v.double(), r, False, lp))
+
+
+@pytest.mark.parametrize("M,G,K", [(2, 48, 144), (1, 192, 576), (4, 16, 80)])
+def test_gemv_k_ragged_groups(M, G, K):
+    # K not a multiple of the interpreter tile; head-group widths that are not powers of two
+    gen = seed_for("gemv_k_ragged", M, G, K)
+    N = 40
+    a = randn((M, K), torch.bfloat16, gen)
+    w = randn((N, K), torch.bfloat16, gen)
+    r = make_mask("random", (M, K // G), gen)
+    out = poisoned((M, N), torch.bfloat16)
+    gemv_k(a, w, r, G, out=out)
+    check_close(out, gemm_k_ref(a.double(), w.double(), r, G))
+    out = poisoned((M, K), torch.bfloat16)
+    wm = randn((K, N), torch.bfloat16, gen)
+    xm = randn((M, N), torch.bfloat16, gen)
+    gemv_mn(xm, wm, r, G, out=out)
+    check_close(out, gemm_mn_ref(xm.double(), wm.double(), r, G))

@@ -15,7 +15,7 @@ import torch
 
 from . import reference
 from ._common import (
-    HAS_TRITON, check_out, fail, interpret_mode, launch_opts, next_pow2, pick_config, use_triton,
+    HAS_TRITON, check_out, fail, interpret_mode, launch_opts, next_pow2, pick_config, pow2_part, use_triton,
 )
 
 if HAS_TRITON:
@@ -26,76 +26,83 @@ if HAS_TRITON:
 
     @triton.jit
     def _gemv_mn_kernel(x_ptr, w_ptr, w2_ptr, out_ptr, route_ptr, M, N, K, NG,
-                        stride_xm, stride_wn, stride_om,
-                        G, BN: tl.constexpr, BK: tl.constexpr, MP: tl.constexpr,
-                        SWIGLU: tl.constexpr, EVEN_K: tl.constexpr):
+                        stride_xm, stride_wn, stride_om, G,
+                        BN: tl.constexpr, BK: tl.constexpr, SWIGLU: tl.constexpr, EVEN_K: tl.constexpr):
+        # rows are padded to 16 for the tensor-core dot; padded rows load nothing
         pid = tl.program_id(0)
         offs_n = pid * BN + tl.arange(0, BN)
         nmask = offs_n < N
-        offs_m = tl.arange(0, MP)
+        offs_m = tl.arange(0, 16)
         mmask = offs_m < M
         r = tl.load(route_ptr + offs_m[:, None] * NG + (offs_n // G)[None, :],
-                    mask=mmask[:, None] & nmask[None, :], other=0) != 0  # [MP, BN]
-        colact = tl.max(r.to(tl.int32), axis=0) != 0  # [BN]
+                    mask=mmask[:, None] & nmask[None, :], other=0) != 0  # [16, BN]
+        colact = (tl.max(r.to(tl.int32), axis=0) != 0) & nmask  # [BN]: some row executes this column
         o_ptrs = out_ptr + offs_m[:, None] * stride_om + offs_n[None, :]
         if tl.max(colact.to(tl.int32), axis=0) == 0:
-            tl.store(o_ptrs, tl.zeros((MP, BN), dtype=out_ptr.dtype.element_ty),
+            tl.store(o_ptrs, tl.zeros((16, BN), dtype=out_ptr.dtype.element_ty),
                      mask=mmask[:, None] & nmask[None, :])
         else:
             offs_k = tl.arange(0, BK)
-            acc = tl.zeros((MP, BN), dtype=tl.float32)
+            acc = tl.zeros((16, BN), dtype=tl.float32)
             if SWIGLU:
-                acc2 = tl.zeros((MP, BN), dtype=tl.float32)
-            wmask = colact & nmask
+                acc2 = tl.zeros((16, BN), dtype=tl.float32)
+            w_ptrs = w_ptr + offs_n[:, None].to(tl.int64) * stride_wn + offs_k[None, :]
+            w2_ptrs = w2_ptr + offs_n[:, None].to(tl.int64) * stride_wn + offs_k[None, :]
+            x_ptrs = x_ptr + offs_m[:, None] * stride_xm + offs_k[None, :]
             for k0 in range(0, K, BK):
-                kk = k0 + offs_k
                 if EVEN_K:
-                    wt = tl.load(w_ptr + offs_n[:, None].to(tl.int64) * stride_wn + kk[None, :],
-                                 mask=wmask[:, None], other=0.0)
-                    xt = tl.load(x_ptr + offs_m[:, None] * stride_xm + kk[None, :], mask=mmask[:, None],
-                                 other=0.0)
+                    wt = tl.load(w_ptrs, mask=colact[:, None], other=0.0)
+                    xt = tl.load(x_ptrs, mask=mmask[:, None], other=0.0)
                 else:
-                    km = kk < K
-                    wt = tl.load(w_ptr + offs_n[:, None].to(tl.int64) * stride_wn + kk[None, :],
-                                 mask=wmask[:, None] & km[None, :], other=0.0)
-                    xt = tl.load(x_ptr + offs_m[:, None] * stride_xm + kk[None, :],
-                                 mask=mmask[:, None] & km[None, :], other=0.0)
-                xf = xt.to(tl.float32)
-                acc += tl.sum(xf[:, None, :] * wt.to(tl.float32)[None, :, :], axis=2)
+                    km = (k0 + offs_k) < K
+                    wt = tl.load(w_ptrs, mask=colact[:, None] & km[None, :], other=0.0)
+                    xt = tl.load(x_ptrs, mask=mmask[:, None] & km[None, :], other=0.0)
+                acc = mma(xt, tl.trans(wt), acc)
                 if SWIGLU:
                     if EVEN_K:
-                        w2t = tl.load(w2_ptr + offs_n[:, None].to(tl.int64) * stride_wn + kk[None, :],
-                                      mask=wmask[:, None], other=0.0)
+                        w2t = tl.load(w2_ptrs, mask=colact[:, None], other=0.0)
                     else:
-                        w2t = tl.load(w2_ptr + offs_n[:, None].to(tl.int64) * stride_wn + kk[None, :],
-                                      mask=wmask[:, None] & km[None, :], other=0.0)
-                    acc2 += tl.sum(xf[:, None, :] * w2t.to(tl.float32)[None, :, :], axis=2)
+                        w2t = tl.load(w2_ptrs, mask=colact[:, None] & km[None, :], other=0.0)
+                    acc2 = mma(xt, tl.trans(w2t), acc2)
+                    w2_ptrs += BK
+                w_ptrs += BK
+                x_ptrs += BK
             if SWIGLU:
                 acc = acc / (1.0 + tl.exp(-acc)) * acc2
             res = tl.where(r, acc, 0.0).to(out_ptr.dtype.element_ty)
             tl.store(o_ptrs, res, mask=mmask[:, None] & nmask[None, :])
 
     @triton.jit
-    def _gemv_k_kernel(x_ptr, w_ptr, out_ptr, route_ptr, M, N, K, NG, stride_xm, stride_wn, stride_om,
-                       G, BN: tl.constexpr, BK: tl.constexpr, MP: tl.constexpr):
+    def _gemv_k_kernel(x_ptr, w_ptr, out_ptr, ws_ptr, route_ptr, M, N, K, NG, stride_xm, stride_wn, stride_om, G,
+                       chunks_per_split, BN: tl.constexpr, BK: tl.constexpr, ATOMIC: tl.constexpr):
+        # BK divides G: every K chunk lies in one group, so the skip predicate is uniform per chunk
         pid = tl.program_id(0)
+        sp = tl.program_id(1)
         offs_n = pid * BN + tl.arange(0, BN)
         nmask = offs_n < N
-        offs_m = tl.arange(0, MP)
+        offs_m = tl.arange(0, 16)
         mmask = offs_m < M
         offs_k = tl.arange(0, BK)
-        acc = tl.zeros((MP, BN), dtype=tl.float32)
-        for k0 in range(0, K, BK):
-            kk = k0 + offs_k
-            r = tl.load(route_ptr + offs_m[:, None] * NG + (kk // G)[None, :], mask=mmask[:, None],
-                        other=0) != 0  # [MP, BK]
-            kact = tl.max(r.to(tl.int32), axis=0) != 0  # [BK]: some row executes this column's group
-            wt = tl.load(w_ptr + offs_n[:, None].to(tl.int64) * stride_wn + kk[None, :],
-                         mask=nmask[:, None] & kact[None, :], other=0.0)
-            xt = tl.load(x_ptr + offs_m[:, None] * stride_xm + kk[None, :], mask=r, other=0.0)
-            acc += tl.sum(xt.to(tl.float32)[:, None, :] * wt.to(tl.float32)[None, :, :], axis=2)
-        o_ptrs = out_ptr + offs_m[:, None] * stride_om + offs_n[None, :]
-        tl.store(o_ptrs, acc.to(out_ptr.dtype.element_ty), mask=mmask[:, None] & nmask[None, :])
+        acc = tl.zeros((16, BN), dtype=tl.float32)
+        c0 = sp * chunks_per_split
+        c1 = tl.minimum(c0 + chunks_per_split, K // BK)
+        w_ptrs = w_ptr + offs_n[:, None].to(tl.int64) * stride_wn + (c0 * BK + offs_k)[None, :]
+        x_ptrs = x_ptr + offs_m[:, None] * stride_xm + (c0 * BK + offs_k)[None, :]
+        for c in range(c0, c1):
+            g = (c * BK) // G
+            r = tl.load(route_ptr + offs_m * NG + g, mask=mmask, other=0) != 0  # [16]
+            anyr = tl.max(r.to(tl.int32), axis=0) != 0
+            wt = tl.load(w_ptrs, mask=nmask[:, None] & anyr, other=0.0)  # no bytes when no row needs g
+            xt = tl.load(x_ptrs, mask=r[:, None], other=0.0)
+            acc = mma(xt, tl.trans(wt), acc)
+            w_ptrs += BK
+            x_ptrs += BK
+        if ATOMIC:
+            tl.atomic_add(ws_ptr + offs_m[:, None] * N + offs_n[None, :], acc,
+                          mask=mmask[:, None] & nmask[None, :], sem="relaxed")
+        else:
+            o_ptrs = out_ptr + offs_m[:, None] * stride_om + offs_n[None, :]
+            tl.store(o_ptrs, acc.to(out_ptr.dtype.element_ty), mask=mmask[:, None] & nmask[None, :])
 
     @triton.jit
     def _decode_attn_split_kernel(q_ptr, k_ptr, v_ptr, route_ptr, lp_ptr, mpart_ptr, lpart_ptr, opart_ptr,
@@ -178,15 +185,21 @@ def _check_small(x, M, what):
         fail(f"{what}: the GEMV path takes M <= 4 rows, got M={M}")
 
 
-def _gemv_cands(G, K, swiglu=False):
+def _gemv_mn_cands(K, swiglu=False):
     if interpret_mode():
         return [dict(BN=16, BK=min(64, next_pow2(K)))]
-    c = []
-    for bn, bk, w in [(16, 256, 4), (8, 512, 4), (32, 256, 8)]:
-        if swiglu and bn * bk > 4096:
-            continue
-        c.append(dict(BN=bn, BK=min(bk, next_pow2(K)), num_warps=w, num_stages=4))
-    return c
+    c = [(16, 256, 4, 4), (32, 256, 4, 4), (16, 512, 4, 3), (64, 128, 4, 4)]
+    if swiglu:
+        c = [(16, 256, 4, 4), (32, 128, 4, 4), (16, 128, 4, 5)]
+    return [dict(BN=bn, BK=min(bk, next_pow2(K)), num_warps=w, num_stages=st) for bn, bk, w, st in c]
+
+
+def _gemv_k_cands(G, K, N, M):
+    bkmax = pow2_part(G)
+    if interpret_mode():
+        return [dict(BN=16, BK=min(32, bkmax), SPLIT=1), dict(BN=16, BK=min(32, bkmax), SPLIT=3)][: 1 + (K > 64)]
+    c = [(16, 256, 1, 4, 4), (16, 256, 4, 4, 4), (32, 256, 4, 4, 4), (16, 128, 8, 4, 4), (64, 128, 8, 4, 3)]
+    return [dict(BN=bn, BK=min(bk, bkmax), SPLIT=sp, num_warps=w, num_stages=st) for bn, bk, sp, w, st in c]
 
 
 def gemv_mn(x: torch.Tensor, w: torch.Tensor, route: torch.Tensor, G: int, *,
@@ -212,16 +225,15 @@ def gemv_mn(x: torch.Tensor, w: torch.Tensor, route: torch.Tensor, G: int, *,
     w2c = w2.contiguous() if w2 is not None else w
     route = route.contiguous()
     NG = N // G
-    mp = next_pow2(M)
 
     def run(cfg):
         grid = (triton.cdiv(N, cfg["BN"]),)
         _gemv_mn_kernel[grid](x, w, w2c, out, route, M, N, K, NG, x.stride(0), w.stride(0), out.stride(0),
-                              G, BN=cfg["BN"], BK=cfg["BK"], MP=mp, SWIGLU=w2 is not None,
+                              G, BN=cfg["BN"], BK=cfg["BK"], SWIGLU=w2 is not None,
                               EVEN_K=(K % cfg["BK"] == 0), **launch_opts(cfg))
 
     op = "gemv_swiglu" if w2 is not None else "gemv_mn"
-    cfg = pick_config(op, (M, N, K, G, str(x.dtype)), x.device, _gemv_cands(G, K, w2 is not None), run)
+    cfg = pick_config(op, (M, N, K, G, str(x.dtype)), x.device, _gemv_mn_cands(K, w2 is not None), run)
     run(cfg)
     return out
 
@@ -239,7 +251,8 @@ def gemv_k(a: torch.Tensor, w: torch.Tensor, route: torch.Tensor, G: int, *,
     """Decode GEMV for GEMM-K (``M <= 4``): ``out[m] = sum_{g: route[m, g]} a[m, K_g] @ w[:, K_g].T``.
 
     a ``[M, K]``, w ``[N, K]``, route bool ``[M, K // G]``.  Weight columns of K-groups that no row
-    executes are not read.  fp32 accumulation, no atomics (each program owns full output columns).
+    executes are not read (``BK`` divides G, so the predicate is uniform per K chunk).  fp32
+    accumulation; with split-K (tuned) the partial sums meet in an fp32 workspace through atomics.
     """
     M, K = a.shape
     N = w.shape[0]
@@ -252,14 +265,24 @@ def gemv_k(a: torch.Tensor, w: torch.Tensor, route: torch.Tensor, G: int, *,
     w = w.contiguous()
     route = route.contiguous()
     NG = K // G
-    mp = next_pow2(M)
+    ws = None
 
     def run(cfg):
-        grid = (triton.cdiv(N, cfg["BN"]),)
-        _gemv_k_kernel[grid](a, w, out, route, M, N, K, NG, a.stride(0), w.stride(0), out.stride(0),
-                             G, BN=cfg["BN"], BK=cfg["BK"], MP=mp, **launch_opts(cfg))
+        nonlocal ws
+        nchunks = K // cfg["BK"]
+        split = max(1, min(cfg["SPLIT"], nchunks))
+        per = triton.cdiv(nchunks, split)
+        split = triton.cdiv(nchunks, per)
+        atomic = split > 1
+        if atomic:
+            ws = torch.zeros((M, N), dtype=torch.float32, device=a.device)
+        grid = (triton.cdiv(N, cfg["BN"]), split)
+        _gemv_k_kernel[grid](a, w, out, ws if atomic else out, route, M, N, K, NG, a.stride(0), w.stride(0),
+                             out.stride(0), G, per, BN=cfg["BN"], BK=cfg["BK"], ATOMIC=atomic, **launch_opts(cfg))
+        if atomic:
+            out.copy_(ws)
 
-    cfg = pick_config("gemv_k", (M, N, K, G, str(a.dtype)), a.device, _gemv_cands(G, K), run)
+    cfg = pick_config("gemv_k", (M, N, K, G, str(a.dtype)), a.device, _gemv_k_cands(G, K, N, M), run)
     run(cfg)
     return out
 
