@@ -54,7 +54,8 @@ class Router(nn.Module):
         Returns:
             float32 logits ``[B, T, N_G, 2]`` (class 0 = execute).
         """
-        h = self.w2(self.w1(x.float()))
+        with torch.autocast(x.device.type, enabled=False):  # routers stay float32 under bf16 autocast
+            h = self.w2(self.w1(x.float()))
         return h.view(*x.shape[:-1], self.n_groups, 2)
 
 

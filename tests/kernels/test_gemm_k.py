@@ -1,9 +1,13 @@
+import importlib
+
 import pytest
 import torch
 
 from kernel_testutil import DEVICE, DTYPES, check_close, make_mask, poisoned, randn, seed_for
 from wide.kernels import gemm_k, reorder
 from wide.kernels.reference import gemm_k_ref
+
+gemm_k_mod = importlib.import_module("wide.kernels.gemm_k")  # the module, not the op it exports
 
 
 def _run(M, N, K, G, dtype, kind, path="auto", shared=False, p=0.5):
@@ -27,7 +31,8 @@ def test_every_group_size(G, dtype, path):
 
 
 @pytest.mark.parametrize("p", [0.1, 0.9])
-def test_auto_path_either_side_of_threshold(p):
+def test_auto_path_either_side_of_threshold(p, monkeypatch):
+    monkeypatch.setattr(gemm_k_mod, "SPARSE_MIN_M", 0)
     _run(50, 48, 256, 64, torch.bfloat16, "random", "auto", p=p)
 
 
@@ -39,7 +44,8 @@ def test_decode_rows(M, G):
 
 @pytest.mark.parametrize("kind", ["all", "none", "one_row"])
 @pytest.mark.parametrize("path", ["sparse", "dense", "auto"])
-def test_mask_kinds(kind, path):
+def test_mask_kinds(kind, path, monkeypatch):
+    monkeypatch.setattr(gemm_k_mod, "SPARSE_MIN_M", 0)
     _run(33, 32, 128, 32, torch.float16, kind, path, shared=True)
 
 

@@ -1,3 +1,5 @@
+import importlib
+
 import pytest
 import torch
 
@@ -5,7 +7,16 @@ from kernel_testutil import DEVICE, DTYPES, check_close, make_mask, poisoned, ra
 from wide.kernels import gemm_mn, reorder
 from wide.kernels.reference import expand_route, gemm_mn_ref
 
+gemm_mn_mod = importlib.import_module("wide.kernels.gemm_mn")  # the module, not the op it exports
+
 GS = [16, 32, 64, 128, 256, 512]
+
+
+@pytest.fixture(params=["sorted", "direct"])
+def mode(request, monkeypatch):
+    """sorted: reorder + gathered tiles (Algorithm 2); direct: few-row path reading the route."""
+    monkeypatch.setattr(gemm_mn_mod, "DIRECT_MAX_M", 0 if request.param == "sorted" else 10**9)
+    return request.param
 
 
 def _run(M, N, K, G, dtype, kind, shared=False):
@@ -24,7 +35,7 @@ def _run(M, N, K, G, dtype, kind, shared=False):
 
 @pytest.mark.parametrize("G", GS)
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_every_group_size(G, dtype):
+def test_every_group_size(G, dtype, mode):
     # M = 37 is not a multiple of the row tile; N = max(2G, 64) keeps the interpreter fast
     _run(37, max(G, 64), 48, G, dtype, "random")
 
@@ -37,11 +48,11 @@ def test_decode_rows(M, G):
 
 @pytest.mark.parametrize("kind", ["all", "none", "one_row"])
 @pytest.mark.parametrize("M", [3, 70])
-def test_mask_kinds(kind, M):
+def test_mask_kinds(kind, M, mode):
     _run(M, 128, 64, 32, torch.float16, kind)
 
 
-def test_shared_reorder_and_ragged_k():
+def test_shared_reorder_and_ragged_k(mode):
     _run(45, 64, 40, 16, torch.bfloat16, "random", shared=True)
 
 
@@ -66,6 +77,6 @@ def test_errors():
 
 
 @pytest.mark.parametrize("G,M", [(48, 37), (192, 21), (192, 2)])
-def test_head_group_widths(G, M):
+def test_head_group_widths(G, M, mode):
     # attention Q projection: G is the head-group width, a multiple of head_dim (e.g. 3 x 64)
     _run(M, 2 * G, 64, G, torch.bfloat16, "random")

@@ -1,9 +1,20 @@
+import importlib
+
 import pytest
 import torch
 
 from kernel_testutil import DEVICE, DTYPES, check_close, make_mask, poisoned, randn, seed_for
 from wide.kernels import reorder, swiglu
 from wide.kernels.reference import expand_route, swiglu_ref
+
+gemm_mn_mod = importlib.import_module("wide.kernels.gemm_mn")  # the module, not the op it exports
+
+
+@pytest.fixture(params=["sorted", "direct"])
+def mode(request, monkeypatch):
+    """sorted: reorder + gathered tiles (Algorithm 2); direct: few-row path reading the route."""
+    monkeypatch.setattr(gemm_mn_mod, "DIRECT_MAX_M", 0 if request.param == "sorted" else 10**9)
+    return request.param
 
 
 def _run(M, N, K, G, dtype, kind, shared=False):
@@ -21,7 +32,7 @@ def _run(M, N, K, G, dtype, kind, shared=False):
 
 @pytest.mark.parametrize("G", [16, 32, 64, 128, 256, 512])
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_every_group_size(G, dtype):
+def test_every_group_size(G, dtype, mode):
     _run(37, max(G, 64), 32, G, dtype, "random")
 
 
@@ -31,7 +42,7 @@ def test_decode_rows(M):
 
 
 @pytest.mark.parametrize("kind", ["all", "none", "one_row"])
-def test_mask_kinds(kind):
+def test_mask_kinds(kind, mode):
     _run(40, 64, 32, 16, torch.float16, kind, shared=True)
 
 

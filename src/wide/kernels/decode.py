@@ -318,7 +318,7 @@ def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, route: t
             splits = 2
         else:
             sms = torch.cuda.get_device_properties(q.device).multi_processor_count
-            splits = max(1, min(triton.cdiv(Tk, 256), triton.cdiv(2 * sms, B * Hk)))
+            splits = max(1, min(triton.cdiv(Tk, 128), triton.cdiv(8 * sms, B * Hk)))
     bn = 16 if interpret_mode() else 64
     split_len = triton.cdiv(triton.cdiv(Tk, splits), bn) * bn
     splits = triton.cdiv(Tk, split_len)

@@ -28,6 +28,16 @@ from ._common import (
     pick_config, pow2_part, use_triton,
 )
 
+SPARSE_MIN_M = 512
+
+
+def uses_reorder(M: int) -> bool:
+    """Whether ``gemm_k(path="auto")`` consumes a reorder for M rows.  Below ``SPARSE_MIN_M`` rows
+    every weight group is needed by some row with high probability, so the auto path is the
+    route-predicated dense kernel, which needs no reorder."""
+    return M >= SPARSE_MIN_M
+
+
 # Active fraction above which the auto path runs the dense (mask-predicated) kernel, per G.
 # Set from the H200 measurements in benchmarks/kernels/ (see README there).
 DENSE_ABOVE = {16: 0.0, 32: 0.0, 64: 0.35, 128: 0.55, 256: 0.7, 512: 0.8}
@@ -168,8 +178,8 @@ def gemm_k(a: torch.Tensor, w: torch.Tensor, route: torch.Tensor, G: int, *,
         reordered: optional shared :func:`wide.kernels.reorder` result of ``route``.  Ignored for
             M <= 4.
         out: optional preallocated contiguous ``[M, N]`` output (a's dtype); every element written.
-        path: ``"auto"`` (default: chosen on the device from the active fraction, see
-            ``DENSE_ABOVE``), ``"sparse"`` (atomic scatter-add, Algorithm 3) or ``"dense"``
+        path: ``"auto"`` (default: ``dense`` for M < ``SPARSE_MIN_M``, else chosen on the device
+            from the active fraction, see ``DENSE_ABOVE``), ``"sparse"`` (atomic scatter-add, Algorithm 3) or ``"dense"``
             (route-predicated dense pipeline).  All paths give the same function.
 
     Returns:
@@ -212,6 +222,8 @@ def gemm_k(a: torch.Tensor, w: torch.Tensor, route: torch.Tensor, G: int, *,
     route = route.contiguous()
     if out is None:
         out = torch.empty((M, N), dtype=a.dtype, device=a.device)
+    if path == "auto" and not uses_reorder(M):
+        path = "dense"
     thr = DENSE_ABOVE.get(G, 0.8) if path == "auto" else (2.0 if path == "sparse" else -1.0)
     thr_ppm = int(round(thr * 1_000_000))
     ng_p2 = max(16, next_pow2(NG))

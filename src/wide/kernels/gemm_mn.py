@@ -31,10 +31,11 @@ if HAS_TRITON:
     from ._common import mm, mma  # noqa: F401
 
     @triton.jit
-    def _gemm_mn_kernel(x_ptr, w_ptr, w2_ptr, out_ptr, idx_ptr, cnt_ptr,
+    def _gemm_mn_kernel(x_ptr, w_ptr, w2_ptr, out_ptr, idx_ptr, cnt_ptr, route_ptr,
                         M, N, K, NG, stride_xm, stride_wn, stride_om, G,
                         BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
-                        GROUP_M: tl.constexpr, EVEN_K: tl.constexpr, SWIGLU: tl.constexpr):
+                        GROUP_M: tl.constexpr, EVEN_K: tl.constexpr, SWIGLU: tl.constexpr,
+                        DIRECT: tl.constexpr):
         pid = tl.program_id(0)
         num_pid_m = tl.cdiv(M, BM)
         num_pid_n = N // BN
@@ -49,17 +50,24 @@ if HAS_TRITON:
         m0 = pid_m * BM
         n0 = pid_n * BN
         g = n0 // G
-        cnt = tl.load(cnt_ptr + g)
         offs_j = m0 + tl.arange(0, BM)
         valid = offs_j < M
-        rows = tl.load(idx_ptr + offs_j.to(tl.int64) * NG + g, mask=valid, other=0).to(tl.int64)
+        if DIRECT:
+            # few rows: no reorder, rows in their original order, predicate from the route itself
+            rows = offs_j.to(tl.int64)
+            active = tl.load(route_ptr + rows * NG + g, mask=valid, other=0) != 0
+            skip = tl.max(active.to(tl.int32), axis=0) == 0
+        else:
+            cnt = tl.load(cnt_ptr + g)
+            rows = tl.load(idx_ptr + offs_j.to(tl.int64) * NG + g, mask=valid, other=0).to(tl.int64)
+            active = offs_j < cnt
+            skip = m0 >= cnt
         offs_n = n0 + tl.arange(0, BN)
         out_ptrs = out_ptr + rows[:, None] * stride_om + offs_n[None, :]
-        if m0 >= cnt:
+        if skip:
             # level-0 predicate s^(0) = 0: CTA early exit (only the zero epilogue)
             tl.store(out_ptrs, tl.zeros((BM, BN), dtype=out_ptr.dtype.element_ty), mask=valid[:, None])
         else:
-            active = offs_j < cnt
             offs_k = tl.arange(0, BK)
             a_ptrs = x_ptr + rows[:, None] * stride_xm + offs_k[None, :]
             b_ptrs = w_ptr + offs_n[None, :].to(tl.int64) * stride_wn + offs_k[:, None]
@@ -91,6 +99,16 @@ if HAS_TRITON:
             tl.store(out_ptrs, res, mask=valid[:, None])
 
 
+DIRECT_MAX_M = 128
+
+
+def uses_reorder(M: int) -> bool:
+    """Whether GEMM-MN / SwiGLU consume a reorder for M rows.  Up to ``DIRECT_MAX_M`` rows (a tile or
+    two) the kernel reads the route directly (tile skipped when none of its rows executes the
+    group), so no reorder is computed; M <= 4 takes the GEMV path."""
+    return M > DIRECT_MAX_M
+
+
 def _candidates(G: int, M: int, swiglu: bool) -> list[dict]:
     if interpret_mode():
         bn = min(pow2_part(G), 64)
@@ -102,6 +120,8 @@ def _candidates(G: int, M: int, swiglu: bool) -> list[dict]:
             base = [(64, 64, 64, 4, 4), (32, 64, 128, 4, 3)]
     else:
         base = [(128, 256, 64, 8, 3), (128, 128, 64, 8, 4), (128, 64, 64, 4, 4), (64, 128, 64, 4, 4)]
+        if M >= 2048:
+            base = [(256, 128, 64, 8, 3)] + base
     if M <= 64:
         base = [(64, 128, 64, 4, 4), (32, 64, 128, 4, 4), (64, 64, 128, 4, 3)]
     seen = set()
@@ -135,7 +155,11 @@ def launch_gemm_mn(x, w, w2, route, G, reordered, out, swiglu):
     M, K = x.shape
     N = w.shape[0]
     NG = N // G
-    if reordered is None:
+    direct = not uses_reorder(M)
+    route = route.contiguous()
+    if direct:
+        reordered = None
+    elif reordered is None:
         from .reorder import reorder
         reordered = reorder(route)
     else:
@@ -149,14 +173,14 @@ def launch_gemm_mn(x, w, w2, route, G, reordered, out, swiglu):
         w = w.contiguous()
     if out is None:
         out = torch.empty((M, N), dtype=x.dtype, device=x.device)
-    idx, cnt = reordered.index, reordered.counts
+    idx, cnt = (route, route) if direct else (reordered.index, reordered.counts)
 
     def run(cfg):
         grid = (triton.cdiv(M, cfg["BM"]) * (N // cfg["BN"]),)
-        _gemm_mn_kernel[grid](x, w, w2 if w2 is not None else w, out, idx, cnt,
+        _gemm_mn_kernel[grid](x, w, w2 if w2 is not None else w, out, idx, cnt, route,
                               M, N, K, NG, x.stride(0), w.stride(0), out.stride(0), G,
                               BM=cfg["BM"], BN=cfg["BN"], BK=cfg["BK"], GROUP_M=cfg["GROUP_M"],
-                              EVEN_K=(K % cfg["BK"] == 0), SWIGLU=swiglu, **launch_opts(cfg))
+                              EVEN_K=(K % cfg["BK"] == 0), SWIGLU=swiglu, DIRECT=direct, **launch_opts(cfg))
 
     op = "swiglu" if swiglu else "gemm_mn"
     cfg = pick_config(op, (m_bucket(M), N, K, G, str(x.dtype)), x.device, _candidates(G, M, swiglu), run)
@@ -175,7 +199,8 @@ def gemm_mn(x: torch.Tensor, w: torch.Tensor, route: torch.Tensor, G: int, *,
         G: group size along N, a multiple of 16 dividing N (FFN: a power of two 16..512;
             Q projection: the head-group width Hq/N_G*d).
         reordered: optional :func:`wide.kernels.reorder` result of ``route`` (shared with the other
-            ops of the same routing decision); computed here when None.  Ignored for M <= 4.
+            ops of the same routing decision); computed here when None.  Not used (and not
+            computed) for M <= ``DIRECT_MAX_M`` (128): see :func:`uses_reorder`.
         out: optional preallocated contiguous ``[M, N]`` output of x's dtype; every element is written.
 
     Returns:
