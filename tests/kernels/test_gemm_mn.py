@@ -80,3 +80,23 @@ def test_errors():
 def test_head_group_widths(G, M, mode):
     # attention Q projection: G is the head-group width, a multiple of head_dim (e.g. 3 x 64)
     _run(M, 2 * G, 64, G, torch.bfloat16, "random")
+
+
+@pytest.mark.parametrize("swiglu", [False, True])
+def test_tma_weight_tiles(swiglu, monkeypatch):
+    # the candidate that loads the weight tile through a tensor descriptor (TMA on Hopper)
+    orig = gemm_mn_mod._candidates
+    monkeypatch.setattr(gemm_mn_mod, "_candidates", lambda G, M, sw: [dict(orig(G, M, sw)[0], TMA=True)])
+    monkeypatch.setattr(gemm_mn_mod, "DIRECT_MAX_M", 0)
+    gen = seed_for("tma", swiglu)
+    M, N, K, G = 70, 128, 40, 32
+    x = randn((M, K), torch.bfloat16, gen)
+    w = randn((N, K), torch.bfloat16, gen)
+    w2 = randn((N, K), torch.bfloat16, gen)
+    route = make_mask("random", (M, N // G), gen)
+    out = poisoned((M, N), torch.bfloat16)
+    gemm_mn_mod.launch_gemm_mn(x, w, w2 if swiglu else None, route, G, None, out, swiglu)
+    from wide.kernels.reference import swiglu_ref
+    ref = (swiglu_ref(x.double(), w.double(), w2.double(), route, G) if swiglu
+           else gemm_mn_ref(x.double(), w.double(), route, G))
+    check_close(out, ref)

@@ -35,7 +35,7 @@ if HAS_TRITON:
                         M, N, K, NG, stride_xm, stride_wn, stride_om, G,
                         BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
                         GROUP_M: tl.constexpr, EVEN_K: tl.constexpr, SWIGLU: tl.constexpr,
-                        DIRECT: tl.constexpr):
+                        DIRECT: tl.constexpr, w_desc, w2_desc, USE_TMA: tl.constexpr):
         pid = tl.program_id(0)
         num_pid_m = tl.cdiv(M, BM)
         num_pid_n = N // BN
@@ -78,14 +78,20 @@ if HAS_TRITON:
             for kt in range(0, tl.cdiv(K, BK)):
                 if EVEN_K:
                     a = tl.load(a_ptrs, mask=active[:, None], other=0.0)
-                    b = tl.load(b_ptrs)
                 else:
                     kmask = (kt * BK + offs_k) < K
                     a = tl.load(a_ptrs, mask=active[:, None] & kmask[None, :], other=0.0)
+                if USE_TMA:  # dense weight tile through the bulk tensor copy engine
+                    b = w_desc.load([n0, kt * BK]).T
+                elif EVEN_K:
+                    b = tl.load(b_ptrs)
+                else:
                     b = tl.load(b_ptrs, mask=kmask[:, None], other=0.0)
                 acc = mma(a, b, acc)
                 if SWIGLU:
-                    if EVEN_K:
+                    if USE_TMA:
+                        b2 = w2_desc.load([n0, kt * BK]).T
+                    elif EVEN_K:
                         b2 = tl.load(b2_ptrs)
                     else:
                         b2 = tl.load(b2_ptrs, mask=kmask[:, None], other=0.0)
@@ -132,6 +138,9 @@ def _candidates(G: int, M: int, swiglu: bool) -> list[dict]:
             continue
         seen.add(key)
         cands.append(dict(BM=bm, BN=bn, BK=bk, GROUP_M=8, num_warps=w, num_stages=s))
+    if M > 128 and HAS_TRITON and hasattr(tl, "tensor_descriptor"):
+        # same tiles with the weight operand loaded by TMA (Hopper bulk tensor copies)
+        cands += [dict(c, TMA=True) for c in cands[:3] if c["BN"] >= 16]
     return cands
 
 
@@ -175,12 +184,23 @@ def launch_gemm_mn(x, w, w2, route, G, reordered, out, swiglu):
         out = torch.empty((M, N), dtype=x.dtype, device=x.device)
     idx, cnt = (route, route) if direct else (reordered.index, reordered.counts)
 
+    w2_ = w2 if w2 is not None else w
+
     def run(cfg):
         grid = (triton.cdiv(M, cfg["BM"]) * (N // cfg["BN"]),)
-        _gemm_mn_kernel[grid](x, w, w2 if w2 is not None else w, out, idx, cnt, route,
+        tma = bool(cfg.get("TMA", False))
+        if tma:
+            from triton.tools.tensor_descriptor import TensorDescriptor
+
+            wd = TensorDescriptor.from_tensor(w, [cfg["BN"], cfg["BK"]])
+            w2d = TensorDescriptor.from_tensor(w2_, [cfg["BN"], cfg["BK"]]) if w2 is not None else wd
+        else:
+            wd = w2d = w
+        _gemm_mn_kernel[grid](x, w, w2_, out, idx, cnt, route,
                               M, N, K, NG, x.stride(0), w.stride(0), out.stride(0), G,
                               BM=cfg["BM"], BN=cfg["BN"], BK=cfg["BK"], GROUP_M=cfg["GROUP_M"],
-                              EVEN_K=(K % cfg["BK"] == 0), SWIGLU=swiglu, DIRECT=direct, **launch_opts(cfg))
+                              EVEN_K=(K % cfg["BK"] == 0), SWIGLU=swiglu, DIRECT=direct,
+                              w_desc=wd, w2_desc=w2d, USE_TMA=tma, **launch_opts(cfg))
 
     op = "swiglu" if swiglu else "gemm_mn"
     cfg = pick_config(op, (m_bucket(M), N, K, G, str(x.dtype)), x.device, _candidates(G, M, swiglu), run)
