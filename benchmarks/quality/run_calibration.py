@@ -36,7 +36,7 @@ def main() -> None:
     p.add_argument("--steps", type=int, nargs="+", default=[600], help="one value, or one per sparsity")
     p.add_argument("--batch-size", type=int, default=8)
     p.add_argument("--seq-len", type=int, default=2048)
-    p.add_argument("--lr", type=float, default=2e-3)
+    p.add_argument("--lr", type=float, default=5e-3)
     p.add_argument("--ctx", type=int, default=2048)
     p.add_argument("--ffn-group-size", type=int, default=128)
     p.add_argument("--mode", default="global")

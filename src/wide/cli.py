@@ -37,7 +37,7 @@ def _add_method(p: argparse.ArgumentParser, sparsity_default: float = 0.5) -> No
     g.add_argument("--routed", choices=["both", "attn", "ffn"], default="both")
 
 
-def _add_train(p: argparse.ArgumentParser, steps: int = 500, batch: int = 8, seq_len: int = 2048, lr: float = 1e-3) -> None:
+def _add_train(p: argparse.ArgumentParser, steps: int = 500, batch: int = 8, seq_len: int = 2048, lr: float = 5e-3) -> None:
     g = p.add_argument_group("calibration run")
     g.add_argument("--steps", type=int, default=steps)
     g.add_argument("--batch-size", type=int, default=batch, help="sequences per micro-batch")

@@ -38,7 +38,7 @@ class CalibrationArgs:
     steps: int = 500
     batch_size: int = 8
     grad_accum: int = 1
-    lr: float = 1e-3
+    lr: float = 5e-3
     warmup_steps: int = 0
     weight_decay: float = 0.0
     max_grad_norm: float = 1.0
