@@ -20,6 +20,7 @@ from .errors import WideError
 CONFIG_NAME = "wide_config.json"
 SPARSITY_MODES = ("global", "uniform")
 ROUTED_CHOICES = ("both", "attn", "ffn")
+METHODS = ("wide", "skipgpt")
 
 
 @dataclass(frozen=True)
@@ -71,6 +72,11 @@ class WideConfig:
         tau_start, tau_end: Gumbel-softmax temperature, annealed linearly over the calibration steps.
         sparsity_mode: ``"global"`` (Eq. 6) or ``"uniform"`` (Eq. 22).
         routed: ``"both"``, ``"attn"`` or ``"ffn"``: which sublayers get routers.
+        method: ``"wide"`` (token-level width routing over groups, §3.1) or ``"skipgpt"`` (the dynamic-depth
+            baseline of §4.1, Zhao et al. 2025: one router per attention / FFN module whose single decision
+            executes or skips the whole module). For ``"skipgpt"`` :meth:`resolve` sets both group sizes to
+            the full module width (``N_G = 1``), whatever they were; same loss (Eq. 6 / Eq. 22), same
+            routers (Eq. 4-5). Configs saved before this field existed load as ``"wide"``.
     """
 
     attn_group_size: int | None = None
@@ -82,6 +88,7 @@ class WideConfig:
     tau_end: float = 0.5
     sparsity_mode: str = "global"
     routed: str = "both"
+    method: str = "wide"
 
     def __post_init__(self) -> None:
         self.validate()
@@ -114,16 +121,26 @@ class WideConfig:
             raise WideError(f"sparsity mode {self.sparsity_mode!r} is not one of {', '.join(SPARSITY_MODES)}")
         if self.routed not in ROUTED_CHOICES:
             raise WideError(f"routed={self.routed!r} is not one of {', '.join(ROUTED_CHOICES)}")
+        if self.method not in METHODS:
+            raise WideError(f"method={self.method!r} is not one of {', '.join(METHODS)}")
+        if self.method == "skipgpt":  # whole-module gates: resolve() sets G to the module width
+            if not isinstance(self.ffn_group_size, int) or self.ffn_group_size < 1:
+                raise WideError(f"FFN group size G={self.ffn_group_size!r} must be a positive integer")
+            return
         if self.ffn_group_size is None or self.ffn_group_size < 16 or self.ffn_group_size & (self.ffn_group_size - 1):
             raise WideError(f"FFN group size G={self.ffn_group_size!r} must be a power of two >= 16")
 
     def resolve(self, dims: ModelDims) -> "WideConfig":
         """Return a copy with ``attn_group_size`` filled in and every size checked against ``dims``.
 
+        For ``method="skipgpt"`` both group sizes become the full module widths (``N_G = 1`` per module).
+
         Raises:
             WideError: a group size that does not divide its dimension or is not a multiple of
                 ``head_dim``; the message lists the legal sizes.
         """
+        if self.method == "skipgpt":
+            return dataclasses.replace(self, attn_group_size=dims.attn_width, ffn_group_size=dims.intermediate_size)
         g_attn = dims.gqa_group_size if self.attn_group_size is None else int(self.attn_group_size)
         if g_attn % dims.head_dim or dims.attn_width % g_attn or g_attn <= 0:
             raise WideError(

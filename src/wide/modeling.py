@@ -300,6 +300,7 @@ class WideModel(nn.Module):
             mask = torch.full((*x.shape[:-1], n), float(fixed), device=x.device)
         else:
             mask = fixed[i].float() if fixed.dim() == 4 else fixed.float()
+            mask = mask.to(x.device).expand(*x.shape[:-1], n)  # e.g. a static [L, 1, 1, N_G] mask
         valid = self._valid
         if valid is not None and valid.shape != mask.shape[:-1]:
             valid = valid[..., -mask.shape[-2]:]  # decode with KV cache: only the new positions

@@ -7,6 +7,7 @@ True / 1.0 means *execute* the group and False / 0.0 means skip it.
 from __future__ import annotations
 
 import math
+from contextlib import contextmanager
 
 import torch
 import torch.nn.functional as F
@@ -59,19 +60,46 @@ class Router(nn.Module):
         return h.view(*x.shape[:-1], self.n_groups, 2)
 
 
+_UNIFORM_SOURCE = None  # optional callable(shape, device, dtype) -> U(0, 1) tensor; see uniform_noise()
+
+
+@contextmanager
+def uniform_noise(source):
+    """Within the block, :func:`gumbel_hard_mask` calls without a ``generator`` draw their uniforms from ``source``.
+
+    Training uses this to make the Gumbel noise a pure function of (seed, sample index, layer, module),
+    independent of the world size and of recomputation under activation checkpointing (paper §3.2 training
+    is unchanged; only where the random numbers come from).
+
+    Args:
+        source: callable ``source(shape, device, dtype) -> Tensor`` returning uniforms in ``[0, 1)`` of
+            exactly that shape ``[..., N_G, 2]``, device and dtype; ``None`` restores torch's global RNG.
+    """
+    global _UNIFORM_SOURCE
+    old, _UNIFORM_SOURCE = _UNIFORM_SOURCE, source
+    try:
+        yield
+    finally:
+        _UNIFORM_SOURCE = old
+
+
 def gumbel_hard_mask(logits: torch.Tensor, tau: float, generator: torch.Generator | None = None) -> torch.Tensor:
     """Training mask: hard Gumbel-softmax with a straight-through gradient (Eq. 5, training branch).
 
     Args:
         logits: ``[..., N_G, 2]`` float32 router logits.
         tau: temperature ``> 0``.
-        generator: optional RNG for the Gumbel noise (default: torch's global RNG).
+        generator: optional RNG for the Gumbel noise (default: the source installed by
+            :func:`uniform_noise` if any, else torch's global RNG).
 
     Returns:
         float mask ``[..., N_G]`` with values exactly 0.0 or 1.0 in the forward pass (1.0 = execute)
         whose gradient is that of ``softmax((logits + g) / tau)[..., 0]``.
     """
-    u = torch.rand(logits.shape, device=logits.device, dtype=logits.dtype, generator=generator)
+    if generator is None and _UNIFORM_SOURCE is not None:
+        u = _UNIFORM_SOURCE(logits.shape, logits.device, logits.dtype)
+    else:
+        u = torch.rand(logits.shape, device=logits.device, dtype=logits.dtype, generator=generator)
     e = (-torch.log(u.clamp_min(1e-20))).clamp_min(1e-20)  # Exp(1) sample, > 0
     g = -torch.log(e)  # Gumbel(0, 1)
     soft = torch.softmax((logits + g) / tau, dim=-1)
