@@ -57,7 +57,8 @@ def read_safetensors(path: str | os.PathLike) -> dict[str, torch.Tensor]:
         raise WideError(f"corrupt checkpoint file {path}: {e}") from None
 
 
-def save_wide(model: WideModel, directory: str | os.PathLike, model_ref: str, extra: dict | None = None) -> Path:
+def save_wide(model: WideModel, directory: str | os.PathLike, model_ref: str, extra: dict | None = None,
+              routers: dict[str, torch.Tensor] | None = None, base_fingerprint: str | None = None) -> Path:
     """Save routers, config and base-model reference into ``directory`` (created if needed).
 
     Args:
@@ -65,12 +66,17 @@ def save_wide(model: WideModel, directory: str | os.PathLike, model_ref: str, ex
         directory: output folder.
         model_ref: how to load the base model again (``--model`` value).
         extra: optional JSON-able facts stored in ``base_model.json`` under ``"extra"``.
+        routers: router weights to write instead of ``model.router_state_dict()`` (float32 CPU tensors;
+            used when the model is sharded with FSDP and the caller gathered them).
+        base_fingerprint: the base model's :func:`~wide.modeling.fingerprint`, if already computed
+            (a sharded model cannot compute it).
     """
     directory = Path(directory)
-    atomic_save_safetensors(model.router_state_dict(), directory / ROUTERS_NAME, metadata={"format": "wide-routers-v1"})
+    routers = model.router_state_dict() if routers is None else routers
+    atomic_save_safetensors(routers, directory / ROUTERS_NAME, metadata={"format": "wide-routers-v1"})
     base = {
         "model": model_ref,
-        "fingerprint": fingerprint(model.base),
+        "fingerprint": base_fingerprint or fingerprint(model.base),
         "architecture": check_architecture(model.base.config),
         "dims": model.dims.__dict__,
     }
@@ -94,22 +100,25 @@ def read_base_info(directory: str | os.PathLike) -> dict:
 
 
 def load(path: str | os.PathLike, model: str | torch.nn.Module | None = None, device=None, dtype=None,
-         tokenizer: bool = False):
+         tokenizer: bool = False, merge_lora: bool = False):
     """Load a saved WIDE model, ready for evaluation (argmax routing).
 
     Args:
-        path: a directory written by :func:`save_wide` (``wide calibrate`` output).
+        path: a directory written by :func:`save_wide` (``wide calibrate`` / ``wide lora`` output).
         model: ``None`` to load the base model recorded in the checkpoint, a ``--model`` string, or an
             already loaded Hugging Face model.
         device, dtype: as in :func:`wide.modeling.load_base_model`.
         tokenizer: also return the tokenizer (then ``model`` must not be a module).
+        merge_lora: if the directory holds a stage-2 LoRA adapter (``adapter/``, peft format), fold it into
+            the base weights with peft's own merge and scale (``lora_alpha / r``); otherwise (default) keep
+            it as separate peft LoRA layers. Either way the routing hooks gate the adapted projections.
 
     Returns:
         :class:`WideModel` (or ``(WideModel, tokenizer)``).
 
     Raises:
         WideError: missing directory or files, corrupt files, a checkpoint made for another base model,
-            or router shapes that do not fit.
+            router shapes that do not fit, or a missing / corrupt LoRA adapter.
     """
     path = Path(path)
     if not path.is_dir():
@@ -132,5 +141,9 @@ def load(path: str | os.PathLike, model: str | torch.nn.Module | None = None, de
                         f"(fingerprint {info['fingerprint']}), not this one (fingerprint {fp})")
     wm = WideModel(base, config)
     wm.load_router_state_dict(routers)
+    from .lora import ADAPTER_DIR, load_adapter
+
+    if (path / ADAPTER_DIR).exists():
+        load_adapter(wm, path / ADAPTER_DIR, merge=merge_lora)
     wm.eval()
     return (wm, tok) if tokenizer else wm

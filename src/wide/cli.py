@@ -50,6 +50,15 @@ def _add_train(p: argparse.ArgumentParser, steps: int = 500, batch: int = 8, seq
     g.add_argument("--max-blocks", type=int, default=None, help="use at most this many packed sequences")
 
 
+def _add_dist(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("scaling out (FSDP2)")
+    g.add_argument("--nproc", type=int, default=None,
+                   help="run on N local processes / GPUs through torch.distributed.run (same as "
+                        "`torchrun --nproc-per-node N -m wide ...`); --batch-size is per process")
+    g.add_argument("--grad-checkpoint", action="store_true",
+                   help="activation checkpointing: recompute each decoder layer in backward (less memory)")
+
+
 def _config_from(args):
     from .config import WideConfig
 
@@ -63,7 +72,8 @@ def _train_args_from(args):
 
     warm = args.warmup_steps if args.warmup_steps is not None else max(0, args.steps // 20)
     a = CalibrationArgs(steps=args.steps, batch_size=args.batch_size, grad_accum=args.grad_accum, lr=args.lr,
-                        warmup_steps=warm, seed=args.seed, save_every=args.save_every)
+                        warmup_steps=warm, seed=args.seed, save_every=args.save_every,
+                        grad_checkpoint=bool(getattr(args, "grad_checkpoint", False)))
     a.validate()
     return a
 
@@ -110,7 +120,7 @@ def cmd_info(args) -> int:
     return 0
 
 
-def _load(args, cfg=None, then=None):
+def _load(args, cfg=None, then=None, device=None):
     """Load ``--model``; validate ``cfg`` against its dims and run ``then(tokenizer)`` before the weights load."""
     from .modeling import dims_of, load_base_model
 
@@ -120,34 +130,113 @@ def _load(args, cfg=None, then=None):
         if then is not None:
             then(tok)
 
-    return load_base_model(args.model, device=args.device, check=check)
+    return load_base_model(args.model, device=device or args.device, check=check)
+
+
+def _maybe_launch(args, command: str, precheck) -> int | None:
+    """``--nproc N`` outside torchrun: check cheap inputs here, then start N workers; else None."""
+    from . import distributed as D
+
+    if args.nproc is None or D.launched_by_torchrun():
+        return None
+    if args.nproc < 1:
+        raise WideError(f"--nproc {args.nproc} must be >= 1")
+    precheck()
+    return D.launch(args.nproc, command, D.strip_nproc(args.argv))
+
+
+def _precheck_train(args, cfg=None):
+    from .data import load_texts
+    from .training import has_train_state
+
+    _train_args_from(args)
+    if cfg is not None:
+        cfg.validate()
+    if args.resume and not has_train_state(args.output):
+        raise WideError(f"--resume: no train_state.pt in {str(args.output)!r}")
+    load_texts(args.text, split="calib")
 
 
 def cmd_calibrate(args) -> int:
+    import torch
+
+    from . import distributed as D
     from .data import load_texts, pack
     from .modeling import WideModel
-    from .training import calibrate
+    from .training import calibrate, has_train_state
 
     cfg = _config_from(args)
+    launched = _maybe_launch(args, "calibrate", lambda: _precheck_train(args, cfg))
+    if launched is not None:
+        return launched
     targs = _train_args_from(args)
     out = Path(args.output)
-    if args.resume and not (out / "train_state.pt").is_file():
+    if args.resume and not has_train_state(out):
         raise WideError(f"--resume: no train_state.pt in {str(out)!r}")
     docs = load_texts(args.text, split="calib")
+    env = D.init(args.device)
+    say = _print if env.is_main else (lambda *_: None)
     packed = {}
     model, tok, src = _load(args, cfg, then=lambda tok: packed.setdefault(
-        "blocks", pack(docs, tok, args.seq_len, max_blocks=args.max_blocks)))
+        "blocks", pack(docs, tok, args.seq_len, max_blocks=args.max_blocks)), device=env.device)
     blocks = packed["blocks"]
+    torch.manual_seed(args.seed)  # identical router initialization on every rank
     wm = WideModel(model, cfg)
-    _print(f"calibrating {src.ref}: {blocks.shape[0]} sequences x {blocks.shape[1]} tokens, S={cfg.target_sparsity}, "
-           f"G_attn={wm.config.attn_group_size}, G_ffn={wm.config.ffn_group_size}, {targs.steps} steps")
+    say(f"calibrating {src.ref}: {blocks.shape[0]} sequences x {blocks.shape[1]} tokens, S={cfg.target_sparsity}, "
+        f"G_attn={wm.config.attn_group_size}, G_ffn={wm.config.ffn_group_size}, {targs.steps} steps, "
+        f"{env.world_size} process(es), global batch {targs.batch_size * targs.grad_accum * env.world_size}")
     t0 = time.time()
     recs = calibrate(wm, blocks, targs, out, src.ref, resume=args.resume)
     if recs:
         r = recs[-1]
-        _print(f"done in {time.time() - t0:.0f}s: lm_loss {r['lm_loss']:.3f}, attn sparsity {r['attn_sparsity']:.3f}, "
-               f"ffn sparsity {r['ffn_sparsity']:.3f}")
-    _print(f"saved WIDE checkpoint to {out}")
+        say(f"done in {time.time() - t0:.0f}s: lm_loss {r['lm_loss']:.3f}, attn sparsity {r['attn_sparsity']:.3f}, "
+            f"ffn sparsity {r['ffn_sparsity']:.3f}")
+    say(f"saved WIDE checkpoint to {out}")
+    return 0
+
+
+def cmd_lora(args) -> int:
+    from . import distributed as D
+    from .checkpoint import load
+    from .data import load_texts, pack
+    from .lora import LoraSettings, check_stage1, recover
+    from .training import has_train_state
+
+    settings = LoraSettings(r=args.lora_r, alpha=args.lora_alpha, dropout=args.lora_dropout)
+
+    def precheck():
+        settings.validate()
+        check_stage1(args.wide)
+        _precheck_train(args)
+
+    launched = _maybe_launch(args, "lora", precheck)
+    if launched is not None:
+        return launched
+    precheck()
+    targs = _train_args_from(args)
+    out = Path(args.output)
+    if Path(args.wide).resolve() == out.resolve():
+        raise WideError(f"-o {str(out)!r} must differ from the stage-1 checkpoint --wide {args.wide!r}")
+    if args.resume and not has_train_state(out):
+        raise WideError(f"--resume: no train_state.pt in {str(out)!r}")
+    info = check_stage1(args.wide)
+    docs = load_texts(args.text, split="calib")
+    env = D.init(args.device)
+    say = _print if env.is_main else (lambda *_: None)
+    wm, tok = load(args.wide, model=args.model, device=env.device or args.device, tokenizer=True)
+    blocks = pack(docs, tok, args.seq_len, max_blocks=args.max_blocks)
+    say(f"LoRA recovery on {args.wide} ({info['model']}): {blocks.shape[0]} sequences x {blocks.shape[1]} tokens, "
+        f"r={settings.r} alpha={settings.alpha} dropout={settings.dropout}, routers "
+        f"{'frozen' if args.freeze_router else 'trained'}, {targs.steps} steps, {env.world_size} process(es), "
+        f"global batch {targs.batch_size * targs.grad_accum * env.world_size}")
+    t0 = time.time()
+    recs = recover(wm, blocks, targs, out, info["model"] if args.model is None else args.model, settings=settings,
+                   freeze_router=args.freeze_router, stage1=args.wide, resume=args.resume)
+    if recs:
+        r = recs[-1]
+        say(f"done in {time.time() - t0:.0f}s: lm_loss {r['lm_loss']:.3f}, attn sparsity {r['attn_sparsity']:.3f}, "
+            f"ffn sparsity {r['ffn_sparsity']:.3f}")
+    say(f"saved WIDE checkpoint with LoRA adapter to {out}")
     return 0
 
 
@@ -264,7 +353,23 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--resume", action="store_true", help="continue from <output>/train_state.pt")
     _add_method(s)
     _add_train(s)
+    _add_dist(s)
     s.set_defaults(func=cmd_calibrate)
+
+    s = sub.add_parser("lora", help="stage 2: LoRA recovery on top of a stage-1 checkpoint (peft, all 7 projections)")
+    _add_model(s)
+    s.add_argument("--wide", required=True, help="stage-1 WIDE checkpoint directory (`wide calibrate` output)")
+    s.add_argument("--text", default=None, help="training text (default: BoolQ passages, calibration split)")
+    s.add_argument("--output", "-o", required=True, help="output WIDE directory (routers, config, adapter/)")
+    s.add_argument("--resume", action="store_true", help="continue from the training state in --output")
+    s.add_argument("--freeze-router", action="store_true", help="keep the stage-1 routers fixed; train only LoRA")
+    g = s.add_argument_group("LoRA (peft)")
+    g.add_argument("--lora-r", type=int, default=16, help="LoRA rank r")
+    g.add_argument("--lora-alpha", type=float, default=32.0, help="lora_alpha; peft scales by alpha / r")
+    g.add_argument("--lora-dropout", type=float, default=0.1)
+    _add_train(s, lr=2e-4)
+    _add_dist(s)
+    s.set_defaults(func=cmd_lora)
 
     s = sub.add_parser("eval-ppl", help="token perplexity, dense and WIDE side by side, with realized sparsity")
     _add_model(s)
@@ -300,6 +405,18 @@ def main(argv: list[str] | None = None) -> int:
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     args = build_parser().parse_args(argv)
+    args.argv = list(sys.argv[1:] if argv is None else argv)
+    from .distributed import launched_by_torchrun
+
+    if launched_by_torchrun():  # a torchrun worker: any rank's error ends the job with one line, no hang
+        from . import distributed as D
+
+        try:
+            return args.func(args)
+        except (Exception, KeyboardInterrupt) as e:  # noqa: BLE001
+            return D.report_error(args.command, e)
+        finally:
+            D.shutdown()
     try:
         return args.func(args)
     except WideError as e:

@@ -1,20 +1,32 @@
-"""Stage-1 calibration (paper §3.2): only the routers train, the base model stays frozen.
+"""Training loop for both stages of paper §3.2: router calibration (stage 1) and LoRA recovery (stage 2).
+
+One loop, :func:`train`, trains whatever parameter set the caller marked ``requires_grad`` on a
+:class:`~wide.modeling.WideModel`: the routers (stage 1, base frozen), the LoRA adapters with or without
+the routers (stage 2, see :mod:`wide.lora`). :func:`calibrate` is stage 1.
 
 Loss = LM loss + sparsity loss (Eq. 6, or Eq. 22 in uniform mode); hard Gumbel-softmax masks with a
 straight-through gradient and a temperature annealed linearly from ``tau_start`` to ``tau_end``.
-AdamW with linear warm-up then cosine decay, gradient clipping and accumulation, bf16 autocast on GPU.
+AdamW with linear warm-up then cosine decay, gradient clipping and accumulation, bf16 autocast on GPU,
+optional activation checkpointing.
 
-Training state (routers, optimizer, scheduler, RNG states, step) is written atomically every
-``save_every`` steps to ``<output>/train_state.pt`` and read back with ``torch.load(weights_only=True)``;
-``resume=True`` continues with exactly the losses an uninterrupted run would have had.
+Randomness is a pure function of the settings, never of a carried RNG state: the Gumbel uniforms of
+sample ``p`` of the data stream, layer ``i`` and module ``m`` come from a generator seeded with
+``(seed, p, m, i)`` (so they do not depend on the world size nor on recomputation), and the global RNG
+(LoRA dropout) is reseeded with ``(seed, step, rank)`` at every step.
+
+Checkpoints. Single process: ``<output>/train_state.pt`` (trained parameters, optimizer, step, settings),
+written atomically every ``save_every`` steps, read with ``torch.load(weights_only=True)``. Under torchrun:
+``<output>/train_state.dcp/`` through ``torch.distributed.checkpoint``, written atomically. Either resumes
+at any world size with the same global batch; ``resume=True`` continues with the losses an uninterrupted
+run would have had.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 import math
 import os
-import random
 import tempfile
 import time
 from dataclasses import asdict, dataclass
@@ -22,31 +34,50 @@ from pathlib import Path
 
 import torch
 
+from . import distributed as D
 from .checkpoint import save_wide
 from .errors import WideError
-from .modeling import WideModel
-from .routing import sparsity_loss
+from .modeling import WideModel, fingerprint
+from .routing import sparsity_loss, uniform_noise
 
 STATE_NAME = "train_state.pt"
+DCP_NAME = "train_state.dcp"
 LOG_NAME = "train_log.jsonl"
+STAGES = ("router", "lora")
 
 
 @dataclass
 class CalibrationArgs:
-    """One calibration run's settings (the method's own hyper-parameters live in WideConfig)."""
+    """One training run's settings (the method's own hyper-parameters live in WideConfig).
+
+    Attributes:
+        steps: optimizer steps.
+        batch_size: sequences per micro-batch *per process*; the global batch is
+            ``batch_size * grad_accum * world_size`` sequences.
+        grad_accum: micro-batches per step.
+        lr: peak learning rate (stage 1 default 5e-3 in the CLI, stage 2 2e-4).
+        warmup_steps: linear warm-up steps before cosine decay.
+        weight_decay, max_grad_norm: AdamW decay and gradient-clipping norm.
+        seed: seeds the data order, the Gumbel noise and dropout.
+        save_every: checkpoint period in steps (and at the last step).
+        log_every: kept for compatibility; every step is logged.
+        grad_checkpoint: recompute each decoder layer in backward (activation checkpointing).
+    """
 
     steps: int = 500
     batch_size: int = 8
     grad_accum: int = 1
-    lr: float = 5e-3
+    lr: float = 1e-3
     warmup_steps: int = 0
     weight_decay: float = 0.0
     max_grad_norm: float = 1.0
     seed: int = 0
     save_every: int = 100
     log_every: int = 1
+    grad_checkpoint: bool = False
 
     def validate(self) -> None:
+        """Raises WideError naming the first bad value (non-positive counts, ``lr <= 0``, negative warm-up)."""
         for name in ("steps", "batch_size", "grad_accum", "save_every", "log_every"):
             v = getattr(self, name)
             if not isinstance(v, int) or v < 1:
@@ -55,47 +86,94 @@ class CalibrationArgs:
             raise WideError(f"--lr {self.lr!r} must be > 0")
         if self.warmup_steps < 0:
             raise WideError(f"--warmup-steps {self.warmup_steps!r} must be >= 0")
+        if not self.max_grad_norm > 0:
+            raise WideError(f"--max-grad-norm {self.max_grad_norm!r} must be > 0")
+
+
+TrainArgs = CalibrationArgs
 
 
 def lr_lambda(step: int, warmup: int, total: int) -> float:
-    """Linear warm-up over ``warmup`` steps, then cosine decay to 0 at ``total``."""
+    """Learning-rate factor: linear warm-up over ``warmup`` steps, then cosine decay to 0 at ``total``."""
     if step < warmup:
         return (step + 1) / warmup
     prog = (step - warmup) / max(1, total - warmup)
     return 0.5 * (1.0 + math.cos(math.pi * min(prog, 1.0)))
 
 
-def micro_batch(blocks: torch.Tensor, k: int, batch_size: int, seed: int) -> torch.Tensor:
-    """The ``k``-th micro-batch of an endless stream of per-epoch seeded permutations of ``blocks``.
+def stream_index(pos: int, n: int, seed: int) -> int:
+    """Block index at position ``pos`` of the endless stream of per-epoch seeded permutations of ``n`` blocks."""
+    epoch, j = divmod(pos, n)
+    g = torch.Generator().manual_seed(seed * 1_000_003 + epoch)
+    return int(torch.randperm(n, generator=g)[j])
 
-    A pure function of ``k``: that is what makes resume exact.
-    """
+
+def stream_rows(blocks: torch.Tensor, positions, seed: int) -> torch.Tensor:
+    """Rows of ``blocks`` (int64 ``[N, T]``) at stream ``positions``: int64 ``[len(positions), T]``."""
     n = blocks.shape[0]
+    cache: dict[int, torch.Tensor] = {}
     idx = []
-    start = k * batch_size
-    for pos in range(start, start + batch_size):
+    for pos in positions:
         epoch, j = divmod(pos, n)
-        g = torch.Generator().manual_seed(seed * 1_000_003 + epoch)
-        idx.append(int(torch.randperm(n, generator=g)[j]))
+        if epoch not in cache:
+            cache[epoch] = torch.randperm(n, generator=torch.Generator().manual_seed(seed * 1_000_003 + epoch))
+        idx.append(int(cache[epoch][j]))
     return blocks[idx]
 
 
-def _rng_state() -> dict:
-    st = {"torch": torch.get_rng_state(), "python": list(random.getstate()[1]), "python_pos": random.getstate()[2]}
-    if torch.cuda.is_available():
-        st["cuda"] = torch.cuda.get_rng_state_all()
-    return st
+def micro_batch(blocks: torch.Tensor, k: int, batch_size: int, seed: int) -> torch.Tensor:
+    """The ``k``-th micro-batch (``[batch_size, T]``) of the seeded block stream; a pure function of ``k``."""
+    return stream_rows(blocks, range(k * batch_size, (k + 1) * batch_size), seed)
 
 
-def _set_rng_state(st: dict) -> None:
-    torch.set_rng_state(st["torch"])
-    random.setstate((3, tuple(st["python"]), st["python_pos"]))
-    if "cuda" in st and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all(st["cuda"])
+def _mix(*parts) -> int:
+    """A 63-bit seed from a tuple of ints / strings (stable across processes and runs)."""
+    return int.from_bytes(hashlib.sha256(repr(parts).encode()).digest()[:8], "little") & ((1 << 63) - 1)
+
+
+class GumbelNoise:
+    """Uniforms for :func:`wide.routing.gumbel_hard_mask` that depend only on (seed, sample, module, layer).
+
+    Forward hooks on the routers set :attr:`key` to ``(kind, layer)`` just before the mask is drawn, and
+    :attr:`positions` holds the stream positions of this process's rows; row ``b`` of the noise comes from
+    a generator seeded with ``(seed, positions[b], kind, layer)``. So the union over ranks equals the
+    single-process draw, and recomputation in backward redraws exactly the same noise.
+    """
+
+    def __init__(self, wm: WideModel, seed: int) -> None:
+        self.seed = seed
+        self.positions: list[int] = []
+        self.key: tuple[str, int] | None = None
+        self.handles = []
+        for kind, mods in (("attn", wm.attn_routers), ("ffn", wm.ffn_routers)):
+            for i, m in enumerate(mods):
+                self.handles.append(m.register_forward_hook(self._setter(kind, i)))
+
+    def _setter(self, kind: str, i: int):
+        def hook(module, args, output):
+            self.key = (kind, i)
+        return hook
+
+    def __call__(self, shape, device, dtype) -> torch.Tensor:
+        if self.key is None or shape[0] != len(self.positions):
+            raise RuntimeError(f"Gumbel noise for shape {tuple(shape)} without a router key / matching positions")
+        kind, layer = self.key
+        rows = []
+        for p in self.positions:
+            g = torch.Generator(device=device)
+            g.manual_seed(_mix(self.seed, p, kind, layer))
+            rows.append(torch.rand(tuple(shape[1:]), generator=g, device=device, dtype=dtype))
+        return torch.stack(rows)
+
+    def remove(self) -> None:
+        for h in self.handles:
+            h.remove()
+        self.handles = []
 
 
 def atomic_torch_save(obj, path: Path) -> None:
     """``torch.save`` to a temporary file, then rename (tensors, dicts, lists and numbers only)."""
+    path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
     os.close(fd)
@@ -111,9 +189,12 @@ def atomic_torch_save(obj, path: Path) -> None:
 def load_train_state(path: Path) -> dict:
     """Read a training state safely (``weights_only=True``). Raises WideError if corrupt."""
     try:
-        return torch.load(path, map_location="cpu", weights_only=True)
+        st = torch.load(path, map_location="cpu", weights_only=True)
     except Exception as e:  # noqa: BLE001 - any failure to parse is a corrupt file to the user
         raise WideError(f"corrupt training state {path}: {str(e).splitlines()[0]}") from None
+    if not isinstance(st, dict) or not {"step", "model", "optimizer", "meta"} <= set(st):
+        raise WideError(f"corrupt training state {path}: not a wide training state (old format or other file)")
+    return st
 
 
 def _truncate_log(path: Path, step: int) -> None:
@@ -123,87 +204,205 @@ def _truncate_log(path: Path, step: int) -> None:
         path.write_text("".join(ln + "\n" for ln in keep))
 
 
-def calibrate(wm: WideModel, blocks: torch.Tensor, args: CalibrationArgs, output: str | os.PathLike,
-              model_ref: str, resume: bool = False, progress: bool = True, on_step=None) -> list[dict]:
-    """Run stage-1 router calibration.
+def has_train_state(output: str | os.PathLike) -> bool:
+    """True if ``output`` holds a single-process or a sharded training state."""
+    output = Path(output)
+    return (output / STATE_NAME).is_file() or D.sharded_meta(output / DCP_NAME) is not None
 
-    Args:
-        wm: routed model (base frozen); its routers are trained in place.
-        blocks: int64 ``[N, seq_len]`` packed token blocks.
-        args: run settings.
-        output: folder for the WIDE checkpoint, ``train_state.pt`` and ``train_log.jsonl``.
-        model_ref: the base model's ``--model`` value, stored in the checkpoint.
-        resume: continue from ``<output>/train_state.pt``.
-        progress: show a tqdm bar.
-        on_step: optional callback ``f(record)`` after every step.
 
-    Returns:
-        the per-step log records of this call (step, lm_loss, sparsity_loss, attn/ffn sparsity, tau,
-        lr, tokens_per_s).
+def _resume_key(wm: WideModel, args: CalibrationArgs, stage: str, extra_key: dict | None, world: int) -> dict:
+    """The settings a resumed run must share with the saved one (the global batch, not its split)."""
+    train = {k: v for k, v in asdict(args).items()
+             if k not in ("batch_size", "grad_accum", "save_every", "log_every", "grad_checkpoint")}
+    train["global_batch"] = args.batch_size * args.grad_accum * world
+    return {"stage": stage, "config": wm.config.to_dict(), "train": train, **(extra_key or {})}
+
+
+def enable_grad_checkpoint(wm: WideModel) -> None:
+    """Turn on Hugging Face's activation checkpointing of every decoder layer (non-reentrant).
+
+    ``torch.utils.checkpoint`` restores the RNG state on recompute, and the routers' Gumbel noise is keyed
+    per sample and layer (:class:`GumbelNoise`), so the recomputed masks equal the forward ones. HF only
+    checkpoints in train mode, so :func:`train` puts the base model in train mode when this is on.
 
     Raises:
-        WideError: bad settings, or ``resume`` with a missing, corrupt or mismatched state.
+        WideError: the base model does not support gradient checkpointing.
+    """
+    base = wm.base
+    if not getattr(base, "supports_gradient_checkpointing", False):
+        raise WideError(f"--grad-checkpoint: {type(base).__name__} does not support gradient checkpointing")
+    base.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+
+
+def _state_options(full: bool = False):
+    from torch.distributed.checkpoint.state_dict import StateDictOptions
+
+    return StateDictOptions(ignore_frozen_params=True, strict=False, full_state_dict=full)
+
+
+def _load_state(wm: WideModel, opt, output: Path, key: dict, env: D.DistEnv) -> int:
+    """Load the newest training state in ``output`` (``.pt`` or DCP) into ``wm`` / ``opt``; return its step."""
+    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+    pt = output / STATE_NAME
+    meta = D.sharded_meta(output / DCP_NAME)
+    st = load_train_state(pt) if pt.is_file() else None
+    if st is None and meta is None:
+        raise WideError(f"--resume: no {STATE_NAME} or {DCP_NAME} in {str(output)!r}")
+    use_pt = st is not None and (meta is None or int(st["step"]) >= int(meta.get("step", -1)))
+    saved_key = st["meta"] if use_pt else meta.get("key")
+    src = pt if use_pt else Path(meta["_path"])
+    if saved_key != key:
+        raise WideError(f"--resume: {src} was written with other settings (saved {saved_key}, now {key})")
+    names = {n for n, p in wm.named_parameters() if p.requires_grad}
+    if use_pt:
+        msd, osd, step = st["model"], st["optimizer"], int(st["step"])
+        if set(msd) != names:
+            raise WideError(f"--resume: {src} holds parameters {sorted(msd)[:3]}..., this run trains {sorted(names)[:3]}...")
+        set_state_dict(wm, opt, model_state_dict=msd, optim_state_dict=osd, options=_state_options(full=True))
+        return step
+    msd, osd = get_state_dict(wm, opt, options=_state_options())
+    if set(msd) != names:
+        raise WideError(f"--resume: this run trains parameters that {src} does not hold")
+    state = {"model": msd, "optim": osd}
+    D.load_sharded(state, src, env)
+    set_state_dict(wm, opt, model_state_dict=state["model"], optim_state_dict=state["optim"], options=_state_options())
+    return int(meta["step"])
+
+
+def _save_state(wm: WideModel, opt, output: Path, step: int, key: dict, env: D.DistEnv) -> None:
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+
+    msd, osd = get_state_dict(wm, opt, options=_state_options())
+    if env.active:
+        D.save_sharded({"model": msd, "optim": osd}, output / DCP_NAME, {"step": step, "key": key,
+                                                                          "world_size": env.world_size}, env)
+    else:
+        atomic_torch_save({"step": step, "model": {k: v.detach().cpu() for k, v in msd.items()},
+                           "optimizer": osd, "meta": key}, output / STATE_NAME)
+
+
+def full_router_state(wm: WideModel) -> dict[str, torch.Tensor]:
+    """Router weights as a flat float32 CPU dict (keys as :meth:`WideModel.router_state_dict`), gathering
+    FSDP shards; under a process group every rank must call it."""
+    out = {}
+    for kind, mods in (("attn", wm.attn_routers), ("ffn", wm.ffn_routers)):
+        for k, v in mods.state_dict().items():
+            out[f"{kind}.{k}"] = D.full(v).detach().to("cpu", torch.float32).contiguous()
+    return out
+
+
+def train(wm: WideModel, blocks: torch.Tensor, args: CalibrationArgs, output: str | os.PathLike, model_ref: str, *,
+          stage: str = "router", resume: bool = False, progress: bool = True, on_step=None,
+          extra_key: dict | None = None, extra_info: dict | None = None, save_extra=None) -> list[dict]:
+    """Train the parameters of ``wm`` that have ``requires_grad=True`` (paper §3.2, Eq. 6 / Eq. 22).
+
+    Works single-process and under torchrun (see :mod:`wide.distributed`): with an open process group the
+    model is sharded with FSDP2 here, each rank reads its slice of every global micro-batch, the keep
+    ratios entering the sparsity loss are those of the global micro-batch, and the state is saved with DCP.
+
+    Args:
+        wm: routed model on its device; every parameter to train must have ``requires_grad=True``
+            (stage 1: the routers; stage 2: LoRA adapters and, unless frozen, the routers).
+        blocks: int64 ``[N, seq_len]`` packed token blocks (the same on every rank).
+        args: run settings; ``args.batch_size`` is per process.
+        output: folder for the WIDE checkpoint, the training state and ``train_log.jsonl``.
+        model_ref: the base model's ``--model`` value, stored in the checkpoint.
+        stage: ``"router"`` or ``"lora"`` (recorded in the state and the checkpoint).
+        resume: continue from the newest training state in ``output`` (any world size, same global batch).
+        progress: show a tqdm bar (rank 0 only).
+        on_step: optional callback ``f(record)`` after every step, on every rank.
+        extra_key: JSON-able settings a resumed run must match (e.g. the LoRA config).
+        extra_info: JSON-able facts stored in ``base_model.json`` under ``"extra"``.
+        save_extra: optional callable ``f(output, env)`` run on every rank at every save (e.g. the adapter).
+
+    Returns:
+        the per-step log records of this call: ``step``, ``lm_loss`` (nats/token, mean over ranks),
+        ``sparsity_loss``, ``attn_sparsity``/``ffn_sparsity`` (fractions skipped, global batch), ``tau``,
+        ``lr`` (used in this step), ``grad_norm``, ``tokens_per_s`` (global), ``world_size``.
+
+    Raises:
+        WideError: bad settings, nothing to train, an unknown stage, or ``resume`` with a missing,
+            corrupt or mismatched state.
     """
     from tqdm.auto import tqdm
 
     args.validate()
+    if stage not in STAGES:
+        raise WideError(f"stage {stage!r} is not one of {', '.join(STAGES)}")
+    env = D.current()
     output = Path(output)
-    device = next(wm.base.parameters()).device
+    if resume and not has_train_state(output):
+        raise WideError(f"--resume: no {STATE_NAME} in {str(output)!r}")
     cfg = wm.config
-    params = wm.router_parameters()
-    opt = torch.optim.AdamW(params, lr=args.lr, weight_decay=args.weight_decay, betas=(0.9, 0.999))
-    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: lr_lambda(s, args.warmup_steps, args.steps))
-    start = 0
-    state_path = output / STATE_NAME
-    if resume:
-        if not state_path.is_file():
-            raise WideError(f"--resume: no {STATE_NAME} in {str(output)!r}")
-        st = load_train_state(state_path)
-        if st.get("config") != cfg.to_dict() or st.get("args") != asdict(args):
-            raise WideError(f"--resume: {state_path} was written with other settings "
-                            f"(config {st.get('config')}, args {st.get('args')})")
-        wm.load_router_state_dict(st["routers"])
-        opt.load_state_dict(st["optimizer"])
-        sched.load_state_dict(st["scheduler"])
-        _set_rng_state(st["rng"])
-        start = int(st["step"])
-        _truncate_log(output / LOG_NAME, start)
+    if not any(p.requires_grad for p in wm.parameters()):
+        raise WideError("nothing to train: no parameter of the model requires a gradient")
+    fp = fingerprint(wm.base)  # before sharding: it reads whole weight slices
+    if args.grad_checkpoint:
+        enable_grad_checkpoint(wm)
+    if env.active:
+        D.shard(wm, env)
+        device = env.device
     else:
-        torch.manual_seed(args.seed)
-        random.seed(args.seed)
+        device = next(wm.base.parameters()).device
+    params = [p for p in wm.parameters() if p.requires_grad]
+    opt = torch.optim.AdamW(params, lr=args.lr, weight_decay=args.weight_decay, betas=(0.9, 0.999))
+    key = _resume_key(wm, args, stage, extra_key, env.world_size)
+    start = _load_state(wm, opt, output, key, env) if resume else 0
+    log_path = output / LOG_NAME
+    if env.is_main:
+        output.mkdir(parents=True, exist_ok=True)
+        if resume:
+            _truncate_log(log_path, start)
+        elif log_path.exists():
+            log_path.unlink()
+    D.barrier(env)
 
     use_amp = device.type == "cuda"
+    trains_base_side = any(p.requires_grad for p in wm.base.parameters())  # LoRA (dropout active)
     wm.stochastic = True
     wm.train()
-    wm.base.eval()  # frozen; no dropout
-    log_path = output / LOG_NAME
+    if not (trains_base_side or args.grad_checkpoint):
+        wm.base.eval()  # frozen base, stage 1: no dropout; HF checkpointing needs train mode
+    noise = GumbelNoise(wm, args.seed)
     records: list[dict] = []
     seq_len = blocks.shape[1]
-    bar = tqdm(total=args.steps, initial=start, disable=not progress, desc="calibrate", dynamic_ncols=True)
+    W, R, B = env.world_size, env.rank, args.batch_size
+    bar = tqdm(total=args.steps, initial=start, disable=not (progress and env.is_main), desc=f"train {stage}",
+               dynamic_ncols=True)
     try:
         for step in range(start, args.steps):
             t0 = time.perf_counter()
             wm.tau = cfg.tau_at(step, args.steps)
+            lr = args.lr * lr_lambda(step, args.warmup_steps, args.steps)
+            for g in opt.param_groups:
+                g["lr"] = lr
+            torch.manual_seed(_mix(args.seed, step, R))  # dropout: a pure function of (seed, step, rank)
             opt.zero_grad(set_to_none=True)
             lm_tot = sp_tot = 0.0
             attn_sp, ffn_sp = [], []
             for a in range(args.grad_accum):
-                ids = micro_batch(blocks, step * args.grad_accum + a, args.batch_size, args.seed).to(device)
-                with torch.autocast(device.type, dtype=torch.bfloat16, enabled=use_amp):
-                    out = wm(ids, labels=ids)
-                rec = wm.record
-                sp = sparsity_loss(rec.attn_keep, rec.ffn_keep, cfg.target_sparsity, cfg.alpha, cfg.sparsity_mode)
-                loss = (out.loss.float() + sp) / args.grad_accum
-                loss.backward()
-                lm_tot += out.loss.item() / args.grad_accum
-                sp_tot += sp.item() / args.grad_accum
-                if rec.attn_keep:
-                    attn_sp.append(1.0 - torch.stack(rec.attn_keep).mean().item())
-                if rec.ffn_keep:
-                    ffn_sp.append(1.0 - torch.stack(rec.ffn_keep).mean().item())
+                first = (step * args.grad_accum + a) * B * W + R * B
+                noise.positions = list(range(first, first + B))
+                ids = stream_rows(blocks, noise.positions, args.seed).to(device)
+                with uniform_noise(noise):
+                    with torch.autocast(device.type, dtype=torch.bfloat16, enabled=use_amp):
+                        out = wm(ids, labels=ids, use_cache=False)
+                    rec = wm.record
+                    ak, fk = D.global_keep(list(rec.attn_keep), env), D.global_keep(list(rec.ffn_keep), env)
+                    sp = sparsity_loss(ak, fk, cfg.target_sparsity, cfg.alpha, cfg.sparsity_mode)
+                    loss = (out.loss.float() + sp) / args.grad_accum
+                    lm_tot += out.loss.item() / args.grad_accum
+                    sp_tot += sp.item() / args.grad_accum
+                    if ak:
+                        attn_sp.append(1.0 - torch.stack(ak).mean().item())
+                    if fk:
+                        ffn_sp.append(1.0 - torch.stack(fk).mean().item())
+                    loss.backward()  # inside uniform_noise: checkpointed layers redraw the same noise
             gnorm = torch.nn.utils.clip_grad_norm_(params, args.max_grad_norm)
+            gnorm = float(D.full(gnorm)) if torch.is_tensor(gnorm) else float(gnorm)
             opt.step()
-            sched.step()
+            (lm_tot,) = D.all_mean([lm_tot], env)
             dt = time.perf_counter() - t0
             r = {
                 "step": step + 1,
@@ -212,32 +411,45 @@ def calibrate(wm: WideModel, blocks: torch.Tensor, args: CalibrationArgs, output
                 "attn_sparsity": sum(attn_sp) / len(attn_sp) if attn_sp else 0.0,
                 "ffn_sparsity": sum(ffn_sp) / len(ffn_sp) if ffn_sp else 0.0,
                 "tau": wm.tau,
-                "lr": sched.get_last_lr()[0],
-                "grad_norm": float(gnorm),
-                "tokens_per_s": args.batch_size * args.grad_accum * seq_len / dt,
+                "lr": lr,
+                "grad_norm": gnorm,
+                "tokens_per_s": B * args.grad_accum * W * seq_len / dt,
+                "world_size": W,
             }
             records.append(r)
-            output.mkdir(parents=True, exist_ok=True)
-            with log_path.open("a") as f:
-                f.write(json.dumps(r) + "\n")
-            bar.update(1)
-            bar.set_postfix(lm=f"{r['lm_loss']:.3f}", attn=f"{r['attn_sparsity']:.2f}", ffn=f"{r['ffn_sparsity']:.2f}",
-                            tau=f"{r['tau']:.2f}", tok_s=f"{r['tokens_per_s']:.0f}")
+            if env.is_main:
+                with log_path.open("a") as f:
+                    f.write(json.dumps(r) + "\n")
+                bar.update(1)
+                bar.set_postfix(lm=f"{r['lm_loss']:.3f}", attn=f"{r['attn_sparsity']:.2f}",
+                                ffn=f"{r['ffn_sparsity']:.2f}", tau=f"{r['tau']:.2f}", tok_s=f"{r['tokens_per_s']:.0f}")
             if on_step is not None:
                 on_step(r)
             if (step + 1) % args.save_every == 0 or step + 1 == args.steps:
-                save_wide(wm, output, model_ref)
-                atomic_torch_save({
-                    "step": step + 1,
-                    "routers": wm.router_state_dict(),
-                    "optimizer": opt.state_dict(),
-                    "scheduler": sched.state_dict(),
-                    "rng": _rng_state(),
-                    "config": cfg.to_dict(),
-                    "args": asdict(args),
-                }, state_path)
+                routers = full_router_state(wm)
+                if env.is_main:
+                    save_wide(wm, output, model_ref, extra={"stage": stage, **(extra_info or {})},
+                              routers=routers, base_fingerprint=fp)
+                if save_extra is not None:
+                    save_extra(output, env)
+                _save_state(wm, opt, output, step + 1, key, env)
     finally:
         bar.close()
+        noise.remove()
         wm.stochastic = False
         wm.eval()
     return records
+
+
+def calibrate(wm: WideModel, blocks: torch.Tensor, args: CalibrationArgs, output: str | os.PathLike,
+              model_ref: str, resume: bool = False, progress: bool = True, on_step=None) -> list[dict]:
+    """Stage-1 router calibration (paper §3.2): train only the routers, base frozen.
+
+    Marks the routers trainable and every base parameter frozen, then runs :func:`train`. Arguments,
+    returns and errors as in :func:`train`; ``blocks`` is int64 ``[N, seq_len]``.
+    """
+    wm.base.requires_grad_(False)
+    for p in wm.router_parameters():
+        p.requires_grad_(True)
+    return train(wm, blocks, args, output, model_ref, stage="router", resume=resume, progress=progress,
+                 on_step=on_step)
