@@ -39,9 +39,10 @@ def uses_reorder(M: int) -> bool:
 
 
 # Active fraction above which the auto path runs the dense (mask-predicated) kernel, per G.
-# Set from H200 measurements (benchmarks/kernels/README.md): at M=4096 the sparse (atomic) path
-# took 0.70 + 2.8 p ms (G=128) and 0.31 + 1.38 p ms (G=512) against 0.95 ms for the dense path.
-DENSE_ABOVE = {16: 0.0, 32: 0.0, 64: 0.03, 128: 0.1, 256: 0.3, 512: 0.45}
+# Set from the H200 probe (benchmarks/kernels/README.md): at M=4096 the sparse (atomic) path took
+# about 0.72 + 2.8 p ms (G=128) and 0.32 + 1.38 p ms (G=512), the dense path 0.95 ms, p = active fraction
+# (two points each; G=64 and G=256 are interpolated guesses, not measured).
+DENSE_ABOVE = {16: 0.0, 32: 0.0, 64: 0.03, 128: 0.08, 256: 0.3, 512: 0.45}
 
 if HAS_TRITON:
     import triton
@@ -95,16 +96,14 @@ if HAS_TRITON:
                     tl.atomic_add(c_ptrs, acc, mask=active[:, None] & nmask[None, :], sem="relaxed")
 
     @triton.jit
-    def _gemm_k_dense_kernel(x_ptr, w_ptr, out_ptr, ws_ptr, route_ptr, cnt_ptr, M, N, K, NG, THR_PPM,
-                             stride_xm, stride_wn, stride_om, G, k_per_split,
+    def _gemm_k_dense_kernel(x_ptr, w_ptr, out_ptr, route_ptr, cnt_ptr, M, N, K, NG, THR_PPM,
+                             stride_xm, stride_wn, stride_om, G,
                              BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
-                             GROUP_M: tl.constexpr, NG_P2: tl.constexpr, FORCE: tl.constexpr,
-                             SPLIT_ATOMIC: tl.constexpr, w_desc, USE_TMA: tl.constexpr):
+                             GROUP_M: tl.constexpr, NG_P2: tl.constexpr, FORCE: tl.constexpr):
         if not FORCE:
             if not _use_dense(cnt_ptr, M, NG, THR_PPM, NG_P2):
                 return
         pid = tl.program_id(0)
-        sp = tl.program_id(1)
         num_pid_m = tl.cdiv(M, BM)
         num_pid_n = tl.cdiv(N, BN)
         num_pid_in_group = GROUP_M * num_pid_n
@@ -116,33 +115,23 @@ if HAS_TRITON:
         offs_m = pid_m * BM + tl.arange(0, BM)
         valid = offs_m < M
         offs_m64 = offs_m.to(tl.int64)
-        n0 = pid_n * BN
-        offs_n = n0 + tl.arange(0, BN)
+        offs_n = pid_n * BN + tl.arange(0, BN)
         nmask = offs_n < N
-        k_lo = sp * k_per_split
-        k_hi = tl.minimum(k_lo + k_per_split, K)
         offs_k = tl.arange(0, BK)
-        a_ptrs = x_ptr + offs_m64[:, None] * stride_xm + (k_lo + offs_k)[None, :]
-        b_ptrs = w_ptr + offs_n[None, :].to(tl.int64) * stride_wn + (k_lo + offs_k)[:, None]
+        a_ptrs = x_ptr + offs_m64[:, None] * stride_xm + offs_k[None, :]
+        b_ptrs = w_ptr + offs_n[None, :].to(tl.int64) * stride_wn + offs_k[:, None]
         r_ptrs = route_ptr + offs_m64 * NG
         acc = tl.zeros((BM, BN), dtype=tl.float32)
-        for k0 in range(k_lo, k_hi, BK):
-            g = k0 // G
+        for kt in range(0, K // BK):
+            g = (kt * BK) // G
             rm = tl.load(r_ptrs + g, mask=valid, other=0) != 0
-            a = tl.load(a_ptrs, mask=rm[:, None], other=0.0)  # level 1: inactive rows load nothing
-            if USE_TMA:
-                b = w_desc.load([n0, k0]).T
-            else:
-                b = tl.load(b_ptrs, mask=nmask[None, :], other=0.0)
+            a = tl.load(a_ptrs, mask=rm[:, None], other=0.0)
+            b = tl.load(b_ptrs, mask=nmask[None, :], other=0.0)
             acc = mma(a, b, acc)
             a_ptrs += BK
             b_ptrs += BK
-        if SPLIT_ATOMIC:
-            tl.atomic_add(ws_ptr + offs_m64[:, None] * N + offs_n[None, :], acc,
-                          mask=valid[:, None] & nmask[None, :], sem="relaxed")
-        else:
-            o_ptrs = out_ptr + offs_m64[:, None] * stride_om + offs_n[None, :]
-            tl.store(o_ptrs, acc.to(out_ptr.dtype.element_ty), mask=valid[:, None] & nmask[None, :])
+        o_ptrs = out_ptr + offs_m64[:, None] * stride_om + offs_n[None, :]
+        tl.store(o_ptrs, acc.to(out_ptr.dtype.element_ty), mask=valid[:, None] & nmask[None, :])
 
     @triton.jit
     def _ws_kernel(ws_ptr, out_ptr, cnt_ptr, M, NG, THR_PPM, total, CONVERT: tl.constexpr,
@@ -169,18 +158,12 @@ def _sparse_candidates(G):
 
 
 def _dense_candidates(G, M):
-    bkmax = pow2_part(G)
     if interpret_mode():
-        return [dict(BM=32, BN=32, BK=min(bkmax, 32), GROUP_M=4, SPLIT=1 if M > 64 else 3)]
-    if M <= 256:  # few row tiles: split K so that the GPU fills (fp32 atomics into a workspace)
-        base = [(64, 128, 64, 4, 4, 8, False), (64, 64, 128, 4, 3, 4, False), (64, 128, 64, 4, 4, 4, True),
-                (128, 128, 64, 8, 3, 4, True), (32, 64, 128, 4, 4, 8, False)]
-    else:
-        base = [(128, 256, 64, 8, 3, 1, False), (128, 128, 64, 8, 4, 1, False), (128, 256, 64, 8, 3, 1, True),
-                (128, 128, 64, 8, 3, 1, True), (256, 128, 64, 8, 3, 1, True)]
-    tma_ok = HAS_TRITON and hasattr(tl, "tensor_descriptor")
-    return [dict(BM=bm, BN=bn, BK=min(bk, bkmax), GROUP_M=8, SPLIT=sp, TMA=tma, num_warps=w, num_stages=st)
-            for bm, bn, bk, w, st, sp, tma in base if tma_ok or not tma]
+        return [dict(BM=32, BN=32, BK=min(pow2_part(G), 32), GROUP_M=4)]
+    base = [(128, 256, 64, 8, 3), (128, 128, 64, 8, 4), (64, 128, 64, 4, 4)]
+    if M <= 64:
+        base = [(64, 128, 64, 4, 4), (32, 64, 128, 4, 4), (64, 64, 128, 4, 3)]
+    return [dict(BM=bm, BN=bn, BK=min(bk, pow2_part(G)), GROUP_M=8, num_warps=w, num_stages=s) for bm, bn, bk, w, s in base]
 
 
 def gemm_k(a: torch.Tensor, w: torch.Tensor, route: torch.Tensor, G: int, *,
@@ -247,35 +230,18 @@ def gemm_k(a: torch.Tensor, w: torch.Tensor, route: torch.Tensor, G: int, *,
     thr_ppm = int(round(thr * 1_000_000))
     ng_p2 = max(16, next_pow2(NG))
 
-    def launch_dense(cfg, cnt_t, force, ng_p2_):
-        split = max(1, min(cfg.get("SPLIT", 1), K // cfg["BK"]))
-        per = triton.cdiv(triton.cdiv(K, split), cfg["BK"]) * cfg["BK"]
-        split = triton.cdiv(K, per)
-        atomic = split > 1
-        wsd = torch.zeros((M, N), dtype=torch.float32, device=a.device) if atomic else out
-        tma = bool(cfg.get("TMA", False))
-        if tma:
-            from triton.tools.tensor_descriptor import TensorDescriptor
-
-            wdesc = TensorDescriptor.from_tensor(w, [cfg["BN"], cfg["BK"]])
-        else:
-            wdesc = w
-        grid = (triton.cdiv(M, cfg["BM"]) * triton.cdiv(N, cfg["BN"]), split)
-        _gemm_k_dense_kernel[grid](a, w, out, wsd, route, cnt_t, M, N, K, NG, thr_ppm,
-                                   a.stride(0), w.stride(0), out.stride(0), G, per, BM=cfg["BM"],
-                                   BN=cfg["BN"], BK=cfg["BK"], GROUP_M=cfg["GROUP_M"], NG_P2=ng_p2_,
-                                   FORCE=force, SPLIT_ATOMIC=atomic, w_desc=wdesc, USE_TMA=tma,
-                                   **launch_opts(cfg))
-        if atomic:
-            out.copy_(wsd)
-
-    key = (m_bucket(M), N, K, G, str(a.dtype))
     if path == "dense":
         # no reorder needed at all
-        cnt0 = torch.zeros(1, dtype=torch.int32, device=a.device)
-        cfg = pick_config("gemm_k_dense", key, a.device, _dense_candidates(G, M),
-                          lambda c: launch_dense(c, cnt0, True, 16))
-        launch_dense(cfg, cnt0, True, 16)
+        cnt = torch.zeros(1, dtype=torch.int32, device=a.device)
+        def run_dense(cfg):
+            grid = (triton.cdiv(M, cfg["BM"]) * triton.cdiv(N, cfg["BN"]),)
+            _gemm_k_dense_kernel[grid](a, w, out, route, cnt, M, N, K, NG, thr_ppm,
+                                       a.stride(0), w.stride(0), out.stride(0), G, BM=cfg["BM"],
+                                       BN=cfg["BN"], BK=cfg["BK"], GROUP_M=cfg["GROUP_M"], NG_P2=16,
+                                       FORCE=True, **launch_opts(cfg))
+        cfg = pick_config("gemm_k_dense", (m_bucket(M), N, K, G, str(a.dtype)), a.device,
+                          _dense_candidates(G, M), run_dense)
+        run_dense(cfg)
         return out
 
     if reordered is None:
@@ -298,11 +264,23 @@ def gemm_k(a: torch.Tensor, w: torch.Tensor, route: torch.Tensor, G: int, *,
                                     BM=cfg["BM"], BN=cfg["BN"], BK=cfg["BK"], GPC=cfg["GPC"],
                                     NG_P2=ng_p2, **launch_opts(cfg))
 
+    def run_dense_auto(cfg):
+        grid = (triton.cdiv(M, cfg["BM"]) * triton.cdiv(N, cfg["BN"]),)
+        _gemm_k_dense_kernel[grid](a, w, out, route, cnt, M, N, K, NG, thr_ppm,
+                                   a.stride(0), w.stride(0), out.stride(0), G, BM=cfg["BM"],
+                                   BN=cfg["BN"], BK=cfg["BK"], GROUP_M=cfg["GROUP_M"], NG_P2=ng_p2,
+                                   FORCE=False, **launch_opts(cfg))
+
+    key = (m_bucket(M), N, K, G, str(a.dtype))
     if thr < 1.0:
-        # tune the dense kernel with the path forced on (the auto kernel may exit early); the auto
-        # path runs it without split-K, so that the on-device decision needs no extra passes
-        dcands = [dict(c, SPLIT=1) for c in _dense_candidates(G, max(M, 512))]
-        dcfg = pick_config("gemm_k_dense_auto", key, a.device, dcands, lambda c: launch_dense(c, cnt, True, ng_p2))
+        # tune the dense kernel with the path forced on (the auto kernel may exit early)
+        def run_dense_forced(cfg):
+            grid = (triton.cdiv(M, cfg["BM"]) * triton.cdiv(N, cfg["BN"]),)
+            _gemm_k_dense_kernel[grid](a, w, out, route, cnt, M, N, K, NG, thr_ppm,
+                                       a.stride(0), w.stride(0), out.stride(0), G, BM=cfg["BM"],
+                                       BN=cfg["BN"], BK=cfg["BK"], GROUP_M=cfg["GROUP_M"], NG_P2=ng_p2,
+                                       FORCE=True, **launch_opts(cfg))
+        dcfg = pick_config("gemm_k_dense", key, a.device, _dense_candidates(G, M), run_dense_forced)
     if thr >= 0.0:
         scfg = pick_config("gemm_k_sparse", key, a.device, _sparse_candidates(G),
                            lambda c: (run_ws(False, 2_000_000), run_sparse(c, 2_000_000)))  # forced sparse
@@ -310,5 +288,5 @@ def gemm_k(a: torch.Tensor, w: torch.Tensor, route: torch.Tensor, G: int, *,
         run_sparse(scfg)
         run_ws(True)
     if thr < 1.0:
-        launch_dense(dcfg, cnt, False, ng_p2)
+        run_dense_auto(dcfg)
     return out
