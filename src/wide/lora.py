@@ -223,7 +223,8 @@ def recover(wm: WideModel, blocks: torch.Tensor, args, output: str | os.PathLike
     reference) and the adapter in peft format to ``<output>/adapter``.
 
     Args:
-        wm: routed model loaded from a stage-1 checkpoint (no adapter yet: one is attached here).
+        wm: routed model loaded from a stage-1 checkpoint (no adapter yet: one is attached here, its
+            ``lora_A`` drawn after ``torch.manual_seed(args.seed)``).
         blocks: int64 ``[N, seq_len]`` packed token blocks.
         args: :class:`wide.training.CalibrationArgs` (the CLI's default ``lr`` for this stage is 2e-4).
         output: output WIDE directory.
@@ -244,6 +245,7 @@ def recover(wm: WideModel, blocks: torch.Tensor, args, output: str | os.PathLike
     settings = settings or LoraSettings()
     settings.validate()
     if peft_model(wm) is None:
+        torch.manual_seed(args.seed)  # LoRA A init: identical on every rank and for every world size
         attach_lora(wm, settings)
     for n, p in wm.base.named_parameters():
         p.requires_grad_(".lora_A." in n or ".lora_B." in n)
