@@ -1,4 +1,5 @@
-"""The ``wide`` command line: ``info``, ``calibrate``, ``eval-ppl``, ``demo`` (and ``bench``).
+"""The ``wide`` command line: ``info``, ``calibrate``, ``lora``, ``eval-ppl``, ``eval``, ``lm-eval``,
+``prune-static``, ``demo`` (and ``bench``).
 
 Bad input ends with one line on stderr naming the bad value and what is allowed, and exit code 2.
 """
@@ -35,6 +36,12 @@ def _add_method(p: argparse.ArgumentParser, sparsity_default: float = 0.5) -> No
     g.add_argument("--mode", choices=["global", "uniform"], default="global",
                    help="global = Eq. 6, uniform = Eq. 22 (attention and FFN each at S)")
     g.add_argument("--routed", choices=["both", "attn", "ffn"], default="both")
+    g.add_argument("--method", choices=["wide", "skipgpt"], default="wide",
+                   help="wide = group routing (§3.1); skipgpt = the dynamic-depth baseline (§4.1): one router per "
+                        "module, whole-module gates, rank raised to match the router parameters of WIDE with "
+                        "--rank / --attn-group-size / --ffn-group-size")
+    g.add_argument("--skipgpt-rank", type=int, default=None,
+                   help="with --method skipgpt: use this router rank instead of the matched one")
 
 
 def _add_train(p: argparse.ArgumentParser, steps: int = 500, batch: int = 8, seq_len: int = 2048, lr: float = 5e-3) -> None:
@@ -62,9 +69,33 @@ def _add_dist(p: argparse.ArgumentParser) -> None:
 def _config_from(args):
     from .config import WideConfig
 
-    return WideConfig(attn_group_size=args.attn_group_size, ffn_group_size=args.ffn_group_size,
-                      router_rank=args.rank, target_sparsity=args.sparsity, alpha=args.alpha,
-                      tau_start=args.tau_start, tau_end=args.tau_end, sparsity_mode=args.mode, routed=args.routed)
+    cfg = WideConfig(attn_group_size=args.attn_group_size, ffn_group_size=args.ffn_group_size,
+                     router_rank=args.rank, target_sparsity=args.sparsity, alpha=args.alpha,
+                     tau_start=args.tau_start, tau_end=args.tau_end, sparsity_mode=args.mode, routed=args.routed)
+    method = getattr(args, "method", "wide")
+    if getattr(args, "skipgpt_rank", None) is not None and method != "skipgpt":
+        raise WideError(f"--skipgpt-rank {args.skipgpt_rank} needs --method skipgpt")
+    if method == "skipgpt":  # §4.1: SkipGPT's rank matches the router capacity of this WIDE config
+        from .baselines.skipgpt import skipgpt_config
+
+        cfg = skipgpt_config(_model_dims(args.model), cfg, rank=args.skipgpt_rank)
+    return cfg
+
+
+def _model_dims(model):
+    """ModelDims of ``--model`` read from its config alone (no weights)."""
+    from transformers import AutoConfig
+
+    from .modeling import check_architecture, dims_of, resolve_model
+
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    src = resolve_model(model)
+    try:
+        hf = AutoConfig.from_pretrained(src.directory, **src.hf_kwargs())
+    except (OSError, ValueError) as e:
+        raise WideError(f"cannot read model config from {src.ref!r}: {str(e).splitlines()[0]}") from None
+    check_architecture(hf)
+    return dims_of(hf)
 
 
 def _train_args_from(args):
@@ -116,7 +147,8 @@ def cmd_info(args) -> int:
     _print(f"legal attention G  {dims.legal_attn_group_sizes()}  (default {dims.gqa_group_size} = GQA group)")
     _print(f"legal FFN G        {dims.legal_ffn_group_sizes()}")
     _print(f"chosen G           attention {rc.attn_group_size} (N_G={n_a}), FFN {rc.ffn_group_size} (N_G={n_f})")
-    _print(f"router params      {router_param_count(dims, rc):,}  (rank r={rc.router_rank}, routed: {rc.routed})")
+    _print(f"router params      {router_param_count(dims, rc):,}  (rank r={rc.router_rank}, routed: {rc.routed}, "
+           f"method: {rc.method})")
     return 0
 
 
@@ -335,6 +367,75 @@ def cmd_demo(args) -> int:
     return 0
 
 
+def cmd_eval(args) -> int:
+    from .config import atomic_write_text
+    from .lm_eval_adapter import WideLM, evaluate, resolve_tasks
+
+    tasks = resolve_tasks(args.tasks)
+    if args.batch_size < 1:
+        raise WideError(f"--batch-size {args.batch_size} must be >= 1")
+    lm = WideLM(pretrained=args.model, wide=args.wide, device=args.device, dtype=args.dtype,
+                batch_size=args.batch_size, max_length=args.max_length, merge_lora=not args.keep_lora)
+    limit = None if args.limit is None else (int(args.limit) if args.limit >= 1 else args.limit)
+    out = evaluate(lm, tasks, limit=limit, wikitext_path=args.wikitext, bootstrap_iters=args.bootstrap_iters)
+    _print(f"{'task':<16} {'metric':<16} value")
+    from .tasks import PAPER_METRIC
+
+    for task, (key, metric) in PAPER_METRIC.items():
+        if key in out["summary"]:
+            _print(f"{key:<16} {metric:<16} {out['summary'][key]:.4f}")
+    if "avg_acc" in out["summary"]:
+        _print(f"{'average':<16} {'':<16} {out['summary']['avg_acc']:.4f}")
+    if "wikitext_word_ppl" in out["summary"]:
+        _print(f"{'wikitext':<16} {'word_perplexity':<16} {out['summary']['wikitext_word_ppl']:.3f}")
+    sp = out["sparsity"]
+    if sp and sp.get("tokens"):
+        _print(f"realized sparsity over {sp['tokens']:,} tokens: attn {sp['attn_sparsity']:.3f}  ffn "
+               f"{sp['ffn_sparsity']:.3f}  overall {sp['realized_sparsity']:.3f}  flop-weighted "
+               f"{sp['flop_weighted_sparsity']:.3f}")
+    if args.json:
+        rec = {"model": args.model, "wide": args.wide, "tasks": tasks, "limit": args.limit,
+               "batch_size": args.batch_size, **out["summary"], "sparsity": sp,
+               "lm_eval_results": {k: v for k, v in out["results"].get("results", {}).items()}}
+        atomic_write_text(args.json, json.dumps(rec, indent=2, default=str) + "\n")
+    return 0
+
+
+def cmd_prune_static(args) -> int:
+    import torch
+
+    from .baselines.static import param_count, prune, save_pruned, slice_model
+    from .data import load_texts, pack
+    from .modeling import fingerprint
+
+    out = Path(args.output)
+    if out.exists() and any(out.iterdir()) and not args.overwrite:
+        raise WideError(f"output {str(out)!r} exists and is not empty (use --overwrite)")
+    if args.batch_size < 1:
+        raise WideError(f"--batch-size {args.batch_size} must be >= 1")
+    if args.calib_blocks < 1:
+        raise WideError(f"--calib-blocks {args.calib_blocks} must be >= 1")
+    docs = load_texts(args.text, split="calib")
+    data = {}
+    model, tok, src = _load(args, then=lambda tok: data.setdefault(
+        "blocks", pack(docs, tok, args.seq_len, max_blocks=args.calib_blocks)))
+    torch.manual_seed(0)
+    t0 = time.time()
+    p = prune(model, data["blocks"], args.sparsity, attn_group_size=args.attn_group_size,
+              ffn_group_size=args.ffn_group_size, batch_size=args.batch_size, attn_sparsity=args.attn_sparsity,
+              ffn_sparsity=args.ffn_sparsity)
+    p.model, p.fingerprint = src.ref, fingerprint(model)
+    small = slice_model(model, p)
+    save_pruned(small, tok, p, out)
+    _print(f"static pruning of {src.ref} to S={args.sparsity}: removed attention {p.attn_sparsity:.3f} (heads "
+           f"{model.config.num_attention_heads} -> {small.config.num_attention_heads}, KV heads "
+           f"{model.config.num_key_value_heads} -> {small.config.num_key_value_heads}), FFN {p.ffn_sparsity:.3f} "
+           f"(intermediate {model.config.intermediate_size} -> {small.config.intermediate_size}); parameters "
+           f"{param_count(model):,} -> {param_count(small):,}; {time.time() - t0:.0f}s")
+    _print(f"saved the pruned model to {out} (use it as --model {out})")
+    return 0
+
+
 # --- parser ----------------------------------------------------------------------------------------
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="wide", description="WIDE: token-level dynamic width pruning for LLMs")
@@ -382,6 +483,44 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--json", default=None, help="write results to this JSON file")
     s.set_defaults(func=cmd_eval_ppl)
 
+    s = sub.add_parser("eval", help="zero-shot accuracy (lm-eval, offline tasks) and WikiText-2 word perplexity")
+    _add_model(s)
+    s.add_argument("--wide", default=None, help="WIDE / SkipGPT checkpoint directory (omit for the dense --model)")
+    s.add_argument("--tasks", default="all",
+                   help="comma list: all, zeroshot, arc_easy, arc_challenge, boolq, hellaswag, piqa, winogrande, "
+                        "openbookqa, wikitext (default: all)")
+    s.add_argument("--batch-size", type=int, default=8)
+    s.add_argument("--limit", type=float, default=None, help="at most N documents per task (or a fraction < 1)")
+    s.add_argument("--dtype", default=None, help="bfloat16, float16 or float32 (default: bf16 on GPU, fp32 on CPU)")
+    s.add_argument("--max-length", type=int, default=None, help="context limit (default: the model's)")
+    s.add_argument("--wikitext", default=None, help="wiki.test.raw (default: $WIDE_WIKITEXT or shared/data)")
+    s.add_argument("--keep-lora", action="store_true", help="keep a stage-2 adapter as peft layers (default: merge)")
+    s.add_argument("--bootstrap-iters", type=int, default=1000, help="lm-eval stderr bootstrap (0 = none)")
+    s.add_argument("--json", default=None, help="write the summary and lm-eval's results to this JSON file")
+    s.set_defaults(func=cmd_eval)
+
+    s = sub.add_parser("lm-eval", help="lm-eval's own command line with the `wide` model type and our tasks "
+                                       "(e.g. wide lm-eval --model wide --model_args wide=CKPT --tasks wide_zeroshot)")
+    s.add_argument("lm_eval_args", nargs=argparse.REMAINDER)
+    s.set_defaults(func=lambda a: __import__("wide.lm_eval_adapter", fromlist=["x"]).lm_eval_main(a.lm_eval_args))
+
+    s = sub.add_parser("prune-static", help="static width baseline: remove the same head groups / FFN groups for "
+                                            "every token, scored on calibration text; saves a smaller HF model")
+    _add_model(s)
+    s.add_argument("--sparsity", "-S", type=float, required=True,
+                   help="target S in [0, 1): mean over attention and FFN modules of the removed fraction")
+    s.add_argument("--output", "-o", required=True, help="output directory (a HF checkpoint usable as --model)")
+    s.add_argument("--text", default=None, help="calibration text (default: BoolQ passages, calibration split)")
+    s.add_argument("--attn-group-size", type=int, default=None, help="multiple of the GQA group (default: it)")
+    s.add_argument("--ffn-group-size", type=int, default=128)
+    s.add_argument("--attn-sparsity", type=float, default=None, help="fix the attention fraction (with --ffn-sparsity)")
+    s.add_argument("--ffn-sparsity", type=float, default=None, help="fix the FFN fraction (with --attn-sparsity)")
+    s.add_argument("--calib-blocks", type=int, default=32, help="calibration sequences to score on")
+    s.add_argument("--seq-len", type=int, default=2048)
+    s.add_argument("--batch-size", type=int, default=4)
+    s.add_argument("--overwrite", action="store_true")
+    s.set_defaults(func=cmd_prune_static)
+
     s = sub.add_parser("demo", help="dense ppl, short calibration to S=0.5, WIDE ppl, per-layer table, save")
     _add_model(s)
     s.add_argument("--text", default=None)
@@ -404,8 +543,13 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    raw = list(sys.argv[1:] if argv is None else argv)
+    if raw[:1] == ["lm-eval"]:  # pass everything through untouched (argparse would eat lm-eval's options)
+        from .lm_eval_adapter import lm_eval_main
+
+        return lm_eval_main(raw[1:])
     args = build_parser().parse_args(argv)
-    args.argv = list(sys.argv[1:] if argv is None else argv)
+    args.argv = raw
     from .distributed import launched_by_torchrun
 
     if launched_by_torchrun():  # a torchrun worker: any rank's error ends the job with one line, no hang
