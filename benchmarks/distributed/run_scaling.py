@@ -1,0 +1,220 @@
+"""Calibration throughput on 1 vs N GPUs (issue 6): SmolLM2-135M and a Llama-3.1-8B-shaped model.
+
+Runs `wide`'s own stage-1 training loop (:func:`wide.training.calibrate`) — one process on one GPU, and
+FSDP2 under ``torch.distributed.run`` on N GPUs — on random-weight models of the exact shapes (throughput
+and memory do not depend on the weight values) with random token blocks, and records global tokens/s
+(median over the measured steps, after warm-up) and the peak GPU memory of the busiest rank.
+
+Writes ``scaling.json`` (a list of records with ``model``, ``gpus``, ``tokens_per_s``, ``peak_mem_gb``,
+``seq_len``, ``gpu``, ``date``, ``command`` and more) and ``scaling.md`` into ``--out``.
+
+On a 2-GPU machine, from the repository root (plain python3 holding a CUDA PyTorch, transformers, peft,
+safetensors; nothing to install):
+
+    PYTHONUNBUFFERED=1 PYTHONPATH=src python3 benchmarks/distributed/run_scaling.py --gpus 1 2 --out $OUT
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime as dt
+import json
+import os
+import shlex
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+SHAPES = {
+    # HuggingFaceTB/SmolLM2-135M: 30 layers, d=576, 9 heads / 3 KV heads, FFN 1536, vocab 49152, tied embeddings.
+    "smollm2-135m": dict(hidden_size=576, intermediate_size=1536, num_hidden_layers=30, num_attention_heads=9,
+                         num_key_value_heads=3, head_dim=64, vocab_size=49152, tie_word_embeddings=True,
+                         rope_theta=100000.0, max_position_embeddings=8192, rms_norm_eps=1e-5),
+    # meta-llama/Llama-3.1-8B: 32 layers, d=4096, 32 heads / 8 KV heads, FFN 14336, vocab 128256.
+    "llama-3.1-8b": dict(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
+                         num_key_value_heads=8, head_dim=128, vocab_size=128256, tie_word_embeddings=False,
+                         rope_theta=500000.0, max_position_embeddings=131072, rms_norm_eps=1e-5),
+    # a tiny shape to check this script on the CPU (--device cpu): not a measurement
+    "tiny": dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                 num_key_value_heads=2, head_dim=16, vocab_size=128, tie_word_embeddings=False,
+                 max_position_embeddings=256),
+}
+DEFAULT_RUNS = {  # model -> (seq_len, micro-batch per GPU)
+    "smollm2-135m": (2048, 8),
+    "llama-3.1-8b": (4096, 1),
+    "tiny": (32, 2),
+}
+
+
+def build_model(name: str, device):
+    """A random-weight bf16 ``LlamaForCausalLM`` of the named shape, created directly on ``device``."""
+    import torch
+    from transformers import AutoModelForCausalLM, LlamaConfig
+
+    cfg = LlamaConfig(**SHAPES[name], attn_implementation="sdpa")
+    cfg.architectures = ["LlamaForCausalLM"]
+    with torch.device(device):
+        m = AutoModelForCausalLM.from_config(cfg, dtype=torch.bfloat16)
+    m.eval().requires_grad_(False)
+    return m
+
+
+def worker(a) -> int:
+    """One process (or one torchrun rank): build, calibrate ``warmup + steps`` steps, report (rank 0)."""
+    import torch
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "src"))
+    from wide import distributed as D
+    from wide.config import WideConfig
+    from wide.modeling import WideModel
+    from wide.training import CalibrationArgs, calibrate
+
+    cuda = a.device == "cuda"
+    env = D.init(a.device)
+    device = env.device if env.active else torch.device("cuda", 0) if cuda else torch.device("cpu")
+    if cuda:
+        torch.cuda.set_device(device)
+    base = build_model(a.model, device)
+    torch.manual_seed(0)
+    wm = WideModel(base, WideConfig(target_sparsity=0.5, ffn_group_size=128))
+    n_params = sum(p.numel() for p in base.parameters())
+    g = torch.Generator().manual_seed(0)
+    blocks = torch.randint(0, base.config.vocab_size, (64, a.seq_len), generator=g)
+    args = CalibrationArgs(steps=a.warmup + a.steps, batch_size=a.micro_batch, grad_accum=1, lr=1e-3,
+                           warmup_steps=0, save_every=10**9, grad_checkpoint=a.grad_checkpoint)
+    if cuda:
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+    recs = []
+    with tempfile.TemporaryDirectory() as tmp:
+        out = Path(tmp) / "run"
+        # every rank needs the same folder: rank 0's temporary name is broadcast
+        out = Path(D.broadcast_object(str(out), env))
+        calibrate(wm, blocks, args, out, a.model, progress=False, on_step=recs.append)
+        D.barrier(env)
+    peak = torch.cuda.max_memory_allocated() / 2**30 if cuda else 0.0
+    reserved = torch.cuda.max_memory_reserved() / 2**30 if cuda else 0.0
+    peaks = D.all_mean([peak, reserved], env) if env.world_size == 1 else _all_max([peak, reserved], env)
+    if env.is_main:
+        tps = [r["tokens_per_s"] for r in recs[a.warmup:]]
+        res = {
+            "model": f"{a.model} shape, random bf16 weights ({n_params / 1e9:.2f}B params)",
+            "gpus": env.world_size,
+            "mode": "fsdp2" if env.active else "single-process",
+            "tokens_per_s": statistics.median(tps),
+            "tokens_per_s_steps": tps,
+            "peak_mem_gb": peaks[0],
+            "peak_reserved_gb": peaks[1],
+            "seq_len": a.seq_len,
+            "micro_batch_per_gpu": a.micro_batch,
+            "global_batch": a.micro_batch * env.world_size,
+            "grad_checkpoint": a.grad_checkpoint,
+            "warmup_steps": a.warmup,
+            "measured_steps": a.steps,
+            "lm_loss_last": recs[-1]["lm_loss"],
+            "gpu": torch.cuda.get_device_name(device) if cuda else "cpu (script check, not a measurement)",
+            "torch": torch.__version__,
+        }
+        Path(a.result).write_text(json.dumps(res))
+    return 0
+
+
+def _all_max(values, env):
+    import torch
+    import torch.distributed as dist
+
+    t = torch.tensor(values, dtype=torch.float64, device=env.device)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return t.tolist()
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--models", nargs="+", default=["smollm2-135m", "llama-3.1-8b"], choices=list(SHAPES))
+    p.add_argument("--device", choices=["cuda", "cpu"], default="cuda", help="cpu only checks this script")
+    p.add_argument("--gpus", type=int, nargs="+", default=[1, 2])
+    p.add_argument("--steps", type=int, default=8, help="measured steps")
+    p.add_argument("--warmup", type=int, default=3)
+    p.add_argument("--grad-checkpoint", choices=["off", "on", "both"], default="off",
+                   help="activation checkpointing for the Llama-3.1-8B shape (SmolLM2 always off)")
+    p.add_argument("--out", default=str(Path(__file__).resolve().parent))
+    p.add_argument("--tag", default="scaling")
+    # worker mode (internal)
+    p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    p.add_argument("--model", help=argparse.SUPPRESS)
+    p.add_argument("--seq-len", type=int, help=argparse.SUPPRESS)
+    p.add_argument("--micro-batch", type=int, help=argparse.SUPPRESS)
+    p.add_argument("--worker-grad-checkpoint", dest="grad_checkpoint_w", action="store_true", help=argparse.SUPPRESS)
+    p.add_argument("--result", help=argparse.SUPPRESS)
+    a = p.parse_args()
+    if a.worker:
+        a.grad_checkpoint = a.grad_checkpoint_w
+        return worker(a)
+
+    command = "PYTHONPATH=src python3 " + " ".join(shlex.quote(x) for x in sys.argv)
+    date = dt.datetime.now(dt.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
+    out = Path(a.out)
+    out.mkdir(parents=True, exist_ok=True)
+    records = []
+    me = str(Path(__file__).resolve())
+    for model in a.models:
+        seq_len, mb = DEFAULT_RUNS[model]
+        ckpts = [False] if model == "smollm2-135m" else {"off": [False], "on": [True], "both": [False, True]}[a.grad_checkpoint]
+        for ck in ckpts:
+            for n in a.gpus:
+                with tempfile.NamedTemporaryFile(suffix=".json", delete=False) as f:
+                    result = f.name
+                wargs = [me, "--worker", "--device", a.device, "--model", model, "--seq-len", str(seq_len),
+                         "--micro-batch", str(mb),
+                         "--steps", str(a.steps), "--warmup", str(a.warmup), "--result", result]
+                if ck:
+                    wargs.append("--worker-grad-checkpoint")
+                if n == 1:
+                    cmd = [sys.executable, *wargs]
+                else:
+                    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={n}", *wargs]
+                print(f"== {model} seq {seq_len} micro-batch {mb}/GPU, {n} GPU(s), grad checkpoint {ck}", flush=True)
+                t0 = time.time()
+                proc = subprocess.run(cmd)
+                if proc.returncode != 0 or not os.path.getsize(result):
+                    print(f"   FAILED (exit {proc.returncode})", flush=True)
+                    records.append({"model": model, "gpus": n, "grad_checkpoint": ck, "error": f"exit {proc.returncode}",
+                                    "date": date, "command": command, "seq_len": seq_len})
+                    continue
+                rec = json.loads(Path(result).read_text())
+                os.unlink(result)
+                rec.update(date=date, command=command, wall_s=time.time() - t0)
+                one = [r for r in records if r.get("gpus") == 1 and r.get("seq_len") == seq_len
+                       and r.get("grad_checkpoint") == ck and r["model"] == rec["model"] and "tokens_per_s" in r]
+                if one and n > 1:
+                    rec["speedup_vs_1gpu"] = rec["tokens_per_s"] / one[0]["tokens_per_s"]
+                print(f"   {rec['tokens_per_s']:.0f} tokens/s, peak {rec['peak_mem_gb']:.1f} GB/GPU"
+                      + (f", x{rec['speedup_vs_1gpu']:.2f} vs 1 GPU" if "speedup_vs_1gpu" in rec else ""), flush=True)
+                records.append(rec)
+                (out / f"{a.tag}.json").write_text(json.dumps(records, indent=2) + "\n")
+    lines = ["| model | GPUs | mode | seq len | micro-batch/GPU | grad ckpt | tokens/s | speed-up | peak GB/GPU |",
+             "|---|---|---|---|---|---|---|---|---|"]
+    for r in records:
+        if "error" in r:
+            lines.append(f"| {r['model']} | {r['gpus']} | failed: {r['error']} | {r['seq_len']} | | {r['grad_checkpoint']} | | | |")
+            continue
+        sp = f"{r['speedup_vs_1gpu']:.2f}x" if "speedup_vs_1gpu" in r else "1.00x" if r["gpus"] == 1 else ""
+        lines.append(f"| {r['model']} | {r['gpus']} | {r['mode']} | {r['seq_len']} | {r['micro_batch_per_gpu']} | "
+                     f"{'on' if r['grad_checkpoint'] else 'off'} | {r['tokens_per_s']:.0f} | {sp} | {r['peak_mem_gb']:.1f} |")
+    gpu = next((r["gpu"] for r in records if "gpu" in r), "?")
+    md = (f"# Calibration throughput, 1 vs {max(a.gpus)} GPUs ({gpu}, {date})\n\n"
+          "Stage-1 router calibration through `wide.training.calibrate`; weak scaling (fixed micro-batch per GPU, "
+          "global batch = micro-batch x GPUs), global tokens/s = median over the measured steps after warm-up; "
+          "peak = `torch.cuda.max_memory_allocated` of the busiest rank.\n\n" + "\n".join(lines)
+          + f"\n\nCommand: `{command}`\n")
+    (out / f"{a.tag}.md").write_text(md)
+    (out / f"{a.tag}.json").write_text(json.dumps(records, indent=2) + "\n")
+    print(md)
+    return 0 if all("error" not in r for r in records) else 1
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
