@@ -30,3 +30,8 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip)
+
+
+def pytest_configure(config):
+    # Triton 3.6's interpreter triggers a NumPy deprecation warning on every scalar conversion
+    config.addinivalue_line("filterwarnings", "ignore:Conversion of an array with ndim > 0:DeprecationWarning")

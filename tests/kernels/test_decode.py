@@ -69,3 +69,19 @@ def test_gemv_k_ragged_groups(M, G, K):
     xm = randn((M, N), torch.bfloat16, gen)
     gemv_mn(xm, wm, r, G, out=out)
     check_close(out, gemm_mn_ref(xm.double(), wm.double(), r, G))
+
+
+def test_direct_entry_points_validate():
+    x = torch.zeros(2, 32, dtype=torch.bfloat16, device=DEVICE)
+    w = torch.zeros(64, 32, dtype=torch.bfloat16, device=DEVICE)
+    r = torch.ones(2, 2, dtype=torch.bool, device=DEVICE)
+    with pytest.raises(ValueError, match="route"):
+        gemv_mn(x, w, r[:, :1], 32)
+    with pytest.raises(ValueError, match="w2"):
+        gemv_swiglu(x, w, w[:, :16], r, 32)
+    with pytest.raises(ValueError, match="does not divide"):
+        gemv_k(x, w, r, 48)
+    q = torch.zeros(1, 4, 2, 16, dtype=torch.bfloat16, device=DEVICE)
+    kv = torch.zeros(1, 2, 8, 16, dtype=torch.bfloat16, device=DEVICE)
+    with pytest.raises(ValueError, match="Tq == 1"):
+        decode_attention(q, kv, kv, torch.ones(1, 2, 2, dtype=torch.bool, device=DEVICE))

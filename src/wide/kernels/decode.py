@@ -204,13 +204,34 @@ def _gemv_k_cands(G, K, N, M):
 
 def gemv_mn(x: torch.Tensor, w: torch.Tensor, route: torch.Tensor, G: int, *,
             out: torch.Tensor | None = None, w2: torch.Tensor | None = None) -> torch.Tensor:
-    """Decode GEMV for GEMM-MN (``M <= 4``): ``out[m, n] = (x @ w.T)[m, n] if route[m, n // G] else 0``.
+    """Decode GEMV for GEMM-MN, ``M <= 4`` (Algorithm 2, GEMV variant; no reorder).
 
-    x ``[M, K]``, w ``[N, K]``, route bool ``[M, N // G]``.  No reorder; weight rows of groups that no
-    row executes are not read.  With ``w2`` given, computes the fused SwiGLU
-    ``silu(x w.T) * (x w2.T)`` instead (see :func:`gemv_swiglu`).  Arguments are validated by the
-    public ops (:func:`wide.kernels.gemm_mn`); calling this directly with M > 4 raises ValueError.
+    ``out[m, n] = (x @ w.T)[m, n] if route[m, n // G] else 0``.
+
+    Args:
+        x: ``[M, K]`` with ``1 <= M <= 4``, bf16/fp16/fp32.
+        w: ``[N, K]``, same dtype/device.
+        route: bool ``[M, N // G]``, True = execute.
+        G: group size along N (multiple of 16 dividing N).
+        out: optional contiguous ``[M, N]`` output in x's dtype.
+        w2: optional second weight ``[N, K]``: computes the fused SwiGLU
+            ``silu(x w.T) * (x w2.T)`` instead (see :func:`gemv_swiglu`).
+
+    A program owns BN output columns; it reads no weight byte when none of the M rows executes
+    its group (level-0 skip) and writes zeros.  fp32 accumulation (tensor-core dot with the rows
+    padded to 16).  Weight bytes read: ``(fraction of groups executed by some row) * N * K * 2``.
+
+    Raises:
+        ValueError: M > 4, or bad shapes/dtypes/devices/G/route/out (as :func:`wide.kernels.gemm_mn`).
     """
+    from .gemm_mn import _validate
+
+    _validate(x, w, route, G)
+    if w2 is not None:
+        _validate(x, w2, route, G, "w2")
+        if w2.shape != w.shape:
+            fail(f"w2 shape {tuple(w2.shape)} must equal w shape {tuple(w.shape)}")
+    check_out(out, (x.shape[0], w.shape[0]), x.dtype, x.device)
     M, K = x.shape
     N = w.shape[0]
     _check_small(x, M, "gemv_mn")
@@ -239,21 +260,47 @@ def gemv_mn(x: torch.Tensor, w: torch.Tensor, route: torch.Tensor, G: int, *,
 
 
 def gemv_swiglu(x, w_gate, w_up, route, G, *, out=None):
-    """Decode fused routed SwiGLU (``M <= 4``): ``silu(x Wg^T) * (x Wu^T)`` on active groups, else 0.
+    """Decode fused routed SwiGLU, ``M <= 4`` (Eq. 3): ``silu(x Wg^T) * (x Wu^T)`` on active groups, else 0.
 
-    Shapes as :func:`wide.kernels.swiglu`; reads each active weight group of both matrices once.
+    x ``[M, K]`` (M <= 4), w_gate/w_up ``[N, K]``, route bool ``[M, N // G]``, out optional ``[M, N]``;
+    reads each executed weight group of both matrices once and x once per K tile.
+
+    Raises:
+        ValueError: as :func:`gemv_mn`.
     """
     return gemv_mn(x, w_gate, route, G, out=out, w2=w_up)
 
 
 def gemv_k(a: torch.Tensor, w: torch.Tensor, route: torch.Tensor, G: int, *,
            out: torch.Tensor | None = None) -> torch.Tensor:
-    """Decode GEMV for GEMM-K (``M <= 4``): ``out[m] = sum_{g: route[m, g]} a[m, K_g] @ w[:, K_g].T``.
+    """Decode GEMV for GEMM-K, ``M <= 4`` (Eq. 21 / Algorithm 3, GEMV variant; no reorder).
 
-    a ``[M, K]``, w ``[N, K]``, route bool ``[M, K // G]``.  Weight columns of K-groups that no row
-    executes are not read (``BK`` divides G, so the predicate is uniform per K chunk).  fp32
-    accumulation; with split-K (tuned) the partial sums meet in an fp32 workspace through atomics.
+    ``out[m] = sum_{g: route[m, g]} a[m, K_g] @ w[:, K_g].T``.
+
+    Args:
+        a: ``[M, K]`` with ``1 <= M <= 4``, bf16/fp16/fp32.
+        w: ``[N, K]``, same dtype/device.
+        route: bool ``[M, K // G]``.
+        G: group size along K (multiple of 16 dividing K).
+        out: optional contiguous ``[M, N]`` output in a's dtype.
+
+    K chunks (``BK`` divides G, so a chunk lies in one group) that no row executes issue
+    predicated-off weight loads, which move no bytes.  fp32 accumulation; with a tuned split-K the
+    partial sums meet in an fp32 workspace through atomics, then are converted.
+
+    Raises:
+        ValueError: M > 4, or bad shapes/dtypes/devices/G/route/out (as :func:`wide.kernels.gemm_k`).
     """
+    from ._common import FLOAT_DTYPES, check_group, check_route, check_same_device, check_tensor
+
+    check_tensor("a", a, 2, FLOAT_DTYPES)
+    check_tensor("w", w, 2, (a.dtype,))
+    if w.shape[1] != a.shape[1]:
+        fail(f"w must have shape [N, K] with K={a.shape[1]}; got {tuple(w.shape)}")
+    check_group(G, a.shape[1], "K (input features)")
+    check_route(route, a.shape[0], a.shape[1] // G)
+    check_same_device(a=a, w=w, route=route)
+    check_out(out, (a.shape[0], w.shape[0]), a.dtype, a.device)
     M, K = a.shape
     N = w.shape[0]
     _check_small(a, M, "gemv_k")
@@ -290,16 +337,31 @@ def gemv_k(a: torch.Tensor, w: torch.Tensor, route: torch.Tensor, G: int, *,
 def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, route: torch.Tensor, *,
                      left_pad: torch.Tensor | None = None, scale: float | None = None,
                      out: torch.Tensor | None = None, splits: int | None = None) -> torch.Tensor:
-    """Split-KV routed decode attention (``Tq == 1``) with GQA packing.
+    """Split-KV routed decode attention (``Tq == 1``) with GQA packing (Algorithm 4, decode variant).
 
-    q ``[B, Hq, 1, d]``, k/v ``[B, Hk, Tk, d]`` (KV cache, SDPA layout, last dim contiguous), route
-    bool ``[B, 1, N_G]`` with ``G = Hq * d / N_G`` a multiple of d.  One program handles the
-    ``Hq / Hk`` query heads sharing a KV head over one KV split; when none of them is active it
-    reads no K/V at all.  The query sits at position ``Tk - 1`` (sees every key, so causal is
-    irrelevant); keys ``j < left_pad[b]`` are masked.  A second kernel merges the splits
-    (log-sum-exp) and writes 0 for inactive heads and for rows without a visible key.
-    Arguments are validated by :func:`wide.kernels.routed_attention`.
+    Args:
+        q: ``[B, Hq, 1, d]`` bf16/fp16/fp32 (d a power of two in [16, 256]).
+        k, v: ``[B, Hk, Tk, d]`` KV cache (SDPA layout, last dim contiguous), ``Hq % Hk == 0``.
+        route: bool ``[B, 1, N_G]``; head group g = query heads ``[g*Hq/N_G, (g+1)*Hq/N_G)``
+            (``G = Hq * d / N_G``, a multiple of d).
+        left_pad: optional int ``[B]``: keys ``j < left_pad[b]`` are masked.
+        scale: softmax scale (default ``1/sqrt(d)``).
+        out: optional contiguous ``[B, Hq, 1, d]`` output.
+        splits: number of KV splits (default: enough programs to fill the GPU).
+
+    One program handles the ``Hq / Hk`` query heads sharing a KV head over one KV split (GQA
+    packing: the KV tile is read once for all of them); when none of them is active it reads no
+    K/V at all.  The query sits at position ``Tk - 1`` and sees every key, so causal masking is
+    irrelevant.  A second kernel merges the splits (log-sum-exp) and writes 0 for inactive heads
+    and for rows without a visible key.
+
+    Raises:
+        ValueError: Tq != 1, or bad shapes/dtypes/devices (as :func:`wide.kernels.routed_attention`).
     """
+    from .attention import _validate as _validate_attention
+
+    _validate_attention(q, k, v, route, left_pad)
+    check_out(out, tuple(q.shape), q.dtype, q.device)
     B, Hq, Tq, D = q.shape
     Hk, Tk = k.shape[1], k.shape[2]
     NG = route.shape[-1]
