@@ -1,5 +1,5 @@
 """The ``wide`` command line: ``info``, ``calibrate``, ``lora``, ``eval-ppl``, ``eval``, ``lm-eval``,
-``prune-static``, ``demo`` (and ``bench``).
+``prune-static``, ``demo``, ``generate`` (and ``bench``).
 
 Bad input ends with one line on stderr naming the bad value and what is allowed, and exit code 2.
 """
@@ -537,6 +537,9 @@ def build_parser() -> argparse.ArgumentParser:
         bench_cli = None
     if bench_cli is not None:
         bench_cli.register(sub)
+    from .inference.cli import register as register_generate
+
+    register_generate(sub)
     return p
 
 

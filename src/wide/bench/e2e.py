@@ -1,0 +1,576 @@
+"""End-to-end latency of the WIDE inference engine on one GPU (issue 5; paper §4.4, ELANA-style).
+
+Metrics (all in one process, bf16):
+
+* **TTFT**: one prefill of ``batch x prompt_len`` tokens (no padding), replayed from a CUDA graph;
+* **TPOT**: one decode step at context ``prompt_len`` (the cache is reset to that length before every
+  replay, so every run is the same step), replayed from a CUDA graph;
+
+each the median over ``--runs`` replays (>= 50; long prefills use fewer, recorded in ``runs``) after warm-up
+(which also compiles and autotunes the kernels).  Baselines: the dense Hugging Face model in eager mode
+(``hf_eager_ms``; SDPA attention, DynamicCache) and the dense engine under CUDA graphs (``dense_ms``: cuBLAS
+linears, SDPA flash prefill attention, the project's split-KV decode attention with every head active, the
+same structure as the WIDE engine); ``speedup = dense_ms / wide_ms``.
+
+Models: Llama-3.1-8B shapes with random weights and routers biased to the target sparsity (the paper's
+split, attention 66 % / FFN 28.5 % at overall 47 % (§4.4), scaled to ``s``; or ``uniform``: both at ``s``);
+then the bundled SmolLM2-135M with its calibrated routers (needs the ``gguf`` package).  Decode benchmarks fill
+the cache with random K/V of the context length (attention time does not depend on the values).
+
+Also a per-op trace of one decoder layer (each op captured in its own CUDA graph): routers, reorders, each GEMM,
+attention, and the unrouted ops, plus embedding / final norm / lm_head, to compare with the paper's Amdahl bound.
+
+Outputs in ``--out-dir``: ``e2e_<tag>.json`` (records, written after each point), ``e2e_<tag>_trace.json``,
+``e2e_<tag>.png`` and ``e2e_<tag>.md``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime as _dt
+import json
+import os
+import statistics
+import sys
+import time
+
+PAPER_SPLIT = (0.66, 0.285)  # attention / FFN sparsity at overall 0.4725 (§4.4)
+LLAMA8B = dict(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
+               num_key_value_heads=8, head_dim=128, vocab_size=128256, max_position_embeddings=131072,
+               rope_theta=500000.0, rms_norm_eps=1e-5, tie_word_embeddings=False,
+               rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                             "high_freq_factor": 4.0, "original_max_position_embeddings": 8192})
+ROUTED_OPS = ("q_proj", "attention", "o_proj", "gate_up", "down_proj")
+ROUTING_OPS = ("attn_router", "attn_reorder", "ffn_router", "ffn_reorder")
+
+
+def _ints(s):
+    return [int(v) for v in str(s).split(",") if v]
+
+
+def _floats(s):
+    return [float(v) for v in str(s).split(",") if v]
+
+
+def _strs(s):
+    return [v for v in str(s).split(",") if v]
+
+
+def add_arguments(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    """Options of ``wide bench e2e``."""
+    p.add_argument("--quick", action="store_true",
+                   help="subset: prefill B=1 x {512,2048,16384}, decode B={1,16} x {512,2048} (+16384 at B=1), "
+                        "s={0,0.5}, G=128, paper split (+ uniform at 2048), trace, SmolLM2")
+    p.add_argument("--batch", default="1,8,16,32", type=_ints)
+    p.add_argument("--prompt", default="512,2048,16384", type=_ints, help="prompt lengths (tokens)")
+    p.add_argument("--sparsity", default="0,0.25,0.5", type=_floats, help="overall target sparsity s")
+    p.add_argument("--G", default="64,128,256", type=_ints, help="FFN group sizes")
+    p.add_argument("--split", default="paper,uniform", type=_strs, help="attention/FFN split of s: paper, uniform")
+    p.add_argument("--phases", default="prefill,decode", type=_strs)
+    p.add_argument("--models", default="llama8b,smollm2", type=_strs)
+    p.add_argument("--runs", default=50, type=int, help="timed replays per point (>= 50 asked by the issue)")
+    p.add_argument("--max-prefill-tokens", default=65536, type=int, help="skip prefills with batch*prompt above")
+    p.add_argument("--max-kv-gb", default=40.0, type=float, help="skip decode points whose KV cache is larger")
+    p.add_argument("--no-hf", action="store_true", help="skip the dense HF eager baseline")
+    p.add_argument("--no-trace", action="store_true")
+    p.add_argument("--smollm2-ckpt", default="benchmarks/quality/checkpoints/smollm2-global-s50-g128")
+    p.add_argument("--out-dir", default="benchmarks/e2e")
+    p.add_argument("--tag", default="h200")
+    p.add_argument("--time-budget", default=1e9, type=float, help="seconds; stop starting new points past this")
+    p.add_argument("--report-only", action="store_true", help="rebuild table and plot from the JSON")
+    return p
+
+
+# ----------------------------------------------------------------------------------------------
+# timing
+# ----------------------------------------------------------------------------------------------
+
+
+def _median_ms(fn, runs: int, before=None) -> float:
+    """Median of ``runs`` timings of ``fn()`` with CUDA events (``before()`` runs untimed first)."""
+    import torch
+
+    times = []
+    for _ in range(runs):
+        if before is not None:
+            before()
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        fn()
+        b.record()
+        b.synchronize()
+        times.append(a.elapsed_time(b))
+    return statistics.median(times)
+
+
+def _runs_for(one_ms: float, runs: int, cap_s: float = 6.0) -> int:
+    """``runs``, reduced (min 5) when ``runs`` replays would take longer than ``cap_s``."""
+    return int(max(5, min(runs, cap_s * 1e3 / max(one_ms, 1e-3))))
+
+
+# ----------------------------------------------------------------------------------------------
+# models
+# ----------------------------------------------------------------------------------------------
+
+
+def build_llama8b(layers: int | None = None):
+    """Llama-3.1-8B-shaped ``LlamaForCausalLM`` with random bf16 weights on the GPU (SDPA attention)."""
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    kw = dict(LLAMA8B)
+    if layers:
+        kw["num_hidden_layers"] = layers
+    cfg = LlamaConfig(**kw)
+    cfg.architectures = ["LlamaForCausalLM"]
+    cfg._attn_implementation = "sdpa"
+    torch.manual_seed(0)
+    old = torch.get_default_dtype()
+    torch.set_default_dtype(torch.bfloat16)
+    try:
+        with torch.device("cuda"):
+            model = LlamaForCausalLM(cfg)
+    finally:
+        torch.set_default_dtype(old)
+    model.eval().requires_grad_(False)
+    return model
+
+
+def split_sparsity(s: float, split: str) -> tuple[float, float]:
+    """``(s_attn, s_ffn)`` for overall ``s``: the paper's measured ratio (66 % : 28.5 % at 47.25 %) or uniform."""
+    if split == "uniform":
+        return s, s
+    a, f = PAPER_SPLIT
+    mean = (a + f) / 2
+    return min(s * a / mean, 0.99), min(s * f / mean, 0.99)
+
+
+def bias_routers(engine, input_ids, s_attn: float, s_ffn: float) -> None:
+    """Shift every router's bias so that, on ``input_ids`` (one prefill, layer by layer), layer ``i`` skips a
+    fraction ``s_attn`` / ``s_ffn`` of its (token, group) decisions (argmax routing, Eq. 5).  ``s = 0`` makes
+    every group execute on any input."""
+    import torch
+
+    orig = engine._route
+
+    def route(kind, i, h, valid):
+        routers = engine.attn_routers if kind == "attn" else engine.ffn_routers
+        s = s_attn if kind == "attn" else s_ffn
+        if routers is not None:
+            r = routers[i]
+            with torch.no_grad():
+                lg = r(h)
+                diff = (lg[..., 0] - lg[..., 1]).flatten().float()
+                if s <= 0:
+                    q = diff.min() - 1e4
+                else:
+                    sample = diff[torch.randperm(diff.numel(), device=diff.device)[:1_000_000]]
+                    q = torch.quantile(sample, s)
+                b = r.w2.bias.view(-1, 2)
+                b[:, 0] -= q / 2
+                b[:, 1] += q / 2
+        return orig(kind, i, h, valid)
+
+    engine._route = route
+    try:
+        engine.prefill(input_ids, None, engine.new_cache(input_ids.shape[0], input_ids.shape[1]))
+    finally:
+        del engine._route
+
+
+# ----------------------------------------------------------------------------------------------
+# benchmark points
+# ----------------------------------------------------------------------------------------------
+
+
+class _Ctx:
+    def __init__(self, args):
+        import torch
+
+        self.args = args
+        self.gpu = torch.cuda.get_device_name()
+        self.date = _dt.datetime.now(_dt.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
+        self.command = "wide bench e2e " + " ".join(getattr(args, "argv", [])[2:] if hasattr(args, "argv") else [])
+        if not hasattr(args, "argv"):
+            self.command = "python -m wide.bench.e2e " + " ".join(sys.argv[1:])
+        self.records: list = []
+        self.t0 = time.time()
+        self.out_json = os.path.join(args.out_dir, f"e2e_{args.tag}.json")
+        self.versions = {"torch": torch.__version__}
+        try:
+            import triton
+            import transformers
+
+            self.versions.update(triton=triton.__version__, transformers=transformers.__version__)
+        except Exception:
+            pass
+
+    def over(self) -> bool:
+        return time.time() - self.t0 > self.args.time_budget
+
+    def add(self, rec: dict) -> None:
+        rec.update(gpu=self.gpu, date=self.date, command=self.command, **self.versions)
+        self.records.append(rec)
+        with open(self.out_json, "w") as f:
+            json.dump(self.records, f, indent=1)
+        keys = ("phase", "model", "split", "batch", "prompt_len", "sparsity", "G_ffn", "dense_ms", "wide_ms",
+                "speedup", "hf_eager_ms", "realized_sparsity")
+        print(" ".join(f"{k}={rec.get(k)}" for k in keys if k in rec), flush=True)
+
+
+def _engine_pair(base, wm):
+    from wide.inference.engine import Engine
+
+    return Engine(wm, track_sparsity=False), Engine(base, ops="dense", track_sparsity=False)
+
+
+def _realized(engine, ids):
+    engine.track_sparsity = True
+    engine.reset_stats()
+    engine.prefill(ids, None, engine.new_cache(ids.shape[0], ids.shape[1]))
+    engine.track_sparsity = False
+    return {k: round(v, 4) for k, v in engine.realized_sparsity().items()}
+
+
+def bench_prefill(ctx, model_name, base, wide_eng, dense_eng, B, T, extra):
+    import torch
+
+    from wide.inference.graphs import capture
+
+    g = torch.Generator(device="cuda").manual_seed(B * 100003 + T)
+    ids = torch.randint(0, base.config.vocab_size, (B, T), device="cuda", generator=g)
+    out = {}
+    for name, eng in (("wide", wide_eng), ("dense", dense_eng)):
+        cache = eng.new_cache(B, T)
+        graph = capture(lambda: eng.prefill(ids, None, cache), warmup=2)
+        one = _median_ms(graph.replay, 1)
+        out[name] = _median_ms(graph.replay, _runs_for(one, ctx.args.runs))
+        out[name + "_runs"] = _runs_for(one, ctx.args.runs)
+        del graph, cache
+        torch.cuda.empty_cache()
+    rec = dict(phase="prefill", model=model_name, batch=B, prompt_len=T, dense_ms=round(out["dense"], 4),
+               wide_ms=round(out["wide"], 4), speedup=round(out["dense"] / out["wide"], 4),
+               runs=min(out["wide_runs"], out["dense_runs"]), **extra)
+    if not ctx.args.no_hf:
+        with torch.no_grad():
+            f = lambda: base(input_ids=ids, use_cache=False, logits_to_keep=1)  # noqa: E731
+            f()
+            one = _median_ms(f, 1)
+            rec["hf_eager_ms"] = round(_median_ms(f, _runs_for(one, ctx.args.runs, 4.0)), 4)
+    rec["realized_sparsity"] = _realized(wide_eng, ids[:, : min(T, 4096)]) if wide_eng.ops == "routed" else {}
+    ctx.add(rec)
+
+
+def bench_decode(ctx, model_name, base, wide_eng, dense_eng, B, T, extra):
+    import torch
+
+    from wide.inference.graphs import DecodeRunner
+
+    cache = wide_eng.new_cache(B, T + 8)
+    torch.manual_seed(T)
+    cache.k.normal_(0, 1)
+    cache.v.normal_(0, 1)
+    ctxlen = torch.full((B,), T, dtype=torch.int64, device="cuda")
+    out = {}
+    for name, eng in (("wide", wide_eng), ("dense", dense_eng)):
+        cache.lengths.copy_(ctxlen)
+        runner = DecodeRunner(eng, cache, graph=True)
+        runner.tokens.random_(0, base.config.vocab_size)
+        reset = lambda: cache.lengths.copy_(ctxlen)  # noqa: E731
+        out[name] = _median_ms(runner.graph.replay, max(50, ctx.args.runs), before=reset)
+        del runner
+    rec = dict(phase="decode", model=model_name, batch=B, prompt_len=T, dense_ms=round(out["dense"], 4),
+               wide_ms=round(out["wide"], 4), speedup=round(out["dense"] / out["wide"], 4),
+               runs=max(50, ctx.args.runs), **extra)
+    if not ctx.args.no_hf:
+        from transformers import DynamicCache
+
+        with torch.no_grad():
+            hfc = DynamicCache(config=base.config)
+            S = cache.max_len
+            for layer in range(cache.k.shape[0]):
+                hfc.update(cache.k[layer, :, :, S - T:], cache.v[layer, :, :, S - T:], layer)
+            tok = torch.randint(0, base.config.vocab_size, (B, 1), device="cuda")
+            pos = torch.full((B, 1), T, device="cuda")
+
+            def step():
+                base(input_ids=tok, past_key_values=hfc, position_ids=pos, use_cache=True)
+
+            def crop():
+                hfc.crop(T)
+
+            step()
+            crop()
+            rec["hf_eager_ms"] = round(_median_ms(step, max(50, ctx.args.runs), before=crop), 4)
+            del hfc
+    # realized sparsity of decode rows: one eager step with statistics
+    wide_eng.track_sparsity = True
+    wide_eng.reset_stats()
+    cache.lengths.copy_(ctxlen)
+    if wide_eng.ops == "routed":
+        wide_eng.decode(torch.randint(0, base.config.vocab_size, (B,), device="cuda"), cache)
+        rec["realized_sparsity"] = {k: round(v, 4) for k, v in wide_eng.realized_sparsity().items()}
+    wide_eng.track_sparsity = False
+    del cache
+    torch.cuda.empty_cache()
+    ctx.add(rec)
+
+
+def trace_layer(engine, B: int, T: int, phase: str, runs: int = 30) -> dict:
+    """Per-op time (ms) of decoder layer 0 and of the model's head/tail ops, each op in its own CUDA graph.
+
+    Returns ``{"ops": {name: ms}, "layer_ms": sum, "embed_ms", "head_ms" (final norm + lm_head),
+    "full_ms" (whole forward, one graph), "layers": L}``."""
+    import torch
+
+    from wide.inference.graphs import capture
+
+    vocab = engine.base.config.vocab_size
+    cache = engine.new_cache(B, T + 8)
+    ids = torch.randint(0, vocab, (B, T if phase == "prefill" else 1), device="cuda")
+    res = {"ops": {}}
+    if phase == "prefill":
+        pad = torch.zeros(B, dtype=torch.int64, device="cuda")
+        st = {"pos": torch.arange(T, device="cuda").view(1, T).expand(B, T), "valid": None, "cache": cache,
+              "pad": pad, "slots": cache.prefill_slots(pad, T), "padded": False}
+    else:
+        cache.k.normal_()
+        cache.v.normal_()
+        cache.lengths.fill_(T)
+        st = {"pos": cache.lengths.view(B, 1), "valid": None, "cache": cache, "slot": cache.max_len - 1 - cache.lengths}
+    st["h"] = engine.embed(ids)
+
+    def timed(fn):
+        gr = capture(fn, warmup=2)
+        one = _median_ms(gr.replay, 1)
+        return _median_ms(gr.replay, _runs_for(one, runs, 3.0)), gr
+
+    keep = []
+    res["embed_ms"], gr = timed(lambda: engine.embed(ids))
+    keep.append(gr)
+    for name, fn in engine.layer_steps(0, st, phase):
+        ms, gr = timed(lambda fn=fn: fn(st))
+        keep.append(gr)
+        res["ops"][name] = ms
+    hlast = st["h"][:, -1]
+    res["head_ms"], gr = timed(lambda: engine.lm_head(engine.norm(hlast)))
+    keep.append(gr)
+    del keep
+    res["layer_ms"] = sum(res["ops"].values())
+    if phase == "prefill":
+        full = capture(lambda: engine.prefill(ids, None, cache), warmup=1)
+    else:
+        cache.lengths.fill_(T)
+        tok = ids.view(B)
+        full = capture(lambda: engine.decode(tok, cache), warmup=1)
+    reset = (lambda: cache.lengths.fill_(T)) if phase == "decode" else None
+    res["full_ms"] = _median_ms(full.replay, 20, before=reset)
+    res["layers"] = len(engine.layers)
+    del full, cache
+    torch.cuda.empty_cache()
+    return res
+
+
+def amdahl(wide_tr: dict, dense_tr: dict) -> dict:
+    """Attribution of one layer (x L) + head/tail: routed ops, routing overhead, unrouted ops; the bound
+    ``dense_total / (unrouted + routed_dense / ideal)`` with ``ideal`` the routed ops' measured speedup."""
+    L = wide_tr["layers"]
+
+    def parts(tr):
+        ops = tr["ops"]
+        routed = sum(ops.get(k, 0.0) for k in ROUTED_OPS) * L
+        routing = sum(ops.get(k, 0.0) for k in ROUTING_OPS) * L
+        unrouted = (tr["layer_ms"] * L - routed - routing) + tr["embed_ms"] + tr["head_ms"]
+        return routed, routing, unrouted
+
+    wr, wo, wu = parts(wide_tr)
+    dr, _, du = parts(dense_tr)
+    total_d, total_w = dr + du, wr + wo + wu
+    return {
+        "dense_routed_ms": dr, "dense_unrouted_ms": du, "dense_unrouted_fraction": du / total_d,
+        "wide_routed_ms": wr, "wide_routing_overhead_ms": wo, "wide_unrouted_ms": wu,
+        "routed_path_speedup": dr / wr if wr else None,
+        "predicted_speedup_sum_of_ops": total_d / total_w,
+        "amdahl_bound_no_overhead": total_d / (du + wr),
+        "measured_full_speedup": dense_tr["full_ms"] / wide_tr["full_ms"],
+        "per_op_ratio": {k: dense_tr["ops"].get(k, 0.0) / v for k, v in wide_tr["ops"].items()
+                         if v > 0 and k in dense_tr["ops"]},
+    }
+
+
+def bench_smollm2(ctx):
+    """The bundled SmolLM2-135M with its calibrated routers (prefill and decode points)."""
+    import torch
+
+    import wide
+    from wide.inference.engine import Engine
+
+    args = ctx.args
+    wm = wide.load(args.smollm2_ckpt, device="cuda", dtype=torch.bfloat16)
+    for h in wm._handles:  # HF eager baseline without routing hooks
+        h.remove()
+    wide_eng, dense_eng = Engine(wm, track_sparsity=False), Engine(wm.base, ops="dense", track_sparsity=False)
+    extra = dict(sparsity=wm.config.target_sparsity, G_ffn=wm.config.ffn_group_size, split="calibrated",
+                 checkpoint=args.smollm2_ckpt)
+    for T in [t for t in args.prompt if t <= 8192]:
+        if not ctx.over():
+            bench_prefill(ctx, "smollm2-135m", wm.base, wide_eng, dense_eng, 1, T, extra)
+    for B in [b for b in args.batch if b <= 16]:
+        if not ctx.over():
+            bench_decode(ctx, "smollm2-135m", wm.base, wide_eng, dense_eng, B, 2048, extra)
+
+
+# ----------------------------------------------------------------------------------------------
+# report
+# ----------------------------------------------------------------------------------------------
+
+
+def write_report(records: list, out_dir: str, tag: str) -> None:
+    """Markdown table and plot (speedup vs prompt length per phase / batch / s) from the records."""
+    rows = ["| phase | model | split | B | prompt | s | G | realized | HF eager ms | dense (graph) ms | WIDE ms | "
+            "speedup |", "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    for r in records:
+        rs = r.get("realized_sparsity") or {}
+        rows.append(f"| {r['phase']} | {r['model']} | {r.get('split', '')} | {r['batch']} | {r['prompt_len']} | "
+                    f"{r['sparsity']} | {r['G_ffn']} | {rs.get('overall', '')} | {r.get('hf_eager_ms', '')} | "
+                    f"{r['dense_ms']} | {r['wide_ms']} | {r['speedup']} |")
+    with open(os.path.join(out_dir, f"e2e_{tag}.md"), "w") as f:
+        f.write("\n".join(rows) + "\n")
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except Exception:
+        return
+    fig, axes = plt.subplots(1, 2, figsize=(11, 4))
+    for ax, phase in zip(axes, ("prefill", "decode")):
+        rs = [r for r in records if r["phase"] == phase and r["model"] == "llama8b-shapes"]
+        series = {}
+        for r in rs:
+            series.setdefault((r["batch"], r["sparsity"], r.get("split"), r["G_ffn"]), []).append(
+                (r["prompt_len"], r["speedup"]))
+        for (B, s, split, G), pts in sorted(series.items()):
+            pts.sort()
+            ax.plot([p[0] for p in pts], [p[1] for p in pts], "o-", label=f"B={B} s={s} {split} G={G}")
+        ax.axhline(1.0, color="k", lw=0.6)
+        ax.axhline(1.75 if phase == "prefill" else 1.65, color="r", ls="--", lw=0.8, label="goal (s=0.5)")
+        ax.set_xscale("log", base=2)
+        ax.set_xlabel("prompt / context length")
+        ax.set_ylabel("speedup vs dense (CUDA graph)")
+        ax.set_title(f"{phase}: Llama-3.1-8B shapes, bf16", fontsize=9)
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=6)
+    fig.tight_layout()
+    fig.savefig(os.path.join(out_dir, f"e2e_{tag}.png"), dpi=110)
+
+
+def run(args) -> int:
+    """Run the sweep (see :func:`add_arguments`); returns the exit code.
+
+    Raises:
+        WideError: no CUDA GPU (the benchmark measures CUDA-graph latency).
+    """
+    from wide.errors import WideError
+
+    if args.report_only:
+        with open(os.path.join(args.out_dir, f"e2e_{args.tag}.json")) as f:
+            write_report(json.load(f), args.out_dir, args.tag)
+        return 0
+    import torch
+
+    if not torch.cuda.is_available():
+        raise WideError("wide bench e2e measures CUDA-graph latency and needs a CUDA GPU; none is available")
+    from wide import WideConfig
+    from wide.modeling import WideModel
+
+    os.makedirs(args.out_dir, exist_ok=True)
+    torch.backends.cuda.matmul.allow_tf32 = False
+    ctx = _Ctx(args)
+    a = args
+    if a.quick:
+        prefill_pts = [(1, T) for T in (512, 2048, 16384)]
+        decode_pts = [(1, 512), (1, 2048), (1, 16384), (16, 512), (16, 2048)]
+        grid = [(s, G, "paper") for s in (0.0, 0.5) for G in (128,)]
+        uniform_pts = {("prefill", 1, 2048), ("decode", 1, 2048)}
+        grid.append((0.5, 128, "uniform"))
+    else:
+        prefill_pts = [(B, T) for B in a.batch for T in a.prompt if B * T <= a.max_prefill_tokens]
+        decode_pts = [(B, T) for B in a.batch for T in a.prompt]
+        grid = [(s, G, sp) for sp in a.split for s in a.sparsity for G in a.G if not (s == 0 and sp != a.split[0])]
+        uniform_pts = None
+    traces = {}
+    if "llama8b" in a.models:
+        base = build_llama8b()
+        kv_per_tok = 2 * base.config.num_hidden_layers * base.config.num_key_value_heads * 128 * 2
+        print(f"built Llama-3.1-8B-shaped model in {time.time() - ctx.t0:.0f} s", flush=True)
+        calib = torch.randint(0, base.config.vocab_size, (1, 2048), device="cuda")
+        for s, G, split in grid:
+            if ctx.over():
+                break
+            sa, sf = split_sparsity(s, split)
+            wm = WideModel(base, WideConfig(ffn_group_size=G, target_sparsity=max(s, 0.0)), init_keep=0.5)
+            for h in wm._handles:  # the engine calls the routers itself; keep the HF baseline hook-free
+                h.remove()
+            wide_eng, dense_eng = _engine_pair(base, wm)
+            bias_routers(wide_eng, calib, sa, sf)
+            extra = dict(sparsity=s, G_ffn=G, split=split, target_attn=round(sa, 4), target_ffn=round(sf, 4))
+            for phase in a.phases:
+                pts = prefill_pts if phase == "prefill" else decode_pts
+                for B, T in pts:
+                    if uniform_pts is not None and split == "uniform" and (phase, B, T) not in uniform_pts:
+                        continue
+                    if phase == "decode" and B * (T + 8) * kv_per_tok / 1e9 > a.max_kv_gb:
+                        print(f"skip decode B={B} T={T}: KV cache over --max-kv-gb", flush=True)
+                        continue
+                    if ctx.over():
+                        print(f"time budget reached: skipping {phase} B={B} T={T} s={s} G={G} {split}", flush=True)
+                        continue
+                    try:
+                        fn = bench_prefill if phase == "prefill" else bench_decode
+                        fn(ctx, "llama8b-shapes", base, wide_eng, dense_eng, B, T, extra)
+                    except torch.cuda.OutOfMemoryError as e:
+                        print(f"OOM {phase} B={B} T={T}: {str(e).splitlines()[0]}", flush=True)
+                        torch.cuda.empty_cache()
+            if not a.no_trace and s == 0.5 and G == 128 and split == "paper" and not ctx.over():
+                for phase, B, T in (("prefill", 1, 16384), ("decode", 1, 2048)):
+                    try:
+                        tw = trace_layer(wide_eng, B, T, phase)
+                        td = trace_layer(dense_eng, B, T, phase)
+                        traces[f"{phase}_B{B}_T{T}"] = {"wide": tw, "dense": td, "amdahl": amdahl(tw, td),
+                                                        "sparsity": s, "G_ffn": G, "split": split,
+                                                        "gpu": ctx.gpu, "date": ctx.date, "command": ctx.command}
+                        with open(os.path.join(a.out_dir, f"e2e_{a.tag}_trace.json"), "w") as f:
+                            json.dump(traces, f, indent=1)
+                        print(f"trace {phase}: {json.dumps(traces[f'{phase}_B{B}_T{T}']['amdahl'])}", flush=True)
+                    except Exception as e:  # keep the sweep's results
+                        print(f"trace {phase} failed: {type(e).__name__}: {e}", flush=True)
+            del wm, wide_eng, dense_eng
+            torch.cuda.empty_cache()
+        del base
+        torch.cuda.empty_cache()
+    if "smollm2" in a.models and not ctx.over():
+        try:
+            bench_smollm2(ctx)
+        except (WideError, ImportError, OSError) as e:
+            print(f"SmolLM2 part skipped: {str(e).splitlines()[0]}", flush=True)
+    write_report(ctx.records, a.out_dir, a.tag)
+    print(f"wrote {len(ctx.records)} records to {ctx.out_json} in {time.time() - ctx.t0:.0f} s", flush=True)
+    return 0
+
+
+def main(argv=None) -> int:
+    p = add_arguments(argparse.ArgumentParser(prog="python -m wide.bench.e2e", description=__doc__.split("\n")[0]))
+    try:
+        return run(p.parse_args(argv))
+    except Exception as e:  # noqa: BLE001
+        from wide.errors import WideError
+
+        if isinstance(e, WideError):
+            print(f"wide bench e2e: error: {e}", file=sys.stderr)
+            return 2
+        raise
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

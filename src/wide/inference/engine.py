@@ -1,0 +1,455 @@
+"""The WIDE inference engine: a Llama-family forward pass built from the routed kernels (paper §3.3, App. B).
+
+Per decoder layer (prefill of a left-padded batch, or one decode step over a :class:`StaticKVCache`):
+
+* **attention routing**: the router reads the residual stream entering ``input_layernorm`` (Eq. 4), argmax
+  gives the bool mask ``[B, T, N_G]`` (Eq. 5); one reorder (Eq. 7, Algorithm 1) of it is shared by the Q
+  projection (``gemm_mn``, Algorithm 2), the routed attention (Algorithm 4) and the O projection
+  (``gemm_k``, Algorithm 3).  K and V are dense (Eq. 2).
+* RoPE comes from the Hugging Face model's own rotary module (same cos/sin values, same rotation).
+* **FFN routing**: the router reads the residual stream entering ``post_attention_layernorm``; one reorder
+  is shared by the fused SwiGLU (``swiglu`` = gate + up through ``gemm_mn``) and ``down_proj`` (``gemm_k``).
+* RMSNorm modules, embeddings, the final norm and ``lm_head`` are the model's own.
+
+Decode steps need no reorder (M = batch <= 128: the GEMMs read the route directly, GEMV for M <= 4) and
+no host synchronisation; :mod:`wide.inference.graphs` captures them in CUDA graphs.
+
+``ops="dense"`` runs the same structure with cuBLAS linears and SDPA (the dense baseline of the
+benchmarks); routers are then ignored.  On CPU without ``TRITON_INTERPRET=1`` every kernel falls back to
+its PyTorch reference (:mod:`wide.kernels.reference`).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ..errors import WideError
+from ..kernels import Reordered, gemm_k, gemm_mn, reorder, routed_attention, swiglu
+from ..kernels._common import use_triton
+from ..modeling import check_architecture, decoder_layers, dims_of
+from ..routing import argmax_mask
+from .cache import StaticKVCache
+
+OPS = ("routed", "dense")
+
+
+def _gemm_mn_uses_reorder(M: int) -> bool:
+    from ..kernels.gemm_mn import uses_reorder
+
+    return uses_reorder(M)
+
+
+def _gemm_k_uses_reorder(M: int) -> bool:
+    from ..kernels.gemm_k import uses_reorder
+
+    return uses_reorder(M)
+
+
+def batch_reorder_view(flat: Reordered, mask: torch.Tensor) -> Reordered:
+    """Per-sequence reorder ``[B, T, N_G]`` derived from the reorder of the flattened mask ``[B*T, N_G]``.
+
+    The flattened reorder (shared by the GEMMs) lists the active rows of each column in increasing order,
+    so the active rows of sequence ``b`` are a contiguous run of it (and likewise the inactive ones); the
+    per-sequence index the attention kernel needs is a gather from it.  Equal to ``reorder(mask)``
+    (Algorithm 1 per (b, g) column) without a second pass over the mask.
+
+    Args:
+        flat: :func:`wide.kernels.reorder` of ``mask.view(B*T, N_G)``.
+        mask: bool ``[B, T, N_G]``.
+
+    Returns:
+        :class:`~wide.kernels.Reordered` with index int32 ``[B, T, N_G]`` (rows within the sequence), sorted
+        mask bool ``[B, T, N_G]`` and counts int32 ``[B, N_G]``.
+    """
+    B, T, N = mask.shape
+    cb = mask.sum(1, dtype=torch.int64)  # [B, N]
+    act_start = torch.cumsum(cb, 0) - cb
+    inact = T - cb
+    inact_start = flat.counts.to(torch.int64)[None] + torch.cumsum(inact, 0) - inact
+    j = torch.arange(T, device=mask.device).view(1, T, 1)
+    src = torch.where(j < cb[:, None, :], act_start[:, None, :] + j, inact_start[:, None, :] + j - cb[:, None, :])
+    idx = torch.gather(flat.index.to(torch.int64), 0, src.view(B * T, N)).view(B, T, N)
+    idx = idx - (torch.arange(B, device=mask.device) * T).view(B, 1, 1)
+    return Reordered(idx.to(torch.int32), j < cb[:, None, :], cb.to(torch.int32))
+
+
+class _Layer:
+    """Weights and modules of one decoder layer, read from the Hugging Face module (no copies)."""
+
+    def __init__(self, layer: nn.Module) -> None:
+        at, mlp = layer.self_attn, layer.mlp
+        for name, mod in (("q_proj", at.q_proj), ("k_proj", at.k_proj), ("v_proj", at.v_proj),
+                          ("o_proj", at.o_proj), ("gate_proj", mlp.gate_proj), ("up_proj", mlp.up_proj),
+                          ("down_proj", mlp.down_proj)):
+            if hasattr(mod, "base_layer") or not isinstance(getattr(mod, "weight", None), torch.Tensor):
+                raise WideError(f"{name} is wrapped (e.g. an unmerged LoRA adapter); load the checkpoint with "
+                                f"merge_lora=True to run the inference engine")
+        self.wq, self.wk, self.wv, self.wo = at.q_proj.weight, at.k_proj.weight, at.v_proj.weight, at.o_proj.weight
+        self.bq, self.bk, self.bv = at.q_proj.bias, at.k_proj.bias, at.v_proj.bias
+        self.bo = at.o_proj.bias
+        self.wg, self.wu, self.wd = mlp.gate_proj.weight, mlp.up_proj.weight, mlp.down_proj.weight
+        if any(b is not None for b in (mlp.gate_proj.bias, mlp.up_proj.bias, mlp.down_proj.bias)):
+            raise WideError("FFN projections with biases are not supported by the inference engine")
+        self.ln1, self.ln2 = layer.input_layernorm, layer.post_attention_layernorm
+        self.q_norm = getattr(at, "q_norm", None)  # Qwen3
+        self.k_norm = getattr(at, "k_norm", None)
+        self.scaling = float(getattr(at, "scaling", at.head_dim ** -0.5))
+
+
+class Engine:
+    """Routed (or dense) forward pass of a Llama-family model from the project's kernels.
+
+    Args:
+        model: a :class:`wide.WideModel` (its routers are used; argmax routing) or a plain Hugging Face
+            ``*ForCausalLM`` of a supported architecture (no routers: every group executes, s = 0, still
+            through the routed kernels when ``ops="routed"``).
+        ops: ``"routed"`` (the WIDE kernels) or ``"dense"`` (cuBLAS linears, SDPA prefill attention; the
+            dense baseline; routers ignored).
+        track_sparsity: accumulate executed / total groups over valid tokens on the device (a few tiny
+            kernels per layer; off in the benchmarks).
+
+    Attributes:
+        dims: :class:`wide.ModelDims`; ``n_attn``, ``n_ffn``: groups per layer; ``g_attn``, ``g_ffn``: group
+            sizes (channels); ``record_masks``: when True, :attr:`masks` gets ``{(kind, layer): bool [B, T, N_G]}``
+            of the last call (prefill masks include padding rows).
+
+    Raises:
+        WideError: unsupported architecture, activation other than SiLU, sliding-window attention, a wrapped
+            (unmerged LoRA) projection, or an unknown ``ops``.
+    """
+
+    def __init__(self, model: nn.Module, ops: str = "routed", track_sparsity: bool = True) -> None:
+        if ops not in OPS:
+            raise WideError(f"ops={ops!r} is not one of {', '.join(OPS)}")
+        from ..modeling import WideModel
+
+        self.wide = model if isinstance(model, WideModel) else None
+        base = self.wide.base if self.wide is not None else model
+        check_architecture(base.config)
+        cfg = base.config
+        act = getattr(cfg, "hidden_act", "silu")
+        if act not in ("silu", "swish"):
+            raise WideError(f"activation {act!r} is not supported by the inference engine (SwiGLU with SiLU only)")
+        if getattr(cfg, "sliding_window", None) and getattr(cfg, "use_sliding_window", True) and \
+                getattr(cfg, "model_type", "") == "mistral":
+            raise WideError("sliding-window attention is not supported by the inference engine")
+        self.base, self.ops, self.track_sparsity = base, ops, track_sparsity
+        self.dims = dims_of(cfg)
+        inner = base
+        while not hasattr(inner, "layers"):
+            inner = inner.model
+        self.embed, self.norm, self.rotary = inner.embed_tokens, inner.norm, inner.rotary_emb
+        self.lm_head = base.get_output_embeddings()
+        self.layers = [_Layer(l) for l in decoder_layers(base)]
+        p = next(base.parameters())
+        self.device, self.dtype = p.device, p.dtype
+        d = self.dims
+        if self.wide is not None:
+            wc = self.wide.config
+            self.g_attn, self.g_ffn = wc.attn_group_size, wc.ffn_group_size
+            self.attn_routers = list(self.wide.attn_routers) if wc.route_attn else None
+            self.ffn_routers = list(self.wide.ffn_routers) if wc.route_ffn else None
+        else:
+            self.g_attn, self.g_ffn = d.num_heads // d.num_kv_heads * d.head_dim, min(128, d.intermediate_size)
+            if d.intermediate_size % self.g_ffn:
+                self.g_ffn = d.intermediate_size
+            self.attn_routers = self.ffn_routers = None
+        self.n_attn, self.n_ffn = d.attn_width // self.g_attn, d.intermediate_size // self.g_ffn
+        self.record_masks = False
+        self.masks: dict = {}
+        self.stats = torch.zeros(4, dtype=torch.float64, device=self.device)  # attn exec/total, ffn exec/total
+
+    # --- helpers ---------------------------------------------------------------------------------
+    @property
+    def uses_kernels(self) -> bool:
+        """Whether the Triton kernels run (CUDA, or CPU under ``TRITON_INTERPRET=1``); else the references."""
+        return use_triton(torch.empty(0, device=self.device))
+
+    def new_cache(self, batch: int, max_len: int) -> StaticKVCache:
+        """A :class:`StaticKVCache` for this model (``batch`` rows, ``max_len`` tokens each)."""
+        d = self.dims
+        return StaticKVCache(d.num_layers, batch, d.num_kv_heads, d.head_dim, max_len, self.dtype, self.device)
+
+    def reset_stats(self) -> None:
+        self.stats.zero_()
+
+    def realized_sparsity(self) -> dict:
+        """``{"attn", "ffn", "overall"}`` skipped-group fractions accumulated since :meth:`reset_stats`
+        (over valid tokens; overall = mean over the routed modules as in Eq. 6).  Host sync."""
+        s = self.stats.tolist()
+        out = {}
+        if s[1] > 0:
+            out["attn"] = 1.0 - s[0] / s[1]
+        if s[3] > 0:
+            out["ffn"] = 1.0 - s[2] / s[3]
+        if s[1] + s[3] > 0:
+            out["overall"] = 1.0 - (s[0] + s[2]) / (s[1] + s[3])
+        return out
+
+    def _route(self, kind: str, i: int, h: torch.Tensor, valid: torch.Tensor | None) -> torch.Tensor | None:
+        """Bool mask ``[B, T, N_G]`` for layer ``i``'s ``kind`` sublayer (Eq. 4-5), None when not routed."""
+        if self.ops == "dense":
+            return None
+        routers = self.attn_routers if kind == "attn" else self.ffn_routers
+        n = self.n_attn if kind == "attn" else self.n_ffn
+        if routers is None:
+            mask = torch.ones(*h.shape[:-1], n, dtype=torch.bool, device=h.device)
+        else:
+            mask = argmax_mask(routers[i](h))
+        if self.track_sparsity:
+            w = valid.to(torch.float64) if valid is not None else torch.ones(h.shape[:-1], dtype=torch.float64,
+                                                                               device=h.device)
+            j = 0 if kind == "attn" else 2
+            self.stats[j] += (mask.sum(-1).to(torch.float64) * w).sum()
+            self.stats[j + 1] += w.sum() * n
+        if self.record_masks:
+            self.masks[(kind, i)] = mask
+        return mask
+
+    def _reorders(self, mask: torch.Tensor, attention: bool):
+        """One reorder per routing decision: ``(flat [B*T, N_G] or None, per-sequence [B, T, N_G] or None)``."""
+        if mask is None or not use_triton(mask):
+            return None, None
+        B, T, N = mask.shape
+        M = B * T
+        need_flat = _gemm_mn_uses_reorder(M) or _gemm_k_uses_reorder(M)
+        need_attn = attention and T > 1
+        flat = reorder(mask.view(M, N)) if need_flat else None
+        per = None
+        if need_attn:
+            if flat is None:
+                per = reorder(mask)
+            elif B == 1:
+                per = Reordered(flat.index.view(1, T, N), flat.mask.view(1, T, N), flat.counts.view(1, N))
+            else:
+                per = batch_reorder_view(flat, mask)
+        return flat, per
+
+    # --- one layer as named steps (also used by the per-op trace) ----------------------------------
+    def layer_steps(self, i: int, st: dict, phase: str) -> list:
+        """The ops of decoder layer ``i`` as ``[(name, fn)]``; ``fn(st)`` reads and writes the state dict.
+
+        ``st`` holds ``h`` (residual ``[B, T, D]``), ``pos`` (int64 ``[B, T]`` positions), ``valid`` (bool
+        ``[B, T]`` or None), ``cache``, and for prefill ``pad`` (int64 ``[B]``) and ``slots`` (``[B, T]``), for
+        decode ``slot`` (int64 ``[B]``, also the attention's ``left_pad``).  ``phase``: "prefill" or "decode".
+        """
+        L = self.layers[i]
+        d = self.dims
+        dense = self.ops == "dense"
+
+        def attn_router(st):
+            st["am"] = self._route("attn", i, st["h"], st.get("valid"))
+            st["am_flat"], st["am_per"] = (None, None)
+
+        def attn_reorder(st):
+            st["am_flat"], st["am_per"] = self._reorders(st["am"], attention=True)
+
+        def input_norm(st):
+            st["x"] = L.ln1(st["h"])
+
+        def q_proj(st):
+            x = st["x"]
+            B, T, D = x.shape
+            x2 = x.view(B * T, D)
+            if st["am"] is None:
+                q = F.linear(x2, L.wq, L.bq)
+            else:
+                q = gemm_mn(x2, L.wq, st["am"].view(B * T, -1), self.g_attn, reordered=st["am_flat"])
+                if L.bq is not None:
+                    q = q + L.bq
+            st["q"] = q.view(B, T, d.num_heads, d.head_dim).transpose(1, 2)
+
+        def kv_proj(st):
+            x = st["x"]
+            B, T, _ = x.shape
+            st["k"] = F.linear(x, L.wk, L.bk).view(B, T, d.num_kv_heads, d.head_dim).transpose(1, 2)
+            st["v"] = F.linear(x, L.wv, L.bv).view(B, T, d.num_kv_heads, d.head_dim).transpose(1, 2)
+
+        def rope(st):
+            from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
+
+            q, k = st["q"], st["k"]
+            if L.q_norm is not None:
+                q, k = L.q_norm(q), L.k_norm(k)
+            cos, sin = self.rotary(st["v"], st["pos"])
+            q, k = apply_rotary_pos_emb(q, k, cos, sin)
+            st["q"], st["k"] = q.contiguous(), k.contiguous()
+            st["v"] = st["v"].contiguous()
+
+        def cache_write(st):
+            c: StaticKVCache = st["cache"]
+            if phase == "prefill":
+                c.write_prefill(i, st["k"], st["v"], st["slots"])
+            else:
+                c.write_decode(i, st["k"], st["v"], st["slot"])
+
+        def attention(st):
+            q = st["q"]
+            B, Hq, T, hd = q.shape
+            if phase == "prefill":
+                k, v, lp = st["k"], st["v"], st["pad"]
+            else:
+                c = st["cache"]
+                k, v, lp = c.k[i, :B], c.v[i, :B], st["slot"]
+            if dense and phase == "prefill":
+                st["a"] = _dense_prefill_attention(q, k, v, st.get("padded", True) and lp, L.scaling)
+            else:
+                route = st["am"]
+                if route is None:
+                    route = torch.ones(B, T, self.n_attn, dtype=torch.bool, device=q.device)
+                st["a"] = routed_attention(q, k, v, route, causal=(phase == "prefill"), left_pad=lp,
+                                           scale=L.scaling, reordered=st["am_per"])
+
+        def o_proj(st):
+            a = st["a"]
+            B, Hq, T, hd = a.shape
+            a2 = a.transpose(1, 2).reshape(B * T, Hq * hd)
+            if st["am"] is None:
+                o = F.linear(a2, L.wo, L.bo)
+            else:
+                o = gemm_k(a2, L.wo, st["am"].view(B * T, -1), self.g_attn, reordered=st["am_flat"])
+                if L.bo is not None:
+                    o = o + L.bo
+            st["o"] = o.view(B, T, -1)
+
+        def attn_residual(st):
+            st["h"] = st["h"] + st["o"]
+
+        def ffn_router(st):
+            st["fm"] = self._route("ffn", i, st["h"], st.get("valid"))
+            st["fm_flat"] = None
+
+        def ffn_reorder(st):
+            st["fm_flat"], _ = self._reorders(st["fm"], attention=False)
+
+        def post_norm(st):
+            st["x"] = L.ln2(st["h"])
+
+        def gate_up(st):
+            x = st["x"]
+            B, T, D = x.shape
+            x2 = x.view(B * T, D)
+            if st["fm"] is None:
+                st["u"] = F.silu(F.linear(x2, L.wg)) * F.linear(x2, L.wu)
+            else:
+                st["u"] = swiglu(x2, L.wg, L.wu, st["fm"].view(B * T, -1), self.g_ffn, reordered=st["fm_flat"])
+
+        def down_proj(st):
+            u = st["u"]
+            B, T, D = st["x"].shape
+            if st["fm"] is None:
+                y = F.linear(u, L.wd)
+            else:
+                y = gemm_k(u, L.wd, st["fm"].view(B * T, -1), self.g_ffn, reordered=st["fm_flat"])
+            st["y"] = y.view(B, T, D)
+
+        def ffn_residual(st):
+            st["h"] = st["h"] + st["y"]
+
+        steps = [("attn_router", attn_router)]
+        if not dense:
+            steps.append(("attn_reorder", attn_reorder))
+        steps += [("input_norm", input_norm), ("q_proj", q_proj), ("kv_proj", kv_proj), ("rope", rope),
+                  ("kv_cache_write", cache_write), ("attention", attention), ("o_proj", o_proj),
+                  ("attn_residual", attn_residual), ("ffn_router", ffn_router)]
+        if not dense:
+            steps.append(("ffn_reorder", ffn_reorder))
+        steps += [("post_norm", post_norm), ("gate_up", gate_up), ("down_proj", down_proj),
+                  ("ffn_residual", ffn_residual)]
+        return steps
+
+    # --- forward passes --------------------------------------------------------------------------
+    def _check_ids(self, input_ids: torch.Tensor) -> None:
+        if not isinstance(input_ids, torch.Tensor) or input_ids.dim() != 2:
+            raise WideError(f"input_ids must be an int tensor [B, T], got {getattr(input_ids, 'shape', input_ids)!r}")
+        if input_ids.device != self.device:
+            raise WideError(f"input_ids are on {input_ids.device}, the engine's model is on {self.device}")
+        if input_ids.shape[1] == 0 or input_ids.shape[0] == 0:
+            raise WideError("empty prompt: input_ids has no tokens")
+
+    @torch.no_grad()
+    def prefill(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None, cache: StaticKVCache,
+                all_logits: bool = False) -> torch.Tensor:
+        """Prefill a left-padded batch into ``cache`` (rows ``0..B-1``) and return logits.
+
+        Args:
+            input_ids: int64 ``[B, T]``, left-padded (padding first).
+            attention_mask: ``[B, T]`` (1 = real token) of the form ``[0]*pad + [1]*n``, or None (no padding).
+                Every row needs at least one real token.
+            cache: a :class:`StaticKVCache` with ``cache.batch >= B`` and ``cache.max_len >= T``; its lengths
+                are set to the real token counts (rows ``>= B`` to 0).
+            all_logits: return logits of every position ``[B, T, V]`` (default: last position ``[B, V]``).
+
+        Returns:
+            float logits in the model dtype.  Positions are ``0..n_b-1`` over each row's real tokens (padding
+            does not shift them), so a padded row gives the logits of the same prompt run alone.
+
+        Raises:
+            WideError: empty prompt, a row without real tokens, wrong device, or a cache too small.
+        """
+        self._check_ids(input_ids)
+        B, T = input_ids.shape
+        if cache.batch < B:
+            raise WideError(f"batch of {B} prompts does not fit a KV cache of {cache.batch} rows")
+        if T > cache.max_len:
+            raise WideError(f"prompt of {T} tokens is longer than the KV cache ({cache.max_len} tokens)")
+        if attention_mask is None:
+            valid = None
+            pad = torch.zeros(B, dtype=torch.int64, device=self.device)
+            n = torch.full((B,), T, dtype=torch.int64, device=self.device)
+            padded = False
+        else:
+            if attention_mask.shape != input_ids.shape or attention_mask.device != input_ids.device:
+                raise WideError(f"attention_mask {tuple(attention_mask.shape)} on {attention_mask.device} must match "
+                                f"input_ids {tuple(input_ids.shape)} on {input_ids.device}")
+            valid = attention_mask.bool()
+            n = valid.sum(1)
+            pad = T - n
+            padded = True
+        pos = (torch.arange(T, device=self.device).view(1, T) - pad.view(B, 1)).clamp_min(0)
+        slots = cache.prefill_slots(pad, T)
+        cache.lengths.zero_()
+        cache.lengths[:B] = n
+        self.masks = {}
+        h = self.embed(input_ids)
+        st = {"h": h, "pos": pos, "valid": valid, "cache": cache, "pad": pad, "slots": slots, "padded": padded}
+        for i in range(len(self.layers)):
+            for _, fn in self.layer_steps(i, st, "prefill"):
+                fn(st)
+        h = st["h"] if all_logits else st["h"][:, -1]
+        return self.lm_head(self.norm(h))
+
+    @torch.no_grad()
+    def decode(self, tokens: torch.Tensor, cache: StaticKVCache, valid: torch.Tensor | None = None) -> torch.Tensor:
+        """One decode step: append ``tokens`` (int64 ``[B]``, ``B == cache.batch``) and return logits ``[B, V]``.
+
+        Each row's token takes position ``cache.lengths[b]`` and is written to slot ``T_max - 1 - lengths[b]``;
+        the lengths are then incremented on the device.  No host synchronisation (CUDA-graph capturable).
+        ``valid`` (bool ``[B]``, optional) only weights the sparsity statistics (e.g. bucket padding rows).
+        The caller guarantees ``lengths < T_max`` (:func:`wide.inference.generate.generate` checks it).
+        """
+        B = tokens.shape[0]
+        slot = cache.max_len - 1 - cache.lengths[:B]
+        st = {"h": self.embed(tokens.view(B, 1)), "pos": cache.lengths[:B].view(B, 1),
+              "valid": None if valid is None else valid.view(B, 1), "cache": cache, "slot": slot}
+        self.masks = {}
+        for i in range(len(self.layers)):
+            for _, fn in self.layer_steps(i, st, "decode"):
+                fn(st)
+        cache.lengths[:B] += 1
+        return self.lm_head(self.norm(st["h"][:, 0]))
+
+
+def _dense_prefill_attention(q, k, v, pad, scale):
+    """SDPA causal attention with GQA (dense baseline); ``pad`` int64 ``[B]`` or False (no padding)."""
+    B, Hq, T, hd = q.shape
+    rep = Hq // k.shape[1]
+    if pad is False:
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=rep > 1)
+    j = torch.arange(T, device=q.device)
+    causal = j.view(1, T) <= j.view(T, 1)
+    allowed = causal.view(1, 1, T, T) & ((j.view(1, 1, 1, T) >= pad.view(B, 1, 1, 1)) | torch.eye(
+        T, dtype=torch.bool, device=q.device).view(1, 1, T, T))
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=allowed, scale=scale, enable_gqa=rep > 1)

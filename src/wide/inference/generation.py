@@ -1,0 +1,189 @@
+"""Streaming greedy generation with the inference engine: batched left-padded prefill, then decode steps
+(under CUDA graphs on a GPU), with TTFT, TPOT, tokens/s and realized sparsity."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from ..errors import WideError
+from .graphs import runner_for
+
+
+@dataclass
+class GenerationResult:
+    """Outcome of :func:`generate`.
+
+    Attributes:
+        tokens: generated token ids per prompt (up to and including EOS when it was produced).
+        texts: their decoded text (when a tokenizer was given, else empty strings).
+        ttft_s: time to first token, seconds: prefill of the batch + first greedy token on the host.
+        tpot_s: time per output token, seconds: mean wall time of one batched decode step (0 if none).
+        tokens_per_s: generated tokens of all prompts / (TTFT + decode time).
+        sparsity: realized skipped fractions over valid tokens, ``{"attn", "ffn", "overall"}`` (empty when
+            nothing is routed).
+        path: ``"kernels+cuda-graphs"``, ``"kernels"`` (Triton, eager) or ``"reference"`` (PyTorch
+            fallback of every kernel).
+    """
+
+    tokens: list = field(default_factory=list)
+    texts: list = field(default_factory=list)
+    ttft_s: float = 0.0
+    tpot_s: float = 0.0
+    tokens_per_s: float = 0.0
+    sparsity: dict = field(default_factory=dict)
+    path: str = "reference"
+    steps: int = 0
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def encode_prompts(prompts, tokenizer, device: torch.device) -> list[torch.Tensor]:
+    """Prompts (strings, or int token tensors / lists) as 1-D int64 tensors (text and lists on ``device``,
+    tensors on their own device).
+
+    Raises:
+        WideError: no prompt, an empty prompt, strings without a tokenizer, or token tensors on mixed devices.
+    """
+    if isinstance(prompts, (str, torch.Tensor)):
+        prompts = [prompts]
+    prompts = list(prompts)
+    if not prompts:
+        raise WideError("no prompt given")
+    devs = {p.device for p in prompts if isinstance(p, torch.Tensor)}
+    if len(devs) > 1:
+        raise WideError(f"the prompts' token tensors are on mixed devices {sorted(map(str, devs))}; put them on one")
+    out = []
+    for i, p in enumerate(prompts):
+        if isinstance(p, str):
+            if tokenizer is None:
+                raise WideError("text prompts need a tokenizer")
+            ids = tokenizer(p, add_special_tokens=True)["input_ids"]
+            if p.strip() == "":
+                ids = []
+            t = torch.tensor(ids, dtype=torch.int64)
+        elif isinstance(p, torch.Tensor):
+            t = p.reshape(-1).to(torch.int64)  # stays on its own device (checked by the caller)
+            if t.numel() == 0:
+                raise WideError(f"empty prompt (prompt {i} has no tokens)")
+            out.append(t)
+            continue
+        else:
+            t = torch.tensor(list(p), dtype=torch.int64)
+        if t.numel() == 0:
+            raise WideError(f"empty prompt (prompt {i} has no tokens)")
+        out.append(t.to(device))
+    return out
+
+
+def left_pad(seqs: list[torch.Tensor], pad_id: int) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Stack 1-D token tensors into ``[B, T]`` with left padding; the mask is None when no row is padded."""
+    T = max(int(s.numel()) for s in seqs)
+    ids = torch.full((len(seqs), T), pad_id, dtype=torch.int64, device=seqs[0].device)
+    mask = torch.zeros((len(seqs), T), dtype=torch.int64, device=seqs[0].device)
+    for b, s in enumerate(seqs):
+        ids[b, T - s.numel():] = s
+        mask[b, T - s.numel():] = 1
+    return ids, (None if bool(mask.all()) else mask)
+
+
+@torch.no_grad()
+def generate(engine, tokenizer, prompts, max_new_tokens: int = 32, *, max_len: int | None = None,
+             graphs: bool | None = None, stop_at_eos: bool = True, on_token=None) -> GenerationResult:
+    """Greedy generation for a batch of prompts (left-padded prefill, then batched decode steps).
+
+    Args:
+        engine: an :class:`~wide.inference.engine.Engine`.
+        tokenizer: a Hugging Face tokenizer (needed for text prompts and for ``texts``), or None.
+        prompts: a string, a list of strings, or token tensors/lists (all on one device).
+        max_new_tokens: tokens to generate per prompt, ``>= 1``.
+        max_len: KV-cache capacity per sequence in tokens (default: longest prompt + ``max_new_tokens``).
+        graphs: replay decode steps from a CUDA graph (default: when the engine runs on CUDA).
+        stop_at_eos: stop a row at the tokenizer's / model's EOS; the loop ends when every row stopped.
+        on_token: optional ``callback(row, token_id, text_so_far)`` called as tokens arrive (streaming).
+
+    Returns:
+        :class:`GenerationResult`.
+
+    Raises:
+        WideError: empty prompt, mixed devices, ``max_new_tokens < 1``, a prompt (+ new tokens) longer than
+            the cache, or ``graphs=True`` without a GPU.
+    """
+    if max_new_tokens < 1:
+        raise WideError(f"--max-new-tokens {max_new_tokens} must be >= 1")
+    dev = engine.device
+    if graphs and (not torch.cuda.is_available() or dev.type != "cuda"):
+        raise WideError("CUDA-graph decode needs a CUDA GPU and the model on it; this run is on "
+                        f"{dev} (CUDA available: {torch.cuda.is_available()})")
+    seqs = encode_prompts(prompts, tokenizer, dev)
+    if seqs[0].device != dev:
+        raise WideError(f"prompt tokens are on {seqs[0].device}, the model is on {dev}")
+    longest = max(int(s.numel()) for s in seqs)
+    need = longest + max_new_tokens
+    if max_len is None:
+        max_len = need
+    if longest > max_len:
+        raise WideError(f"prompt of {longest} tokens is longer than the KV cache ({max_len} tokens)")
+    if need > max_len:
+        raise WideError(f"prompt of {longest} tokens + {max_new_tokens} new tokens does not fit the KV cache "
+                        f"({max_len} tokens)")
+    graphs = (dev.type == "cuda") if graphs is None else graphs
+    pad_id = 0
+    eos = None
+    if tokenizer is not None:
+        pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else (tokenizer.eos_token_id or 0)
+        eos = tokenizer.eos_token_id
+    if eos is None:
+        eos = getattr(engine.base.config, "eos_token_id", None)
+    eos_set = set(eos if isinstance(eos, (list, tuple)) else ([eos] if eos is not None else []))
+    ids, mask = left_pad(seqs, pad_id)
+    B = ids.shape[0]
+
+    runner = runner_for(engine, B, max_len, graphs)
+    cache = runner.cache
+    runner.valid.zero_()
+    runner.valid[:B] = True
+    engine.reset_stats()
+    res = GenerationResult(path=("kernels+cuda-graphs" if runner.graph is not None else
+                                 "kernels" if engine.uses_kernels else "reference"))
+    res.tokens = [[] for _ in range(B)]
+    done = [False] * B
+
+    def emit(tok_host):
+        for b in range(B):
+            if done[b]:
+                continue
+            t = int(tok_host[b])
+            res.tokens[b].append(t)
+            if on_token is not None:
+                on_token(b, t, tokenizer.decode(res.tokens[b], skip_special_tokens=True) if tokenizer else "")
+            if stop_at_eos and t in eos_set:
+                done[b] = True
+
+    _sync(dev)
+    t0 = time.perf_counter()
+    logits = engine.prefill(ids, mask, cache)
+    first = logits.argmax(-1)
+    runner.tokens[:B] = first
+    emit(first.tolist())  # host sync: the first token is out
+    t1 = time.perf_counter()
+    res.ttft_s = t1 - t0
+    steps = 0
+    while steps < max_new_tokens - 1 and not all(done):
+        nxt = runner.step()
+        emit(nxt[:B].tolist())
+        steps += 1
+    t2 = time.perf_counter()
+    res.steps = steps
+    res.tpot_s = (t2 - t1) / steps if steps else 0.0
+    n_tok = sum(len(t) for t in res.tokens)
+    res.tokens_per_s = n_tok / max(t2 - t0, 1e-9)
+    res.sparsity = engine.realized_sparsity() if engine.ops == "routed" and (
+        engine.attn_routers is not None or engine.ffn_routers is not None) else {}
+    res.texts = [tokenizer.decode(t, skip_special_tokens=True) if tokenizer else "" for t in res.tokens]
+    return res

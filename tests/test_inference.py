@@ -1,0 +1,317 @@
+"""Inference engine (issue 5): the kernel-built forward pass against WideModel's masking path, left padding,
+static KV cache decode, greedy generation, `wide generate`, bad input.  CPU only except the CUDA tests."""
+
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+import torch
+
+from conftest import tiny_model, tiny_tokenizer
+from wide import WideConfig, WideError
+from wide.kernels.reference import reorder_ref
+from wide.modeling import WideModel
+
+ATOL = 2e-5
+
+
+def _wide(seed=0, **cfg):
+    torch.manual_seed(seed)
+    base = tiny_model(seed=seed)
+    wm = WideModel(base, WideConfig(ffn_group_size=cfg.pop("ffn_group_size", 32), **cfg), init_keep=0.5).eval()
+    for r in [*wm.attn_routers, *wm.ffn_routers]:  # routers that really disagree between tokens
+        torch.nn.init.normal_(r.w2.weight, std=1.0)
+    return wm
+
+
+def _positions(mask):
+    return (mask.cumsum(-1) - 1).clamp_min(0)
+
+
+def _ref_greedy(wm, ids, n):
+    ids = list(ids)
+    out, logits = [], []
+    for _ in range(n):
+        lg = wm(torch.tensor([ids])).logits[0, -1]
+        logits.append(lg)
+        t = int(lg.argmax())
+        out.append(t)
+        ids.append(t)
+    return out, logits
+
+
+@pytest.fixture
+def reference_path(monkeypatch):
+    """Kernels fall back to their PyTorch references (fast on CPU)."""
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+
+
+def test_batch_reorder_view_equals_per_sequence_reorder():
+    from wide.inference import batch_reorder_view
+
+    g = torch.Generator().manual_seed(0)
+    for B, T, N in [(1, 7, 3), (3, 50, 4), (4, 33, 1)]:
+        mask = torch.rand(B, T, N, generator=g) < 0.4
+        mask[0, :, 0] = False  # an empty column
+        got = batch_reorder_view(reorder_ref(mask.view(B * T, N)), mask)
+        want = reorder_ref(mask)
+        assert torch.equal(got.index, want.index) and torch.equal(got.mask, want.mask)
+        assert torch.equal(got.counts, want.counts)
+
+
+def test_kernels_prefill_and_decode_match_masking_path():
+    """Triton interpreter: M = B*T > 128 (shared flat reorder + per-sequence view), left padding, 2 decode steps."""
+    from wide.inference import Engine
+
+    wm = _wide()
+    eng = Engine(wm)
+    assert eng.uses_kernels  # conftest sets TRITON_INTERPRET=1 without CUDA
+    g = torch.Generator().manual_seed(1)
+    ids = torch.randint(2, 128, (2, 70), generator=g)
+    am = torch.ones_like(ids)
+    am[1, :9] = 0
+    v = am.bool()
+    wm.record_masks = True
+    ref = wm(ids, attention_mask=am, position_ids=_positions(am)).logits
+    eng.record_masks = True
+    cache = eng.new_cache(2, 74)
+    out = eng.prefill(ids, am, cache, all_logits=True)
+    assert (out - ref)[v].abs().max().item() < ATOL
+    for key, m in eng.masks.items():
+        assert torch.equal(m[v], wm.record.masks[key][v]), key
+    sp = eng.realized_sparsity()
+    assert 0.1 < sp["attn"] < 0.9 and 0.1 < sp["ffn"] < 0.9
+    seqs = [ids[b][v[b]].tolist() for b in range(2)]
+    tok = out[:, -1].argmax(-1)
+    for _ in range(2):
+        lg = eng.decode(tok, cache)
+        for b in range(2):
+            seqs[b].append(int(tok[b]))
+            wm.record_masks = True
+            r = wm(torch.tensor([seqs[b]])).logits[0, -1]
+            assert (lg[b] - r).abs().max().item() < ATOL
+            for (kind, i), m in eng.masks.items():
+                assert torch.equal(m[b, 0], wm.record.masks[(kind, i)][0, -1]), (kind, i)
+        tok = lg.argmax(-1)
+    assert cache.lengths.tolist() == [72, 63]
+
+
+def test_left_padded_batch_equals_single_runs(reference_path):
+    from wide.inference import Engine
+
+    wm = _wide(seed=2)
+    eng = Engine(wm)
+    g = torch.Generator().manual_seed(3)
+    prompts = [torch.randint(2, 128, (n,), generator=g) for n in (5, 12, 1)]
+    T = 12
+    ids = torch.zeros(3, T, dtype=torch.long)
+    am = torch.zeros(3, T, dtype=torch.long)
+    for b, p in enumerate(prompts):
+        ids[b, T - len(p):] = p
+        am[b, T - len(p):] = 1
+    cache = eng.new_cache(4, 20)  # a bucket with an idle row
+    out = eng.prefill(ids, am, cache, all_logits=True)
+    toks = out[:, -1].argmax(-1)
+    batch_steps = [torch.cat([toks, torch.zeros(1, dtype=torch.long)])]
+    dec = [eng.decode(batch_steps[0], cache)[:3]]
+    for b, p in enumerate(prompts):
+        c1 = eng.new_cache(1, 20)
+        single = eng.prefill(p.view(1, -1), None, c1, all_logits=True)[0]
+        assert (single - out[b, T - len(p):]).abs().max().item() < ATOL
+        d1 = eng.decode(toks[b:b + 1], c1)[0]
+        assert (d1 - dec[0][b]).abs().max().item() < ATOL
+
+
+def test_greedy_generation_matches_reference(reference_path):
+    from wide.inference import Engine, generate
+
+    wm = _wide(seed=4)
+    eng = Engine(wm)
+    tok = tiny_tokenizer()
+    prompts = ["w1 w2 w3 w4", "w9 w8", "w5 w6 w7 w10 w11 w12 w13"]
+    res = generate(eng, tok, prompts, max_new_tokens=10, stop_at_eos=False)
+    assert res.path == "reference" and res.steps == 9
+    for b, p in enumerate(prompts):
+        want, _ = _ref_greedy(wm, tok(p)["input_ids"], 10)
+        assert res.tokens[b] == want
+    assert set(res.sparsity) == {"attn", "ffn", "overall"} and res.ttft_s > 0 and res.tpot_s > 0
+    # the cached runner is reused by a second call (same bucket and capacity)
+    res2 = generate(eng, tok, prompts, max_new_tokens=10, stop_at_eos=False)
+    assert res2.tokens == res.tokens
+
+
+def test_dense_model_through_kernels_and_dense_ops(reference_path):
+    from wide.inference import Engine
+
+    base = tiny_model(seed=5)
+    ids = torch.randint(2, 128, (2, 11), generator=torch.Generator().manual_seed(5))
+    ref = base(ids).logits
+    for ops in ("routed", "dense"):
+        eng = Engine(base, ops=ops)
+        eng.record_masks = True
+        out = eng.prefill(ids, None, eng.new_cache(2, 12), all_logits=True)
+        assert (out - ref).abs().max().item() < ATOL
+        if ops == "routed":
+            assert all(bool(m.all()) for m in eng.masks.values())
+            assert eng.realized_sparsity()["overall"] == 0.0
+
+
+def test_dense_ops_left_padding_and_attn_only_routing(reference_path):
+    from wide.inference import Engine
+
+    wm = _wide(seed=6, routed="attn")
+    ids = torch.randint(2, 128, (2, 9), generator=torch.Generator().manual_seed(6))
+    am = torch.ones_like(ids)
+    am[0, :4] = 0
+    v = am.bool()
+    ref = wm(ids, attention_mask=am, position_ids=_positions(am)).logits
+    out = Engine(wm).prefill(ids, am, Engine(wm).new_cache(2, 9), all_logits=True)
+    assert (out - ref)[v].abs().max().item() < ATOL
+    with wm.masks_fixed(attn=True, ffn=True):
+        dref = wm(ids, attention_mask=am, position_ids=_positions(am)).logits
+    dense = Engine(wm, ops="dense")
+    dout = dense.prefill(ids, am, dense.new_cache(2, 9), all_logits=True)
+    assert (dout - dref)[v].abs().max().item() < ATOL
+
+
+def test_bad_input(reference_path):
+    from wide.inference import Engine, generate
+
+    eng = Engine(_wide(seed=7))
+    tok = tiny_tokenizer()
+    with pytest.raises(WideError, match="empty prompt"):
+        generate(eng, tok, ["w1", ""], max_new_tokens=2)
+    with pytest.raises(WideError, match="longer than the KV cache"):
+        generate(eng, tok, ["w1 w2 w3 w4 w5"], max_new_tokens=2, max_len=4)
+    with pytest.raises(WideError, match="does not fit the KV cache"):
+        generate(eng, tok, ["w1 w2 w3"], max_new_tokens=5, max_len=4)
+    with pytest.raises(WideError, match="mixed devices"):
+        generate(eng, tok, [torch.tensor([3, 4]), torch.tensor([5], device="meta")], max_new_tokens=2)
+    with pytest.raises(WideError, match="empty prompt"):
+        eng.prefill(torch.zeros(1, 0, dtype=torch.long), None, eng.new_cache(1, 4))
+    with pytest.raises(WideError, match="longer than the KV cache"):
+        eng.prefill(torch.ones(1, 6, dtype=torch.long), None, eng.new_cache(1, 4))
+    if not torch.cuda.is_available():
+        with pytest.raises(WideError, match="CUDA"):
+            generate(eng, tok, ["w1"], max_new_tokens=2, graphs=True)
+
+
+@pytest.fixture
+def wide_ckpt(tmp_path, model_dir):
+    from wide.checkpoint import save_wide
+    from wide.modeling import load_base_model
+
+    base, _, src = load_base_model(str(model_dir), device="cpu")
+    wm = WideModel(base, WideConfig(ffn_group_size=32), init_keep=0.5)
+    for r in [*wm.attn_routers, *wm.ffn_routers]:
+        torch.nn.init.normal_(r.w2.weight, std=1.0)
+    return save_wide(wm, tmp_path / "ckpt", src.ref)
+
+
+def test_cli_generate(wide_ckpt, model_dir, capsys, reference_path):
+    from wide.cli import main
+
+    rc = main(["generate", "--wide", str(wide_ckpt), "--prompt", "w1 w2 w3", "--max-new-tokens", "5",
+               "--device", "cpu"])
+    out, err = capsys.readouterr()
+    assert rc == 0, err
+    ours = [line for line in err.splitlines() if line.startswith("wide generate:")]
+    assert len(ours) == 1 and "no CUDA device" in ours[0]
+    last = out.strip().splitlines()[-1]
+    for key in ("TTFT", "TPOT", "tokens/s", "realized sparsity: attn", "path: reference"):
+        assert key in last
+    rc = main(["generate", "--model", str(model_dir), "--prompt", "w1 w2", "--prompt", "w3",
+               "--max-new-tokens", "3", "--device", "cpu"])
+    out, _ = capsys.readouterr()
+    assert rc == 0 and "[1]" in out and "0 (dense)" in out
+
+
+def test_cli_generate_bad_input(wide_ckpt, model_dir, tmp_path, capsys, reference_path):
+    from wide.cli import main
+
+    cases = [
+        (["--wide", str(wide_ckpt), "--prompt", "  "], "empty prompt"),
+        (["--model", str(model_dir), "--prompt", "w1 w2 w3 w4", "--max-cache-len", "3"], "longer than the KV cache"),
+    ]
+    if not torch.cuda.is_available():
+        cases.append((["--model", str(model_dir), "--prompt", "w1", "--device", "cuda"], "no CUDA GPU"))
+    other = tmp_path / "other"
+    tiny_model(seed=9).save_pretrained(other)
+    tiny_tokenizer().save_pretrained(other)
+    cases.append((["--wide", str(wide_ckpt), "--model", str(other), "--prompt", "w1"], "made for base model"))
+    for extra, msg in cases:
+        rc = main(["generate", "--max-new-tokens", "2", *extra])
+        err = capsys.readouterr().err.strip().splitlines()
+        assert rc == 2, (extra, err)
+        assert msg in err[-1] and err[-1].startswith("wide generate: error:"), err
+
+
+def test_cli_bench_registered(capsys):
+    from wide.cli import build_parser
+
+    p = build_parser()
+    a = p.parse_args(["bench", "e2e", "--quick"])
+    assert a.quick and callable(a.func)
+    a = p.parse_args(["bench", "kernels", "--quick"])
+    assert a.quick and callable(a.func)
+    if not torch.cuda.is_available():
+        from wide.cli import main
+
+        assert main(["bench", "e2e", "--quick", "--out-dir", os.devnull]) == 2
+        assert "GPU" in capsys.readouterr().err
+
+
+@pytest.mark.slow
+def test_smollm2_calibrated_routers_match(reference_path):
+    """Bundled SmolLM2-135M with the calibrated S=0.5 routers: 2 left-padded prompts, prefill + 8 decode steps."""
+    import wide
+    from wide.inference import Engine, generate
+
+    ckpt = os.path.join(os.path.dirname(__file__), "..", "benchmarks", "quality", "checkpoints",
+                        "smollm2-global-s50-g128")
+    wm, tok = wide.load(ckpt, device="cpu", tokenizer=True)
+    eng = Engine(wm)
+    prompts = ["The capital of France is", "Water boils at a temperature of one hundred degrees"]
+    res = generate(eng, tok, prompts, max_new_tokens=8, stop_at_eos=False)
+    assert 0.3 < res.sparsity["overall"] < 0.7
+    for b, p in enumerate(prompts):
+        ids = tok(p)["input_ids"]
+        want, logits = _ref_greedy(wm, ids, 8)
+        assert res.tokens[b] == want
+    # logits and masks of the padded prefill against the masking path
+    enc = [torch.tensor(tok(p)["input_ids"]) for p in prompts]
+    T = max(len(e) for e in enc)
+    ids = torch.zeros(2, T, dtype=torch.long)
+    am = torch.zeros_like(ids)
+    for b, e in enumerate(enc):
+        ids[b, T - len(e):] = e
+        am[b, T - len(e):] = 1
+    wm.record_masks = True
+    ref = wm(ids, attention_mask=am, position_ids=_positions(am)).logits
+    eng.record_masks = True
+    out = eng.prefill(ids, am, eng.new_cache(2, T), all_logits=True)
+    v = am.bool()
+    assert (out - ref)[v].abs().max().item() < 2e-3 * ref[v].abs().max().item()
+    for key, m in eng.masks.items():
+        assert torch.equal(m[v], wm.record.masks[key][v]), key
+
+
+cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+
+
+@cuda
+def test_cuda_graph_decode_equals_eager():
+    from wide.inference import Engine, generate
+
+    wm = _wide(seed=8)
+    wm.base.to("cuda", torch.bfloat16)
+    wm.to("cuda")
+    eng = Engine(wm)
+    tok = tiny_tokenizer()
+    prompts = ["w1 w2 w3 w4", "w9 w8", "w5 w6 w7"]
+    a = generate(eng, tok, prompts, max_new_tokens=12, graphs=True, stop_at_eos=False)
+    b = generate(eng, tok, prompts, max_new_tokens=12, graphs=False, stop_at_eos=False)
+    assert a.path == "kernels+cuda-graphs" and a.tokens == b.tokens
+    json.dumps(a.sparsity)
