@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 import time
@@ -123,6 +124,16 @@ def test_resume_two_processes_to_one(tmp_path, reference):
     first = _log(tmp_path)
     assert [r["world_size"] for r in first] == [2, 2, 2]
     _assert_same_losses(first, _log(reference)[:3])  # 2 processes match 1 process step by step
+    from wide.errors import WideError
+
+    with pytest.raises(WideError, match="other settings"):  # global batch 2 x 2 = 4, saved with 2 x 2 x 2 = 8
+        _calibrate(tmp_path, batch_size=2, resume=True)
+    bad = tmp_path.parent / (tmp_path.name + "-corrupt")
+    shutil.copytree(tmp_path, bad)
+    shard = next((bad / "train_state.dcp").glob("*.distcp"))
+    shard.write_bytes(shard.read_bytes()[:20])
+    with pytest.raises(WideError, match="corrupt training state"):
+        _calibrate(bad, batch_size=4, resume=True)
     _calibrate(tmp_path, batch_size=4, resume=True)  # same global batch on one process
     _assert_same_losses(_log(tmp_path), _log(reference))
     assert [r["world_size"] for r in _log(tmp_path)] == [2, 2, 1, 1, 1]

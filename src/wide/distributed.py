@@ -348,6 +348,9 @@ def save_sharded(state: dict, directory: str | os.PathLike, meta: dict, env: Dis
         state: ``{"model": ..., "optim": ...}`` from ``get_state_dict`` (DTensors or plain tensors).
         directory: final folder, e.g. ``<output>/train_state.dcp``.
         meta: JSON-able facts (step, settings) stored next to the shards.
+
+    Raises:
+        RuntimeError: a rank failed to write its shards (the previous checkpoint stays in place).
     """
     import torch.distributed.checkpoint as dcp
 
@@ -358,7 +361,13 @@ def save_sharded(state: dict, directory: str | os.PathLike, meta: dict, env: Dis
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir(parents=True)
     barrier(env)
-    dcp.save(state, checkpoint_id=str(tmp), no_dist=not (env.active and env.world_size > 1))
+    from torch.distributed.checkpoint.api import CheckpointException  # a BaseException, not an Exception
+
+    try:
+        dcp.save(state, checkpoint_id=str(tmp), no_dist=not (env.active and env.world_size > 1))
+    except CheckpointException as e:
+        first = next((ln.strip() for ln in str(e).splitlines() if ln.strip()), type(e).__name__)
+        raise RuntimeError(f"writing the training state to {tmp} failed: {first}") from None
     if env.is_main:
         (tmp / "train_state.json").write_text(json.dumps(meta, indent=2) + "\n")
         shutil.rmtree(old, ignore_errors=True)
@@ -395,8 +404,10 @@ def load_sharded(state: dict, directory: str | os.PathLike, env: DistEnv) -> Non
         WideError: the folder is missing or unreadable.
     """
     import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.api import CheckpointException  # a BaseException, not an Exception
 
     try:
         dcp.load(state, checkpoint_id=str(directory), no_dist=not (env.active and env.world_size > 1))
-    except Exception as e:  # noqa: BLE001 - any failure to read is a corrupt checkpoint to the user
-        raise WideError(f"corrupt training state {directory}: {str(e).splitlines()[0] if str(e) else type(e).__name__}") from None
+    except (Exception, CheckpointException) as e:  # noqa: BLE001 - any failure to read is a corrupt checkpoint
+        first = next((ln.strip() for ln in str(e).splitlines() if ln.strip()), type(e).__name__)
+        raise WideError(f"corrupt training state {directory}: {first}") from None

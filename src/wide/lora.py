@@ -55,6 +55,7 @@ class LoraSettings:
             raise WideError(f"--lora-dropout {self.dropout!r} must be in [0, 1)")
 
     def to_dict(self) -> dict:
+        """``{"r", "alpha", "dropout"}`` (JSON-able; stored in the training state and ``base_model.json``)."""
         return asdict(self)
 
     def peft_config(self):

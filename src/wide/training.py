@@ -101,15 +101,11 @@ def lr_lambda(step: int, warmup: int, total: int) -> float:
     return 0.5 * (1.0 + math.cos(math.pi * min(prog, 1.0)))
 
 
-def stream_index(pos: int, n: int, seed: int) -> int:
-    """Block index at position ``pos`` of the endless stream of per-epoch seeded permutations of ``n`` blocks."""
-    epoch, j = divmod(pos, n)
-    g = torch.Generator().manual_seed(seed * 1_000_003 + epoch)
-    return int(torch.randperm(n, generator=g)[j])
-
-
 def stream_rows(blocks: torch.Tensor, positions, seed: int) -> torch.Tensor:
-    """Rows of ``blocks`` (int64 ``[N, T]``) at stream ``positions``: int64 ``[len(positions), T]``."""
+    """Rows of ``blocks`` (int64 ``[N, T]``) at ``positions`` of the endless stream of per-epoch seeded
+    permutations of the ``N`` blocks: int64 ``[len(positions), T]``. Position ``p`` is block
+    ``randperm(N, seed * 1_000_003 + p // N)[p % N]``; a pure function of ``p``, which makes resume exact
+    and lets every rank read its own rows of a global micro-batch."""
     n = blocks.shape[0]
     cache: dict[int, torch.Tensor] = {}
     idx = []
