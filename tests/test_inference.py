@@ -315,3 +315,107 @@ def test_cuda_graph_decode_equals_eager():
     b = generate(eng, tok, prompts, max_new_tokens=12, graphs=False, stop_at_eos=False)
     assert a.path == "kernels+cuda-graphs" and a.tokens == b.tokens
     json.dumps(a.sparsity)
+
+
+def test_bench_helpers_on_cpu(tmp_path, reference_path):
+    """The parts of `wide bench e2e` that need no GPU: router biasing to a target split, Amdahl attribution,
+    the report."""
+    from wide.bench import e2e
+    from wide.inference import Engine
+
+    sa, sf = e2e.split_sparsity(0.5, "paper")
+    assert abs((sa + sf) / 2 - 0.5) < 1e-9 and sa > 2 * sf
+    assert e2e.split_sparsity(0.25, "uniform") == (0.25, 0.25)
+    wm = _wide(seed=10, ffn_group_size=16)
+    for layer in (wm.attn_routers, wm.ffn_routers):  # not the biased routers of the other tests
+        for r in layer:
+            torch.nn.init.normal_(r.w2.weight, std=0.3)
+    eng = Engine(wm)
+    ids = torch.randint(2, 128, (2, 64), generator=torch.Generator().manual_seed(10))
+    e2e.bias_routers(eng, ids, 0.7, 0.3)
+    eng.reset_stats()
+    eng.prefill(ids, None, eng.new_cache(2, 64))
+    sp = eng.realized_sparsity()
+    assert abs(sp["attn"] - 0.7) < 0.15 and abs(sp["ffn"] - 0.3) < 0.1, sp
+    e2e.bias_routers(eng, ids, 0.0, 0.0)
+    eng.reset_stats()
+    eng.prefill(ids, None, eng.new_cache(2, 64))
+    assert eng.realized_sparsity()["overall"] == 0.0
+
+    def tr(scale, routing):
+        ops = {k: 1.0 * scale for k in e2e.ROUTED_OPS}
+        ops.update({k: routing for k in e2e.ROUTING_OPS})
+        ops.update(input_norm=0.1, kv_proj=0.2, rope=0.1)
+        return {"ops": ops, "layer_ms": sum(ops.values()), "embed_ms": 0.0, "head_ms": 0.4, "full_ms": 0.0 + (
+            sum(ops.values()) * 2 + 0.4), "layers": 2}
+
+    a = e2e.amdahl(tr(0.5, 0.05), tr(1.0, 0.0))
+    assert abs(a["routed_path_speedup"] - 2.0) < 1e-9
+    assert a["amdahl_bound_no_overhead"] > a["predicted_speedup_sum_of_ops"] > 1.0
+    rec = dict(phase="prefill", model="llama8b-shapes", split="paper", batch=1, prompt_len=512, sparsity=0.5,
+               G_ffn=128, dense_ms=2.0, wide_ms=1.5, speedup=1.33, realized_sparsity={"overall": 0.5})
+    e2e.write_report([rec, dict(rec, phase="decode")], str(tmp_path), "t")
+    assert "| prefill | llama8b-shapes |" in (tmp_path / "e2e_t.md").read_text()
+
+
+def test_bench_points_dry_run_on_cpu(monkeypatch, tmp_path, reference_path):
+    """Every benchmark point, the per-op trace and the GPU self-check, run eagerly on the CPU with a tiny model
+    (graphs and CUDA events swapped for eager calls and wall time), so the one GPU run cannot fail on plain
+    Python errors."""
+    import types
+
+    from wide.bench import e2e
+    from wide.inference.graphs import DecodeRunner
+
+    class Eager:
+        def __init__(self, fn, warmup=2):
+            for _ in range(warmup):
+                fn()
+            self.replay = fn
+
+    def median_ms(fn, runs, before=None):
+        import time as _t
+
+        out = []
+        for _ in range(min(runs, 3)):
+            if before:
+                before()
+            t = _t.perf_counter()
+            fn()
+            out.append((_t.perf_counter() - t) * 1e3)
+        return sorted(out)[len(out) // 2]
+
+    monkeypatch.setattr(e2e, "DEVICE", "cpu")
+    monkeypatch.setattr(e2e, "_capture", lambda fn, warmup=2: Eager(fn, warmup))
+    monkeypatch.setattr(e2e, "_decode_runner", lambda eng, cache: DecodeRunner(eng, cache, graph=False))
+    monkeypatch.setattr(e2e, "_median_ms", median_ms)
+    wm = _wide(seed=11)
+    for h in wm._handles:
+        h.remove()
+    wm._handles = []
+    base = wm.base
+    records = []
+    args = types.SimpleNamespace(runs=50, no_hf=False, out_dir=str(tmp_path), tag="cpu")
+    ctx = types.SimpleNamespace(args=args, add=records.append, over=lambda: False)
+    wide_eng, dense_eng = e2e._engine_pair(base, wm)
+    e2e.bias_routers(wide_eng, torch.randint(0, 128, (1, 64)), *e2e.split_sparsity(0.5, "paper"))
+    extra = dict(sparsity=0.5, G_ffn=32, split="paper")
+    e2e.bench_prefill(ctx, "tiny", base, wide_eng, dense_eng, 2, 24, extra)
+    e2e.bench_decode(ctx, "tiny", base, wide_eng, dense_eng, 2, 24, extra)
+    for r in records:
+        for key in ("phase", "model", "batch", "prompt_len", "sparsity", "G_ffn", "dense_ms", "wide_ms", "speedup",
+                    "hf_eager_ms", "realized_sparsity"):
+            assert key in r, key
+    assert [r["phase"] for r in records] == ["prefill", "decode"]
+    tw = e2e.trace_layer(wide_eng, 1, 24, "prefill", runs=2)
+    td = e2e.trace_layer(dense_eng, 1, 24, "prefill", runs=2)
+    assert {"q_proj", "attention", "attn_reorder", "gate_up", "down_proj", "rope"} <= set(tw["ops"])
+    e2e.amdahl(tw, td)
+    e2e.amdahl(e2e.trace_layer(wide_eng, 2, 24, "decode", runs=2), e2e.trace_layer(dense_eng, 2, 24, "decode", runs=2))
+    ids = torch.randint(0, 128, (2, 20))
+    mask = torch.ones_like(ids)
+    mask[1, :5] = 0
+    chk = e2e.check_engine(wm, base, ids, mask, new_tokens=3)
+    assert chk["prefill_logits_max_rel_err"] < 1e-5 and chk["mask_agreement_min"] == 1.0
+    assert chk["greedy_positions_equal"] == 1.0 and chk["graph_vs_eager_rows_equal"] == 1.0
+    assert wm._handles == []

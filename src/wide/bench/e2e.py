@@ -42,6 +42,7 @@ LLAMA8B = dict(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, 
                              "high_freq_factor": 4.0, "original_max_position_embeddings": 8192})
 ROUTED_OPS = ("q_proj", "attention", "o_proj", "gate_up", "down_proj")
 ROUTING_OPS = ("attn_router", "attn_reorder", "ffn_router", "ffn_reorder")
+DEVICE = "cuda"  # the CPU self-test of this module swaps it (with _capture / _median_ms / _decode_runner)
 
 
 def _ints(s):
@@ -101,6 +102,19 @@ def _median_ms(fn, runs: int, before=None) -> float:
         b.synchronize()
         times.append(a.elapsed_time(b))
     return statistics.median(times)
+
+
+def _capture(fn, warmup: int = 2):
+    """CUDA graph of ``fn`` (see :func:`wide.inference.graphs.capture`); has ``.replay()``."""
+    from wide.inference.graphs import capture
+
+    return capture(fn, warmup=warmup)
+
+
+def _decode_runner(engine, cache):
+    from wide.inference.graphs import DecodeRunner
+
+    return DecodeRunner(engine, cache, graph=True)
 
 
 def _runs_for(one_ms: float, runs: int, cap_s: float = 6.0) -> int:
@@ -235,14 +249,12 @@ def _realized(engine, ids):
 def bench_prefill(ctx, model_name, base, wide_eng, dense_eng, B, T, extra):
     import torch
 
-    from wide.inference.graphs import capture
-
-    g = torch.Generator(device="cuda").manual_seed(B * 100003 + T)
-    ids = torch.randint(0, base.config.vocab_size, (B, T), device="cuda", generator=g)
+    g = torch.Generator(device=DEVICE).manual_seed(B * 100003 + T)
+    ids = torch.randint(0, base.config.vocab_size, (B, T), device=DEVICE, generator=g)
     out = {}
     for name, eng in (("wide", wide_eng), ("dense", dense_eng)):
         cache = eng.new_cache(B, T)
-        graph = capture(lambda: eng.prefill(ids, None, cache), warmup=2)
+        graph = _capture(lambda: eng.prefill(ids, None, cache), warmup=2)
         one = _median_ms(graph.replay, 1)
         out[name] = _median_ms(graph.replay, _runs_for(one, ctx.args.runs))
         out[name + "_runs"] = _runs_for(one, ctx.args.runs)
@@ -264,20 +276,18 @@ def bench_prefill(ctx, model_name, base, wide_eng, dense_eng, B, T, extra):
 def bench_decode(ctx, model_name, base, wide_eng, dense_eng, B, T, extra):
     import torch
 
-    from wide.inference.graphs import DecodeRunner
-
     cache = wide_eng.new_cache(B, T + 8)
     torch.manual_seed(T)
     cache.k.normal_(0, 1)
     cache.v.normal_(0, 1)
-    ctxlen = torch.full((B,), T, dtype=torch.int64, device="cuda")
+    ctxlen = torch.full((B,), T, dtype=torch.int64, device=DEVICE)
     out = {}
     for name, eng in (("wide", wide_eng), ("dense", dense_eng)):
         cache.lengths.copy_(ctxlen)
-        runner = DecodeRunner(eng, cache, graph=True)
+        runner = _decode_runner(eng, cache)
         runner.tokens.random_(0, base.config.vocab_size)
         reset = lambda: cache.lengths.copy_(ctxlen)  # noqa: E731
-        out[name] = _median_ms(runner.graph.replay, max(50, ctx.args.runs), before=reset)
+        out[name] = _median_ms(runner.step, max(50, ctx.args.runs), before=reset)
         del runner
     rec = dict(phase="decode", model=model_name, batch=B, prompt_len=T, dense_ms=round(out["dense"], 4),
                wide_ms=round(out["wide"], 4), speedup=round(out["dense"] / out["wide"], 4),
@@ -290,8 +300,8 @@ def bench_decode(ctx, model_name, base, wide_eng, dense_eng, B, T, extra):
             S = cache.max_len
             for layer in range(cache.k.shape[0]):
                 hfc.update(cache.k[layer, :, :, S - T:], cache.v[layer, :, :, S - T:], layer)
-            tok = torch.randint(0, base.config.vocab_size, (B, 1), device="cuda")
-            pos = torch.full((B, 1), T, device="cuda")
+            tok = torch.randint(0, base.config.vocab_size, (B, 1), device=DEVICE)
+            pos = torch.full((B, 1), T, device=DEVICE)
 
             def step():
                 base(input_ids=tok, past_key_values=hfc, position_ids=pos, use_cache=True)
@@ -308,7 +318,7 @@ def bench_decode(ctx, model_name, base, wide_eng, dense_eng, B, T, extra):
     wide_eng.reset_stats()
     cache.lengths.copy_(ctxlen)
     if wide_eng.ops == "routed":
-        wide_eng.decode(torch.randint(0, base.config.vocab_size, (B,), device="cuda"), cache)
+        wide_eng.decode(torch.randint(0, base.config.vocab_size, (B,), device=DEVICE), cache)
         rec["realized_sparsity"] = {k: round(v, 4) for k, v in wide_eng.realized_sparsity().items()}
     wide_eng.track_sparsity = False
     del cache
@@ -323,15 +333,13 @@ def trace_layer(engine, B: int, T: int, phase: str, runs: int = 30) -> dict:
     "full_ms" (whole forward, one graph), "layers": L}``."""
     import torch
 
-    from wide.inference.graphs import capture
-
     vocab = engine.base.config.vocab_size
     cache = engine.new_cache(B, T + 8)
-    ids = torch.randint(0, vocab, (B, T if phase == "prefill" else 1), device="cuda")
+    ids = torch.randint(0, vocab, (B, T if phase == "prefill" else 1), device=DEVICE)
     res = {"ops": {}}
     if phase == "prefill":
-        pad = torch.zeros(B, dtype=torch.int64, device="cuda")
-        st = {"pos": torch.arange(T, device="cuda").view(1, T).expand(B, T), "valid": None, "cache": cache,
+        pad = torch.zeros(B, dtype=torch.int64, device=DEVICE)
+        st = {"pos": torch.arange(T, device=DEVICE).view(1, T).expand(B, T), "valid": None, "cache": cache,
               "pad": pad, "slots": cache.prefill_slots(pad, T), "padded": False}
     else:
         cache.k.normal_()
@@ -341,7 +349,7 @@ def trace_layer(engine, B: int, T: int, phase: str, runs: int = 30) -> dict:
     st["h"] = engine.embed(ids)
 
     def timed(fn):
-        gr = capture(fn, warmup=2)
+        gr = _capture(fn, warmup=2)
         one = _median_ms(gr.replay, 1)
         return _median_ms(gr.replay, _runs_for(one, runs, 3.0)), gr
 
@@ -349,6 +357,10 @@ def trace_layer(engine, B: int, T: int, phase: str, runs: int = 30) -> dict:
     res["embed_ms"], gr = timed(lambda: engine.embed(ids))
     keep.append(gr)
     for name, fn in engine.layer_steps(0, st, phase):
+        if engine.ops == "dense" and name in ROUTING_OPS:  # no routing in the dense engine: nothing to time
+            fn(st)
+            res["ops"][name] = 0.0
+            continue
         ms, gr = timed(lambda fn=fn: fn(st))
         keep.append(gr)
         res["ops"][name] = ms
@@ -358,11 +370,11 @@ def trace_layer(engine, B: int, T: int, phase: str, runs: int = 30) -> dict:
     del keep
     res["layer_ms"] = sum(res["ops"].values())
     if phase == "prefill":
-        full = capture(lambda: engine.prefill(ids, None, cache), warmup=1)
+        full = _capture(lambda: engine.prefill(ids, None, cache), warmup=1)
     else:
         cache.lengths.fill_(T)
         tok = ids.view(B)
-        full = capture(lambda: engine.decode(tok, cache), warmup=1)
+        full = _capture(lambda: engine.decode(tok, cache), warmup=1)
     reset = (lambda: cache.lengths.fill_(T)) if phase == "decode" else None
     res["full_ms"] = _median_ms(full.replay, 20, before=reset)
     res["layers"] = len(engine.layers)
@@ -393,9 +405,52 @@ def amdahl(wide_tr: dict, dense_tr: dict) -> dict:
         "predicted_speedup_sum_of_ops": total_d / total_w,
         "amdahl_bound_no_overhead": total_d / (du + wr),
         "measured_full_speedup": dense_tr["full_ms"] / wide_tr["full_ms"],
-        "per_op_ratio": {k: dense_tr["ops"].get(k, 0.0) / v for k, v in wide_tr["ops"].items()
-                         if v > 0 and k in dense_tr["ops"]},
+        "per_op_ratio": {k: dense_tr["ops"][k] / v for k, v in wide_tr["ops"].items()
+                         if v > 0 and dense_tr["ops"].get(k, 0.0) > 0},
     }
+
+
+def check_engine(wm, base, ids, mask, new_tokens: int = 16) -> dict:
+    """GPU self-check (bf16): engine prefill vs WideModel's masking path on a left-padded batch (logit error
+    relative to the logit scale, fraction of equal router decisions on real tokens), and greedy tokens of the
+    CUDA-graph decode vs a no-cache masking-path loop (fraction of equal positions; bf16 near-ties can flip)."""
+    import torch
+
+    from wide.inference.engine import Engine
+    from wide.inference.generation import generate
+
+    eng = Engine(wm)
+    wm.install_hooks()
+    try:
+        with torch.no_grad():
+            pos = (mask.cumsum(-1) - 1).clamp_min(0)
+            wm.record_masks = True
+            ref = wm(ids, attention_mask=mask, position_ids=pos).logits.float()
+            eng.record_masks = True
+            out = eng.prefill(ids, mask, eng.new_cache(ids.shape[0], ids.shape[1]), all_logits=True).float()
+            v = mask.bool()
+            rel = ((out - ref)[v].abs().max() / ref[v].abs().max()).item()
+            agree = [(m[v] == wm.record.masks[k][v]).float().mean().item() for k, m in eng.masks.items()]
+            eng.record_masks = wm.record_masks = False
+            seqs = [ids[b][v[b]] for b in range(ids.shape[0])]
+            res = generate(eng, None, seqs, new_tokens, graphs=DEVICE == "cuda", stop_at_eos=False)
+            eager = generate(eng, None, seqs, new_tokens, graphs=False, stop_at_eos=False)
+            same, total, ref_same = 0, 0, 0
+            for b, sq in enumerate(seqs):
+                cur = sq.tolist()
+                for t in range(new_tokens):
+                    nxt = int(wm(torch.tensor([cur], device=ids.device)).logits[0, -1].argmax())
+                    total += 1
+                    same += int(res.tokens[b][t] == nxt)
+                    cur.append(res.tokens[b][t])  # teacher-forced on the engine's tokens
+                ref_same += int(res.tokens[b] == eager.tokens[b])
+    finally:
+        for h in wm._handles:
+            h.remove()
+        wm._handles = []
+    return {"prefill_logits_max_rel_err": rel, "mask_agreement_min": min(agree),
+            "mask_agreement_mean": sum(agree) / len(agree), "greedy_positions_equal": same / total,
+            "graph_vs_eager_rows_equal": ref_same / len(seqs), "sparsity": res.sparsity, "path": res.path}
 
 
 def bench_smollm2(ctx):
@@ -406,7 +461,7 @@ def bench_smollm2(ctx):
     from wide.inference.engine import Engine
 
     args = ctx.args
-    wm = wide.load(args.smollm2_ckpt, device="cuda", dtype=torch.bfloat16)
+    wm = wide.load(args.smollm2_ckpt, device=DEVICE, dtype=torch.bfloat16)
     for h in wm._handles:  # HF eager baseline without routing hooks
         h.remove()
     wide_eng, dense_eng = Engine(wm, track_sparsity=False), Engine(wm.base, ops="dense", track_sparsity=False)
@@ -489,11 +544,10 @@ def run(args) -> int:
     ctx = _Ctx(args)
     a = args
     if a.quick:
-        prefill_pts = [(1, T) for T in (512, 2048, 16384)]
-        decode_pts = [(1, 512), (1, 2048), (1, 16384), (16, 512), (16, 2048)]
-        grid = [(s, G, "paper") for s in (0.0, 0.5) for G in (128,)]
+        prefill_pts = [(1, T) for T in (16384, 2048, 512)]  # goal point first
+        decode_pts = [(1, 2048), (1, 512), (1, 16384), (16, 2048), (16, 512)]
+        grid = [(0.5, 128, "paper"), (0.0, 128, "paper"), (0.5, 128, "uniform")]  # goal points first
         uniform_pts = {("prefill", 1, 2048), ("decode", 1, 2048)}
-        grid.append((0.5, 128, "uniform"))
     else:
         prefill_pts = [(B, T) for B in a.batch for T in a.prompt if B * T <= a.max_prefill_tokens]
         decode_pts = [(B, T) for B in a.batch for T in a.prompt]
@@ -504,7 +558,8 @@ def run(args) -> int:
         base = build_llama8b()
         kv_per_tok = 2 * base.config.num_hidden_layers * base.config.num_key_value_heads * 128 * 2
         print(f"built Llama-3.1-8B-shaped model in {time.time() - ctx.t0:.0f} s", flush=True)
-        calib = torch.randint(0, base.config.vocab_size, (1, 2048), device="cuda")
+        calib = torch.randint(0, base.config.vocab_size, (1, 2048), device=DEVICE)
+        checked = False
         for s, G, split in grid:
             if ctx.over():
                 break
@@ -514,6 +569,22 @@ def run(args) -> int:
                 h.remove()
             wide_eng, dense_eng = _engine_pair(base, wm)
             bias_routers(wide_eng, calib, sa, sf)
+            if not checked and s > 0:
+                checked = True
+                try:
+                    cids = torch.randint(0, base.config.vocab_size, (2, 128), device=DEVICE)
+                    cmask = torch.ones_like(cids)
+                    cmask[1, :28] = 0
+                    chk = check_engine(wm, base, cids, cmask)
+                    chk.update(model="llama8b-shapes", sparsity=s, G_ffn=G, split=split, gpu=ctx.gpu, date=ctx.date)
+                    with open(os.path.join(a.out_dir, f"e2e_{a.tag}_check.json"), "w") as f:
+                        json.dump(chk, f, indent=1)
+                    print(f"check: {json.dumps(chk)}", flush=True)
+                except Exception as e:  # noqa: BLE001
+                    import traceback
+
+                    traceback.print_exc()
+                    print(f"check failed: {type(e).__name__}: {e}", flush=True)
             extra = dict(sparsity=s, G_ffn=G, split=split, target_attn=round(sa, 4), target_ffn=round(sf, 4))
             for phase in a.phases:
                 pts = prefill_pts if phase == "prefill" else decode_pts
@@ -529,8 +600,12 @@ def run(args) -> int:
                     try:
                         fn = bench_prefill if phase == "prefill" else bench_decode
                         fn(ctx, "llama8b-shapes", base, wide_eng, dense_eng, B, T, extra)
-                    except torch.cuda.OutOfMemoryError as e:
-                        print(f"OOM {phase} B={B} T={T}: {str(e).splitlines()[0]}", flush=True)
+                    except Exception as e:  # noqa: BLE001  (keep the points measured so far)
+                        import traceback
+
+                        traceback.print_exc()
+                        print(f"FAILED {phase} B={B} T={T} s={s} G={G} {split}: {type(e).__name__}: "
+                              f"{str(e).splitlines()[0] if str(e) else ''}", flush=True)
                         torch.cuda.empty_cache()
             if not a.no_trace and s == 0.5 and G == 128 and split == "paper" and not ctx.over():
                 for phase, B, T in (("prefill", 1, 16384), ("decode", 1, 2048)):
