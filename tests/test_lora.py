@@ -76,6 +76,10 @@ def test_routers_frozen_or_trained_base_unchanged(tmp_path, freeze):
     assert lora_names
     changed = [k for k, v in r0.items() if not torch.equal(v, wm.router_state_dict()[k])]
     assert (changed == []) if freeze else changed
+    from wide.lora import KeyedDropout
+
+    drops = [m for m in wm.base.modules() if isinstance(m, KeyedDropout)]
+    assert len(drops) == 2 * 7 and all(d.p == pytest.approx(0.1) for d in drops)
     info = json.loads((tmp_path / "out" / "base_model.json").read_text())
     assert info["extra"]["stage"] == "lora" and info["extra"]["freeze_router"] is freeze
 
@@ -245,3 +249,23 @@ def test_load_corrupt_adapter(tmp_path):
     (tmp_path / "out" / ADAPTER_DIR / "adapter_model.safetensors").write_bytes(b"junk")
     with pytest.raises(WideError, match="corrupt LoRA adapter weights"):
         load(tmp_path / "out", model=tiny_model())
+
+
+def test_keyed_dropout_depends_on_sample_not_batch():
+    from wide.lora import KeyedDropout
+    from wide.training import GumbelNoise
+
+    d = KeyedDropout(0.5, "layers.0.mlp.down_proj").train()
+    x = torch.ones(4, 3, 8)
+    wm = WideModel(tiny_model(), WideConfig(ffn_group_size=32))
+    noise = GumbelNoise(wm, seed=7)
+    noise.positions = [10, 11, 12, 13]
+    with noise:
+        full = d(x)
+    noise.positions = [12, 13]
+    with noise:
+        half = d(x[2:])
+    noise.remove()
+    assert torch.equal(full[2:], half)  # rows are a function of their sample position alone
+    assert set(full.unique().tolist()) == {0.0, 2.0}  # inverted dropout scaling 1 / (1 - p)
+    assert torch.equal(d.eval()(x), x)

@@ -66,6 +66,52 @@ class LoraSettings:
                           target_modules=list(LORA_TARGETS), bias="none")
 
 
+class KeyedDropout(torch.nn.Module):
+    """Dropout on the LoRA input whose mask depends only on (seed, sample position, module), not on the world
+    size, the rank or recomputation (so stage-2 losses match across world sizes and under activation
+    checkpointing). Inside :func:`wide.training.train` the keep mask of row ``b`` is drawn from a generator
+    seeded with ``(seed, positions[b], "lora_dropout", name)``; elsewhere in training mode it is plain
+    ``torch.nn.functional.dropout``; in eval mode the identity.
+
+    Args:
+        p: drop probability in ``[0, 1)``.
+        name: the module's stable name (its LoRA layer's name in the base model).
+    """
+
+    def __init__(self, p: float, name: str) -> None:
+        super().__init__()
+        self.p = float(p)
+        self.name = name
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """``x`` ``[B, T, in]`` (any float dtype) -> same shape and dtype."""
+        if not self.training or self.p == 0.0:
+            return x
+        from .training import current_samples, sample_keyed_uniform
+
+        if current_samples() is None:
+            return torch.nn.functional.dropout(x, self.p, True)
+        u = sample_keyed_uniform(x.shape, x.device, torch.float32, ("lora_dropout", self.name))
+        keep = (u >= self.p).to(x.dtype)
+        return x * keep / (1.0 - self.p)
+
+    def extra_repr(self) -> str:
+        return f"p={self.p}, name={self.name!r}"
+
+
+def use_keyed_dropout(wm: WideModel) -> int:
+    """Replace peft's ``nn.Dropout`` on every LoRA input by :class:`KeyedDropout` (same ``p``); returns how many."""
+    n = 0
+    for name, mod in wm.base.named_modules():
+        drops = getattr(mod, "lora_dropout", None)
+        if isinstance(drops, torch.nn.ModuleDict):
+            for adapter, d in list(drops.items()):
+                if isinstance(d, torch.nn.Dropout):
+                    drops[adapter] = KeyedDropout(d.p, name)
+                    n += 1
+    return n
+
+
 def _import_peft():
     try:
         import peft  # noqa: F401
@@ -248,6 +294,7 @@ def recover(wm: WideModel, blocks: torch.Tensor, args, output: str | os.PathLike
     if peft_model(wm) is None:
         torch.manual_seed(args.seed)  # LoRA A init: identical on every rank and for every world size
         attach_lora(wm, settings)
+    use_keyed_dropout(wm)
     for n, p in wm.base.named_parameters():
         p.requires_grad_(".lora_A." in n or ".lora_B." in n)
     for p in wm.router_parameters():

@@ -161,10 +161,46 @@ class GumbelNoise:
             rows.append(torch.rand(tuple(shape[1:]), generator=g, device=device, dtype=dtype))
         return torch.stack(rows)
 
+    def __enter__(self):
+        _CURRENT_SAMPLES.append(self)
+        return self
+
+    def __exit__(self, *exc):
+        _CURRENT_SAMPLES.pop()
+        return False
+
     def remove(self) -> None:
         for h in self.handles:
             h.remove()
         self.handles = []
+
+
+_CURRENT_SAMPLES: list = []  # stack of the GumbelNoise objects of the micro-batches being run
+
+
+def current_samples() -> "GumbelNoise | None":
+    """The :class:`GumbelNoise` of the micro-batch :func:`train` is running (its ``seed`` and this process's
+    sample ``positions``), or None outside training. Keyed LoRA dropout (:mod:`wide.lora`) reads it."""
+    return _CURRENT_SAMPLES[-1] if _CURRENT_SAMPLES else None
+
+
+def sample_keyed_uniform(shape, device, dtype, key: tuple) -> torch.Tensor:
+    """Uniforms ``[B, *shape[1:]]`` in ``[0, 1)`` whose row ``b`` depends only on (seed, sample position, ``key``).
+
+    Uses :func:`current_samples` (``B`` must equal its number of positions).
+
+    Raises:
+        RuntimeError: outside a training micro-batch, or a batch size that does not match it.
+    """
+    cur = current_samples()
+    if cur is None or shape[0] != len(cur.positions):
+        raise RuntimeError(f"sample-keyed noise for shape {tuple(shape)} outside a matching training micro-batch")
+    rows = []
+    for p in cur.positions:
+        g = torch.Generator(device=device)
+        g.manual_seed(_mix(cur.seed, p, *key))
+        rows.append(torch.rand(tuple(shape[1:]), generator=g, device=device, dtype=dtype))
+    return torch.stack(rows)
 
 
 def atomic_torch_save(obj, path: Path) -> None:
@@ -381,7 +417,7 @@ def train(wm: WideModel, blocks: torch.Tensor, args: CalibrationArgs, output: st
                 first = (step * args.grad_accum + a) * B * W + R * B
                 noise.positions = list(range(first, first + B))
                 ids = stream_rows(blocks, noise.positions, args.seed).to(device)
-                with uniform_noise(noise):
+                with uniform_noise(noise), noise:
                     with torch.autocast(device.type, dtype=torch.bfloat16, enabled=use_amp):
                         out = wm(ids, labels=ids, use_cache=False)
                     rec = wm.record
