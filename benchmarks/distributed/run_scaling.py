@@ -70,6 +70,7 @@ def worker(a) -> int:
     from wide import distributed as D
     from wide.config import WideConfig
     from wide.modeling import WideModel
+    from wide.lora import recover
     from wide.training import CalibrationArgs, calibrate
 
     cuda = a.device == "cuda"
@@ -93,7 +94,10 @@ def worker(a) -> int:
         out = Path(tmp) / "run"
         # every rank needs the same folder: rank 0's temporary name is broadcast
         out = Path(D.broadcast_object(str(out), env))
-        calibrate(wm, blocks, args, out, a.model, progress=False, on_step=recs.append)
+        if a.stage == "router":
+            calibrate(wm, blocks, args, out, a.model, progress=False, on_step=recs.append)
+        else:  # stage 2: peft LoRA (r=16, alpha=32, dropout 0.1) on all 7 projections, routers trained
+            recover(wm, blocks, args, out, a.model, progress=False, on_step=recs.append)
         D.barrier(env)
     peak = torch.cuda.max_memory_allocated() / 2**30 if cuda else 0.0
     reserved = torch.cuda.max_memory_reserved() / 2**30 if cuda else 0.0
@@ -103,6 +107,7 @@ def worker(a) -> int:
         res = {
             "model": f"{a.model} shape, random bf16 weights ({n_params / 1e9:.2f}B params)",
             "gpus": env.world_size,
+            "stage": a.stage,
             "mode": "fsdp2" if env.active else "single-process",
             "tokens_per_s": statistics.median(tps),
             "tokens_per_s_steps": tps,
@@ -142,6 +147,8 @@ def main() -> int:
                    help="activation checkpointing for the Llama-3.1-8B shape (SmolLM2 always off)")
     p.add_argument("--out", default=str(Path(__file__).resolve().parent))
     p.add_argument("--tag", default="scaling")
+    p.add_argument("--stages", nargs="+", choices=["router", "lora"], default=["router"],
+                   help="router = stage-1 calibration (the issue's measurement); lora = stage-2 LoRA recovery")
     # worker mode (internal)
     p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--model", help=argparse.SUPPRESS)
@@ -149,6 +156,7 @@ def main() -> int:
     p.add_argument("--micro-batch", type=int, help=argparse.SUPPRESS)
     p.add_argument("--worker-grad-checkpoint", dest="grad_checkpoint_w", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--result", help=argparse.SUPPRESS)
+    p.add_argument("--stage", default="router", help=argparse.SUPPRESS)
     a = p.parse_args()
     if a.worker:
         a.grad_checkpoint = a.grad_checkpoint_w
@@ -160,53 +168,58 @@ def main() -> int:
     out.mkdir(parents=True, exist_ok=True)
     records = []
     me = str(Path(__file__).resolve())
-    for model in a.models:
+    runs = []
+    for stage in a.stages:
+        for model in a.models:
+            ckpts = [False] if model == "smollm2-135m" else {"off": [False], "on": [True], "both": [False, True]}[a.grad_checkpoint]
+            runs += [(stage, model, ck, n) for ck in ckpts for n in a.gpus]
+    for stage, model, ck, n in runs:
         seq_len, mb = DEFAULT_RUNS[model]
-        ckpts = [False] if model == "smollm2-135m" else {"off": [False], "on": [True], "both": [False, True]}[a.grad_checkpoint]
-        for ck in ckpts:
-            for n in a.gpus:
-                with tempfile.NamedTemporaryFile(suffix=".json", delete=False) as f:
-                    result = f.name
-                wargs = [me, "--worker", "--device", a.device, "--model", model, "--seq-len", str(seq_len),
-                         "--micro-batch", str(mb),
-                         "--steps", str(a.steps), "--warmup", str(a.warmup), "--result", result]
-                if ck:
-                    wargs.append("--worker-grad-checkpoint")
-                if n == 1:
-                    cmd = [sys.executable, *wargs]
-                else:
-                    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={n}", *wargs]
-                print(f"== {model} seq {seq_len} micro-batch {mb}/GPU, {n} GPU(s), grad checkpoint {ck}", flush=True)
-                t0 = time.time()
-                proc = subprocess.run(cmd)
-                if proc.returncode != 0 or not os.path.getsize(result):
-                    print(f"   FAILED (exit {proc.returncode})", flush=True)
-                    records.append({"model": model, "gpus": n, "grad_checkpoint": ck, "error": f"exit {proc.returncode}",
-                                    "date": date, "command": command, "seq_len": seq_len})
-                    continue
-                rec = json.loads(Path(result).read_text())
-                os.unlink(result)
-                rec.update(date=date, command=command, wall_s=time.time() - t0)
-                one = [r for r in records if r.get("gpus") == 1 and r.get("seq_len") == seq_len
-                       and r.get("grad_checkpoint") == ck and r["model"] == rec["model"] and "tokens_per_s" in r]
-                if one and n > 1:
-                    rec["speedup_vs_1gpu"] = rec["tokens_per_s"] / one[0]["tokens_per_s"]
-                print(f"   {rec['tokens_per_s']:.0f} tokens/s, peak {rec['peak_mem_gb']:.1f} GB/GPU"
-                      + (f", x{rec['speedup_vs_1gpu']:.2f} vs 1 GPU" if "speedup_vs_1gpu" in rec else ""), flush=True)
-                records.append(rec)
-                (out / f"{a.tag}.json").write_text(json.dumps(records, indent=2) + "\n")
-    lines = ["| model | GPUs | mode | seq len | micro-batch/GPU | grad ckpt | tokens/s | speed-up | peak GB/GPU |",
-             "|---|---|---|---|---|---|---|---|---|"]
+        with tempfile.NamedTemporaryFile(suffix=".json", delete=False) as f:
+            result = f.name
+        wargs = [me, "--worker", "--device", a.device, "--model", model, "--seq-len", str(seq_len),
+                 "--micro-batch", str(mb),
+                 "--steps", str(a.steps), "--warmup", str(a.warmup), "--result", result, "--stage", stage]
+        if ck:
+            wargs.append("--worker-grad-checkpoint")
+        if n == 1:
+            cmd = [sys.executable, *wargs]
+        else:
+            cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={n}", *wargs]
+        print(f"== {stage}: {model} seq {seq_len} micro-batch {mb}/GPU, {n} GPU(s), grad checkpoint {ck}",
+              flush=True)
+        t0 = time.time()
+        proc = subprocess.run(cmd)
+        if proc.returncode != 0 or not os.path.getsize(result):
+            print(f"   FAILED (exit {proc.returncode})", flush=True)
+            records.append({"model": model, "gpus": n, "stage": stage, "grad_checkpoint": ck,
+                            "error": f"exit {proc.returncode}", "date": date, "command": command,
+                            "seq_len": seq_len})
+            continue
+        rec = json.loads(Path(result).read_text())
+        os.unlink(result)
+        rec.update(date=date, command=command, wall_s=time.time() - t0)
+        one = [r for r in records if r.get("gpus") == 1 and r.get("seq_len") == seq_len and r.get("stage") == stage
+               and r.get("grad_checkpoint") == ck and r["model"] == rec["model"] and "tokens_per_s" in r]
+        if one and n > 1:
+            rec["speedup_vs_1gpu"] = rec["tokens_per_s"] / one[0]["tokens_per_s"]
+        print(f"   {rec['tokens_per_s']:.0f} tokens/s, peak {rec['peak_mem_gb']:.1f} GB/GPU"
+              + (f", x{rec['speedup_vs_1gpu']:.2f} vs 1 GPU" if "speedup_vs_1gpu" in rec else ""), flush=True)
+        records.append(rec)
+        (out / f"{a.tag}.json").write_text(json.dumps(records, indent=2) + "\n")
+    lines = ["| stage | model | GPUs | mode | seq len | micro-batch/GPU | grad ckpt | tokens/s | speed-up | peak GB/GPU |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
     for r in records:
         if "error" in r:
-            lines.append(f"| {r['model']} | {r['gpus']} | failed: {r['error']} | {r['seq_len']} | | {r['grad_checkpoint']} | | | |")
+            lines.append(f"| {r['stage']} | {r['model']} | {r['gpus']} | failed: {r['error']} | {r['seq_len']} | | "
+                         f"{r['grad_checkpoint']} | | | |")
             continue
         sp = f"{r['speedup_vs_1gpu']:.2f}x" if "speedup_vs_1gpu" in r else "1.00x" if r["gpus"] == 1 else ""
-        lines.append(f"| {r['model']} | {r['gpus']} | {r['mode']} | {r['seq_len']} | {r['micro_batch_per_gpu']} | "
+        lines.append(f"| {r['stage']} | {r['model']} | {r['gpus']} | {r['mode']} | {r['seq_len']} | {r['micro_batch_per_gpu']} | "
                      f"{'on' if r['grad_checkpoint'] else 'off'} | {r['tokens_per_s']:.0f} | {sp} | {r['peak_mem_gb']:.1f} |")
     gpu = next((r["gpu"] for r in records if "gpu" in r), "?")
-    md = (f"# Calibration throughput, 1 vs {max(a.gpus)} GPUs ({gpu}, {date})\n\n"
-          "Stage-1 router calibration through `wide.training.calibrate`; weak scaling (fixed micro-batch per GPU, "
+    md = (f"# Training throughput, {' vs '.join(map(str, a.gpus))} GPUs ({gpu}, {date})\n\n"
+          "Stage 1 (router) through `wide.training.calibrate`, stage 2 (lora) through `wide.lora.recover`; weak scaling (fixed micro-batch per GPU, "
           "global batch = micro-batch x GPUs), global tokens/s = median over the measured steps after warm-up; "
           "peak = `torch.cuda.max_memory_allocated` of the busiest rank.\n\n" + "\n".join(lines)
           + f"\n\nCommand: `{command}`\n")
