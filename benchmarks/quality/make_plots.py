@@ -1,0 +1,104 @@
+"""Figures of §4.3-4.4 from committed results (runs on a CPU).
+
+* Figure 9 analogue: layer-wise realized attention / FFN sparsity, from the ``per_layer`` field of a
+  record in ``<out>/<tag>.json`` (``--profile KEY``) or measured now from a router checkpoint
+  (``--checkpoint DIR`` + ``--wikitext``).
+* Figure 10 analogue: token-level routing of one sentence, from a router checkpoint (``--checkpoint``)
+  and the bundled base model.
+* Figure 6 analogue: average zero-shot accuracy against target sparsity, per method and stage, from a
+  sparsity-sweep record file (``--sweep FILE``).
+
+    PYTHONPATH=src python3 benchmarks/quality/make_plots.py --results benchmarks/quality/table.json \
+        --profile wide-global-s50-gagqa-gf128-router \
+        --checkpoint benchmarks/quality/checkpoints/wide-global-s50-gagqa-gf128-router \
+        --sweep benchmarks/quality/sparsity.json --out benchmarks/quality
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+SENTENCE = ("A boy is running down a track. The boy runs into a car and falls down, then gets up and "
+            "keeps running toward the finish line.")
+
+
+def sweep_plot(records: list[dict], path: Path) -> Path:
+    from wide.plots import _plt
+
+    plt = _plt()
+    fig, ax = plt.subplots(figsize=(5.5, 3.4), dpi=150)
+    dense = [r["avg_acc"] for r in records if r["method"] == "dense" and r.get("avg_acc") is not None]
+    series = {}
+    for r in records:
+        if r["method"] != "dense" and r.get("avg_acc") is not None:
+            series.setdefault((r["method"], r["stage"]), []).append((r["target_sparsity"], r["avg_acc"]))
+    for (m, st), pts in sorted(series.items()):
+        pts.sort()
+        ax.plot([100 * s for s, _ in pts], [100 * v for _, v in pts], marker="o", ms=3,
+                ls="-" if st == "router" else "--", label=f"{m} ({'router' if st == 'router' else '+LoRA'})")
+    if dense:
+        ax.axhline(100 * dense[0], color="gray", ls=":", label="dense")
+    ax.set_xlabel("target sparsity (%)")
+    ax.set_ylabel("average zero-shot accuracy (%)")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path)
+    plt.close(fig)
+    return path
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--results", default=None, help="a run_quality.py record file (for --profile)")
+    p.add_argument("--profile", default=None, help="record key whose per_layer sparsity to draw (Figure 9)")
+    p.add_argument("--checkpoint", default=None, help="router checkpoint for Figure 10 (and 9 with --wikitext)")
+    p.add_argument("--model", default=None, help="base model (default: the one recorded in the checkpoint)")
+    p.add_argument("--wikitext", default=None, help="measure the Figure-9 profile of --checkpoint on this text")
+    p.add_argument("--max-tokens", type=int, default=65536, help="tokens of --wikitext to measure on")
+    p.add_argument("--sentence", default=SENTENCE)
+    p.add_argument("--sweep", default=None, help="a sparsity-sweep record file (Figure 6)")
+    p.add_argument("--out", default="benchmarks/quality")
+    a = p.parse_args()
+    out = Path(a.out)
+    from wide.plots import layer_profile, plot_layer_profile, plot_token_routing, token_routing
+
+    if a.results and a.profile:
+        recs = [r for r in json.loads(Path(a.results).read_text()) if r.get("key") == a.profile]
+        if not recs or not recs[-1].get("per_layer"):
+            raise SystemExit(f"no record {a.profile!r} with per_layer in {a.results}")
+        r = recs[-1]
+        title = (f"{r['method']} S={r['target_sparsity']} G_attn={r['G_attn']} G_ffn={r['G_ffn']} ({r['stage']}): "
+                 f"realized {100 * r['realized_sparsity']:.1f}% on WikiText-2")
+        print(plot_layer_profile(r["per_layer"], out / f"fig9_layer_sparsity_{a.profile}.png", title,
+                                 target=r["target_sparsity"]))
+    if a.checkpoint:
+        import torch
+
+        from wide.checkpoint import load
+
+        torch.set_num_threads(max(1, torch.get_num_threads()))
+        wm, tok = load(a.checkpoint, model=a.model, device="cpu", dtype=torch.float32, tokenizer=True)
+        name = Path(a.checkpoint).name
+        routing = token_routing(wm, tok, a.sentence)
+        c = wm.config
+        print(plot_token_routing(routing, out / f"fig10_token_routing_{name}.png",
+                                 title=f"{c.method} S={c.target_sparsity} G_attn={c.attn_group_size} "
+                                       f"G_ffn={c.ffn_group_size}: executed groups per token and layer"))
+        if a.wikitext:
+            from wide.data import load_texts, ppl_windows
+
+            win = ppl_windows(load_texts(a.wikitext), tok, 2048, max_tokens=a.max_tokens)
+            rep = layer_profile(wm, win)
+            print(plot_layer_profile(rep["per_layer"], out / f"fig9_layer_sparsity_{name}.png",
+                                     f"{name}: realized {100 * rep['realized_sparsity']:.1f}% on "
+                                     f"{rep['tokens']:,} WikiText-2 tokens", target=c.target_sparsity))
+    if a.sweep:
+        print(sweep_plot(json.loads(Path(a.sweep).read_text()), out / "fig6_sparsity_sweep.png"))
+
+
+if __name__ == "__main__":
+    main()
