@@ -158,6 +158,19 @@ def test_dense_model_through_kernels_and_dense_ops(reference_path):
             assert eng.realized_sparsity()["overall"] == 0.0
 
 
+def test_kaxis_variants_same_function():
+    """O / down as cuBLAS on the zero-filled routed activations equals gemm_k (Triton interpreter)."""
+    from wide.inference import Engine
+
+    wm = _wide(seed=12)
+    ids = torch.randint(2, 128, (1, 9), generator=torch.Generator().manual_seed(12))
+    outs = [Engine(wm, kaxis=k).prefill(ids, None, Engine(wm).new_cache(1, 9), all_logits=True)
+            for k in ("kernel", "auto", "dense")]
+    assert (outs[0] - outs[1]).abs().max().item() < ATOL and (outs[0] - outs[2]).abs().max().item() < ATOL
+    with pytest.raises(WideError, match="kaxis"):
+        Engine(wm, kaxis="fast")
+
+
 def test_dense_ops_left_padding_and_attn_only_routing(reference_path):
     from wide.inference import Engine
 
@@ -398,18 +411,19 @@ def test_bench_points_dry_run_on_cpu(monkeypatch, tmp_path, reference_path):
     args = types.SimpleNamespace(runs=50, no_hf=False, out_dir=str(tmp_path), tag="cpu")
     ctx = types.SimpleNamespace(args=args, add=records.append, over=lambda: False)
     wide_eng, dense_eng = e2e._engine_pair(base, wm)
+    e2e.smoke(wide_eng, dense_eng, 128)
     e2e.bias_routers(wide_eng, torch.randint(0, 128, (1, 64)), *e2e.split_sparsity(0.5, "paper"))
     extra = dict(sparsity=0.5, G_ffn=32, split="paper")
     e2e.bench_prefill(ctx, "tiny", base, wide_eng, dense_eng, 2, 24, extra)
     e2e.bench_decode(ctx, "tiny", base, wide_eng, dense_eng, 2, 24, extra)
     for r in records:
         for key in ("phase", "model", "batch", "prompt_len", "sparsity", "G_ffn", "dense_ms", "wide_ms", "speedup",
-                    "hf_eager_ms", "realized_sparsity"):
+                    "hf_eager_ms", "realized_sparsity", "wide_auto_ms", "speedup_auto"):
             assert key in r, key
     assert [r["phase"] for r in records] == ["prefill", "decode"]
     tw = e2e.trace_layer(wide_eng, 1, 24, "prefill", runs=2)
     td = e2e.trace_layer(dense_eng, 1, 24, "prefill", runs=2)
-    assert {"q_proj", "attention", "attn_reorder", "gate_up", "down_proj", "rope"} <= set(tw["ops"])
+    assert {"q_proj", "attention", "attn_reorder", "gate_up", "down_proj", "input_norm"} <= set(tw["ops"])
     e2e.amdahl(tw, td)
     e2e.amdahl(e2e.trace_layer(wide_eng, 2, 24, "decode", runs=2), e2e.trace_layer(dense_eng, 2, 24, "decode", runs=2))
     ids = torch.randint(0, 128, (2, 20))
@@ -419,3 +433,53 @@ def test_bench_points_dry_run_on_cpu(monkeypatch, tmp_path, reference_path):
     assert chk["prefill_logits_max_rel_err"] < 1e-5 and chk["mask_agreement_min"] == 1.0
     assert chk["greedy_positions_equal"] == 1.0 and chk["graph_vs_eager_rows_equal"] == 1.0
     assert wm._handles == []
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_fused_kernels_match_model_ops(dtype):
+    """Triton interpreter: add+RMSNorm equals the HF norm module, fused RoPE + cache write equals
+    apply_rotary_pos_emb + scatter (bitwise in fp32), the router kernel equals argmax routing.  Triton 3.6's CPU
+    interpreter truncates fp32 -> bf16 (the GPU rounds to nearest even), so bf16 is checked to one bf16 ulp."""
+    from transformers.models.llama.modeling_llama import LlamaRMSNorm, apply_rotary_pos_emb
+
+    from wide.inference import StaticKVCache
+    from wide.inference.fused import add_rmsnorm, rope_cache, router_mask
+    from wide.routing import Router, argmax_mask
+
+    g = torch.Generator().manual_seed(0)
+    h = torch.randn(3, 5, 64, generator=g).to(dtype)
+    add = torch.randn(3, 5, 64, generator=g).to(dtype)
+    norm = LlamaRMSNorm(64, eps=1e-5).to(dtype)
+    torch.nn.init.normal_(norm.weight, generator=g)
+    def close(a, b):
+        if dtype == torch.float32:
+            return torch.equal(a, b) or (a - b).abs().max().item() <= 1e-6 * b.abs().max().item()
+        return bool(((a.float() - b.float()).abs() <= 2 ** -6 * b.float().abs() + 1e-6).all())
+
+    h2, y = add_rmsnorm(h, add, norm.weight, 1e-5)
+    assert close(h2, h + add)
+    ref = norm(h + add)
+    assert close(y, ref) if dtype == torch.float32 else bool(
+        ((y.float() - ref.float()).abs() <= 2 ** -5 * ref.float().abs() + 1e-3).all())
+    B, T, Hq, Hk, d = 2, 3, 4, 2, 16
+    q = torch.randn(B, T, Hq * d, generator=g).to(dtype).view(B, T, Hq, d)
+    kv = torch.randn(B, T, 2, Hk * d, generator=g).to(dtype)
+    k, v = kv[:, :, 0].view(B, T, Hk, d), kv[:, :, 1].view(B, T, Hk, d)
+    ang = torch.randn(B, T, d // 2, generator=g)
+    cos, sin = torch.cat([ang.cos()] * 2, -1).to(dtype), torch.cat([ang.sin()] * 2, -1).to(dtype)
+    cache = StaticKVCache(1, 3, Hk, d, 8, dtype, "cpu")
+    slots = torch.tensor([[7, 6, 5], [4, 7, 6]])
+    qo, ko = rope_cache(q, k, v, cos, sin, cache.k[0], cache.v[0], slots, want_k=True)
+    qr, kr = apply_rotary_pos_emb(q.transpose(1, 2), k.transpose(1, 2), cos, sin)
+    exact = torch.equal if dtype == torch.float32 else (
+        lambda a, b: bool(((a.float() - b.float()).abs() <= 2 ** -5 * b.float().abs() + 1e-2).all()))
+    assert exact(qo.transpose(1, 2), qr) and exact(ko.transpose(1, 2), kr)
+    for b in range(B):
+        for t in range(T):
+            assert exact(cache.k[0, b, :, slots[b, t]], kr[b, :, t])
+            assert torch.equal(cache.v[0, b, :, slots[b, t]], v[b, t])
+    assert cache.k[0, 2].abs().sum() == 0  # rows past the batch untouched
+    r = Router(64, 6, 16, init_keep=0.5)
+    torch.nn.init.normal_(r.w2.weight, std=1.0, generator=g)
+    x = torch.randn(4, 1, 64, generator=g).to(dtype)
+    assert torch.equal(router_mask(r, x), argmax_mask(r(x)))

@@ -232,10 +232,32 @@ class _Ctx:
         print(" ".join(f"{k}={rec.get(k)}" for k in keys if k in rec), flush=True)
 
 
-def _engine_pair(base, wm):
+def _engine_pair(base, wm, fused: bool = True):
+    """``(WIDE engine, dense engine)``; the WIDE engine carries ``.auto``, the same engine with ``kaxis="auto"``
+    (O / down projections as cuBLAS GEMMs where gemm_k was measured slower)."""
     from wide.inference.engine import Engine
 
-    return Engine(wm, track_sparsity=False), Engine(base, ops="dense", track_sparsity=False)
+    wide_eng = Engine(wm, track_sparsity=False, fused=fused)
+    wide_eng.auto = Engine(wm, track_sparsity=False, fused=fused, kaxis="auto")
+    return wide_eng, Engine(base, ops="dense", track_sparsity=False, fused=fused)
+
+
+def _variants(wide_eng, dense_eng):
+    out = [("wide", wide_eng)]
+    if getattr(wide_eng, "auto", None) is not None:
+        out.append(("wide_auto", wide_eng.auto))
+    return out + [("dense", dense_eng)]
+
+
+def smoke(wide_eng, dense_eng, vocab: int) -> None:
+    """One eager prefill (64 tokens) and decode step of each engine (compiles the kernels; raises on failure)."""
+    import torch
+
+    ids = torch.randint(0, vocab, (1, 64), device=DEVICE)
+    for _, eng in _variants(wide_eng, dense_eng):
+        c = eng.new_cache(1, 66)
+        lg = eng.prefill(ids, None, c)
+        eng.decode(lg.argmax(-1), c)
 
 
 def _realized(engine, ids):
@@ -252,7 +274,7 @@ def bench_prefill(ctx, model_name, base, wide_eng, dense_eng, B, T, extra):
     g = torch.Generator(device=DEVICE).manual_seed(B * 100003 + T)
     ids = torch.randint(0, base.config.vocab_size, (B, T), device=DEVICE, generator=g)
     out = {}
-    for name, eng in (("wide", wide_eng), ("dense", dense_eng)):
+    for name, eng in _variants(wide_eng, dense_eng):
         cache = eng.new_cache(B, T)
         graph = _capture(lambda: eng.prefill(ids, None, cache), warmup=2)
         one = _median_ms(graph.replay, 1)
@@ -263,6 +285,8 @@ def bench_prefill(ctx, model_name, base, wide_eng, dense_eng, B, T, extra):
     rec = dict(phase="prefill", model=model_name, batch=B, prompt_len=T, dense_ms=round(out["dense"], 4),
                wide_ms=round(out["wide"], 4), speedup=round(out["dense"] / out["wide"], 4),
                runs=min(out["wide_runs"], out["dense_runs"]), **extra)
+    if "wide_auto" in out:
+        rec.update(wide_auto_ms=round(out["wide_auto"], 4), speedup_auto=round(out["dense"] / out["wide_auto"], 4))
     if not ctx.args.no_hf:
         with torch.no_grad():
             f = lambda: base(input_ids=ids, use_cache=False, logits_to_keep=1)  # noqa: E731
@@ -282,7 +306,7 @@ def bench_decode(ctx, model_name, base, wide_eng, dense_eng, B, T, extra):
     cache.v.normal_(0, 1)
     ctxlen = torch.full((B,), T, dtype=torch.int64, device=DEVICE)
     out = {}
-    for name, eng in (("wide", wide_eng), ("dense", dense_eng)):
+    for name, eng in _variants(wide_eng, dense_eng):
         cache.lengths.copy_(ctxlen)
         runner = _decode_runner(eng, cache)
         runner.tokens.random_(0, base.config.vocab_size)
@@ -292,6 +316,8 @@ def bench_decode(ctx, model_name, base, wide_eng, dense_eng, B, T, extra):
     rec = dict(phase="decode", model=model_name, batch=B, prompt_len=T, dense_ms=round(out["dense"], 4),
                wide_ms=round(out["wide"], 4), speedup=round(out["dense"] / out["wide"], 4),
                runs=max(50, ctx.args.runs), **extra)
+    if "wide_auto" in out:
+        rec.update(wide_auto_ms=round(out["wide_auto"], 4), speedup_auto=round(out["dense"] / out["wide_auto"], 4))
     if not ctx.args.no_hf:
         from transformers import DynamicCache
 
@@ -347,6 +373,7 @@ def trace_layer(engine, B: int, T: int, phase: str, runs: int = 30) -> dict:
         cache.lengths.fill_(T)
         st = {"pos": cache.lengths.view(B, 1), "valid": None, "cache": cache, "slot": cache.max_len - 1 - cache.lengths}
     st["h"] = engine.embed(ids)
+    engine.begin(st)  # RoPE cos/sin once per forward, as in a real pass
 
     def timed(fn):
         gr = _capture(fn, warmup=2)
@@ -364,8 +391,8 @@ def trace_layer(engine, B: int, T: int, phase: str, runs: int = 30) -> dict:
         ms, gr = timed(lambda fn=fn: fn(st))
         keep.append(gr)
         res["ops"][name] = ms
-    hlast = st["h"][:, -1]
-    res["head_ms"], gr = timed(lambda: engine.lm_head(engine.norm(hlast)))
+    hlast = st["h"][:, -1].contiguous()
+    res["head_ms"], gr = timed(lambda: engine.lm_head(engine._norm(engine.norm, hlast, None)[1]))
     keep.append(gr)
     del keep
     res["layer_ms"] = sum(res["ops"].values())
@@ -464,7 +491,7 @@ def bench_smollm2(ctx):
     wm = wide.load(args.smollm2_ckpt, device=DEVICE, dtype=torch.bfloat16)
     for h in wm._handles:  # HF eager baseline without routing hooks
         h.remove()
-    wide_eng, dense_eng = Engine(wm, track_sparsity=False), Engine(wm.base, ops="dense", track_sparsity=False)
+    wide_eng, dense_eng = _engine_pair(wm.base, wm)
     extra = dict(sparsity=wm.config.target_sparsity, G_ffn=wm.config.ffn_group_size, split="calibrated",
                  checkpoint=args.smollm2_ckpt)
     for T in [t for t in args.prompt if t <= 8192]:
@@ -559,7 +586,8 @@ def run(args) -> int:
         kv_per_tok = 2 * base.config.num_hidden_layers * base.config.num_key_value_heads * 128 * 2
         print(f"built Llama-3.1-8B-shaped model in {time.time() - ctx.t0:.0f} s", flush=True)
         calib = torch.randint(0, base.config.vocab_size, (1, 2048), device=DEVICE)
-        checked = False
+        checked = smoked = False
+        fused = True
         for s, G, split in grid:
             if ctx.over():
                 break
@@ -567,8 +595,19 @@ def run(args) -> int:
             wm = WideModel(base, WideConfig(ffn_group_size=G, target_sparsity=max(s, 0.0)), init_keep=0.5)
             for h in wm._handles:  # the engine calls the routers itself; keep the HF baseline hook-free
                 h.remove()
-            wide_eng, dense_eng = _engine_pair(base, wm)
+            wide_eng, dense_eng = _engine_pair(base, wm, fused=fused)
             bias_routers(wide_eng, calib, sa, sf)
+            if fused and not smoked:
+                smoked = True
+                try:
+                    smoke(wide_eng, dense_eng, base.config.vocab_size)
+                except Exception as e:  # noqa: BLE001  (fall back to the model's own PyTorch norm / RoPE ops)
+                    import traceback
+
+                    traceback.print_exc()
+                    print(f"fused unrouted kernels failed ({type(e).__name__}); using the PyTorch ops", flush=True)
+                    fused = False
+                    wide_eng, dense_eng = _engine_pair(base, wm, fused=False)
             if not checked and s > 0:
                 checked = True
                 try:
@@ -585,7 +624,8 @@ def run(args) -> int:
 
                     traceback.print_exc()
                     print(f"check failed: {type(e).__name__}: {e}", flush=True)
-            extra = dict(sparsity=s, G_ffn=G, split=split, target_attn=round(sa, 4), target_ffn=round(sf, 4))
+            extra = dict(sparsity=s, G_ffn=G, split=split, target_attn=round(sa, 4), target_ffn=round(sf, 4),
+                         fused_unrouted=fused)
             for phase in a.phases:
                 pts = prefill_pts if phase == "prefill" else decode_pts
                 for B, T in pts:

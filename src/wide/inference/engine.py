@@ -29,10 +29,11 @@ from ..errors import WideError
 from ..kernels import Reordered, gemm_k, gemm_mn, reorder, routed_attention, swiglu
 from ..kernels._common import use_triton
 from ..modeling import check_architecture, decoder_layers, dims_of
-from ..routing import argmax_mask
 from .cache import StaticKVCache
+from .fused import add_rmsnorm, rope_cache, router_mask
 
 OPS = ("routed", "dense")
+KAXIS = ("kernel", "auto", "dense")
 
 
 def _gemm_mn_uses_reorder(M: int) -> bool:
@@ -109,6 +110,12 @@ class Engine:
             dense baseline; routers ignored).
         track_sparsity: accumulate executed / total groups over valid tokens on the device (a few tiny
             kernels per layer; off in the benchmarks).
+        fused: on the Triton path, run RMSNorm (+ residual add), RoPE + KV-cache write and few-row routers as
+            the fused kernels of :mod:`wide.inference.fused` (default) instead of the model's PyTorch modules.
+        kaxis: how the K-axis projections (O, down) run: ``"kernel"`` (``gemm_k``, Algorithm 3; default),
+            ``"dense"`` (cuBLAS on the zero-filled input: the routed producer already wrote exact zeros for the
+            skipped groups, so the function is the same), or ``"auto"`` (cuBLAS where the measured ``gemm_k``
+            is slower, see :meth:`kaxis_dense`).
 
     Attributes:
         dims: :class:`wide.ModelDims`; ``n_attn``, ``n_ffn``: groups per layer; ``g_attn``, ``g_ffn``: group
@@ -117,12 +124,16 @@ class Engine:
 
     Raises:
         WideError: unsupported architecture, activation other than SiLU, sliding-window attention, a wrapped
-            (unmerged LoRA) projection, or an unknown ``ops``.
+            (unmerged LoRA) projection, or an unknown ``ops`` / ``kaxis``.
     """
 
-    def __init__(self, model: nn.Module, ops: str = "routed", track_sparsity: bool = True) -> None:
+    def __init__(self, model: nn.Module, ops: str = "routed", track_sparsity: bool = True, fused: bool = True,
+                 kaxis: str = "kernel") -> None:
         if ops not in OPS:
             raise WideError(f"ops={ops!r} is not one of {', '.join(OPS)}")
+        if kaxis not in KAXIS:
+            raise WideError(f"kaxis={kaxis!r} is not one of {', '.join(KAXIS)}")
+        self.fused, self.kaxis = fused, kaxis
         from ..modeling import WideModel
 
         self.wide = model if isinstance(model, WideModel) else None
@@ -165,7 +176,9 @@ class Engine:
     @property
     def uses_kernels(self) -> bool:
         """Whether the Triton kernels run (CUDA, or CPU under ``TRITON_INTERPRET=1``); else the references."""
-        return use_triton(torch.empty(0, device=self.device))
+        from ..kernels._common import HAS_TRITON, interpret_mode
+
+        return HAS_TRITON and (self.device.type == "cuda" or (self.device.type == "cpu" and interpret_mode()))
 
     def new_cache(self, batch: int, max_len: int) -> StaticKVCache:
         """A :class:`StaticKVCache` for this model (``batch`` rows, ``max_len`` tokens each)."""
@@ -197,7 +210,7 @@ class Engine:
         if routers is None:
             mask = torch.ones(*h.shape[:-1], n, dtype=torch.bool, device=h.device)
         else:
-            mask = argmax_mask(routers[i](h))
+            mask = router_mask(routers[i], h)
         if self.track_sparsity:
             w = valid.to(torch.float64) if valid is not None else torch.ones(h.shape[:-1], dtype=torch.float64,
                                                                                device=h.device)
@@ -228,26 +241,44 @@ class Engine:
         return flat, per
 
     # --- one layer as named steps (also used by the per-op trace) ----------------------------------
+    @property
+    def fast(self) -> bool:
+        """Whether the fused unrouted kernels (:mod:`wide.inference.fused`) run (``fused`` and Triton)."""
+        return self.fused and self.uses_kernels
+
+    def _norm(self, module, h, add):
+        """``(h + add, module(h + add))``: fused kernel on the fast path, else the model's own module."""
+        if self.fast:
+            eps = getattr(module, "variance_epsilon", getattr(module, "eps", 1e-6))
+            return add_rmsnorm(h, add, module.weight, eps)
+        if add is not None:
+            h = h + add
+        return h, module(h)
+
     def layer_steps(self, i: int, st: dict, phase: str) -> list:
         """The ops of decoder layer ``i`` as ``[(name, fn)]``; ``fn(st)`` reads and writes the state dict.
 
-        ``st`` holds ``h`` (residual ``[B, T, D]``), ``pos`` (int64 ``[B, T]`` positions), ``valid`` (bool
-        ``[B, T]`` or None), ``cache``, and for prefill ``pad`` (int64 ``[B]``) and ``slots`` (``[B, T]``), for
-        decode ``slot`` (int64 ``[B]``, also the attention's ``left_pad``).  ``phase``: "prefill" or "decode".
+        Every step writes keys it does not read (so a step can be replayed alone, as the per-op trace does).
+        ``st`` holds ``h`` (residual ``[B, T, D]``), ``pending`` (the previous FFN output not yet added to ``h``,
+        or None: the add is fused into the next norm), ``cos``/``sin`` (``[B, T, d]``, computed once per forward),
+        ``pos`` (int64 ``[B, T]``), ``valid`` (bool ``[B, T]`` or None), ``cache``; for prefill ``pad`` (int64
+        ``[B]``) and ``slots`` (``[B, T]``), for decode ``slot`` (int64 ``[B]``, also the attention's
+        ``left_pad``).  ``phase``: "prefill" or "decode".
         """
         L = self.layers[i]
         d = self.dims
         dense = self.ops == "dense"
+        fused_rope = self.fast and L.q_norm is None
+
+        def input_norm(st):
+            st["h_attn"], st["x"] = self._norm(L.ln1, st["h"], st.get("pending"))
 
         def attn_router(st):
-            st["am"] = self._route("attn", i, st["h"], st.get("valid"))
+            st["am"] = self._route("attn", i, st["h_attn"], st.get("valid"))
             st["am_flat"], st["am_per"] = (None, None)
 
         def attn_reorder(st):
             st["am_flat"], st["am_per"] = self._reorders(st["am"], attention=True)
-
-        def input_norm(st):
-            st["x"] = L.ln1(st["h"])
 
         def q_proj(st):
             x = st["x"]
@@ -259,24 +290,34 @@ class Engine:
                 q = gemm_mn(x2, L.wq, st["am"].view(B * T, -1), self.g_attn, reordered=st["am_flat"])
                 if L.bq is not None:
                     q = q + L.bq
-            st["q"] = q.view(B, T, d.num_heads, d.head_dim).transpose(1, 2)
+            st["q_raw"] = q.view(B, T, d.num_heads, d.head_dim)
 
         def kv_proj(st):
             x = st["x"]
             B, T, _ = x.shape
-            st["k"] = F.linear(x, L.wk, L.bk).view(B, T, d.num_kv_heads, d.head_dim).transpose(1, 2)
-            st["v"] = F.linear(x, L.wv, L.bv).view(B, T, d.num_kv_heads, d.head_dim).transpose(1, 2)
+            st["k_raw"] = F.linear(x, L.wk, L.bk).view(B, T, d.num_kv_heads, d.head_dim)
+            st["v_raw"] = F.linear(x, L.wv, L.bv).view(B, T, d.num_kv_heads, d.head_dim)
 
-        def rope(st):
+        def slots_of(st):
+            return st["slots"] if phase == "prefill" else st["slot"].view(-1, 1)
+
+        def rope_kv_cache(st):  # fused: RoPE of Q and K + the cache write, one kernel
+            c: StaticKVCache = st["cache"]
+            q, k = rope_cache(st["q_raw"], st["k_raw"], st["v_raw"], st["cos"], st["sin"], c.k[i], c.v[i],
+                              slots_of(st), want_k=(phase == "prefill"))
+            st["q"] = q.transpose(1, 2)
+            st["k"] = k.transpose(1, 2) if k is not None else None
+            st["v"] = st["v_raw"].transpose(1, 2)
+
+        def rope(st):  # the model's own RoPE (reference path, or Qwen3's q/k norms)
             from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 
-            q, k = st["q"], st["k"]
+            q, k = st["q_raw"], st["k_raw"]
             if L.q_norm is not None:
                 q, k = L.q_norm(q), L.k_norm(k)
-            cos, sin = self.rotary(st["v"], st["pos"])
-            q, k = apply_rotary_pos_emb(q, k, cos, sin)
-            st["q"], st["k"] = q.contiguous(), k.contiguous()
-            st["v"] = st["v"].contiguous()
+            q, k = apply_rotary_pos_emb(q.transpose(1, 2), k.transpose(1, 2), st["cos"], st["sin"])
+            st["q"], st["k"] = q, k
+            st["v"] = st["v_raw"].transpose(1, 2)
 
         def cache_write(st):
             c: StaticKVCache = st["cache"]
@@ -305,30 +346,27 @@ class Engine:
         def o_proj(st):
             a = st["a"]
             B, Hq, T, hd = a.shape
-            a2 = a.transpose(1, 2).reshape(B * T, Hq * hd)
-            if st["am"] is None:
-                o = F.linear(a2, L.wo, L.bo)
+            a2 = a.transpose(1, 2).reshape(B * T, Hq * hd)  # a view when T == 1
+            if st["am"] is None or self.kaxis_dense(B * T, self.g_attn):
+                o = F.linear(a2, L.wo, L.bo)  # inactive head groups of a2 are exactly 0: same function
             else:
                 o = gemm_k(a2, L.wo, st["am"].view(B * T, -1), self.g_attn, reordered=st["am_flat"])
                 if L.bo is not None:
                     o = o + L.bo
             st["o"] = o.view(B, T, -1)
 
-        def attn_residual(st):
-            st["h"] = st["h"] + st["o"]
+        def post_norm(st):
+            st["h_ffn"], st["x_ffn"] = self._norm(L.ln2, st["h_attn"], st["o"])
 
         def ffn_router(st):
-            st["fm"] = self._route("ffn", i, st["h"], st.get("valid"))
+            st["fm"] = self._route("ffn", i, st["h_ffn"], st.get("valid"))
             st["fm_flat"] = None
 
         def ffn_reorder(st):
             st["fm_flat"], _ = self._reorders(st["fm"], attention=False)
 
-        def post_norm(st):
-            st["x"] = L.ln2(st["h"])
-
         def gate_up(st):
-            x = st["x"]
+            x = st["x_ffn"]
             B, T, D = x.shape
             x2 = x.view(B * T, D)
             if st["fm"] is None:
@@ -338,27 +376,52 @@ class Engine:
 
         def down_proj(st):
             u = st["u"]
-            B, T, D = st["x"].shape
-            if st["fm"] is None:
-                y = F.linear(u, L.wd)
+            B, T, D = st["x_ffn"].shape
+            if st["fm"] is None or self.kaxis_dense(B * T, self.g_ffn):
+                y = F.linear(u, L.wd)  # inactive groups of u are exactly 0: same function
             else:
                 y = gemm_k(u, L.wd, st["fm"].view(B * T, -1), self.g_ffn, reordered=st["fm_flat"])
-            st["y"] = y.view(B, T, D)
+            st["h"] = st["h_ffn"]
+            st["pending"] = y.view(B, T, D)  # added to h by the next norm (fused add)
 
-        def ffn_residual(st):
-            st["h"] = st["h"] + st["y"]
-
-        steps = [("attn_router", attn_router)]
+        steps = [("input_norm", input_norm), ("attn_router", attn_router)]
         if not dense:
             steps.append(("attn_reorder", attn_reorder))
-        steps += [("input_norm", input_norm), ("q_proj", q_proj), ("kv_proj", kv_proj), ("rope", rope),
-                  ("kv_cache_write", cache_write), ("attention", attention), ("o_proj", o_proj),
-                  ("attn_residual", attn_residual), ("ffn_router", ffn_router)]
+        steps += [("q_proj", q_proj), ("kv_proj", kv_proj)]
+        if fused_rope:
+            steps.append(("rope_kv_cache", rope_kv_cache))
+        else:
+            steps += [("rope", rope), ("kv_cache_write", cache_write)]
+        steps += [("attention", attention), ("o_proj", o_proj), ("post_norm", post_norm), ("ffn_router", ffn_router)]
         if not dense:
             steps.append(("ffn_reorder", ffn_reorder))
-        steps += [("post_norm", post_norm), ("gate_up", gate_up), ("down_proj", down_proj),
-                  ("ffn_residual", ffn_residual)]
+        steps += [("gate_up", gate_up), ("down_proj", down_proj)]
         return steps
+
+    def kaxis_dense(self, M: int, G: int) -> bool:
+        """Whether a K-axis projection (O, down) of ``M`` rows runs as a cuBLAS GEMM on its zero-filled input
+        instead of ``gemm_k`` (``kaxis="dense"``, or ``"auto"`` where the H200 kernel measurements in
+        benchmarks/kernels/README.md put ``gemm_k`` below cuBLAS: M > 4, or M <= 4 with G >= 512)."""
+        if self.kaxis == "kernel":
+            return False
+        if self.kaxis == "dense":
+            return True
+        return M > 4 or G >= 512
+
+    def begin(self, st: dict) -> dict:
+        """Per-forward state shared by all layers: RoPE cos/sin from the model's rotary module (once)."""
+        st["cos"], st["sin"] = self.rotary(st["h"], st["pos"])
+        st["pending"] = None
+        return st
+
+    def finish(self, st: dict, all_logits: bool) -> torch.Tensor:
+        """Last residual add + final norm + ``lm_head``: logits ``[B, T, V]`` or last position ``[B, V]``."""
+        h, pend = st["h"], st.get("pending")
+        if not all_logits:
+            h = h[:, -1].contiguous()
+            pend = pend[:, -1].contiguous() if pend is not None else None
+        _, x = self._norm(self.norm, h, pend)
+        return self.lm_head(x)
 
     # --- forward passes --------------------------------------------------------------------------
     def _check_ids(self, input_ids: torch.Tensor) -> None:
@@ -414,12 +477,12 @@ class Engine:
         cache.lengths[:B] = n
         self.masks = {}
         h = self.embed(input_ids)
-        st = {"h": h, "pos": pos, "valid": valid, "cache": cache, "pad": pad, "slots": slots, "padded": padded}
+        st = self.begin({"h": h, "pos": pos, "valid": valid, "cache": cache, "pad": pad, "slots": slots,
+                         "padded": padded})
         for i in range(len(self.layers)):
             for _, fn in self.layer_steps(i, st, "prefill"):
                 fn(st)
-        h = st["h"] if all_logits else st["h"][:, -1]
-        return self.lm_head(self.norm(h))
+        return self.finish(st, all_logits)
 
     @torch.no_grad()
     def decode(self, tokens: torch.Tensor, cache: StaticKVCache, valid: torch.Tensor | None = None) -> torch.Tensor:
@@ -432,14 +495,14 @@ class Engine:
         """
         B = tokens.shape[0]
         slot = cache.max_len - 1 - cache.lengths[:B]
-        st = {"h": self.embed(tokens.view(B, 1)), "pos": cache.lengths[:B].view(B, 1),
-              "valid": None if valid is None else valid.view(B, 1), "cache": cache, "slot": slot}
+        st = self.begin({"h": self.embed(tokens.view(B, 1)), "pos": cache.lengths[:B].view(B, 1),
+                         "valid": None if valid is None else valid.view(B, 1), "cache": cache, "slot": slot})
         self.masks = {}
         for i in range(len(self.layers)):
             for _, fn in self.layer_steps(i, st, "decode"):
                 fn(st)
         cache.lengths[:B] += 1
-        return self.lm_head(self.norm(st["h"][:, 0]))
+        return self.finish(st, False)
 
 
 def _dense_prefill_attention(q, k, v, pad, scale):

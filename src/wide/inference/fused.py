@@ -1,0 +1,237 @@
+"""Fused Triton kernels for the engine's *unrouted* ops, so that a decode step is not dominated by tiny kernels.
+
+A Llama decode step in plain PyTorch launches ~45 small kernels per layer outside the GEMMs (RMSNorm: 8,
+RoPE: ~10, residual adds, cache scatters, layout copies).  Under a CUDA graph each still costs ~2 µs, which at
+batch 1 is comparable to the weight-streaming time the routing saves (paper §4.4's Amdahl analysis: the
+non-accelerated part is 29.1 % of decode latency).  Three kernels replace them:
+
+* :func:`add_rmsnorm` — optional residual add + RMSNorm, rounding exactly like the Hugging Face module
+  (fp32 statistics, normalised value rounded to the model dtype, then times the weight);
+* :func:`rope_cache` — RoPE of Q and K (``q*cos + rotate_half(q)*sin`` with the same per-op rounding as
+  ``apply_rotary_pos_emb``) and the K/V write into the static cache slots, in one pass;
+* :func:`router_mask` — a WIDE router (Eq. 4, two fp32 GEMMs) and its argmax (Eq. 5) for a few rows.
+
+Each has a PyTorch reference (``*_ref``) with the same semantics, used on CPU without ``TRITON_INTERPRET=1``.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..kernels._common import HAS_TRITON, interpret_mode, next_pow2, use_triton
+
+if HAS_TRITON:
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def _add_rmsnorm_kernel(h_ptr, add_ptr, hout_ptr, y_ptr, w_ptr, D, eps,
+                            HAS_ADD: tl.constexpr, BLOCK: tl.constexpr):
+        row = tl.program_id(0).to(tl.int64)
+        offs = tl.arange(0, BLOCK)
+        m = offs < D
+        h = tl.load(h_ptr + row * D + offs, mask=m, other=0.0)
+        if HAS_ADD:
+            a = tl.load(add_ptr + row * D + offs, mask=m, other=0.0)
+            h = (h.to(tl.float32) + a.to(tl.float32)).to(h_ptr.dtype.element_ty)
+            tl.store(hout_ptr + row * D + offs, h, mask=m)
+        hf = h.to(tl.float32)
+        var = tl.sum(hf * hf, axis=0) / D
+        n = (hf * (1.0 / tl.sqrt(var + eps))).to(h_ptr.dtype.element_ty)
+        w = tl.load(w_ptr + offs, mask=m, other=0.0)
+        y = (w.to(tl.float32) * n.to(tl.float32)).to(y_ptr.dtype.element_ty)
+        tl.store(y_ptr + row * D + offs, y, mask=m)
+
+    @triton.jit
+    def _rope_cache_kernel(q_ptr, k_ptr, v_ptr, cos_ptr, sin_ptr, qo_ptr, ko_ptr, ck_ptr, cv_ptr, slot_ptr,
+                           T, Hq, Hk, sqm, skm, svm, sck_b, sck_h, sck_t, scv_b, scv_h, scv_t,
+                           HALF: tl.constexpr, WRITE_K: tl.constexpr):
+        bt = tl.program_id(0).to(tl.int64)  # token b*T + t
+        head = tl.program_id(1)
+        b = bt // T
+        offs = tl.arange(0, HALF)
+        slot = tl.load(slot_ptr + bt)
+        if head < Hq + Hk:
+            if head < Hq:
+                src = q_ptr + bt * sqm + head * (2 * HALF)
+            else:
+                src = k_ptr + bt * skm + (head - Hq) * (2 * HALF)
+            x1 = tl.load(src + offs)
+            x2 = tl.load(src + HALF + offs)
+            c1 = tl.load(cos_ptr + bt * (2 * HALF) + offs)
+            c2 = tl.load(cos_ptr + bt * (2 * HALF) + HALF + offs)
+            s1 = tl.load(sin_ptr + bt * (2 * HALF) + offs)
+            s2 = tl.load(sin_ptr + bt * (2 * HALF) + HALF + offs)
+            dt = x1.dtype
+            # apply_rotary_pos_emb: (x * cos) + (rotate_half(x) * sin), each op rounded to the model dtype
+            o1 = ((x1.to(tl.float32) * c1.to(tl.float32)).to(dt).to(tl.float32)
+                  + (-x2.to(tl.float32) * s1.to(tl.float32)).to(dt).to(tl.float32)).to(dt)
+            o2 = ((x2.to(tl.float32) * c2.to(tl.float32)).to(dt).to(tl.float32)
+                  + (x1.to(tl.float32) * s2.to(tl.float32)).to(dt).to(tl.float32)).to(dt)
+            if head < Hq:
+                dst = qo_ptr + bt * (Hq * 2 * HALF) + head * (2 * HALF)
+                tl.store(dst + offs, o1)
+                tl.store(dst + HALF + offs, o2)
+            else:
+                hk = head - Hq
+                dst = ck_ptr + b * sck_b + hk * sck_h + slot * sck_t
+                tl.store(dst + offs, o1)
+                tl.store(dst + HALF + offs, o2)
+                if WRITE_K:
+                    dk = ko_ptr + bt * (Hk * 2 * HALF) + hk * (2 * HALF)
+                    tl.store(dk + offs, o1)
+                    tl.store(dk + HALF + offs, o2)
+        else:
+            hv = head - Hq - Hk
+            src = v_ptr + bt * svm + hv * (2 * HALF)
+            dst = cv_ptr + b * scv_b + hv * scv_h + slot * scv_t
+            tl.store(dst + offs, tl.load(src + offs))
+            tl.store(dst + HALF + offs, tl.load(src + HALF + offs))
+
+    @triton.jit
+    def _router_kernel(x_ptr, w1_ptr, b1_ptr, w2_ptr, b2_ptr, out_ptr, D, N, stride_xm,
+                       R: tl.constexpr, BD: tl.constexpr, NP: tl.constexpr):
+        row = tl.program_id(0).to(tl.int64)
+        offs_r = tl.arange(0, R)
+        offs_d = tl.arange(0, BD)
+        acc = tl.zeros((R, BD), dtype=tl.float32)
+        for d0 in range(0, D, BD):
+            dm = (d0 + offs_d) < D
+            x = tl.load(x_ptr + row * stride_xm + d0 + offs_d, mask=dm, other=0.0).to(tl.float32)
+            w = tl.load(w1_ptr + offs_r[:, None] * D + (d0 + offs_d)[None, :], mask=dm[None, :], other=0.0)
+            acc += w * x[None, :]
+        h1 = tl.sum(acc, axis=1) + tl.load(b1_ptr + offs_r)  # [R]
+        offs_n = tl.arange(0, NP)
+        nm = offs_n < N
+        # logits of class 0 (execute) and class 1 (skip) per group (rows 2g and 2g+1 of W2)
+        w_e = tl.load(w2_ptr + (2 * offs_n)[:, None] * R + offs_r[None, :], mask=nm[:, None], other=0.0)
+        w_s = tl.load(w2_ptr + (2 * offs_n + 1)[:, None] * R + offs_r[None, :], mask=nm[:, None], other=0.0)
+        le = tl.sum(w_e * h1[None, :], axis=1) + tl.load(b2_ptr + 2 * offs_n, mask=nm, other=0.0)
+        ls = tl.sum(w_s * h1[None, :], axis=1) + tl.load(b2_ptr + 2 * offs_n + 1, mask=nm, other=0.0)
+        tl.store(out_ptr + row * N + offs_n, le >= ls, mask=nm)
+
+
+# ----------------------------------------------------------------------------------------------
+# RMSNorm (+ residual add)
+# ----------------------------------------------------------------------------------------------
+
+
+def add_rmsnorm_ref(h: torch.Tensor, add: torch.Tensor | None, weight: torch.Tensor, eps: float):
+    """Reference: ``h' = h + add`` (model dtype), ``y = weight * (h' * rsqrt(mean(h'^2) + eps)).to(dtype)``."""
+    if add is not None:
+        h = h + add
+    hf = h.float()
+    n = (hf * torch.rsqrt(hf.pow(2).mean(-1, keepdim=True) + eps)).to(h.dtype)
+    return h, weight * n
+
+
+def add_rmsnorm(h: torch.Tensor, add: torch.Tensor | None, weight: torch.Tensor, eps: float):
+    """Optional residual add, then RMSNorm, in one kernel (the Hugging Face ``LlamaRMSNorm`` rounding).
+
+    Args:
+        h: residual stream ``[..., D]`` (contiguous), bf16/fp16/fp32.
+        add: optional ``[..., D]`` (same dtype) added to ``h`` first (the previous sublayer's output).
+        weight: ``[D]`` norm weight, same dtype as ``h``.
+        eps: the norm's epsilon.
+
+    Returns:
+        ``(h + add, rmsnorm(h + add))``, both ``[..., D]`` in h's dtype (the first is ``h`` itself when
+        ``add`` is None).
+    """
+    if not use_triton(h) or weight.dtype != h.dtype:
+        return add_rmsnorm_ref(h, add, weight, eps)
+    D = h.shape[-1]
+    h = h.contiguous()
+    rows = h.numel() // D
+    hout = torch.empty_like(h) if add is not None else h
+    y = torch.empty_like(h)
+    _add_rmsnorm_kernel[(rows,)](h, add.contiguous() if add is not None else h, hout, y, weight, D, float(eps),
+                                 HAS_ADD=add is not None, BLOCK=next_pow2(D),
+                                 **({} if interpret_mode() else {"num_warps": 8 if D >= 4096 else 4}))
+    return hout, y
+
+
+# ----------------------------------------------------------------------------------------------
+# RoPE + KV-cache write
+# ----------------------------------------------------------------------------------------------
+
+
+def _rotate_half(x):
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
+def rope_cache_ref(q, k, v, cos, sin, cache_k, cache_v, slots, want_k: bool):
+    """Reference of :func:`rope_cache` (``apply_rotary_pos_emb`` then scatter into the cache slots)."""
+    c, s = cos.unsqueeze(2), sin.unsqueeze(2)  # [B, T, 1, d]
+    qr = (q * c) + (_rotate_half(q) * s)
+    kr = (k * c) + (_rotate_half(k) * s)
+    B, T, Hk, d = k.shape
+    idx = slots.view(B, 1, T, 1).expand(B, Hk, T, d)
+    cache_k[:B].scatter_(2, idx, kr.transpose(1, 2))
+    cache_v[:B].scatter_(2, idx, v.transpose(1, 2))
+    return qr.contiguous(), (kr.contiguous() if want_k else None)
+
+
+def rope_cache(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+               cache_k: torch.Tensor, cache_v: torch.Tensor, slots: torch.Tensor, want_k: bool):
+    """RoPE of Q and K and the K/V cache write in one kernel.
+
+    Args:
+        q: ``[B, T, Hq, d]``, k/v: ``[B, T, Hk, d]`` (views of the projection outputs: last two dims contiguous).
+        cos, sin: ``[B, T, d]`` from the model's rotary module (model dtype).
+        cache_k, cache_v: one layer of a :class:`~wide.inference.cache.StaticKVCache`, ``[B_c, Hk, T_max, d]``,
+            ``B_c >= B``.
+        slots: int64 ``[B, T]`` cache slot of every token.
+        want_k: also return the rotated K (prefill attention reads it).
+
+    Returns:
+        ``(q_rot [B, T, Hq, d] contiguous, k_rot [B, T, Hk, d] or None)``; the cache rows ``0..B-1`` get the
+        rotated K and the V at ``slots``.
+    """
+    if not use_triton(q) or cos.dtype != q.dtype:
+        return rope_cache_ref(q, k, v, cos, sin, cache_k, cache_v, slots, want_k)
+    B, T, Hq, d = q.shape
+    Hk = k.shape[2]
+    for t in (q, k, v):
+        assert t.stride(3) == 1 and t.stride(2) == d and t.stride(0) == T * t.stride(1)
+    cos, sin = cos.contiguous(), sin.contiguous()
+    qo = torch.empty((B, T, Hq, d), dtype=q.dtype, device=q.device)
+    ko = torch.empty((B, T, Hk, d), dtype=q.dtype, device=q.device) if want_k else qo
+    slots = slots.contiguous()
+    _rope_cache_kernel[(B * T, Hq + 2 * Hk)](
+        q, k, v, cos, sin, qo, ko, cache_k, cache_v, slots, T, Hq, Hk, q.stride(1), k.stride(1), v.stride(1),
+        cache_k.stride(0), cache_k.stride(1), cache_k.stride(2), cache_v.stride(0), cache_v.stride(1),
+        cache_v.stride(2), HALF=d // 2, WRITE_K=want_k, **({} if interpret_mode() else {"num_warps": 1}))
+    return qo, (ko if want_k else None)
+
+
+# ----------------------------------------------------------------------------------------------
+# router (few rows)
+# ----------------------------------------------------------------------------------------------
+
+ROUTER_MAX_ROWS = 32
+
+
+def router_mask(router, x: torch.Tensor) -> torch.Tensor:
+    """Argmax routing mask (Eq. 4-5) of a :class:`wide.routing.Router` for ``x`` ``[..., D]``: bool ``[..., N_G]``.
+
+    Up to :data:`ROUTER_MAX_ROWS` rows on the Triton path it is one kernel (fp32: ``h = x W1^T + b1``, then the
+    two class logits per group, execute iff ``logit_0 >= logit_1``); otherwise the router module and
+    :func:`wide.routing.argmax_mask` (the reference).  Both compute in fp32; the kernel's summation order
+    differs, so a decision can differ only where the two logits tie to fp32 rounding.
+    """
+    from ..routing import argmax_mask
+
+    rows = x.numel() // x.shape[-1]
+    r = router.w1.out_features
+    if not use_triton(x) or rows > ROUTER_MAX_ROWS or r & (r - 1) or r < 1:
+        return argmax_mask(router(x))
+    D = x.shape[-1]
+    N = router.n_groups
+    x2 = x.reshape(rows, D)
+    out = torch.empty((rows, N), dtype=torch.bool, device=x.device)
+    _router_kernel[(rows,)](x2, router.w1.weight, router.w1.bias, router.w2.weight, router.w2.bias, out, D, N,
+                            x2.stride(0), R=r, BD=min(256, next_pow2(D)), NP=max(16, next_pow2(N)),
+                            **({} if interpret_mode() else {"num_warps": 4}))
+    return out.view(*x.shape[:-1], N)
