@@ -54,7 +54,8 @@ def sweep_plot(records: list[dict], path: Path) -> Path:
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--results", default=None, help="a run_quality.py record file (for --profile)")
-    p.add_argument("--profile", default=None, help="record key whose per_layer sparsity to draw (Figure 9)")
+    p.add_argument("--profile", default=None,
+                   help="record key (or index) whose per_layer sparsity to draw (Figure 9)")
     p.add_argument("--checkpoint", default=None, help="router checkpoint for Figure 10 (and 9 with --wikitext)")
     p.add_argument("--model", default=None, help="base model (default: the one recorded in the checkpoint)")
     p.add_argument("--wikitext", default=None, help="measure the Figure-9 profile of --checkpoint on this text")
@@ -67,13 +68,19 @@ def main() -> None:
     from wide.plots import layer_profile, plot_layer_profile, plot_token_routing, token_routing
 
     if a.results and a.profile:
-        recs = [r for r in json.loads(Path(a.results).read_text()) if r.get("key") == a.profile]
+        allrecs = json.loads(Path(a.results).read_text())
+        if a.profile.isdigit():  # an index, for record files without "key" (e.g. calibration.json)
+            recs = allrecs[int(a.profile):int(a.profile) + 1]
+        else:
+            recs = [r for r in allrecs if r.get("key") == a.profile]
         if not recs or not recs[-1].get("per_layer"):
             raise SystemExit(f"no record {a.profile!r} with per_layer in {a.results}")
         r = recs[-1]
-        title = (f"{r['method']} S={r['target_sparsity']} G_attn={r['G_attn']} G_ffn={r['G_ffn']} ({r['stage']}): "
-                 f"realized {100 * r['realized_sparsity']:.1f}% on WikiText-2")
-        print(plot_layer_profile(r["per_layer"], out / f"fig9_layer_sparsity_{a.profile}.png", title,
+        name = r.get("key") or f"{Path(a.results).stem}{a.profile}"
+        title = (f"{r.get('method', 'wide')} S={r['target_sparsity']} G_attn={r['G_attn']} G_ffn={r['G_ffn']} "
+                 f"({r.get('stage', 'router')}, {r.get('steps', '?')} steps): realized "
+                 f"{100 * r['realized_sparsity']:.1f}% on WikiText-2")
+        print(plot_layer_profile(r["per_layer"], out / f"fig9_layer_sparsity_{name}.png", title,
                                  target=r["target_sparsity"]))
     if a.checkpoint:
         import torch

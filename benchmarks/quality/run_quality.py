@@ -19,8 +19,9 @@ GPU example (one H200; see benchmarks/quality/README.md for the wheels to carry)
         --calib ../shared/data/calibration/wiki_owt.jsonl --wikitext ../shared/data/wikitext-2-raw/wiki.test.raw \
         --sparsity 0.5 0.25 --stages router lora --steps 300 --lora-steps 200 --out benchmarks/quality
 
-Every run's checkpoint lives under ``--runs`` (not committed); ``--keep-routers`` copies the WIDE / SkipGPT
-router checkpoints (small) into ``<out>/checkpoints/`` so the plots can be redrawn on a CPU.
+Every run's checkpoint lives under ``--runs`` (not committed); ``--keep-routers`` appends the WIDE / SkipGPT
+router checkpoints (small) to ``<out>/<tag>_routers.tar`` (one file, as the device returns at most 8) so the
+plots can be redrawn on a CPU (``tar xf ... -C benchmarks/quality/checkpoints``).
 """
 
 from __future__ import annotations
@@ -30,7 +31,6 @@ import datetime as dt
 import gc
 import json
 import shlex
-import shutil
 import sys
 import time
 from pathlib import Path
@@ -300,6 +300,10 @@ def main() -> None:
     p.add_argument("--speed", action="store_true", help="also time dense / static models (prefill, decode)")
     p.add_argument("--keep-routers", action="store_true", help="copy router checkpoints into <out>/checkpoints")
     p.add_argument("--max-runs", type=int, default=None, help="stop after this many new runs (budgeting)")
+    p.add_argument("--time-budget", type=float, default=None,
+                   help="seconds: start no new run after this much wall time (the device allows 600 s a call)")
+    p.add_argument("--resume-from", default=None,
+                   help="record file of earlier calls (default: <out>/<tag>.json); its runs are skipped and kept")
     p.add_argument("--runs", default="runs/quality")
     p.add_argument("--out", default="benchmarks/quality")
     p.add_argument("--tag", default=None, help="result file stem (default: the plan name)")
@@ -309,7 +313,8 @@ def main() -> None:
     command = "PYTHONPATH=src python3 " + " ".join(shlex.quote(x) for x in sys.argv)
     gpu = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    records = load_records(out / f"{tag}.json")
+    t_start = time.time()
+    records = load_records(Path(a.resume_from) if a.resume_from else out / f"{tag}.json")
     done = {(r["key"], r.get("limit")) for r in records}
     runs = [r for r in plan_runs(a) if (run_key(r), a.limit) not in done]
     print(f"{len(runs)} run(s) to do: {[run_key(r) for r in runs]}", flush=True)
@@ -327,6 +332,9 @@ def main() -> None:
     print(f"WikiText-2 windows {tuple(windows.shape)}, calibration blocks {tuple(blocks.shape)}", flush=True)
     model_name = "SmolLM2-135M-Instruct (Q4_1 GGUF, dequantized)" if src.ref == "smollm2-135m" else src.ref
     for r in runs:
+        if a.time_budget is not None and time.time() - t_start > a.time_budget:
+            print(f"time budget {a.time_budget:.0f}s spent; stopping before {run_key(r)}", flush=True)
+            break
         t_run = time.time()
         key = run_key(r)
         print(f"=== {key}", flush=True)
@@ -344,11 +352,14 @@ def main() -> None:
             lm = WideLM(pretrained=wm.base, wide=wm, tokenizer=tok, batch_size=a.eval_batch_size)
             if r["stage"] == "lora":
                 extra_models.append(wm)
-            if a.keep_routers and r["stage"] == "router":
-                dst = out / "checkpoints" / key
-                dst.mkdir(parents=True, exist_ok=True)
-                for name in ("routers.safetensors", "wide_config.json", "base_model.json"):
-                    shutil.copy2(ckpt / name, dst / name)
+            if a.keep_routers and r["stage"] == "router":  # one file back from the device, not 3 per run
+                import tarfile
+
+                out.mkdir(parents=True, exist_ok=True)
+                with tarfile.open(out / f"{tag}_routers.tar", "a") as tar:
+                    for name in ("routers.safetensors", "wide_config.json", "base_model.json", "train_log.jsonl"):
+                        if (ckpt / name).is_file():
+                            tar.add(ckpt / name, arcname=f"{key}/{name}")
         elif r["method"] == "static":
             from wide.baselines.static import StaticPruning, param_count
 
