@@ -208,7 +208,7 @@ class Engine:
         routers = self.attn_routers if kind == "attn" else self.ffn_routers
         n = self.n_attn if kind == "attn" else self.n_ffn
         if routers is None:
-            mask = torch.ones(*h.shape[:-1], n, dtype=torch.bool, device=h.device)
+            mask = self._all_true((*h.shape[:-1], n), h.device)
         else:
             mask = router_mask(routers[i], h)
         if self.track_sparsity:
@@ -220,6 +220,14 @@ class Engine:
         if self.record_masks:
             self.masks[(kind, i)] = mask
         return mask
+
+    def _all_true(self, shape: tuple, device) -> torch.Tensor:
+        """A cached all-execute mask (no fill kernel per layer and step)."""
+        key = (tuple(shape), str(device))
+        cache = self.__dict__.setdefault("_ones", {})
+        if key not in cache:
+            cache[key] = torch.ones(shape, dtype=torch.bool, device=device)
+        return cache[key]
 
     def _reorders(self, mask: torch.Tensor, attention: bool):
         """One reorder per routing decision: ``(flat [B*T, N_G] or None, per-sequence [B, T, N_G] or None)``."""
@@ -339,7 +347,7 @@ class Engine:
             else:
                 route = st["am"]
                 if route is None:
-                    route = torch.ones(B, T, self.n_attn, dtype=torch.bool, device=q.device)
+                    route = self._all_true((B, T, self.n_attn), q.device)
                 st["a"] = routed_attention(q, k, v, route, causal=(phase == "prefill"), left_pad=lp,
                                            scale=L.scaling, reordered=st["am_per"])
 
