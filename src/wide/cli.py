@@ -152,8 +152,11 @@ def cmd_info(args) -> int:
     return 0
 
 
-def _load(args, cfg=None, then=None, device=None):
-    """Load ``--model``; validate ``cfg`` against its dims and run ``then(tokenizer)`` before the weights load."""
+def _load(args, cfg=None, then=None, env=None):
+    """Load ``--model``; validate ``cfg`` against its dims and run ``then(tokenizer)`` before the weights load.
+
+    Under torchrun (``env`` active) only rank 0 reads the weights; see :func:`wide.distributed.load_base`.
+    """
     from .modeling import dims_of, load_base_model
 
     def check(hf, tok):
@@ -162,7 +165,11 @@ def _load(args, cfg=None, then=None, device=None):
         if then is not None:
             then(tok)
 
-    return load_base_model(args.model, device=device or args.device, check=check)
+    if env is not None and env.active:
+        from .distributed import load_base
+
+        return load_base(args.model, env, check=check)
+    return load_base_model(args.model, device=args.device, check=check)
 
 
 def _maybe_launch(args, command: str, precheck) -> int | None:
@@ -210,7 +217,7 @@ def cmd_calibrate(args) -> int:
     say = _print if env.is_main else (lambda *_: None)
     packed = {}
     model, tok, src = _load(args, cfg, then=lambda tok: packed.setdefault(
-        "blocks", pack(docs, tok, args.seq_len, max_blocks=args.max_blocks)), device=env.device)
+        "blocks", pack(docs, tok, args.seq_len, max_blocks=args.max_blocks)), env=env)
     blocks = packed["blocks"]
     torch.manual_seed(args.seed)  # identical router initialization on every rank
     wm = WideModel(model, cfg)
@@ -255,7 +262,14 @@ def cmd_lora(args) -> int:
     docs = load_texts(args.text, split="calib")
     env = D.init(args.device)
     say = _print if env.is_main else (lambda *_: None)
-    wm, tok = load(args.wide, model=args.model, device=env.device or args.device, tokenizer=True)
+    if env.active:  # rank 0 holds the weights (CPU) and checks the checkpoint; the others only the structure
+        from .config import WideConfig
+        from .modeling import WideModel
+
+        base, tok, _ = D.load_base(args.model or info["model"], env)
+        wm = load(args.wide, model=base) if env.is_main else WideModel(base, WideConfig.load(args.wide))
+    else:
+        wm, tok = load(args.wide, model=args.model, device=args.device, tokenizer=True)
     blocks = pack(docs, tok, args.seq_len, max_blocks=args.max_blocks)
     say(f"LoRA recovery on {args.wide} ({info['model']}): {blocks.shape[0]} sequences x {blocks.shape[1]} tokens, "
         f"r={settings.r} alpha={settings.alpha} dropout={settings.dropout}, routers "

@@ -127,16 +127,23 @@ def shutdown() -> None:
 
 
 def shard(wm: nn.Module, env: DistEnv) -> None:
-    """Apply FSDP2 ``fully_shard`` to a :class:`wide.modeling.WideModel` in place, per decoder layer.
+    """Apply FSDP2 ``fully_shard`` to a :class:`wide.modeling.WideModel` in place, per decoder layer, with the
+    weights of rank 0.
 
     Routers: one float32 unit each (no parameter cast). Decoder layers: one unit each, with
     ``MixedPrecisionPolicy(param_dtype=bfloat16, reduce_dtype=float32)`` on CUDA (bf16 parameters and
-    compute, fp32 gradient reduction) and fp32 on CPU. The root unit takes the rest. Parameters move to
-    ``env.device``. Call after LoRA injection and after enabling activation checkpointing.
+    compute, fp32 gradient reduction) and fp32 on CPU. The root unit takes the rest. Parameters end on
+    ``env.device``. Only rank 0 needs real weights (e.g. on the CPU); the other ranks may hold the same
+    model on the ``meta`` device (:func:`load_base`): after sharding, every rank's shards are filled from
+    rank 0's full state dict (``set_model_state_dict(..., broadcast_from_rank0=True)``) and the
+    non-persistent buffers (rotary ``inv_freq``) are broadcast too. Call after LoRA injection and after
+    enabling activation checkpointing.
 
     Raises:
         WideError: no process group is open.
     """
+    import torch.distributed as dist
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
@@ -144,6 +151,13 @@ def shard(wm: nn.Module, env: DistEnv) -> None:
 
     if not env.active:
         raise WideError("shard() needs an open process group (run under torchrun)")
+    persistent = set(wm.state_dict().keys())
+    transient = [n for n, _ in wm.named_buffers() if n not in persistent]
+    full_sd = transient_values = None
+    if env.is_main:  # references to rank 0's full tensors, taken before sharding replaces the parameters
+        full_sd = dict(wm.state_dict())
+        bufs = dict(wm.named_buffers())
+        transient_values = {n: bufs[n].detach().clone() for n in transient}
     mesh = init_device_mesh(env.device.type, (env.world_size,))
     fp32 = MixedPrecisionPolicy()
     if env.device.type == "cuda":
@@ -157,6 +171,60 @@ def shard(wm: nn.Module, env: DistEnv) -> None:
     for layer in decoder_layers(wm.base):
         fully_shard(layer, mesh=mesh, mp_policy=layer_mp)
     fully_shard(wm, mesh=mesh, mp_policy=layer_mp)
+    wm.to_empty(device=env.device)
+    set_model_state_dict(wm, full_sd if env.is_main else {},
+                         options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True))
+    bufs = dict(wm.named_buffers())
+    for n in transient:
+        if env.is_main:
+            bufs[n].copy_(transient_values[n])
+        dist.broadcast(bufs[n], src=0)
+    del full_sd, transient_values
+
+
+def load_base(spec: str | None, env: DistEnv, device: str | None = None, check=None):
+    """Load the frozen base model for this process: everything on rank 0, only the structure elsewhere.
+
+    Single process: :func:`wide.modeling.load_base_model` on ``device``. Under a process group: rank 0
+    loads the weights on the CPU (bf16 when training on GPUs) and every other rank builds the same model
+    on the ``meta`` device (no memory), so no GPU ever holds the whole model; :func:`shard` then hands
+    each rank its shard from rank 0. Every rank reads the config and the tokenizer and runs ``check``.
+
+    Args:
+        spec: ``--model`` (see :func:`wide.modeling.resolve_model`).
+        env: this process's :class:`DistEnv`.
+        device: single-process device (default CUDA when available).
+        check: callable ``f(hf_config, tokenizer)`` run before weights are read (see ``load_base_model``).
+
+    Returns:
+        ``(model, tokenizer, source)`` with ``requires_grad=False`` and eval mode.
+
+    Raises:
+        WideError: as :func:`wide.modeling.load_base_model`.
+    """
+    from .modeling import check_architecture, load_base_model, resolve_model
+
+    if not env.active:
+        return load_base_model(spec, device=device, check=check)
+    dtype = torch.bfloat16 if env.device.type == "cuda" else torch.float32
+    if env.is_main:
+        return load_base_model(spec, device="cpu", dtype=dtype, check=check)
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+
+    src = resolve_model(spec)
+    try:
+        hf_config = AutoConfig.from_pretrained(src.directory, **src.hf_kwargs())
+        tok = AutoTokenizer.from_pretrained(src.directory, **src.hf_kwargs())
+    except (OSError, ValueError, KeyError) as e:
+        raise WideError(f"cannot read model {src.ref!r}: {str(e).splitlines()[0]}") from None
+    check_architecture(hf_config)
+    if check is not None:
+        check(hf_config, tok)
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(hf_config, dtype=dtype)
+    model.eval()
+    model.requires_grad_(False)
+    return model, tok, src
 
 
 def is_sharded(t: torch.Tensor) -> bool:

@@ -369,7 +369,7 @@ def train(wm: WideModel, blocks: torch.Tensor, args: CalibrationArgs, output: st
     cfg = wm.config
     if not any(p.requires_grad for p in wm.parameters()):
         raise WideError("nothing to train: no parameter of the model requires a gradient")
-    fp = fingerprint(wm.base)  # before sharding: it reads whole weight slices
+    fp = fingerprint(wm.base) if env.is_main else None  # before sharding; only rank 0 holds real weights
     if args.grad_checkpoint:
         enable_grad_checkpoint(wm)
     if env.active:
