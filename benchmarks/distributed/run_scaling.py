@@ -74,30 +74,40 @@ def worker(a) -> int:
     from wide.training import CalibrationArgs, calibrate
 
     cuda = a.device == "cuda"
+    t_start = time.time()
     env = D.init(a.device)
     device = env.device if env.active else torch.device("cuda", 0) if cuda else torch.device("cpu")
     if cuda:
         torch.cuda.set_device(device)
-    base = build_model(a.model, device)
+    # like the CLI under torchrun: rank 0 holds the weights (here created on its GPU: random init on the CPU is
+    # slow for 8B), the other ranks only the structure on the meta device; sharding hands out rank 0's weights
+    base = build_model(a.model, device if env.is_main else torch.device("meta"))
     torch.manual_seed(0)
     wm = WideModel(base, WideConfig(target_sparsity=0.5, ffn_group_size=128))
     n_params = sum(p.numel() for p in base.parameters())
+    if cuda:
+        torch.cuda.synchronize()
+    t_build = time.time() - t_start
     g = torch.Generator().manual_seed(0)
     blocks = torch.randint(0, base.config.vocab_size, (64, a.seq_len), generator=g)
     args = CalibrationArgs(steps=a.warmup + a.steps, batch_size=a.micro_batch, grad_accum=1, lr=1e-3,
                            warmup_steps=0, save_every=10**9, grad_checkpoint=a.grad_checkpoint)
-    if cuda:
-        torch.cuda.synchronize()
-        torch.cuda.reset_peak_memory_stats()
     recs = []
+
+    def on_step(r):
+        recs.append(r)
+        if cuda and r["step"] == 1:  # peak of steady-state training (weights shards, activations, optimizer)
+            torch.cuda.synchronize()
+            torch.cuda.reset_peak_memory_stats()
+
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp) / "run"
         # every rank needs the same folder: rank 0's temporary name is broadcast
         out = Path(D.broadcast_object(str(out), env))
         if a.stage == "router":
-            calibrate(wm, blocks, args, out, a.model, progress=False, on_step=recs.append)
+            calibrate(wm, blocks, args, out, a.model, progress=False, on_step=on_step)
         else:  # stage 2: peft LoRA (r=16, alpha=32, dropout 0.1) on all 7 projections, routers trained
-            recover(wm, blocks, args, out, a.model, progress=False, on_step=recs.append)
+            recover(wm, blocks, args, out, a.model, progress=False, on_step=on_step)
         D.barrier(env)
     peak = torch.cuda.max_memory_allocated() / 2**30 if cuda else 0.0
     reserved = torch.cuda.max_memory_reserved() / 2**30 if cuda else 0.0
@@ -120,6 +130,7 @@ def worker(a) -> int:
             "warmup_steps": a.warmup,
             "measured_steps": a.steps,
             "lm_loss_last": recs[-1]["lm_loss"],
+            "build_s": t_build,
             "gpu": torch.cuda.get_device_name(device) if cuda else "cpu (script check, not a measurement)",
             "torch": torch.__version__,
         }
@@ -221,7 +232,7 @@ def main() -> int:
     md = (f"# Training throughput, {' vs '.join(map(str, a.gpus))} GPUs ({gpu}, {date})\n\n"
           "Stage 1 (router) through `wide.training.calibrate`, stage 2 (lora) through `wide.lora.recover`; weak scaling (fixed micro-batch per GPU, "
           "global batch = micro-batch x GPUs), global tokens/s = median over the measured steps after warm-up; "
-          "peak = `torch.cuda.max_memory_allocated` of the busiest rank.\n\n" + "\n".join(lines)
+          "peak = `torch.cuda.max_memory_allocated` of the busiest rank over steps 2..end (steady-state training).\n\n" + "\n".join(lines)
           + f"\n\nCommand: `{command}`\n")
     (out / f"{a.tag}.md").write_text(md)
     (out / f"{a.tag}.json").write_text(json.dumps(records, indent=2) + "\n")
