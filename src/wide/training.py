@@ -170,6 +170,7 @@ class GumbelNoise:
         return False
 
     def remove(self) -> None:
+        """Remove the router hooks."""
         for h in self.handles:
             h.remove()
         self.handles = []
