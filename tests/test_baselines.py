@@ -226,7 +226,7 @@ def test_cli_prune_static(model_dir, text_file, tmp_path):
     assert (out / "config.json").is_file() and (out / "static_pruning.json").is_file()
     cfg = json.loads((out / "config.json").read_text())
     assert cfg["num_attention_heads"] == 2 and cfg["num_key_value_heads"] == 1 and cfg["intermediate_size"] == 64
-    r = _wide("info", "--model", str(out))  # usable as --model
+    r = _wide("info", "--model", str(out), "--ffn-group-size", "16")  # usable as --model
     assert r.returncode == 0, r.stderr
     r = _wide("prune-static", "--model", str(model_dir), "--text", str(text_file), "-S", "0.5", "-o", str(out))
     assert r.returncode == 2 and "exists and is not empty" in r.stderr and len(r.stderr.strip().splitlines()) == 1

@@ -429,6 +429,14 @@ def cmd_prune_static(args) -> int:
         raise WideError(f"--batch-size {args.batch_size} must be >= 1")
     if args.calib_blocks < 1:
         raise WideError(f"--calib-blocks {args.calib_blocks} must be >= 1")
+    from .config import WideConfig
+
+    WideConfig(target_sparsity=args.sparsity, ffn_group_size=args.ffn_group_size)  # S and G_ffn, before loading
+    for name, v in (("--attn-sparsity", args.attn_sparsity), ("--ffn-sparsity", args.ffn_sparsity)):
+        if v is not None and not 0.0 <= v < 1.0:
+            raise WideError(f"{name} {v!r} is outside [0, 1)")
+    if (args.attn_sparsity is None) != (args.ffn_sparsity is None):
+        raise WideError("give both --attn-sparsity and --ffn-sparsity, or neither")
     docs = load_texts(args.text, split="calib")
     data = {}
     model, tok, src = _load(args, then=lambda tok: data.setdefault(
