@@ -197,8 +197,9 @@ class Engine:
             out["attn"] = 1.0 - s[0] / s[1]
         if s[3] > 0:
             out["ffn"] = 1.0 - s[2] / s[3]
-        if s[1] + s[3] > 0:
-            out["overall"] = 1.0 - (s[0] + s[2]) / (s[1] + s[3])
+        kinds = [out[k] for k in ("attn", "ffn") if k in out]
+        if kinds:
+            out["overall"] = sum(kinds) / len(kinds)  # every layer has one module of each routed kind
         return out
 
     def _route(self, kind: str, i: int, h: torch.Tensor, valid: torch.Tensor | None) -> torch.Tensor | None:
