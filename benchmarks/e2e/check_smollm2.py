@@ -1,0 +1,123 @@
+"""Engine vs WideModel's masking path on the bundled SmolLM2-135M with its calibrated routers (issue 5).
+
+20 prompts in one left-padded batch, ``--steps`` greedy decode steps.  For every prompt:
+
+* free-running greedy: the engine's tokens (batched, static cache) vs the masking path's own greedy loop
+  (HF DynamicCache, one prompt at a time); positions equal up to the first divergence, and overall;
+* teacher-forced on the engine's tokens: max |logit difference| / max |logit| per step, and the fraction of
+  equal router decisions (attention and FFN, every layer, every generated token).
+
+Run on the CPU (float32, PyTorch references of the kernels; ``TRITON_INTERPRET=0``) or on a GPU (bf16, the
+Triton kernels, decode under CUDA graphs)::
+
+    PYTHONPATH=src python benchmarks/e2e/check_smollm2.py --steps 64 --out benchmarks/e2e/check_smollm2_cpu.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime as dt
+import json
+import os
+import sys
+import time
+
+PROMPTS = [
+    "The capital of France is", "Water boils at a temperature of", "The largest planet in the solar system is",
+    "In 1492, Christopher Columbus", "The chemical symbol for gold is", "A healthy breakfast usually includes",
+    "The theory of relativity was developed by", "To bake bread you need flour, water and",
+    "The Great Wall of China was built to", "Photosynthesis is the process by which plants",
+    "The first person to walk on the moon was", "Machine learning is a field of",
+    "The river that flows through Egypt is the", "Shakespeare wrote many plays, including",
+    "The human heart has four", "Mount Everest is located in", "The speed of light is approximately",
+    "Honey bees communicate with each other by", "The Pacific Ocean is the", "A prime number is a number that",
+]
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--ckpt", default="benchmarks/quality/checkpoints/smollm2-global-s50-g128")
+    p.add_argument("--steps", type=int, default=64)
+    p.add_argument("--prompts", type=int, default=20)
+    p.add_argument("--device", default=None)
+    p.add_argument("--out", default=None)
+    args = p.parse_args(argv)
+    os.environ.setdefault("TRITON_INTERPRET", "0")
+    import torch
+    from transformers import DynamicCache
+
+    import wide
+    from wide.inference import Engine, generate
+
+    t0 = time.time()
+    wm, tok = wide.load(args.ckpt, device=args.device, tokenizer=True)
+    dev = next(wm.base.parameters()).device
+    eng = Engine(wm)
+    prompts = PROMPTS[: args.prompts]
+    res = generate(eng, tok, prompts, args.steps, stop_at_eos=False)
+    per_prompt = []
+    with torch.no_grad():
+        for b, p in enumerate(prompts):
+            ids = torch.tensor([tok(p)["input_ids"]], device=dev)
+            # free-running greedy of the masking path, with its own KV cache
+            cache = DynamicCache(config=wm.base.config)
+            out = wm(ids, past_key_values=cache, use_cache=True)
+            ref_tokens = []
+            for _ in range(args.steps):
+                t = int(out.logits[0, -1].argmax())
+                ref_tokens.append(t)
+                out = wm(torch.tensor([[t]], device=dev), past_key_values=cache, use_cache=True)
+            eng_tokens = res.tokens[b]
+            first_div = next((i for i, (x, y) in enumerate(zip(eng_tokens, ref_tokens)) if x != y), None)
+            # teacher-forced on the engine's tokens: logits and masks of every step
+            full = torch.tensor([tok(p)["input_ids"] + eng_tokens], device=dev)
+            wm.record_masks = True
+            ref_logits = wm(full).logits[0].float()
+            ref_masks = dict(wm.record.masks)
+            wm.record_masks = False
+            c = eng.new_cache(1, full.shape[1])
+            eng.record_masks = True
+            n_prompt = ids.shape[1]
+            lg = eng.prefill(full[:, :n_prompt], None, c, all_logits=False).float()
+            agree_n = sum(int((m[0] == ref_masks[k][0, :n_prompt]).sum()) for k, m in eng.masks.items())
+            agree_d = sum(m[0].numel() for m in eng.masks.values())
+            errs = []
+            for s in range(args.steps):
+                r = ref_logits[n_prompt - 1 + s]
+                errs.append(((lg[0] - r).abs().max() / r.abs().max()).item())
+                if s == args.steps - 1:
+                    break
+                lg = eng.decode(full[:, n_prompt + s], c).float()
+                for k, m in eng.masks.items():
+                    rm = ref_masks[k][0, n_prompt + s]
+                    agree_n += int((m[0, 0] == rm).sum())
+                    agree_d += rm.numel()
+            eng.record_masks = False
+            per_prompt.append({"prompt": p, "equal_positions": sum(int(x == y) for x, y in zip(eng_tokens, ref_tokens)),
+                               "first_divergence": first_div, "teacher_forced_max_rel_logit_err": max(errs),
+                               "teacher_forced_mask_agreement": agree_n / max(agree_d, 1),
+                               "engine_text": tok.decode(eng_tokens), "reference_text": tok.decode(ref_tokens)})
+            print(f"[{b}] equal {per_prompt[-1]['equal_positions']}/{args.steps} first divergence {first_div} "
+                  f"max rel logit err {max(errs):.2e} mask agreement {per_prompt[-1]['teacher_forced_mask_agreement']:.5f}",
+                  flush=True)
+    total = len(prompts) * args.steps
+    summary = {
+        "checkpoint": args.ckpt, "device": str(dev), "dtype": str(next(wm.base.parameters()).dtype), "path": res.path,
+        "prompts": len(prompts), "steps": args.steps,
+        "greedy_positions_equal": sum(r["equal_positions"] for r in per_prompt) / total,
+        "prompts_fully_equal": sum(r["first_divergence"] is None for r in per_prompt),
+        "teacher_forced_max_rel_logit_err": max(r["teacher_forced_max_rel_logit_err"] for r in per_prompt),
+        "teacher_forced_mask_agreement_min": min(r["teacher_forced_mask_agreement"] for r in per_prompt),
+        "engine_realized_sparsity": res.sparsity, "seconds": round(time.time() - t0, 1),
+        "date": dt.datetime.now(dt.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"),
+        "command": "python " + " ".join(sys.argv), "per_prompt": per_prompt,
+    }
+    print(json.dumps({k: v for k, v in summary.items() if k != "per_prompt"}, indent=1))
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump(summary, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
