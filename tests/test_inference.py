@@ -483,3 +483,30 @@ def test_fused_kernels_match_model_ops(dtype):
     torch.nn.init.normal_(r.w2.weight, std=1.0, generator=g)
     x = torch.randn(4, 1, 64, generator=g).to(dtype)
     assert torch.equal(router_mask(r, x), argmax_mask(r(x)))
+
+
+@pytest.mark.parametrize("arch", ["qwen2", "mistral"])
+def test_other_architectures(arch, monkeypatch):
+    """Qwen2 (Q/K/V biases, Triton interpreter) and Mistral (sliding window wider than the cache, references)."""
+    from wide.inference import Engine
+
+    if arch == "mistral":
+        monkeypatch.setenv("TRITON_INTERPRET", "0")
+
+    torch.manual_seed(13)
+    base = tiny_model(arch, seed=13, **({"sliding_window": 32} if arch == "mistral" else {}))
+    wm = WideModel(base, WideConfig(ffn_group_size=32), init_keep=0.5).eval()
+    ids = torch.randint(2, 128, (1, 9), generator=torch.Generator().manual_seed(13))
+    wm.record_masks = True
+    ref = wm(ids).logits
+    eng = Engine(wm)
+    c = eng.new_cache(1, 10)
+    out = eng.prefill(ids, None, c, all_logits=True)
+    assert (out - ref).abs().max().item() < ATOL
+    nxt = out[:, -1].argmax(-1)
+    dec = eng.decode(nxt, c)
+    r = wm(torch.cat([ids, nxt[:, None]], 1)).logits[:, -1]
+    assert (dec - r).abs().max().item() < ATOL
+    if arch == "mistral":
+        with pytest.raises(WideError, match="sliding attention window"):
+            eng.new_cache(1, 33)

@@ -123,7 +123,7 @@ class Engine:
             of the last call (prefill masks include padding rows).
 
     Raises:
-        WideError: unsupported architecture, activation other than SiLU, sliding-window attention, a wrapped
+        WideError: unsupported architecture, activation other than SiLU, a wrapped
             (unmerged LoRA) projection, or an unknown ``ops`` / ``kaxis``.
     """
 
@@ -143,9 +143,9 @@ class Engine:
         act = getattr(cfg, "hidden_act", "silu")
         if act not in ("silu", "swish"):
             raise WideError(f"activation {act!r} is not supported by the inference engine (SwiGLU with SiLU only)")
-        if getattr(cfg, "sliding_window", None) and getattr(cfg, "use_sliding_window", True) and \
-                getattr(cfg, "model_type", "") == "mistral":
-            raise WideError("sliding-window attention is not supported by the inference engine")
+        win = getattr(cfg, "sliding_window", None)
+        # sliding-window attention equals full attention while a sequence fits the window (checked per cache)
+        self.window = win if win and getattr(cfg, "use_sliding_window", cfg.model_type == "mistral") else None
         self.base, self.ops, self.track_sparsity = base, ops, track_sparsity
         self.dims = dims_of(cfg)
         inner = base
@@ -181,7 +181,14 @@ class Engine:
         return HAS_TRITON and (self.device.type == "cuda" or (self.device.type == "cpu" and interpret_mode()))
 
     def new_cache(self, batch: int, max_len: int) -> StaticKVCache:
-        """A :class:`StaticKVCache` for this model (``batch`` rows, ``max_len`` tokens each)."""
+        """A :class:`StaticKVCache` for this model (``batch`` rows, ``max_len`` tokens each).
+
+        Raises:
+            WideError: ``max_len`` beyond the model's sliding attention window (not supported).
+        """
+        if self.window is not None and max_len > self.window:
+            raise WideError(f"a KV cache of {max_len} tokens exceeds the model's sliding attention window "
+                            f"({self.window}); sliding-window attention is not supported by the inference engine")
         d = self.dims
         return StaticKVCache(d.num_layers, batch, d.num_kv_heads, d.head_dim, max_len, self.dtype, self.device)
 
