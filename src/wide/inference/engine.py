@@ -193,6 +193,7 @@ class Engine:
         return StaticKVCache(d.num_layers, batch, d.num_kv_heads, d.head_dim, max_len, self.dtype, self.device)
 
     def reset_stats(self) -> None:
+        """Zero the on-device sparsity counters (see :meth:`realized_sparsity`)."""
         self.stats.zero_()
 
     def realized_sparsity(self) -> dict:
