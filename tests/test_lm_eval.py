@@ -309,6 +309,7 @@ def _wide(*args, timeout=600):
     (["--tasks", "mmlu"], "unknown task 'mmlu'"),
     (["--wide", "/nonexistent/ckpt"], "not found"),
     (["--batch-size", "0"], "--batch-size 0"),
+    (["--tasks", "wikitext", "--wikitext", "/nonexistent/wiki.test.raw"], "WikiText-2 test file"),
 ])
 def test_cli_eval_bad_input(args, msg, model_dir):
     r = _wide("eval", "--model", str(model_dir), *args)

