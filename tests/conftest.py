@@ -12,44 +12,7 @@ if not torch.cuda.is_available():
     # Triton's interpreter must be chosen before any kernel module is imported.
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
-VOCAB = ["<unk>", "<eos>"] + [f"w{i}" for i in range(126)]
-
-
-def tiny_llama_config(arch: str = "llama", **kw):
-    from transformers import LlamaConfig, MistralConfig, Qwen2Config
-
-    cls = {"llama": LlamaConfig, "mistral": MistralConfig, "qwen2": Qwen2Config}[arch]
-    args = dict(vocab_size=len(VOCAB), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=256,
-                tie_word_embeddings=False, eos_token_id=1, bos_token_id=None, pad_token_id=None)
-    args.update(kw)
-    cfg = cls(**args)
-    cfg.architectures = [{"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM"}[arch]]
-    return cfg
-
-
-def tiny_model(arch: str = "llama", seed: int = 0, **kw):
-    from transformers import AutoModelForCausalLM
-
-    torch.manual_seed(seed)
-    cfg = tiny_llama_config(arch, **kw)
-    m = AutoModelForCausalLM.from_config(cfg, attn_implementation="eager").float().eval()
-    m.requires_grad_(False)
-    return m
-
-
-def tiny_tokenizer():
-    from tokenizers import Tokenizer, models, pre_tokenizers
-    from transformers import PreTrainedTokenizerFast
-
-    tk = Tokenizer(models.WordLevel({w: i for i, w in enumerate(VOCAB)}, unk_token="<unk>"))
-    tk.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
-    return PreTrainedTokenizerFast(tokenizer_object=tk, unk_token="<unk>", eos_token="<eos>")
-
-
-def random_text(n_words: int, seed: int = 0) -> str:
-    g = torch.Generator().manual_seed(seed)
-    return " ".join(f"w{int(i)}" for i in torch.randint(0, 126, (n_words,), generator=g))
+from wide_testutil import random_text, tiny_model, tiny_tokenizer  # noqa: E402,F401
 
 
 @pytest.fixture

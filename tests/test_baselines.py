@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import random_text, tiny_model, tiny_tokenizer
+from wide_testutil import random_text, tiny_model, tiny_tokenizer
 
 from wide.config import ModelDims, WideConfig
 from wide.errors import WideError

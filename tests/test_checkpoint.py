@@ -1,7 +1,7 @@
 import pytest
 import torch
 
-from conftest import tiny_model
+from wide_testutil import tiny_model
 from wide.checkpoint import ROUTERS_NAME, load, save_wide
 from wide.config import WideConfig
 from wide.errors import WideError

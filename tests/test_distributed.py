@@ -23,7 +23,7 @@ import torch
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 
-from conftest import tiny_model  # noqa: E402
+from wide_testutil import tiny_model  # noqa: E402
 
 REL = 1e-5
 

@@ -9,7 +9,7 @@ import os
 import pytest
 import torch
 
-from conftest import tiny_model, tiny_tokenizer
+from wide_testutil import tiny_model, tiny_tokenizer
 from wide import WideConfig, WideError
 from wide.kernels.reference import reorder_ref
 from wide.modeling import WideModel

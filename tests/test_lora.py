@@ -8,7 +8,7 @@ import torch
 
 pytest.importorskip("peft")
 
-from conftest import tiny_model  # noqa: E402
+from wide_testutil import tiny_model  # noqa: E402
 from wide.checkpoint import load, save_wide  # noqa: E402
 from wide.cli import main  # noqa: E402
 from wide.config import WideConfig  # noqa: E402

@@ -1,7 +1,7 @@
 import pytest
 import torch
 
-from conftest import tiny_model
+from wide_testutil import tiny_model
 from wide.config import WideConfig
 from wide.errors import WideError
 from wide.modeling import WideModel, decoder_layers, router_param_count

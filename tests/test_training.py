@@ -3,7 +3,7 @@ import json
 import pytest
 import torch
 
-from conftest import tiny_model
+from wide_testutil import tiny_model
 from wide.config import WideConfig
 from wide.errors import WideError
 from wide.modeling import WideModel
