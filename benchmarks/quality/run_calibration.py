@@ -101,7 +101,7 @@ def write(records: list[dict], out: Path, tag: str, gpu: str, command: str) -> N
                      f"{r['ppl']:.2f} | {r['dense_ppl']:.2f} | {r['ppl_ratio']:.2f} | {r['steps']} | {r['tokens']:,} | "
                      f"{r['wall_s']:.0f} | {r['tokens_per_s']:.0f} |")
     lines += ["", f"GPU: {gpu}; date {records[0]['date']}", "", "Command:", "", "```", command, "```"]
-    atomic_write_text(out / f"{a.tag}.md", "\n".join(lines) + "\n")
+    atomic_write_text(out / f"{tag}.md", "\n".join(lines) + "\n")
 
 
 if __name__ == "__main__":
