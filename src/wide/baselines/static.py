@@ -379,7 +379,8 @@ def slice_model(model: nn.Module, pruning: StaticPruning) -> nn.Module:
     rows of their KV heads (used by no remaining query head), ``gate_proj`` / ``up_proj`` rows and
     ``down_proj`` columns of the removed FFN channels. The config gets ``num_attention_heads``,
     ``num_key_value_heads``, ``intermediate_size`` and an explicit ``head_dim``; its output equals the
-    fixed-mask form's (:meth:`StaticPruning.apply`).
+    fixed-mask form's (:meth:`StaticPruning.apply`). A model loaded from GGUF (dequantized by transformers) is
+    saved as a plain float checkpoint (its GGUF quantizer marker is dropped from the copy).
 
     Args:
         model: the dense HF causal LM the pruning was made for.
@@ -412,7 +413,17 @@ def slice_model(model: nn.Module, pruning: StaticPruning) -> nn.Module:
     cfg.head_dim = dims.head_dim
     cfg.intermediate_size = kf.pop() * gf
     cfg.architectures = [arch]
+    if hasattr(cfg, "quantization_config"):  # a GGUF load is dequantized: the copy holds plain float weights
+        del cfg.quantization_config
     new = copy.deepcopy(model)
+    if getattr(new, "hf_quantizer", None) is not None:
+        new.hf_quantizer = None
+        for attr in ("is_quantized", "quantization_method"):
+            if hasattr(new, attr):
+                try:
+                    setattr(new, attr, False if attr == "is_quantized" else None)
+                except AttributeError:  # a read-only property derived from hf_quantizer
+                    pass
     new.config = cfg
     if hasattr(new, "model") and hasattr(new.model, "config"):
         new.model.config = cfg
