@@ -225,7 +225,7 @@ def load_records(path: Path) -> list[dict]:
 
 
 def settings_of(a, r) -> dict:
-    return {"key": run_key(r), "steps": a.steps if r["method"] in ("wide", "skipgpt") else 0,
+    return {"key": run_key(r), "max_length": a.max_length, "steps": a.steps if r["method"] in ("wide", "skipgpt") else 0,
             "lora_steps": a.lora_steps if r["stage"] == "lora" else 0, "limit": a.limit,
             "batch_size": a.batch_size, "seq_len": a.seq_len}
 
@@ -294,6 +294,7 @@ def main() -> None:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--limit", type=int, default=None, help="documents per task (default: all, as the paper)")
     p.add_argument("--eval-batch-size", type=int, default=64)
+    p.add_argument("--max-length", type=int, default=4096, help="lm-eval context limit (the paper: 4096)")
     p.add_argument("--ppl-batch-size", type=int, default=4)
     p.add_argument("--ctx", type=int, default=2048)
     p.add_argument("--bootstrap-iters", type=int, default=1000)
@@ -349,7 +350,7 @@ def main() -> None:
             rec.update({"G_attn": wm.config.attn_group_size, "G_ffn": wm.config.ffn_group_size,
                         "router_rank": wm.config.router_rank,
                         "router_params": router_param_count(wm.dims, wm.config), "checkpoint": str(ckpt)})
-            lm = WideLM(pretrained=wm.base, wide=wm, tokenizer=tok, batch_size=a.eval_batch_size)
+            lm = WideLM(pretrained=wm.base, wide=wm, tokenizer=tok, batch_size=a.eval_batch_size, max_length=a.max_length)
             if r["stage"] == "lora":
                 extra_models.append(wm)
             if a.keep_routers and r["stage"] == "router":  # one file back from the device, not 3 per run
@@ -377,19 +378,19 @@ def main() -> None:
                 _unhook(wm_l)
                 small = wm_l.base
             rec["params"] = param_count(small)
-            lm = WideLM(pretrained=small, tokenizer=tok, batch_size=a.eval_batch_size)
+            lm = WideLM(pretrained=small, tokenizer=tok, batch_size=a.eval_batch_size, max_length=a.max_length)
             extra_models.append(small)
             if a.speed:
                 rec.update(speed(small, len(tok), device))
         else:  # dense
             rec.update({"G_attn": None, "G_ffn": None})
             if r["stage"] == "router":
-                lm = WideLM(pretrained=base, tokenizer=tok, batch_size=a.eval_batch_size)
+                lm = WideLM(pretrained=base, tokenizer=tok, batch_size=a.eval_batch_size, max_length=a.max_length)
             else:
                 ck = lora_stage(a, r, None, a.model, blocks)
                 wm_l = load(ck, merge_lora=True)
                 _unhook(wm_l)
-                lm = WideLM(pretrained=wm_l.base, tokenizer=tok, batch_size=a.eval_batch_size)
+                lm = WideLM(pretrained=wm_l.base, tokenizer=tok, batch_size=a.eval_batch_size, max_length=a.max_length)
                 extra_models.append(wm_l)
             if a.speed and r["stage"] == "router":
                 rec.update(speed(base, len(tok), device))
