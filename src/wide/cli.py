@@ -226,12 +226,17 @@ def cmd_calibrate(args) -> int:
         f"{env.world_size} process(es), global batch {targs.batch_size * targs.grad_accum * env.world_size}")
     t0 = time.time()
     recs = calibrate(wm, blocks, targs, out, src.ref, resume=args.resume)
+    _say_done(say, recs, t0)
+    say(f"saved WIDE checkpoint to {out}")
+    return 0
+
+
+def _say_done(say, recs: list[dict], t0: float) -> None:
+    """One closing line of a training run: wall time, last LM loss and sparsities."""
     if recs:
         r = recs[-1]
         say(f"done in {time.time() - t0:.0f}s: lm_loss {r['lm_loss']:.3f}, attn sparsity {r['attn_sparsity']:.3f}, "
             f"ffn sparsity {r['ffn_sparsity']:.3f}")
-    say(f"saved WIDE checkpoint to {out}")
-    return 0
 
 
 def cmd_lora(args) -> int:
@@ -278,10 +283,7 @@ def cmd_lora(args) -> int:
     t0 = time.time()
     recs = recover(wm, blocks, targs, out, info["model"] if args.model is None else args.model, settings=settings,
                    freeze_router=args.freeze_router, stage1=args.wide, resume=args.resume)
-    if recs:
-        r = recs[-1]
-        say(f"done in {time.time() - t0:.0f}s: lm_loss {r['lm_loss']:.3f}, attn sparsity {r['attn_sparsity']:.3f}, "
-            f"ffn sparsity {r['ffn_sparsity']:.3f}")
+    _say_done(say, recs, t0)
     say(f"saved WIDE checkpoint with LoRA adapter to {out}")
     return 0
 
