@@ -60,6 +60,27 @@ def interpret_mode() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 
 
+def small_or_fallback(x: torch.Tensor, M: int, N: int, out, ref, gemv):
+    """Shared front of the routed GEMM ops (``gemm_mn``, ``swiglu``, ``gemm_k``).
+
+    Returns the finished result, or ``None`` when the tiled Triton kernel must run:
+
+    * no Triton for ``x`` (see :func:`use_triton`): ``ref()``, copied into ``out`` if given;
+    * ``M == 0``: ``out`` or an empty ``[0, N]`` tensor of ``x``'s dtype and device;
+    * ``M <= 4``: ``gemv()``, the reorder-free decode path (Appendix B, GEMV variants).
+
+    ``ref`` and ``gemv`` are zero-argument callables, so only the chosen path is computed.
+    """
+    if not use_triton(x):
+        res = ref()
+        return out.copy_(res) if out is not None else res
+    if M == 0:
+        return out if out is not None else torch.empty((0, N), dtype=x.dtype, device=x.device)
+    if M <= 4:
+        return gemv()
+    return None
+
+
 def use_triton(t: torch.Tensor) -> bool:
     """Whether the Triton kernels run for tensor ``t``.
 

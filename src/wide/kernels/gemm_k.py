@@ -25,7 +25,7 @@ from . import reference
 from ._common import (
     FLOAT_DTYPES, HAS_TRITON, Reordered, check_group, check_out, check_reordered, check_route,
     check_same_device, check_tensor, fail, interpret_mode, launch_opts, m_bucket, next_pow2,
-    pick_config, pow2_part, use_triton,
+    pick_config, pow2_part, small_or_fallback,
 )
 
 SPARSE_MIN_M = 512
@@ -209,14 +209,12 @@ def gemm_k(a: torch.Tensor, w: torch.Tensor, route: torch.Tensor, G: int, *,
     check_out(out, (M, N), a.dtype, a.device)
     if path not in ("auto", "sparse", "dense"):
         fail(f"path={path!r}; allowed: 'auto', 'sparse', 'dense'")
-    if not use_triton(a):
-        res = reference.gemm_k_ref(a, w, route, G)
-        return out.copy_(res) if out is not None else res
-    if M == 0:
-        return out if out is not None else torch.empty((0, N), dtype=a.dtype, device=a.device)
-    if M <= 4:
-        from .decode import gemv_k
-        return gemv_k(a, w, route, G, out=out)
+    from .decode import gemv_k
+
+    done = small_or_fallback(a, M, N, out, lambda: reference.gemm_k_ref(a, w, route, G),
+                             lambda: gemv_k(a, w, route, G, out=out))
+    if done is not None:
+        return done
     if a.stride(1) != 1:
         a = a.contiguous()
     if w.stride(1) != 1:

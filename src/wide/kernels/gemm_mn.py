@@ -21,7 +21,7 @@ from . import reference
 from ._common import (
     FLOAT_DTYPES, HAS_TRITON, Reordered, check_group, check_out, check_reordered, check_route,
     check_same_device, check_tensor, fail, interpret_mode, launch_opts, m_bucket, pick_config,
-    pow2_part, use_triton,
+    pow2_part, small_or_fallback,
 )
 
 if HAS_TRITON:
@@ -235,12 +235,10 @@ def gemm_mn(x: torch.Tensor, w: torch.Tensor, route: torch.Tensor, G: int, *,
     """
     M, N, K = _validate(x, w, route, G)
     check_out(out, (M, N), x.dtype, x.device)
-    if not use_triton(x):
-        res = reference.gemm_mn_ref(x, w, route, G)
-        return out.copy_(res) if out is not None else res
-    if M == 0:
-        return out if out is not None else torch.empty((0, N), dtype=x.dtype, device=x.device)
-    if M <= 4:
-        from .decode import gemv_mn
-        return gemv_mn(x, w, route, G, out=out)
+    from .decode import gemv_mn
+
+    done = small_or_fallback(x, M, N, out, lambda: reference.gemm_mn_ref(x, w, route, G),
+                             lambda: gemv_mn(x, w, route, G, out=out))
+    if done is not None:
+        return done
     return launch_gemm_mn(x, w, None, route, G, reordered, out, swiglu=False)

@@ -9,7 +9,7 @@ from __future__ import annotations
 import torch
 
 from . import reference
-from ._common import Reordered, check_out, fail, use_triton
+from ._common import Reordered, check_out, fail, small_or_fallback
 from .gemm_mn import _validate, launch_gemm_mn
 
 
@@ -40,12 +40,10 @@ def swiglu(x: torch.Tensor, w_gate: torch.Tensor, w_up: torch.Tensor, route: tor
     if w_up.shape != w_gate.shape:
         fail(f"w_up shape {tuple(w_up.shape)} must equal w_gate shape {tuple(w_gate.shape)}")
     check_out(out, (M, N), x.dtype, x.device)
-    if not use_triton(x):
-        res = reference.swiglu_ref(x, w_gate, w_up, route, G)
-        return out.copy_(res) if out is not None else res
-    if M == 0:
-        return out if out is not None else torch.empty((0, N), dtype=x.dtype, device=x.device)
-    if M <= 4:
-        from .decode import gemv_swiglu
-        return gemv_swiglu(x, w_gate, w_up, route, G, out=out)
+    from .decode import gemv_swiglu
+
+    done = small_or_fallback(x, M, N, out, lambda: reference.swiglu_ref(x, w_gate, w_up, route, G),
+                             lambda: gemv_swiglu(x, w_gate, w_up, route, G, out=out))
+    if done is not None:
+        return done
     return launch_gemm_mn(x, w_gate, w_up, route, G, reordered, out, swiglu=True)
