@@ -73,36 +73,63 @@ if HAS_TRITON:
             tl.store(o_ptrs, res, mask=mmask[:, None] & nmask[None, :])
 
     @triton.jit
-    def _gemv_k_kernel(x_ptr, w_ptr, out_ptr, ws_ptr, route_ptr, M, N, K, NG, stride_xm, stride_wn, stride_om, G,
-                       chunks_per_split, BN: tl.constexpr, BK: tl.constexpr, ATOMIC: tl.constexpr):
-        # BK divides G: every K chunk lies in one group, so the skip predicate is uniform per chunk
+    def _gemv_k_kernel(x_ptr, w_ptr, out_ptr, part_ptr, route_ptr, M, N, NG, stride_xm, stride_wn, stride_om,
+                       G: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, NGP: tl.constexpr,
+                       SPLITS: tl.constexpr, EVEN_N: tl.constexpr):
+        # Grid (N tiles, K splits).  Every program compacts the active groups (union over the M rows) on
+        # the device: rank = cumsum(active).  The active K chunks (G // BK per group, BK divides G) are
+        # numbered 0..total-1 in K order and split evenly over the SPLITS programs of an N tile, so every
+        # loop iteration loads one full weight tile [BN, BK] of an active group: no predicated-off
+        # iterations, no load whose address or predicate depends on another load, balanced splits.
         pid = tl.program_id(0)
         sp = tl.program_id(1)
+        offs_g = tl.arange(0, NGP)
+        gmask = offs_g < NG
+        act = tl.zeros((NGP,), dtype=tl.int32)
+        for m in range(0, M):
+            act = tl.maximum(act, (tl.load(route_ptr + m * NG + offs_g, mask=gmask, other=0) != 0).to(tl.int32))
+        rank = tl.where(act != 0, tl.cumsum(act, axis=0), 0)  # 1-based rank of each active group, 0 if inactive
+        CPG: tl.constexpr = G // BK
+        total = tl.sum(act, axis=0) * CPG
+        per = (total + SPLITS - 1) // SPLITS
+        t0 = sp * per
+        t1 = tl.minimum(t0 + per, total)
         offs_n = pid * BN + tl.arange(0, BN)
         nmask = offs_n < N
-        offs_m = tl.arange(0, 16)
+        offs_m = tl.arange(0, 16)  # rows padded to 16 for the tensor-core dot; padded rows load nothing
         mmask = offs_m < M
         offs_k = tl.arange(0, BK)
+        w_rows = w_ptr + offs_n[:, None].to(tl.int64) * stride_wn + offs_k[None, :]
+        x_rows = x_ptr + offs_m[:, None] * stride_xm + offs_k[None, :]
         acc = tl.zeros((16, BN), dtype=tl.float32)
-        c0 = sp * chunks_per_split
-        c1 = tl.minimum(c0 + chunks_per_split, K // BK)
-        w_ptrs = w_ptr + offs_n[:, None].to(tl.int64) * stride_wn + (c0 * BK + offs_k)[None, :]
-        x_ptrs = x_ptr + offs_m[:, None] * stride_xm + (c0 * BK + offs_k)[None, :]
-        for c in range(c0, c1):
-            g = (c * BK) // G
-            r = tl.load(route_ptr + offs_m * NG + g, mask=mmask, other=0) != 0  # [16]
-            anyr = tl.max(r.to(tl.int32), axis=0) != 0
-            wt = tl.load(w_ptrs, mask=nmask[:, None] & anyr, other=0.0)  # no bytes when no row needs g
-            xt = tl.load(x_ptrs, mask=r[:, None], other=0.0)
+        for t in range(t0, t1):
+            q = t // CPG
+            g = tl.sum(tl.where(rank == q + 1, offs_g, 0), axis=0)  # the q-th active group
+            k0 = g * G + (t - q * CPG) * BK
+            rg = tl.load(route_ptr + offs_m * NG + g, mask=mmask, other=0) != 0  # rows that execute g
+            xt = tl.load(x_rows + k0, mask=mmask[:, None], other=0.0)
+            xt = tl.where(rg[:, None], xt, tl.zeros_like(xt))
+            if EVEN_N:
+                wt = tl.load(w_rows + k0)
+            else:
+                wt = tl.load(w_rows + k0, mask=nmask[:, None], other=0.0)
             acc = mma(xt, tl.trans(wt), acc)
-            w_ptrs += BK
-            x_ptrs += BK
-        if ATOMIC:
-            tl.atomic_add(ws_ptr + offs_m[:, None] * N + offs_n[None, :], acc,
-                          mask=mmask[:, None] & nmask[None, :], sem="relaxed")
+        if SPLITS == 1:
+            tl.store(out_ptr + offs_m[:, None] * stride_om + offs_n[None, :], acc.to(out_ptr.dtype.element_ty),
+                     mask=mmask[:, None] & nmask[None, :])
         else:
-            o_ptrs = out_ptr + offs_m[:, None] * stride_om + offs_n[None, :]
-            tl.store(o_ptrs, acc.to(out_ptr.dtype.element_ty), mask=mmask[:, None] & nmask[None, :])
+            tl.store(part_ptr + sp * (M * N) + offs_m[:, None] * N + offs_n[None, :], acc,
+                     mask=mmask[:, None] & nmask[None, :])
+
+    @triton.jit
+    def _splitk_sum_kernel(part_ptr, out_ptr, MN, SPLITS: tl.constexpr, BLOCK: tl.constexpr):
+        # out (contiguous [M, N]) = sum over the splits of the fp32 partials [SPLITS, M, N], in split order
+        offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+        msk = offs < MN
+        acc = tl.zeros((BLOCK,), dtype=tl.float32)
+        for s in tl.static_range(SPLITS):
+            acc += tl.load(part_ptr + s * MN + offs, mask=msk, other=0.0)
+        tl.store(out_ptr + offs, acc.to(out_ptr.dtype.element_ty), mask=msk)
 
     @triton.jit
     def _decode_attn_split_kernel(q_ptr, k_ptr, v_ptr, route_ptr, lp_ptr, mpart_ptr, lpart_ptr, opart_ptr,
@@ -195,11 +222,25 @@ def _gemv_mn_cands(K, swiglu=False):
 
 
 def _gemv_k_cands(G, K, N, M):
+    """Configs ``BN, BK, SPLIT`` (+ warps/stages) of :func:`gemv_k`; the first is used untuned (graph capture).
+
+    An H200 has 132 SMs and needs ~2-3 MB of loads in flight to stream HBM at full rate, so the first
+    config launches 64 N tiles x 8 K splits = 512 programs (at N = 4096), each keeping 3 tiles of
+    64 x 128 bf16 (16 KB) in flight."""
     bkmax = pow2_part(G)
     if interpret_mode():
-        return [dict(BN=16, BK=min(32, bkmax), SPLIT=1), dict(BN=16, BK=min(32, bkmax), SPLIT=3)][: 1 + (K > 64)]
-    c = [(16, 256, 1, 4, 4), (16, 256, 4, 4, 4), (32, 256, 4, 4, 4), (16, 128, 8, 4, 4), (64, 128, 8, 4, 3)]
-    return [dict(BN=bn, BK=min(bk, bkmax), SPLIT=sp, num_warps=w, num_stages=st) for bn, bk, sp, w, st in c]
+        bk = min(32, bkmax)
+        return [dict(BN=16, BK=bk, SPLIT=max(1, min(3, K // bk)))]
+    c = [(64, 128, 8, 4, 4), (32, 128, 8, 4, 4), (64, 128, 4, 4, 4), (128, 128, 4, 8, 3), (64, 256, 4, 4, 3),
+         (32, 256, 8, 4, 3), (16, 128, 16, 4, 4), (64, 64, 16, 4, 4), (32, 128, 1, 4, 4)]
+    out = []
+    for bn, bk, sp, w, st in c:
+        bk = min(bk, bkmax)
+        sp = max(1, min(sp, K // bk))
+        cfg = dict(BN=bn, BK=bk, SPLIT=sp, num_warps=w, num_stages=st)
+        if cfg not in out:
+            out.append(cfg)
+    return out
 
 
 def gemv_mn(x: torch.Tensor, w: torch.Tensor, route: torch.Tensor, G: int, *,
@@ -275,18 +316,24 @@ def gemv_k(a: torch.Tensor, w: torch.Tensor, route: torch.Tensor, G: int, *,
            out: torch.Tensor | None = None) -> torch.Tensor:
     """Decode GEMV for GEMM-K, ``M <= 4`` (Eq. 21 / Algorithm 3, GEMV variant; no reorder).
 
-    ``out[m] = sum_{g: route[m, g]} a[m, K_g] @ w[:, K_g].T``.
+    ``out[m] = sum_{g: route[m, g]} a[m, K_g] @ w[:, K_g].T`` (0 for a row with no active group).
 
     Args:
         a: ``[M, K]`` with ``1 <= M <= 4``, bf16/fp16/fp32.
         w: ``[N, K]``, same dtype/device.
-        route: bool ``[M, K // G]``.
+        route: bool ``[M, K // G]``, True = execute.
         G: group size along K (multiple of 16 dividing K).
         out: optional contiguous ``[M, N]`` output in a's dtype.
 
-    K chunks (``BK`` divides G, so a chunk lies in one group) that no row executes issue
-    predicated-off weight loads, which move no bytes.  fp32 accumulation; with a tuned split-K the
-    partial sums meet in an fp32 workspace through atomics, then are converted.
+    Returns:
+        ``out`` (or a new ``[M, N]`` tensor in a's dtype), fp32-accumulated.
+
+    Only weight bytes of groups that some row executes are read.  The grid is (N tiles x K splits);
+    each program computes on the device the compacted list of active groups (union over the M rows,
+    ``cumsum``; no host sync, CUDA-graph capturable) and takes an even share of their ``[BN, BK]``
+    weight tiles, so every program streams useful bytes with a full software pipeline.  With more than
+    one split the fp32 partials ``[SPLIT, M, N]`` are summed in split order (deterministic) and
+    converted by a second small kernel.
 
     Raises:
         ValueError: M > 4, or bad shapes/dtypes/devices/G/route/out (as :func:`wide.kernels.gemm_k`).
@@ -308,28 +355,29 @@ def gemv_k(a: torch.Tensor, w: torch.Tensor, route: torch.Tensor, G: int, *,
         out = torch.empty((M, N), dtype=a.dtype, device=a.device)
     if not use_triton(a):
         return out.copy_(reference.gemm_k_ref(a, w, route, G))
-    a = a.contiguous()
-    w = w.contiguous()
+    if M == 0 or N == 0:
+        return out
+    if a.stride(1) != 1:
+        a = a.contiguous()
+    if w.stride(1) != 1:
+        w = w.contiguous()
     route = route.contiguous()
     NG = K // G
-    ws = None
+    ngp = max(2, next_pow2(NG))
 
     def run(cfg):
-        nonlocal ws
-        nchunks = K // cfg["BK"]
-        split = max(1, min(cfg["SPLIT"], nchunks))
-        per = triton.cdiv(nchunks, split)
-        split = triton.cdiv(nchunks, per)
-        atomic = split > 1
-        if atomic:
-            ws = torch.zeros((M, N), dtype=torch.float32, device=a.device)
+        split = cfg["SPLIT"]
+        part = torch.empty((split, M, N), dtype=torch.float32, device=a.device) if split > 1 else out
         grid = (triton.cdiv(N, cfg["BN"]), split)
-        _gemv_k_kernel[grid](a, w, out, ws if atomic else out, route, M, N, K, NG, a.stride(0), w.stride(0),
-                             out.stride(0), G, per, BN=cfg["BN"], BK=cfg["BK"], ATOMIC=atomic, **launch_opts(cfg))
-        if atomic:
-            out.copy_(ws)
+        _gemv_k_kernel[grid](a, w, out, part, route, M, N, NG, a.stride(0), w.stride(0), out.stride(0),
+                             G=G, BN=cfg["BN"], BK=cfg["BK"], NGP=ngp, SPLITS=split,
+                             EVEN_N=(N % cfg["BN"] == 0), **launch_opts(cfg))
+        if split > 1:
+            blk = 1024 if not interpret_mode() else 256
+            _splitk_sum_kernel[(triton.cdiv(M * N, blk),)](part, out, M * N, SPLITS=split, BLOCK=blk,
+                                                         **({} if interpret_mode() else {"num_warps": 4}))
 
-    cfg = pick_config("gemv_k", (M, N, K, G, str(a.dtype)), a.device, _gemv_k_cands(G, K, N, M), run)
+    cfg = pick_config("gemv_k2", (M, N, K, G, str(a.dtype)), a.device, _gemv_k_cands(G, K, N, M), run)
     run(cfg)
     return out
 
