@@ -89,8 +89,9 @@ if HAS_TRITON:
             tl.store(dst + HALF + offs, tl.load(src + HALF + offs))
 
     @triton.jit
-    def _router_kernel(x_ptr, w1_ptr, b1_ptr, w2_ptr, b2_ptr, out_ptr, D, N, stride_xm,
-                       R: tl.constexpr, BD: tl.constexpr, NP: tl.constexpr):
+    def _router_rows_kernel(x_ptr, w1_ptr, b1_ptr, w2_ptr, b2_ptr, out_ptr, D, N, stride_xm,
+                            R: tl.constexpr, BD: tl.constexpr, NP: tl.constexpr):
+        # the former one-program-per-row router, kept for comparison (decode_probe): one CTA streams all of W1
         row = tl.program_id(0).to(tl.int64)
         offs_r = tl.arange(0, R)
         offs_d = tl.arange(0, BD)
@@ -103,12 +104,60 @@ if HAS_TRITON:
         h1 = tl.sum(acc, axis=1) + tl.load(b1_ptr + offs_r)  # [R]
         offs_n = tl.arange(0, NP)
         nm = offs_n < N
-        # logits of class 0 (execute) and class 1 (skip) per group (rows 2g and 2g+1 of W2)
         w_e = tl.load(w2_ptr + (2 * offs_n)[:, None] * R + offs_r[None, :], mask=nm[:, None], other=0.0)
         w_s = tl.load(w2_ptr + (2 * offs_n + 1)[:, None] * R + offs_r[None, :], mask=nm[:, None], other=0.0)
         le = tl.sum(w_e * h1[None, :], axis=1) + tl.load(b2_ptr + 2 * offs_n, mask=nm, other=0.0)
         ls = tl.sum(w_s * h1[None, :], axis=1) + tl.load(b2_ptr + 2 * offs_n + 1, mask=nm, other=0.0)
         tl.store(out_ptr + row * N + offs_n, le >= ls, mask=nm)
+
+    @triton.jit
+    def _router_kernel(x_ptr, w1_ptr, b1_ptr, w2_ptr, b2_ptr, out_ptr, part_ptr, cnt_ptr, logit_ptr,
+                       rows, D, N, stride_xm,
+                       R: tl.constexpr, RP: tl.constexpr, BDP: tl.constexpr, BDI: tl.constexpr,
+                       NP: tl.constexpr, PP: tl.constexpr, WRITE_LOGITS: tl.constexpr):
+        # Stage 1 (every program): partial h_p = x[:, D_p] @ W1[:, D_p]^T over this program's BDP columns of D,
+        # so W1 is streamed by many CTAs at once.  Stage 2 (the program that arrives last, found with an
+        # atomic counter): h = sum_p h_p + b1 in a fixed order, the two class logits per group, argmax.
+        pid = tl.program_id(0)
+        nprog = tl.num_programs(0)
+        offs_m = tl.arange(0, RP)
+        mrow = offs_m < rows
+        offs_r = tl.arange(0, R)
+        offs_d = tl.arange(0, BDI)
+        acc = tl.zeros((RP, R), dtype=tl.float32)
+        for i in tl.static_range(BDP // BDI):
+            dd = pid * BDP + i * BDI + offs_d
+            dm = dd < D
+            x = tl.load(x_ptr + offs_m[:, None] * stride_xm + dd[None, :], mask=mrow[:, None] & dm[None, :],
+                        other=0.0).to(tl.float32)  # [RP, BDI]
+            w = tl.load(w1_ptr + offs_r[:, None] * D + dd[None, :], mask=dm[None, :], other=0.0)  # [R, BDI]
+            acc += tl.sum(x[:, None, :] * w[None, :, :], axis=2)
+        tl.store(part_ptr + pid * (RP * R) + offs_m[:, None] * R + offs_r[None, :], acc)
+        # all threads' partial stores happen-before the (gpu-scope, release) arrival of this CTA
+        tl.debug_barrier()
+        arrived = tl.atomic_add(cnt_ptr, 1, sem="acq_rel", scope="gpu")
+        if arrived == nprog - 1:
+            offs_p = tl.arange(0, PP)
+            pm = offs_p < nprog
+            offs_n = tl.arange(0, NP)
+            nm = offs_n < N
+            b1 = tl.load(b1_ptr + offs_r)
+            # class 0 (execute) and class 1 (skip) logits of group n are rows 2n and 2n+1 of W2
+            w_e = tl.load(w2_ptr + (2 * offs_n)[:, None] * R + offs_r[None, :], mask=nm[:, None], other=0.0)
+            w_s = tl.load(w2_ptr + (2 * offs_n + 1)[:, None] * R + offs_r[None, :], mask=nm[:, None], other=0.0)
+            b_e = tl.load(b2_ptr + 2 * offs_n, mask=nm, other=0.0)
+            b_s = tl.load(b2_ptr + 2 * offs_n + 1, mask=nm, other=0.0)
+            for m in range(0, rows):
+                hp = tl.load(part_ptr + offs_p[:, None] * (RP * R) + m * R + offs_r[None, :], mask=pm[:, None],
+                             other=0.0, cache_modifier=".cg")  # [PP, R], L2 (written by the other CTAs)
+                h = tl.sum(hp, axis=0) + b1
+                le = tl.sum(w_e * h[None, :], axis=1) + b_e
+                ls = tl.sum(w_s * h[None, :], axis=1) + b_s
+                tl.store(out_ptr + m * N + offs_n, le >= ls, mask=nm)
+                if WRITE_LOGITS:
+                    tl.store(logit_ptr + (m * N + offs_n) * 2, le, mask=nm)
+                    tl.store(logit_ptr + (m * N + offs_n) * 2 + 1, ls, mask=nm)
+            tl.atomic_xchg(cnt_ptr, 0, sem="relaxed", scope="gpu")  # ready for the next launch (graph replay)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -212,26 +261,112 @@ def rope_cache(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.Ten
 
 ROUTER_MAX_ROWS = 32
 
+_ROUTER_WS: dict = {}  # (device, stream, P, RP, R) -> (fp32 partials [P, RP, R], int32 arrival counter [1])
+
+
+def _router_workspace(device: torch.device, P: int, RP: int, R: int):
+    """Partials and the self-resetting arrival counter of :func:`_router_kernel`, one pair per stream.
+
+    The counter is zeroed once here and returned to 0 by the last program of every launch, so no
+    memset runs per call (CUDA-graph replays included).  Kernels on one stream run one after the other,
+    so one pair per (device, stream, shape) is enough."""
+    stream = torch.cuda.current_stream(device).cuda_stream if device.type == "cuda" else 0
+    key = (str(device), stream, P, RP, R)
+    ws = _ROUTER_WS.get(key)
+    if ws is None:
+        ws = (torch.empty((P, RP, R), dtype=torch.float32, device=device),
+              torch.zeros((1,), dtype=torch.int32, device=device))
+        _ROUTER_WS[key] = ws
+    return ws
+
+
+def _router_plan(rows: int, D: int, R: int):
+    """(RP, BDP, BDI, P): padded rows, D columns per program, D columns per inner step, programs."""
+    RP = max(2, next_pow2(rows))
+    target = 4 if interpret_mode() else 64  # programs sharing W1's D axis (~4 KB of fp32 W1 each at D=4096, r=16)
+    BDP = max(16, next_pow2(-(-D // target)))
+    BDI = max(1, min(BDP, 4096 // (R * RP)))  # keeps the [RP, R, BDI] product at <= 4096 fp32 values
+    return RP, BDP, BDI, -(-D // BDP)
+
+
+def _router_launch(router, x2: torch.Tensor, logits: torch.Tensor | None = None) -> torch.Tensor:
+    rows, D = x2.shape
+    R = router.w1.out_features
+    N = router.n_groups
+    RP, BDP, BDI, P = _router_plan(rows, D, R)
+    part, cnt = _router_workspace(x2.device, P, RP, R)
+    out = torch.empty((rows, N), dtype=torch.bool, device=x2.device)
+    w1, b1 = router.w1.weight.contiguous(), router.w1.bias.contiguous()
+    w2, b2 = router.w2.weight.contiguous(), router.w2.bias.contiguous()
+    _router_kernel[(P,)](x2, w1, b1, w2, b2, out, part, cnt, logits if logits is not None else part,
+                         rows, D, N, x2.stride(0), R=R, RP=RP, BDP=BDP, BDI=BDI, NP=max(16, next_pow2(N)),
+                         PP=max(2, next_pow2(P)), WRITE_LOGITS=logits is not None,
+                         **({} if interpret_mode() else {"num_warps": 4}))
+    return out
+
+
+def _router_ok(router, x: torch.Tensor) -> bool:
+    rows = x.numel() // x.shape[-1]
+    r = router.w1.out_features
+    return (use_triton(x) and rows <= ROUTER_MAX_ROWS and r >= 1 and not r & (r - 1)
+            and router.w1.weight.dtype == torch.float32 and router.w2.weight.dtype == torch.float32)
+
+
+def _as_rows(x: torch.Tensor) -> torch.Tensor:
+    x2 = x.reshape(-1, x.shape[-1])
+    return x2 if x2.stride(-1) == 1 else x2.contiguous()
+
 
 def router_mask(router, x: torch.Tensor) -> torch.Tensor:
-    """Argmax routing mask (Eq. 4-5) of a :class:`wide.routing.Router` for ``x`` ``[..., D]``: bool ``[..., N_G]``.
+    """Argmax routing mask (Eq. 4-5) of a :class:`wide.routing.Router`.
 
-    Up to :data:`ROUTER_MAX_ROWS` rows on the Triton path it is one kernel (fp32: ``h = x W1^T + b1``, then the
-    two class logits per group, execute iff ``logit_0 >= logit_1``); otherwise the router module and
-    :func:`wide.routing.argmax_mask` (the reference).  Both compute in fp32; the kernel's summation order
-    differs, so a decision can differ only where the two logits tie to fp32 rounding.
+    Args:
+        router: a :class:`wide.routing.Router` (fp32 ``W1 [r, D]``, ``b1 [r]``, ``W2 [2 N_G, r]``, ``b2 [2 N_G]``).
+        x: ``[..., D]`` residual stream, bf16/fp16/fp32, on the router's device.
+
+    Returns:
+        bool ``[..., N_G]``, True = execute (``logit_0 >= logit_1``, ties execute, as
+        :func:`wide.routing.argmax_mask`).
+
+    With up to :data:`ROUTER_MAX_ROWS` rows on the Triton path (CUDA, or CPU under ``TRITON_INTERPRET=1``)
+    and a power-of-two rank it is one kernel launch, CUDA-graph capturable (no host sync, fixed shapes):
+    about 64 programs each compute ``x[:, D_p] W1[:, D_p]^T`` over their slice of D (so W1 is read by
+    many SMs at once), and the program that arrives last (atomic counter, reset by that program) sums the
+    partials in a fixed order, adds ``b1``, computes the two fp32 class logits per group with ``W2, b2``
+    and writes the argmax.  Otherwise the router module and :func:`wide.routing.argmax_mask` run (the
+    reference).  Both compute in fp32; the summation order differs, so a decision can differ only where
+    the two logits tie to fp32 rounding.  Concurrent calls on different CUDA streams use separate
+    workspaces; calls on one stream are serialised by the stream.
+
+    Raises:
+        ValueError: ``x.shape[-1] != D`` on the kernel path (the reference path raises torch's
+            ``RuntimeError`` from the linear layer instead).
     """
     from ..routing import argmax_mask
 
-    rows = x.numel() // x.shape[-1]
-    r = router.w1.out_features
-    if not use_triton(x) or rows > ROUTER_MAX_ROWS or r & (r - 1) or r < 1:
+    if not _router_ok(router, x):
         return argmax_mask(router(x))
-    D = x.shape[-1]
+    if x.shape[-1] != router.w1.in_features:
+        raise ValueError(f"router_mask: x has {x.shape[-1]} features, the router reads {router.w1.in_features}")
+    out = _router_launch(router, _as_rows(x))
+    return out.view(*x.shape[:-1], router.n_groups)
+
+
+def _router_logits(router, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Test hook: ``(mask, fp32 logits [..., N_G, 2])`` computed by :func:`router_mask`'s kernel."""
+    x2 = _as_rows(x)
+    logits = torch.empty((x2.shape[0], router.n_groups, 2), dtype=torch.float32, device=x.device)
+    out = _router_launch(router, x2, logits)
+    return out.view(*x.shape[:-1], router.n_groups), logits.view(*x.shape[:-1], router.n_groups, 2)
+
+
+def _router_mask_rowwise(router, x: torch.Tensor) -> torch.Tensor:
+    """The former kernel (one program per row streams all of W1), kept for ``benchmarks/e2e/decode_probe.py``."""
+    x2 = _as_rows(x)
+    rows, D = x2.shape
     N = router.n_groups
-    x2 = x.reshape(rows, D)
     out = torch.empty((rows, N), dtype=torch.bool, device=x.device)
-    _router_kernel[(rows,)](x2, router.w1.weight, router.w1.bias, router.w2.weight, router.w2.bias, out, D, N,
-                            x2.stride(0), R=r, BD=min(256, next_pow2(D)), NP=max(16, next_pow2(N)),
-                            **({} if interpret_mode() else {"num_warps": 4}))
+    _router_rows_kernel[(rows,)](x2, router.w1.weight, router.w1.bias, router.w2.weight, router.w2.bias, out, D,
+                                 N, x2.stride(0), R=router.w1.out_features, BD=min(256, next_pow2(D)),
+                                 NP=max(16, next_pow2(N)), **({} if interpret_mode() else {"num_warps": 4}))
     return out.view(*x.shape[:-1], N)

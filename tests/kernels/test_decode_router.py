@@ -1,0 +1,72 @@
+"""The few-row router kernel behind :func:`wide.inference.fused.router_mask` (Eq. 4-5, decode path).
+
+Logits are compared with a float64 evaluation of the router; decisions with the reference path
+(``argmax_mask(router(x))``) wherever the float64 margin between the two logits is not a near-tie.
+"""
+
+import pytest
+import torch
+
+from kernel_testutil import DEVICE, seed_for
+from wide.inference import fused
+from wide.inference.fused import ROUTER_MAX_ROWS, _router_logits, _router_mask_rowwise, router_mask
+from wide.routing import Router, argmax_mask
+
+
+def _router(D, N, r, gen):
+    torch.manual_seed(int(torch.randint(1 << 30, (1,), generator=gen)))
+    R = Router(D, N, r, init_keep=0.5)
+    with torch.no_grad():
+        R.w1.bias.normal_(generator=gen)
+        R.w2.weight.normal_(std=1.0, generator=gen)
+        R.w2.bias.normal_(std=0.5, generator=gen)
+    return R.to(DEVICE)
+
+
+def _logits64(R, x):
+    x = x.double()
+    h = x @ R.w1.weight.double().T + R.w1.bias.double()
+    return (h @ R.w2.weight.double().T + R.w2.bias.double()).view(*x.shape[:-1], R.n_groups, 2)
+
+
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 17, 32])
+@pytest.mark.parametrize("D,N,r", [(64, 8, 16), (200, 112, 16), (4096, 8, 16), (96, 3, 4), (128, 20, 32)])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+def test_router_kernel_matches_reference(rows, D, N, r, dtype):
+    gen = seed_for("router", rows, D, N, r, dtype)
+    R = _router(D, N, r, gen)
+    x = torch.randn((rows, D), generator=gen).to(dtype).to(DEVICE)
+    ref = _logits64(R, x)
+    mask, logits = _router_logits(R, x)
+    assert logits.dtype == torch.float32 and logits.shape == (rows, N, 2)
+    scale = ref.abs().max().item()
+    assert (logits.double() - ref).abs().max().item() <= 1e-5 * scale + 1e-6
+    margin = (ref[..., 0] - ref[..., 1]).abs()
+    clear = margin > 1e-4 * scale
+    assert clear.float().mean().item() > 0.9  # the inputs are not built from near-ties
+    want = argmax_mask(R(x))
+    assert torch.equal(mask[clear], want[clear])
+    assert torch.equal(mask[clear], (ref[..., 0] >= ref[..., 1])[clear])
+    assert torch.equal(router_mask(R, x)[clear], want[clear])
+    assert torch.equal(_router_mask_rowwise(R, x)[clear], want[clear])
+
+
+def test_router_shapes_counter_and_fallback():
+    gen = seed_for("router_shapes")
+    R = _router(64, 6, 16, gen)
+    x = torch.randn((2, 1, 64), generator=gen).to(torch.bfloat16).to(DEVICE)
+    first = router_mask(R, x)
+    assert first.shape == (2, 1, 6) and first.dtype == torch.bool
+    for _ in range(3):  # the arrival counter is reset by the last program of every launch
+        assert torch.equal(router_mask(R, x), first)
+    for (dev, _s, *_), (part, cnt) in fused._ROUTER_WS.items():
+        assert cnt.item() == 0
+    assert torch.equal(first, argmax_mask(R(x)))
+    # strided rows (last dim not contiguous) and a 3-D batch
+    xs = torch.randn((3, 2, 128), generator=gen).to(DEVICE)[..., ::2]
+    assert torch.equal(router_mask(R, xs), argmax_mask(R(xs)))
+    # more rows than the kernel takes: the reference path, same convention
+    xb = torch.randn((ROUTER_MAX_ROWS + 1, 64), generator=gen).to(DEVICE)
+    assert torch.equal(router_mask(R, xb), argmax_mask(R(xb)))
+    with pytest.raises(ValueError, match="features"):
+        router_mask(R, torch.zeros((1, 32), device=DEVICE))
