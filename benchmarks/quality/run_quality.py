@@ -45,7 +45,7 @@ from wide.modeling import WideModel, dims_of, fingerprint, load_base_model, rout
 
 TASK_KEYS = ["arc_easy", "arc_challenge", "boolq", "winogrande", "piqa", "openbookqa", "hellaswag"]
 GROUP_FFN = [16, 32, 64, 128, 256, 512]
-GROUP_ATTN = [64, 192, 576]
+GROUP_ATTN = [64, None, 576]  # None: one GQA group (192 channels on SmolLM2), the default run
 SWEEP_S = [0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7]
 
 
@@ -308,16 +308,25 @@ def main() -> None:
     p.add_argument("--runs", default="runs/quality")
     p.add_argument("--out", default="benchmarks/quality")
     p.add_argument("--tag", default=None, help="result file stem (default: the plan name)")
+    p.add_argument("--only-keys", default=None,
+                   help="comma-separated run keys: do only these runs of the plan (run_parallel.py's jobs)")
+    p.add_argument("--record-command", default=None, help="command line to record instead of this one")
     a = p.parse_args()
     tag = a.tag or a.plan
     out = Path(a.out)
-    command = "PYTHONPATH=src python3 " + " ".join(shlex.quote(x) for x in sys.argv)
+    command = a.record_command or "PYTHONPATH=src python3 " + " ".join(shlex.quote(x) for x in sys.argv)
     gpu = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     t_start = time.time()
     records = load_records(Path(a.resume_from) if a.resume_from else out / f"{tag}.json")
     done = {(r["key"], r.get("limit")) for r in records}
     runs = [r for r in plan_runs(a) if (run_key(r), a.limit) not in done]
+    if a.only_keys is not None:
+        wanted = set(a.only_keys.split(","))
+        unknown = wanted - {run_key(r) for r in plan_runs(a)}
+        if unknown:
+            raise SystemExit(f"--only-keys: {sorted(unknown)} not in plan {a.plan!r}")
+        runs = [r for r in runs if run_key(r) in wanted]
     print(f"{len(runs)} run(s) to do: {[run_key(r) for r in runs]}", flush=True)
     if a.max_runs is not None:
         runs = runs[: a.max_runs]

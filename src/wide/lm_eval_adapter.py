@@ -253,8 +253,9 @@ def summarize(results: dict) -> dict:
 
     Returns:
         ``{arc_easy, ..., hellaswag}`` (accuracy in [0, 1] with the paper's metric per task, only for
-        tasks present), ``avg_acc`` (mean of those, present when all seven are), ``*_stderr`` where
-        lm-eval computed one, and ``wikitext_word_ppl`` / ``wikitext_byte_ppl`` / ``wikitext_bits_per_byte``
+        tasks present), ``avg_acc`` (mean of those, present when all seven are), ``*_n`` (documents
+        evaluated), ``*_stderr`` (lm-eval's, or with ``bootstrap_iters=0`` the same closed form
+        ``sqrt(p (1 - p) / (n - 1))`` of a 0/1 metric's mean), and ``wikitext_word_ppl`` / ``wikitext_byte_ppl`` / ``wikitext_bits_per_byte``
         when WikiText-2 ran.
     """
     res = results.get("results", {})
@@ -263,8 +264,14 @@ def summarize(results: dict) -> dict:
         if task in res and f"{metric},none" in res[task]:
             out[key] = float(res[task][f"{metric},none"])
             se = res[task].get(f"{metric}_stderr,none")
+            n = res[task].get("sample_len") or results.get("n-samples", {}).get(task, {}).get("effective")
+            if n:
+                out[f"{key}_n"] = int(n)
             if isinstance(se, (int, float)) and not math.isnan(se):
                 out[f"{key}_stderr"] = float(se)
+            elif n and n > 1:  # bootstrap_iters=0: the closed form lm-eval's mean_stderr gives for a 0/1 metric
+                p = out[key]
+                out[f"{key}_stderr"] = math.sqrt(p * (1.0 - p) / (n - 1))
     keys = [k for k, _ in PAPER_METRIC.values()]
     if all(k in out for k in keys):
         out["avg_acc"] = sum(out[k] for k in keys) / len(keys)
