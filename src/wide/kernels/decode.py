@@ -2,9 +2,10 @@
 decode attention with GQA packing (paper Appendix B: GEMV variants dispatched for M <= 4; for
 decoding, mask reordering is bypassed and routing is checked directly at the block level).
 
-All kernels read the route directly (no reorder).  Weight loads are predicated by "any of the
-M rows executes this group": a group no row executes moves no weight bytes, which is the whole
-cost of a GEMV.  Outputs of inactive (row, group) pairs are written as 0.
+All kernels read the route directly (no reorder).  A group no row executes moves no weight bytes,
+which is the whole cost of a GEMV: GEMV-MN predicates the weight loads of an N tile by "any of the
+M rows executes this group"; GEMV-K compacts the active groups on the device and streams only their
+weight tiles, split over many programs.  Outputs of inactive (row, group) pairs are written as 0.
 """
 
 from __future__ import annotations
@@ -73,9 +74,9 @@ if HAS_TRITON:
             tl.store(o_ptrs, res, mask=mmask[:, None] & nmask[None, :])
 
     @triton.jit
-    def _gemv_k_kernel(x_ptr, w_ptr, out_ptr, part_ptr, route_ptr, M, N, NG, stride_xm, stride_wn, stride_om,
-                       G: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, NGP: tl.constexpr,
-                       SPLITS: tl.constexpr, EVEN_N: tl.constexpr):
+    def _gemv_k_kernel(x_ptr, w_ptr, out_ptr, part_ptr, cnt_ptr, route_ptr, M, N, NG, stride_xm, stride_wn,
+                       stride_om, G: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, NGP: tl.constexpr,
+                       SPLITS: tl.constexpr, EVEN_N: tl.constexpr, FUSE_SUM: tl.constexpr):
         # Grid (N tiles, K splits).  Every program compacts the active groups (union over the M rows) on
         # the device: rank = cumsum(active).  The active K chunks (G // BK per group, BK divides G) are
         # numbered 0..total-1 in K order and split evenly over the SPLITS programs of an N tile, so every
@@ -118,8 +119,21 @@ if HAS_TRITON:
             tl.store(out_ptr + offs_m[:, None] * stride_om + offs_n[None, :], acc.to(out_ptr.dtype.element_ty),
                      mask=mmask[:, None] & nmask[None, :])
         else:
-            tl.store(part_ptr + sp * (M * N) + offs_m[:, None] * N + offs_n[None, :], acc,
-                     mask=mmask[:, None] & nmask[None, :])
+            omask = mmask[:, None] & nmask[None, :]
+            tl.store(part_ptr + sp * (M * N) + offs_m[:, None] * N + offs_n[None, :], acc, mask=omask)
+            if FUSE_SUM:
+                # the split of this N tile that arrives last sums the SPLITS partials in split order
+                # (deterministic) and writes out; it resets the tile's counter for the next launch
+                tl.debug_barrier()
+                arrived = tl.atomic_add(cnt_ptr + pid, 1, sem="acq_rel", scope="gpu")
+                if arrived == SPLITS - 1:
+                    tot = tl.zeros((16, BN), dtype=tl.float32)
+                    for s in tl.static_range(SPLITS):
+                        tot += tl.load(part_ptr + s * (M * N) + offs_m[:, None] * N + offs_n[None, :], mask=omask,
+                                       other=0.0, cache_modifier=".cg")
+                    tl.store(out_ptr + offs_m[:, None] * stride_om + offs_n[None, :],
+                             tot.to(out_ptr.dtype.element_ty), mask=omask)
+                    tl.atomic_xchg(cnt_ptr + pid, 0, sem="relaxed", scope="gpu")
 
     @triton.jit
     def _splitk_sum_kernel(part_ptr, out_ptr, MN, SPLITS: tl.constexpr, BLOCK: tl.constexpr):
@@ -225,19 +239,21 @@ def _gemv_k_cands(G, K, N, M):
     """Configs ``BN, BK, SPLIT`` (+ warps/stages) of :func:`gemv_k`; the first is used untuned (graph capture).
 
     An H200 has 132 SMs and needs ~2-3 MB of loads in flight to stream HBM at full rate, so the first
-    config launches 64 N tiles x 8 K splits = 512 programs (at N = 4096), each keeping 3 tiles of
-    64 x 128 bf16 (16 KB) in flight."""
+    config launches 64 N tiles x 8 K splits = 512 programs (at N = 4096; ~41 KB of shared memory each,
+    so 4 per SM, one wave), each keeping 2 tiles of 64 x 128 bf16 (16 KB) in flight."""
     bkmax = pow2_part(G)
     if interpret_mode():
         bk = min(32, bkmax)
-        return [dict(BN=16, BK=bk, SPLIT=max(1, min(3, K // bk)))]
-    c = [(64, 128, 8, 4, 4), (32, 128, 8, 4, 4), (64, 128, 4, 4, 4), (128, 128, 4, 8, 3), (64, 256, 4, 4, 3),
-         (32, 256, 8, 4, 3), (16, 128, 16, 4, 4), (64, 64, 16, 4, 4), (32, 128, 1, 4, 4)]
+        sp = max(1, min(3, K // bk))
+        return [dict(BN=16, BK=bk, SPLIT=sp, FUSE=sp > 1)]
+    c = [(64, 128, 8, 1, 4, 3), (64, 128, 8, 0, 4, 3), (64, 128, 8, 1, 4, 4), (32, 128, 8, 1, 4, 4),
+         (64, 128, 4, 1, 4, 4), (128, 128, 4, 1, 8, 3), (64, 256, 4, 1, 4, 3), (32, 256, 8, 1, 4, 3),
+         (16, 128, 16, 1, 4, 4), (64, 64, 16, 1, 4, 4), (32, 128, 1, 0, 4, 4)]
     out = []
-    for bn, bk, sp, w, st in c:
+    for bn, bk, sp, fuse, w, st in c:
         bk = min(bk, bkmax)
         sp = max(1, min(sp, K // bk))
-        cfg = dict(BN=bn, BK=bk, SPLIT=sp, num_warps=w, num_stages=st)
+        cfg = dict(BN=bn, BK=bk, SPLIT=sp, FUSE=bool(fuse and sp > 1), num_warps=w, num_stages=st)
         if cfg not in out:
             out.append(cfg)
     return out
@@ -312,6 +328,21 @@ def gemv_swiglu(x, w_gate, w_up, route, G, *, out=None):
     return gemv_mn(x, w_gate, route, G, out=out, w2=w_up)
 
 
+_TILE_COUNTERS: dict = {}
+
+
+def _tile_counters(device: torch.device, n: int) -> torch.Tensor:
+    """int32 arrival counters (one per N tile) of the fused split-K sum of :func:`gemv_k`, one buffer per
+    (device, stream).  Zeroed once; the last split of each tile resets its counter, so no memset per call."""
+    stream = torch.cuda.current_stream(device).cuda_stream if device.type == "cuda" else 0
+    key = (str(device), stream)
+    buf = _TILE_COUNTERS.get(key)
+    if buf is None or buf.numel() < n:
+        buf = torch.zeros((max(n, 1024),), dtype=torch.int32, device=device)
+        _TILE_COUNTERS[key] = buf
+    return buf
+
+
 def gemv_k(a: torch.Tensor, w: torch.Tensor, route: torch.Tensor, G: int, *,
            out: torch.Tensor | None = None) -> torch.Tensor:
     """Decode GEMV for GEMM-K, ``M <= 4`` (Eq. 21 / Algorithm 3, GEMV variant; no reorder).
@@ -333,7 +364,9 @@ def gemv_k(a: torch.Tensor, w: torch.Tensor, route: torch.Tensor, G: int, *,
     ``cumsum``; no host sync, CUDA-graph capturable) and takes an even share of their ``[BN, BK]``
     weight tiles, so every program streams useful bytes with a full software pipeline.  With more than
     one split the fp32 partials ``[SPLIT, M, N]`` are summed in split order (deterministic) and
-    converted by a second small kernel.
+    converted, either by the split of each N tile that finishes last (an atomic arrival counter per
+    tile, reset by that split: one launch) or by a second small kernel, whichever the autotuner found
+    faster.
 
     Raises:
         ValueError: M > 4, or bad shapes/dtypes/devices/G/route/out (as :func:`wide.kernels.gemm_k`).
@@ -367,12 +400,14 @@ def gemv_k(a: torch.Tensor, w: torch.Tensor, route: torch.Tensor, G: int, *,
 
     def run(cfg):
         split = cfg["SPLIT"]
+        fuse = split > 1 and cfg.get("FUSE", False)
         part = torch.empty((split, M, N), dtype=torch.float32, device=a.device) if split > 1 else out
-        grid = (triton.cdiv(N, cfg["BN"]), split)
-        _gemv_k_kernel[grid](a, w, out, part, route, M, N, NG, a.stride(0), w.stride(0), out.stride(0),
-                             G=G, BN=cfg["BN"], BK=cfg["BK"], NGP=ngp, SPLITS=split,
-                             EVEN_N=(N % cfg["BN"] == 0), **launch_opts(cfg))
-        if split > 1:
+        tiles = triton.cdiv(N, cfg["BN"])
+        cnt = _tile_counters(a.device, tiles) if fuse else route
+        _gemv_k_kernel[(tiles, split)](a, w, out, part, cnt, route, M, N, NG, a.stride(0), w.stride(0),
+                                       out.stride(0), G=G, BN=cfg["BN"], BK=cfg["BK"], NGP=ngp, SPLITS=split,
+                                       EVEN_N=(N % cfg["BN"] == 0), FUSE_SUM=fuse, **launch_opts(cfg))
+        if split > 1 and not fuse:
             blk = 1024 if not interpret_mode() else 256
             _splitk_sum_kernel[(triton.cdiv(M * N, blk),)](part, out, M * N, SPLITS=split, BLOCK=blk,
                                                          **({} if interpret_mode() else {"num_warps": 4}))
