@@ -43,7 +43,7 @@ def _parse(argv):
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--out", required=True, help="output folder (created)")
     p.add_argument("--smoke", action="store_true", help="tiny shapes on the CPU under TRITON_INTERPRET=1")
-    p.add_argument("--budget", type=float, default=100.0, help="seconds after which pending parts are skipped")
+    p.add_argument("--budget", type=float, default=90.0, help="seconds after which pending parts are skipped")
     p.add_argument("--reps", type=int, default=20, help="minimum copies of an op inside one graph")
     p.add_argument("--replays", type=int, default=15, help="timed graph replays (median)")
     return p.parse_args(argv)
