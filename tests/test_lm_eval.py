@@ -367,3 +367,32 @@ def test_summarize_closed_form_stderr():
     s = summarize(res)
     assert s["boolq_n"] == 100
     assert s["boolq_stderr"] == pytest.approx(statistics.stdev(outcomes) / 100 ** 0.5, rel=1e-12)
+
+
+@pytest.mark.skipif(not WIKITEXT.is_file(), reason="../shared/data/wikitext-2-raw/wiki.test.raw not present")
+def test_rolling_batch_is_cut_and_gives_the_same_perplexity(byte_wide, monkeypatch):
+    """loglikelihood_rolling holds at most ROLLING_TOKENS tokens a batch (24 GiB of logits otherwise at batch 64,
+    ctx 4096), restores the batch size afterwards, and the word perplexity does not change with the cut."""
+    from lm_eval.models.huggingface import HFLM
+
+    from wide.lm_eval_adapter import WideLM, evaluate
+
+    m, wm, tok = byte_wide
+    seen = []
+    orig = HFLM._loglikelihood_tokens
+
+    def spy(self, requests, disable_tqdm=False, override_bs=None):
+        seen.append(len(requests))
+        return orig(self, requests, disable_tqdm=disable_tqdm, override_bs=override_bs)
+
+    monkeypatch.setattr(HFLM, "_loglikelihood_tokens", spy)
+    ppl = []
+    for cut in (False, True):
+        lm = WideLM(pretrained=m, wide=wm, tokenizer=tok, batch_size=8, max_length=64)
+        if cut:
+            monkeypatch.setattr(WideLM, "ROLLING_TOKENS", 128)  # 2 windows of 64 tokens a batch
+        seen.clear()
+        ppl.append(evaluate(lm, "wikitext", limit=2, wikitext_path=str(WIKITEXT),
+                            bootstrap_iters=0)["summary"]["wikitext_word_ppl"])
+        assert max(seen) == (2 if cut else 8) and lm.batch_size == 8
+    assert ppl[1] == pytest.approx(ppl[0], rel=1e-4)

@@ -98,6 +98,17 @@ def build_jobs(plans: list[str], common: SimpleNamespace, done: set[str]) -> lis
     return jobs
 
 
+# peak GPU memory per job kind on an H200 (GB; SmolLM2-135M, batch 8 x 2048; seen with torch.cuda memory and
+# the OOM reports of the first run): stage-1 training 26, LoRA training up to 49, evaluation alone ~12
+MEM_GB = {"lora": 50.0, "train": 28.0, "eval": 12.0}
+
+
+def job_mem_gb(job: dict) -> float:
+    if job["stage"] == "lora":
+        return MEM_GB["lora"]
+    return MEM_GB["train"] if job["method"] in ("wide", "skipgpt") else MEM_GB["eval"]
+
+
 def stage1_ready(runs: Path, key: str, method: str) -> bool:
     d = runs / key
     if method == "static":
@@ -122,8 +133,8 @@ def main() -> None:
     p.add_argument("--plans", nargs="+", choices=list(PLAN_ARGS), default=["table", "uniform", "sparsity", "group"])
     p.add_argument("--workers", type=int, default=8, help="jobs running at once (all GPUs together)")
     p.add_argument("--gpus", type=int, default=None, help="GPUs to use (default: all visible)")
-    p.add_argument("--max-train-per-gpu", type=int, default=4,
-                   help="jobs that train (stage 1 or LoRA, about 22 / 36 GB each) running at once on one GPU")
+    p.add_argument("--gpu-mem-gb", type=float, default=120,
+                   help="per GPU: sum of the running jobs' memory guesses (MEM_GB) allowed at once")
     p.add_argument("--time-budget", type=float, default=420, help="seconds: start no job after this")
     p.add_argument("--hard-limit", type=float, default=560, help="seconds: kill running jobs, then merge")
     p.add_argument("--resume-dir", default=None, help="folder with <plan>.json of earlier calls (their runs are skipped)")
@@ -192,15 +203,13 @@ def main() -> None:
                 break
             if job["needs"] is not None and not stage1_ready(runs, job["needs"], job["method"]):
                 continue
-            trains = job["method"] in ("wide", "skipgpt") or job["stage"] == "lora"
+            mem = job_mem_gb(job)
             load = [sum(1 for r in running.values() if r[3] == g) for g in range(max(1, n_gpu))]
-            train_load = [sum(1 for r in running.values() if r[3] == g and r[1]["trains"])
-                          for g in range(max(1, n_gpu))]
-            free = [g for g in range(len(load)) if not trains or train_load[g] < a.max_train_per_gpu]
+            used = [sum(job_mem_gb(r[1]) for r in running.values() if r[3] == g) for g in range(max(1, n_gpu))]
+            free = [g for g in range(len(load)) if used[g] + mem <= a.gpu_mem_gb]
             if not free:
                 continue
-            gpu = min(free, key=lambda g: load[g])
-            job["trains"] = trains
+            gpu = min(free, key=lambda g: (load[g], used[g]))
             env = dict(env0)
             if n_gpu:
                 env["CUDA_VISIBLE_DEVICES"] = str(gpu)

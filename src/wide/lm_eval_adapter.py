@@ -112,6 +112,28 @@ class WideLM(HFLM):
         self.wide_path = None if wm is None or isinstance(wide, WideModel) else str(wide)
         self.reset_sparsity()
 
+    # --- rolling log-likelihood (WikiText-2 word perplexity) ----------------------------------
+    ROLLING_TOKENS = 16384
+
+    def loglikelihood_rolling(self, requests, disable_tqdm: bool = False) -> list[float]:
+        """lm-eval's rolling log-likelihood with the batch cut to at most ``ROLLING_TOKENS`` tokens.
+
+        Rolling windows are ``max_length`` tokens long, so the zero-shot batch size would hold
+        ``[batch, max_length, vocab]`` logits: 24 GiB in bf16 at batch 64, 4096 tokens and SmolLM2's 49,152
+        words, then as much again for the log-softmax. Each window is scored on its own, so the batch size
+        changes no result beyond rounding.
+
+        Returns:
+            one summed log-likelihood (float, nats) per request, as ``HFLM.loglikelihood_rolling``.
+        """
+        saved = self.batch_size_per_gpu
+        if isinstance(saved, int):
+            self.batch_size_per_gpu = max(1, min(saved, self.ROLLING_TOKENS // max(1, self.max_length)))
+        try:
+            return super().loglikelihood_rolling(requests, disable_tqdm=disable_tqdm)
+        finally:
+            self.batch_size_per_gpu = saved
+
     # --- sparsity accounting ------------------------------------------------------------------
     def reset_sparsity(self) -> None:
         """Start a new realized-sparsity count (called at construction)."""
