@@ -412,8 +412,7 @@ def train(wm: WideModel, blocks: torch.Tensor, args: CalibrationArgs, output: st
                 g["lr"] = lr
             torch.manual_seed(_mix(args.seed, step, R))  # dropout: a pure function of (seed, step, rank)
             opt.zero_grad(set_to_none=True)
-            lm_tot = sp_tot = 0.0
-            attn_sp, ffn_sp = [], []
+            parts: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor | None]] = []
             for a in range(args.grad_accum):
                 first = (step * args.grad_accum + a) * B * W + R * B
                 noise.positions = list(range(first, first + B))
@@ -422,19 +421,29 @@ def train(wm: WideModel, blocks: torch.Tensor, args: CalibrationArgs, output: st
                     with torch.autocast(device.type, dtype=torch.bfloat16, enabled=use_amp):
                         out = wm(ids, labels=ids, use_cache=False)
                     rec = wm.record
-                    ak, fk = D.global_keep(list(rec.attn_keep), env), D.global_keep(list(rec.ffn_keep), env)
+                    na = len(rec.attn_keep)
+                    keeps = D.global_keep([*rec.attn_keep, *rec.ffn_keep], env)  # one all-reduce for all layers
+                    ak, fk = keeps[:na], keeps[na:]
                     sp = sparsity_loss(ak, fk, cfg.target_sparsity, cfg.alpha, cfg.sparsity_mode)
                     loss = (out.loss.float() + sp) / args.grad_accum
-                    lm_tot += out.loss.item() / args.grad_accum
-                    sp_tot += sp.item() / args.grad_accum
-                    if ak:
-                        attn_sp.append(1.0 - torch.stack(ak).mean().item())
-                    if fk:
-                        ffn_sp.append(1.0 - torch.stack(fk).mean().item())
+                    parts.append((out.loss.detach(), sp.detach(), torch.stack(ak).detach().mean() if ak else None,
+                                  torch.stack(fk).detach().mean() if fk else None))
                     loss.backward()  # inside uniform_noise: checkpointed layers redraw the same noise
-            gnorm = torch.nn.utils.clip_grad_norm_(params, args.max_grad_norm)
-            gnorm = float(D.full(gnorm)) if torch.is_tensor(gnorm) else float(gnorm)
-            opt.step()
+            gnorm = D.clip_grad_norm_(params, args.max_grad_norm, env)
+            D.optimizer_step(opt)
+            # every logged scalar of the step in one device-to-host copy (no sync per micro-batch)
+            flat = [t for part in parts for t in part if t is not None] + [gnorm]
+            vals = iter(torch.stack([torch.as_tensor(t).to(device, torch.float64) for t in flat]).tolist())
+            lm_tot = sp_tot = 0.0
+            attn_sp, ffn_sp = [], []
+            for _, _, am, fm in parts:  # same float64 arithmetic, in the same order, as per-item .item() calls
+                lm_tot += next(vals) / args.grad_accum
+                sp_tot += next(vals) / args.grad_accum
+                if am is not None:
+                    attn_sp.append(1.0 - next(vals))
+                if fm is not None:
+                    ffn_sp.append(1.0 - next(vals))
+            gnorm = next(vals)
             (lm_tot,) = D.all_mean([lm_tot], env)
             dt = time.perf_counter() - t0
             r = {
