@@ -25,25 +25,32 @@ SENTENCE = ("A boy is running down a track. The boy runs into a car and falls do
 
 
 def sweep_plot(records: list[dict], path: Path) -> Path:
+    """Figure 6 analogue, two panels against target sparsity S: average zero-shot accuracy (left) and
+    WikiText-2 token perplexity (right, log scale), one line per method and stage, dense as a gray line."""
     from wide.plots import _plt
 
     plt = _plt()
-    fig, ax = plt.subplots(figsize=(5.5, 3.4), dpi=150)
-    dense = [r["avg_acc"] for r in records if r["method"] == "dense" and r.get("avg_acc") is not None]
+    fig, axes = plt.subplots(1, 2, figsize=(9.5, 3.4), dpi=150)
+    dense = [r for r in records if r["method"] == "dense" and r["stage"] == "router" and r.get("avg_acc") is not None]
     series = {}
     for r in records:
         if r["method"] != "dense" and r.get("avg_acc") is not None:
-            series.setdefault((r["method"], r["stage"]), []).append((r["target_sparsity"], r["avg_acc"]))
-    for (m, st), pts in sorted(series.items()):
-        pts.sort()
-        ax.plot([100 * s for s, _ in pts], [100 * v for _, v in pts], marker="o", ms=3,
-                ls="-" if st == "router" else "--", label=f"{m} ({'router' if st == 'router' else '+LoRA'})")
-    if dense:
-        ax.axhline(100 * dense[0], color="gray", ls=":", label="dense")
-    ax.set_xlabel("target sparsity (%)")
-    ax.set_ylabel("average zero-shot accuracy (%)")
-    ax.grid(alpha=0.3)
-    ax.legend(fontsize=7)
+            series.setdefault((r["method"], r["stage"]), []).append(r)
+    for ax, field, label in ((axes[0], "avg_acc", "average zero-shot accuracy (%)"),
+                             (axes[1], "ppl", "WikiText-2 perplexity (token, ctx 2048)")):
+        scale = 100 if field == "avg_acc" else 1
+        for (m, st), rs in sorted(series.items()):
+            rs = sorted(rs, key=lambda r: r["target_sparsity"])
+            ax.plot([100 * r["target_sparsity"] for r in rs], [scale * r[field] for r in rs], marker="o", ms=3,
+                    ls="-" if st == "router" else "--", label=f"{m} ({'router' if st == 'router' else '+LoRA'})")
+        if dense and dense[0].get(field) is not None:
+            ax.axhline(scale * dense[0][field], color="gray", ls=":", label="dense")
+        ax.set_xlabel("target sparsity S (%)")
+        ax.set_ylabel(label)
+        ax.grid(alpha=0.3)
+        if field == "ppl":
+            ax.set_yscale("log")
+    axes[0].legend(fontsize=7)
     fig.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path)
