@@ -206,7 +206,8 @@ class Probe:
                  baseline_us=res["row kernel (old)"] * 1e6, speedup=res["row kernel (old)"] / new, check="",
                  bytes=nbytes)
 
-    def gemv_k(self, name, N, K, G, B, sparsities):
+    def _routed_gemv(self, label, impl, fn, ref, N, K, G, B, sparsities, groups):
+        """One [N, K] weight, routed over ``groups`` groups of G (K for gemv_k, N for gemv_mn), vs cuBLAS."""
         nbytes = N * K * 2
         ncopy = self.copies(nbytes)
         ws = [self.randn(N, K, std=K ** -0.5) for _ in range(ncopy)]
@@ -215,15 +216,18 @@ class Probe:
         out = torch.empty(B, N, dtype=torch.bfloat16, device=self.dev)
         dense = self.time_ops([lambda i=i: torch.matmul(a, ws[i % ncopy].t(), out=out) for i in range(n)])
         for s in sparsities:
-            route = self.mask(B, K // G, s)
+            route = self.mask(B, groups, s)
             active = route.any(0).float().mean().item()
             o = torch.empty(B, N, dtype=torch.bfloat16, device=self.dev)
-            t = self.time_ops([lambda i=i: gemv_k(a, ws[i % ncopy], route, G, out=o) for i in range(n)])
-            err = self.rel(o, gemm_k_ref(a.double(), ws[(n - 1) % ncopy].double(), route, G))
-            self.add(op=f"gemv_k {name} (N={N},K={K},G={G})", B=B, s=s, impl="gemv_k", us=t * 1e6,
-                     baseline_us=dense * 1e6, speedup=dense / t, active=active,
-                     GBps=active * nbytes / t * 1e-9, dense_GBps=nbytes / dense * 1e-9,
+            t = self.time_ops([lambda i=i: fn(a, ws[i % ncopy], route, G, out=o) for i in range(n)])
+            err = self.rel(o, ref(a.double(), ws[(n - 1) % ncopy].double(), route, G))
+            self.add(op=label, B=B, s=s, impl=impl, us=t * 1e6, baseline_us=dense * 1e6, speedup=dense / t,
+                     active=active, GBps=active * nbytes / t * 1e-9, dense_GBps=nbytes / dense * 1e-9,
                      check=f"rel err {err:.1e}", bytes=nbytes)
+
+    def gemv_k(self, name, N, K, G, B, sparsities):
+        self._routed_gemv(f"gemv_k {name} (N={N},K={K},G={G})", "gemv_k", gemv_k, gemm_k_ref, N, K, G, B,
+                          sparsities, K // G)
 
     def gemv_k_configs(self, N, K, G, B, s):
         nbytes = N * K * 2
@@ -280,22 +284,8 @@ class Probe:
                      dense_GBps=nbytes / dense * 1e-9, check=f"rel err {err:.1e}", bytes=nbytes)
 
     def gemv_mn(self, N, K, G, B, sparsities):
-        nbytes = N * K * 2
-        ncopy = self.copies(nbytes)
-        ws = [self.randn(N, K, std=K ** -0.5) for _ in range(ncopy)]
-        x = self.randn(B, K)
-        n = self.n_ops(ncopy)
-        out = torch.empty(B, N, dtype=torch.bfloat16, device=self.dev)
-        dense = self.time_ops([lambda i=i: torch.matmul(x, ws[i % ncopy].t(), out=out) for i in range(n)])
-        for s in sparsities:
-            route = self.mask(B, N // G, s)
-            active = route.any(0).float().mean().item()
-            o = torch.empty(B, N, dtype=torch.bfloat16, device=self.dev)
-            t = self.time_ops([lambda i=i: gemv_mn(x, ws[i % ncopy], route, G, out=o) for i in range(n)])
-            err = self.rel(o, gemm_mn_ref(x.double(), ws[(n - 1) % ncopy].double(), route, G))
-            self.add(op=f"gemv_mn q_proj (N={N},K={K},G={G})", B=B, s=s, impl="gemv_mn", us=t * 1e6,
-                     baseline_us=dense * 1e6, speedup=dense / t, active=active, GBps=active * nbytes / t * 1e-9,
-                     dense_GBps=nbytes / dense * 1e-9, check=f"rel err {err:.1e}", bytes=nbytes)
+        self._routed_gemv(f"gemv_mn q_proj (N={N},K={K},G={G})", "gemv_mn", gemv_mn, gemm_mn_ref, N, K, G, B,
+                          sparsities, N // G)
 
     # ---------------------------------------------------------------- driver
     def run(self):
