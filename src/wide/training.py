@@ -273,9 +273,20 @@ def _state_options(full: bool = False):
     return StateDictOptions(ignore_frozen_params=True, strict=False, full_state_dict=full)
 
 
+def _trained_state(wm: WideModel, opt) -> tuple[dict, dict]:
+    """``get_state_dict`` of the trained parameters only. With tied input / output embeddings (SmolLM2), torch
+    reports the frozen tied weight under its second name (``base.lm_head.weight``) despite
+    ``ignore_frozen_params``, which would put a 49152 x 576 frozen matrix into every training state."""
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+
+    names = {n for n, p in wm.named_parameters() if p.requires_grad}
+    msd, osd = get_state_dict(wm, opt, options=_state_options())
+    return {k: v for k, v in msd.items() if k in names}, osd
+
+
 def _load_state(wm: WideModel, opt, output: Path, key: dict, env: D.DistEnv) -> int:
     """Load the newest training state in ``output`` (``.pt`` or DCP) into ``wm`` / ``opt``; return its step."""
-    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+    from torch.distributed.checkpoint.state_dict import set_state_dict
 
     pt = output / STATE_NAME
     meta = D.sharded_meta(output / DCP_NAME)
@@ -290,11 +301,15 @@ def _load_state(wm: WideModel, opt, output: Path, key: dict, env: D.DistEnv) -> 
     names = {n for n, p in wm.named_parameters() if p.requires_grad}
     if use_pt:
         msd, osd, step = st["model"], st["optimizer"], int(st["step"])
+        msd = {k: v for k, v in msd.items() if k in names or not k.endswith("lm_head.weight")}  # older states
         if set(msd) != names:
-            raise WideError(f"--resume: {src} holds parameters {sorted(msd)[:3]}..., this run trains {sorted(names)[:3]}...")
+            extra, missing = sorted(set(msd) - names), sorted(names - set(msd))
+            raise WideError(f"--resume: {src} does not match this run's trained parameters (saved only: "
+                            f"{extra[:3]}{'...' if len(extra) > 3 else ''}; missing: "
+                            f"{missing[:3]}{'...' if len(missing) > 3 else ''})")
         set_state_dict(wm, opt, model_state_dict=msd, optim_state_dict=osd, options=_state_options(full=True))
         return step
-    msd, osd = get_state_dict(wm, opt, options=_state_options())
+    msd, osd = _trained_state(wm, opt)
     if set(msd) != names:
         raise WideError(f"--resume: this run trains parameters that {src} does not hold")
     state = {"model": msd, "optim": osd}
@@ -304,9 +319,7 @@ def _load_state(wm: WideModel, opt, output: Path, key: dict, env: D.DistEnv) -> 
 
 
 def _save_state(wm: WideModel, opt, output: Path, step: int, key: dict, env: D.DistEnv) -> None:
-    from torch.distributed.checkpoint.state_dict import get_state_dict
-
-    msd, osd = get_state_dict(wm, opt, options=_state_options())
+    msd, osd = _trained_state(wm, opt)
     if env.active:
         D.save_sharded({"model": msd, "optim": osd}, output / DCP_NAME, {"step": step, "key": key,
                                                                           "world_size": env.world_size}, env)
