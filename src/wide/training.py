@@ -483,7 +483,8 @@ def train(wm: WideModel, blocks: torch.Tensor, args: CalibrationArgs, output: st
             if (step + 1) % args.save_every == 0 or step + 1 == args.steps:
                 routers = full_router_state(wm)
                 if env.is_main:
-                    save_wide(wm, output, model_ref, extra={"stage": stage, **(extra_info or {})},
+                    save_wide(wm, output, model_ref,
+                              extra={"stage": stage, "step": step + 1, "steps": args.steps, **(extra_info or {})},
                               routers=routers, base_fingerprint=fp)
                 if save_extra is not None:
                     save_extra(output, env)
