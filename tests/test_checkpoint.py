@@ -70,3 +70,19 @@ def test_router_shapes_that_do_not_fit(tmp_path, model):
     save_file(sd, str(path / ROUTERS_NAME))
     with pytest.raises(WideError, match=r"ffn.0.w1.weight has shape \(3, 64\)"):
         load(path, model=tiny_model())
+
+
+def test_checkpoint_files_get_the_new_file_mode(tmp_path, model):
+    """routers.safetensors, wide_config.json, base_model.json: 0666 & ~umask like train_log.jsonl, not 0600."""
+    import os
+    import stat
+
+    old = os.umask(0o022)
+    try:
+        _, path = _saved(tmp_path, model)
+    finally:
+        os.umask(old)
+    names = sorted(p.name for p in path.iterdir())
+    assert {"routers.safetensors", "wide_config.json", "base_model.json"} <= set(names)
+    for name in names:
+        assert stat.S_IMODE((path / name).stat().st_mode) == 0o644, name

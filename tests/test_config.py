@@ -79,3 +79,76 @@ def test_json_corrupt(tmp_path):
     (tmp_path / "wide_config.json").write_text('{"bogus": 1}')
     with pytest.raises(WideError, match="unknown WideConfig keys"):
         WideConfig.load(tmp_path)
+
+
+@pytest.mark.parametrize("g", [0, -64])
+def test_attn_group_non_positive(g):
+    """`wide info --attn-group-size 0` was a ZeroDivisionError in resolve()."""
+    with pytest.raises(WideError, match=f"attention group size G={g} must be a positive multiple of head_dim"):
+        WideConfig(attn_group_size=g)
+
+
+@pytest.mark.parametrize("g", [0, -128])
+def test_ffn_group_non_positive(g):
+    with pytest.raises(WideError, match=f"FFN group size G={g} must be a power of two >= 16"):
+        WideConfig(ffn_group_size=g)
+
+
+BAD_TYPES = [  # field, JSON value, words of the expected type
+    ("ffn_group_size", "abc", "an integer"),
+    ("ffn_group_size", 128.0, "an integer"),
+    ("ffn_group_size", True, "an integer"),
+    ("attn_group_size", "192", "an integer or null"),
+    ("router_rank", 16.5, "an integer"),
+    ("target_sparsity", "0.5", "a number"),
+    ("alpha", None, "a number"),
+    ("tau_start", [5.0], "a number"),
+    ("sparsity_mode", 1, "a string"),
+    ("method", None, "a string"),
+]
+
+
+@pytest.mark.parametrize("field,value,words", BAD_TYPES, ids=[f"{f}={v!r}" for f, v, _ in BAD_TYPES])
+def test_from_dict_wrong_type(field, value, words):
+    with pytest.raises(WideError) as e:
+        WideConfig.from_dict({field: value})
+    msg = str(e.value)
+    assert f"{field}={value!r}" in msg and f"must be {words}" in msg and type(value).__name__ in msg
+
+
+def test_from_dict_accepts_json_ints_for_floats():
+    c = WideConfig.from_dict({"target_sparsity": 0, "alpha": 1, "tau_start": 2, "tau_end": 1, "attn_group_size": None})
+    assert c.target_sparsity == 0 and c.alpha == 1
+
+
+def test_load_wrong_type_names_file_and_field(tmp_path):
+    (tmp_path / "wide_config.json").write_text(json.dumps({**WideConfig().to_dict(), "ffn_group_size": "abc"}))
+    with pytest.raises(WideError) as e:
+        WideConfig.load(tmp_path)
+    msg = str(e.value)
+    assert msg.startswith("corrupt ") and "wide_config.json" in msg and "ffn_group_size='abc'" in msg
+    assert "\n" not in msg
+    (tmp_path / "wide_config.json").write_text(json.dumps({"ffn_group_size": 128, "colour": "red"}))
+    with pytest.raises(WideError, match=r"unknown WideConfig keys \['colour'\]"):
+        WideConfig.load(tmp_path)
+
+
+@pytest.mark.parametrize("umask", [0o022, 0o027, 0o002])
+def test_atomic_write_text_mode(tmp_path, umask):
+    """Atomic writers give the mode of a new file (0666 & ~umask), not mkstemp's 0600."""
+    import os
+    import stat
+
+    from wide.config import atomic_write_text, new_file_mode
+
+    old = os.umask(umask)
+    try:
+        assert new_file_mode() == 0o666 & ~umask
+        atomic_write_text(tmp_path / "a.json", "{}\n")
+        with open(tmp_path / "plain.txt", "w") as f:  # what a direct write gets
+            f.write("x")
+    finally:
+        os.umask(old)
+    assert stat.S_IMODE((tmp_path / "a.json").stat().st_mode) == 0o666 & ~umask
+    assert stat.S_IMODE((tmp_path / "plain.txt").stat().st_mode) == 0o666 & ~umask
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["a.json", "plain.txt"]

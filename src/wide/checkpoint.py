@@ -18,7 +18,7 @@ from pathlib import Path
 
 import torch
 
-from .config import CONFIG_NAME, WideConfig, atomic_write_text
+from .config import CONFIG_NAME, WideConfig, atomic_write_text, new_file_mode
 from .errors import WideError
 from .modeling import WideModel, check_architecture, dims_of, fingerprint, load_base_model
 
@@ -27,7 +27,15 @@ BASE_NAME = "base_model.json"
 
 
 def atomic_save_safetensors(tensors: dict[str, torch.Tensor], path: str | os.PathLike, metadata: dict | None = None) -> None:
-    """Write a safetensors file atomically."""
+    """Write a safetensors file atomically (temporary file in the same folder, then ``os.replace``).
+
+    Args:
+        tensors: name -> tensor (any dtype safetensors supports; contiguous, not sharing memory).
+        path: the file to write.
+        metadata: optional ``str -> str`` header metadata.
+
+    The file gets the mode of a newly created file (:func:`wide.config.new_file_mode`), not ``0o600``.
+    """
     from safetensors.torch import save_file
 
     path = Path(path)
@@ -36,6 +44,7 @@ def atomic_save_safetensors(tensors: dict[str, torch.Tensor], path: str | os.Pat
     os.close(fd)
     try:
         save_file(tensors, tmp, metadata=metadata)
+        os.chmod(tmp, new_file_mode())  # after save_file, which may recreate the file
         os.replace(tmp, path)
     except BaseException:
         if os.path.exists(tmp):

@@ -10,6 +10,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+import numbers
 import os
 import tempfile
 from dataclasses import dataclass
@@ -21,6 +22,33 @@ CONFIG_NAME = "wide_config.json"
 SPARSITY_MODES = ("global", "uniform")
 ROUTED_CHOICES = ("both", "attn", "ffn")
 METHODS = ("wide", "skipgpt")
+
+#: field -> (expected kind, words for the message): "int" (an integer, not bool), "int?" (an integer or
+#: null), "num" (a real number, not bool), "str"
+_FIELD_TYPES = {
+    "attn_group_size": ("int?", "an integer or null"),
+    "ffn_group_size": ("int", "an integer"),
+    "router_rank": ("int", "an integer"),
+    "target_sparsity": ("num", "a number"),
+    "alpha": ("num", "a number"),
+    "tau_start": ("num", "a number"),
+    "tau_end": ("num", "a number"),
+    "sparsity_mode": ("str", "a string"),
+    "routed": ("str", "a string"),
+    "method": ("str", "a string"),
+}
+
+
+def _has_type(value, kind: str) -> bool:
+    if isinstance(value, bool):  # JSON true/false are not numbers here
+        return False
+    if kind == "int?":
+        return value is None or isinstance(value, numbers.Integral)
+    if kind == "int":
+        return isinstance(value, numbers.Integral)
+    if kind == "num":
+        return isinstance(value, numbers.Real)
+    return isinstance(value, str)
 
 
 @dataclass(frozen=True)
@@ -105,9 +133,18 @@ class WideConfig:
         """Check model-independent values.
 
         Raises:
-            WideError: ``target_sparsity`` outside ``[0, 1)``, ``alpha < 0``, ``router_rank < 1``, a bad
-                tau schedule, or an unknown ``sparsity_mode`` / ``routed``.
+            WideError: a field of the wrong type (the message names the field, the value and the expected
+                type; e.g. a string or a float for ``ffn_group_size``), ``target_sparsity`` outside
+                ``[0, 1)``, ``alpha < 0``, ``router_rank < 1``, a non-positive ``attn_group_size``, a bad
+                tau schedule, an unknown ``sparsity_mode`` / ``routed`` / ``method``, or (for
+                ``method="wide"``) an ``ffn_group_size`` that is not a power of two ``>= 16``.
         """
+        for name, (kind, words) in _FIELD_TYPES.items():
+            value = getattr(self, name)
+            if not _has_type(value, kind):
+                raise WideError(f"WideConfig field {name}={value!r} ({type(value).__name__}) must be {words}")
+        if self.attn_group_size is not None and self.attn_group_size < 1:
+            raise WideError(f"attention group size G={self.attn_group_size!r} must be a positive multiple of head_dim")
         s = self.target_sparsity
         if not isinstance(s, (int, float)) or math.isnan(s) or not 0.0 <= s < 1.0:
             raise WideError(f"target sparsity S={s!r} is outside [0, 1)")
@@ -115,7 +152,7 @@ class WideConfig:
             raise WideError(f"alpha={self.alpha!r} must be >= 0")
         if not isinstance(self.router_rank, int) or self.router_rank < 1:
             raise WideError(f"router rank r={self.router_rank!r} must be a positive integer")
-        if not (self.tau_start > 0 and self.tau_end > 0):
+        if not (self.tau_start > 0 and self.tau_end > 0):  # also rejects NaN
             raise WideError(f"tau schedule {self.tau_start}->{self.tau_end} must be positive")
         if self.sparsity_mode not in SPARSITY_MODES:
             raise WideError(f"sparsity mode {self.sparsity_mode!r} is not one of {', '.join(SPARSITY_MODES)}")
@@ -127,7 +164,7 @@ class WideConfig:
             if not isinstance(self.ffn_group_size, int) or self.ffn_group_size < 1:
                 raise WideError(f"FFN group size G={self.ffn_group_size!r} must be a positive integer")
             return
-        if self.ffn_group_size is None or self.ffn_group_size < 16 or self.ffn_group_size & (self.ffn_group_size - 1):
+        if self.ffn_group_size < 16 or self.ffn_group_size & (self.ffn_group_size - 1):
             raise WideError(f"FFN group size G={self.ffn_group_size!r} must be a power of two >= 16")
 
     def resolve(self, dims: ModelDims) -> "WideConfig":
@@ -142,13 +179,13 @@ class WideConfig:
         if self.method == "skipgpt":
             return dataclasses.replace(self, attn_group_size=dims.attn_width, ffn_group_size=dims.intermediate_size)
         g_attn = dims.gqa_group_size if self.attn_group_size is None else int(self.attn_group_size)
-        if g_attn % dims.head_dim or dims.attn_width % g_attn or g_attn <= 0:
+        if g_attn <= 0 or g_attn % dims.head_dim or dims.attn_width % g_attn:
             raise WideError(
                 f"attention group size G={g_attn} must be a multiple of head_dim={dims.head_dim} that divides "
                 f"the attention width {dims.attn_width}; legal: {dims.legal_attn_group_sizes()}"
             )
         g_ffn = int(self.ffn_group_size)
-        if dims.intermediate_size % g_ffn:
+        if g_ffn <= 0 or dims.intermediate_size % g_ffn:
             raise WideError(
                 f"FFN group size G={g_ffn} does not divide the intermediate size {dims.intermediate_size}; "
                 f"legal: {dims.legal_ffn_group_sizes()}"
@@ -168,24 +205,39 @@ class WideConfig:
 
     # --- JSON -----------------------------------------------------------------------------------
     def to_dict(self) -> dict:
+        """The fields as a JSON-ready dict (what :meth:`save` writes)."""
         return dataclasses.asdict(self)
 
     @classmethod
     def from_dict(cls, data: dict) -> "WideConfig":
-        """Build from a dict. Raises WideError on unknown keys or bad values."""
-        known = {f.name for f in dataclasses.fields(cls)}
-        unknown = sorted(set(data) - known)
+        """Build from a dict (e.g. a parsed ``wide_config.json``); missing keys take the defaults.
+
+        Raises:
+            WideError: ``data`` is not a dict, has keys that are not fields (the message lists the allowed
+                ones), or a field of the wrong type or value (see :meth:`validate`).
+        """
+        if not isinstance(data, dict):
+            raise WideError(f"WideConfig data must be a JSON object, not {type(data).__name__}")
+        known = [f.name for f in dataclasses.fields(cls)]
+        unknown = sorted(map(str, set(data) - set(known)))
         if unknown:
-            raise WideError(f"unknown WideConfig keys {unknown}; allowed: {sorted(known)}")
+            raise WideError(f"unknown WideConfig keys {unknown}; allowed: {known}")
         return cls(**data)
 
     def save(self, directory: str | os.PathLike) -> Path:
+        """Write ``<directory>/wide_config.json`` atomically; returns its path."""
         path = Path(directory) / CONFIG_NAME
         atomic_write_text(path, json.dumps(self.to_dict(), indent=2) + "\n")
         return path
 
     @classmethod
     def load(cls, directory: str | os.PathLike) -> "WideConfig":
+        """Read ``<directory>/wide_config.json``.
+
+        Raises:
+            WideError: the file is missing, is not JSON, or holds a bad config; the message names the file
+                and, for a bad config, the field, its value and what is allowed.
+        """
         path = Path(directory) / CONFIG_NAME
         if not path.is_file():
             raise WideError(f"no {CONFIG_NAME} in {str(directory)!r}: not a WIDE checkpoint directory")
@@ -195,15 +247,33 @@ class WideConfig:
             raise WideError(f"corrupt {path}: {e}") from None
         if not isinstance(data, dict):
             raise WideError(f"corrupt {path}: expected a JSON object")
-        return cls.from_dict(data)
+        try:
+            return cls.from_dict(data)
+        except WideError as e:
+            raise WideError(f"corrupt {path}: {e}") from None
+
+
+def new_file_mode() -> int:
+    """The permission bits ``open(path, "w")`` gives a new file: ``0o666 & ~umask`` (e.g. ``0o644``).
+
+    The atomic writers give their temporary file (``tempfile.mkstemp`` makes it ``0o600``) this mode
+    before the rename, so checkpoint files get the same mode as files written directly.
+    """
+    umask = os.umask(0o022)  # read the umask: set it and put it back at once
+    os.umask(umask)
+    return 0o666 & ~umask
 
 
 def atomic_write_text(path: str | os.PathLike, text: str) -> None:
-    """Write ``text`` to ``path`` through a temporary file in the same folder and ``os.replace``."""
+    """Write ``text`` to ``path`` through a temporary file in the same folder and ``os.replace``.
+
+    The file ends with the mode of a newly created file (:func:`new_file_mode`), not ``mkstemp``'s ``0o600``.
+    """
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
     try:
+        os.fchmod(fd, new_file_mode())
         with os.fdopen(fd, "w") as f:
             f.write(text)
             f.flush()
