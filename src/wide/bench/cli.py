@@ -14,8 +14,22 @@ BENCHMARKS = {
 }
 
 
-def _runner(module: str):
+def _runner(name: str, module: str):
     def run(args) -> int:
+        """Run ``wide bench <name>``.
+
+        Raises:
+            WideError: no CUDA GPU (unless ``--report-only``); both benchmarks time GPU code. The CLI prints it
+                as ``wide bench: error: ...`` with exit code 2, the same for every benchmark.
+        """
+        if not getattr(args, "report_only", False):
+            import torch
+
+            from ..errors import WideError
+
+            if not torch.cuda.is_available():
+                raise WideError(f"wide bench {name} times GPU code and needs a CUDA GPU; none is available "
+                                f"(--report-only rebuilds the table and plot from an earlier run's JSON)")
         return importlib.import_module(module).run(args)
     return run
 
@@ -27,4 +41,4 @@ def register(sub) -> None:
     for name, (module, help_) in BENCHMARKS.items():
         s = bsub.add_parser(name, help=help_)
         importlib.import_module(module).add_arguments(s)
-        s.set_defaults(func=_runner(module))
+        s.set_defaults(func=_runner(name, module))
