@@ -276,6 +276,11 @@ def test_resolve_tasks():
     assert resolve_tasks("arc_easy, wide_piqa,arc_easy") == ["wide_arc_easy", "wide_piqa"]
     with pytest.raises(WideError, match="unknown task 'mmlu'"):
         resolve_tasks("mmlu")
+    with pytest.raises(WideError) as e:  # the short names of `wide eval --help`, and the wide_ form
+        resolve_tasks("mmlu")
+    msg = str(e.value)
+    assert "known: all, zeroshot, arc_easy, arc_challenge, boolq" in msg and "wikitext" in msg
+    assert "wide_arc_easy" in msg and "wide_arc_challenge" not in msg
     with pytest.raises(WideError, match="no task given"):
         resolve_tasks(" , ")
 
@@ -310,6 +315,8 @@ def _wide(*args, timeout=600):
     (["--wide", "/nonexistent/ckpt"], "not found"),
     (["--batch-size", "0"], "--batch-size 0"),
     (["--tasks", "wikitext", "--wikitext", "/nonexistent/wiki.test.raw"], "WikiText-2 test file"),
+    (["--limit", "0"], "--limit 0: give a whole number of documents per task (>= 1) or a fraction in (0, 1)"),
+    (["--limit", "-1", "--model", "/nonexistent/model"], "--limit -1: give a whole number"),
 ])
 def test_cli_eval_bad_input(args, msg, model_dir):
     r = _wide("eval", "--model", str(model_dir), *args)
@@ -396,3 +403,75 @@ def test_rolling_batch_is_cut_and_gives_the_same_perplexity(byte_wide, monkeypat
                             bootstrap_iters=0)["summary"]["wikitext_word_ppl"])
         assert max(seen) == (2 if cut else 8) and lm.batch_size == 8
     assert ppl[1] == pytest.approx(ppl[0], rel=1e-4)
+
+
+def test_eval_wikitext_missing_names_wide_eval_option(tmp_path, monkeypatch, model_dir, capsys):
+    """`wide eval` (default --tasks all) without wiki.test.raw: one line naming --wikitext PATH and WIDE_WIKITEXT
+    (not lm-eval's --metadata), each tried path once, before the model loads."""
+    from wide.cli import main
+    from wide.tasks import loaders
+
+    assert len(loaders.wikitext_candidates((tmp_path, tmp_path))) == 2  # duplicates dropped
+    monkeypatch.delenv("WIDE_WIKITEXT", raising=False)
+    orig = loaders.wikitext_candidates
+    monkeypatch.setattr(loaders, "wikitext_candidates", lambda: orig((tmp_path / "a", tmp_path / "a")))
+    rc = main(["eval", "--model", str(tmp_path / "no-model")])
+    err = capsys.readouterr().err
+    assert rc == 2, err
+    lines = err.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("wide eval: error: WikiText-2 test file wiki.test.raw not found")
+    assert "--wikitext PATH" in err and "WIDE_WIKITEXT" in err and "--metadata" not in err
+    assert err.count(str(tmp_path / "a" / "shared")) == 1
+    # the loader lm-eval calls names lm-eval's way too
+    with pytest.raises(WideError, match="--metadata"):
+        loaders.load_wikitext()
+
+
+def test_lm_eval_passthrough_error_is_one_line():
+    """lm-eval's own exception (an unknown task) becomes `wide lm-eval: error: ...`, exit 2, no traceback."""
+    r = _wide("lm-eval", "--model", "wide", "--tasks", "nosuchtask")
+    assert r.returncode == 2, r.stderr[-2000:]
+    assert "Traceback" not in r.stderr
+    assert r.stderr.strip().splitlines()[-1] == "wide lm-eval: error: Tasks not found: nosuchtask"
+
+
+def test_lm_eval_main_errors_and_interrupt(monkeypatch, capsys):
+    import lm_eval.__main__ as lm_main
+
+    from wide.cli import main
+    from wide.lm_eval_adapter import lm_eval_main
+
+    def boom():
+        print("lm-eval output")
+        raise RuntimeError("first line\nsecond line")
+
+    monkeypatch.setattr(lm_main, "cli_evaluate", boom)
+    assert lm_eval_main(["--tasks", "x"]) == 2
+    out, err = capsys.readouterr()
+    assert out == "lm-eval output\n" and err == "wide lm-eval: error: RuntimeError: first line\n"
+
+    def interrupt():
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(lm_main, "cli_evaluate", interrupt)
+    with pytest.raises(KeyboardInterrupt):
+        lm_eval_main([])
+    assert main(["lm-eval"]) == 130
+    assert capsys.readouterr().err == "wide lm-eval: interrupted\n"
+
+
+def test_pack_task_data_script(tmp_path):
+    """--help prints usage (it used to write a 14 MB file named '--help'); a path argument still packs."""
+    script = Path(__file__).parents[1] / "benchmarks" / "quality" / "pack_task_data.py"
+    env = {**__import__("os").environ, "PYTHONPATH": str(Path(__file__).parents[1] / "src")}
+    r = subprocess.run([sys.executable, str(script), "--help"], cwd=tmp_path, capture_output=True, text=True, env=env,
+                       timeout=120)
+    assert r.returncode == 0 and r.stdout.startswith("usage: pack_task_data.py") and "output" in r.stdout
+    assert list(tmp_path.iterdir()) == []
+    r = subprocess.run([sys.executable, str(script), "a", "b"], cwd=tmp_path, capture_output=True, text=True, env=env,
+                       timeout=120)
+    assert r.returncode == 2 and "unrecognized arguments: b" in r.stderr and list(tmp_path.iterdir()) == []
+    r = subprocess.run([sys.executable, str(script), "out/td.tgz"], cwd=tmp_path, capture_output=True, text=True,
+                       env=env, timeout=300)
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.strip() == "out/td.tgz" and (tmp_path / "out" / "td.tgz").stat().st_size > 1_000_000

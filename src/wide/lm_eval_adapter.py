@@ -243,12 +243,20 @@ def resolve_tasks(spec: str | list[str]) -> list[str]:
     ``zeroshot``/``wide_zeroshot`` (the seven), ``wikitext``; short names (``arc_easy``) get the
     ``wide_`` prefix.
 
+    Args:
+        spec: ``"arc_easy,piqa"`` or a list of names; short and ``wide_`` names are both accepted.
+
+    Returns:
+        the full task names (``wide_...``), each once, in the order given.
+
     Raises:
-        WideError: an unknown task name; the message lists the known ones.
+        WideError: no task, or an unknown task name; the message lists the known ones (short names).
     """
     names = [t.strip() for t in (spec.split(",") if isinstance(spec, str) else spec) if t.strip()]
+    short = ", ".join(t.removeprefix("wide_") for t in ALL_TASKS)
+    known = f"all, zeroshot, {short} (each also with the prefix wide_, e.g. wide_arc_easy)"
     if not names:
-        raise WideError(f"no task given; known: all, zeroshot, {', '.join(ALL_TASKS)}")
+        raise WideError(f"no task given; known: {known}")
     out: list[str] = []
     for n in names:
         if n == "all":
@@ -258,7 +266,7 @@ def resolve_tasks(spec: str | list[str]) -> list[str]:
         else:
             full = n if n.startswith("wide_") else f"wide_{n}"
             if full not in ALL_TASKS:
-                raise WideError(f"unknown task {n!r}; known: all, zeroshot, {', '.join(ALL_TASKS)}")
+                raise WideError(f"unknown task {n!r}; known: {known}")
             out.append(full)
     return list(dict.fromkeys(out))
 
@@ -343,6 +351,12 @@ def lm_eval_main(argv: list[str] | None = None) -> int:
 
     ``argv`` are lm-eval's own arguments (``run`` is implied as with ``lm_eval``), e.g.
     ``--model wide --model_args pretrained=smollm2-135m,wide=runs/s50 --tasks wide_zeroshot``.
+    lm-eval's output (stdout, logging) passes through unchanged.
+
+    Returns:
+        0 on success; 2 when lm-eval raised an exception (e.g. ``ValueError: Tasks not found: x``), after
+        printing it as one line ``wide lm-eval: error: <message>`` on stderr, without a traceback.
+        lm-eval's own ``SystemExit`` (``--help``, its argparse errors) and ``KeyboardInterrupt`` propagate.
     """
     from lm_eval.__main__ import cli_evaluate
 
@@ -354,9 +368,21 @@ def lm_eval_main(argv: list[str] | None = None) -> int:
     sys.argv = ["lm-eval", *args]
     try:
         cli_evaluate()
+    except Exception as e:  # noqa: BLE001 - any failure inside lm-eval is reported as one line
+        print(f"wide lm-eval: error: {_one_line(e)}", file=sys.stderr)
+        return 2
     finally:
         sys.argv = old
     return 0
+
+
+def _one_line(e: BaseException) -> str:
+    """``e`` as one line: its message's first non-empty line, with the type name unless a ValueError."""
+    lines = [ln.strip() for ln in str(e).splitlines() if ln.strip()]
+    msg = lines[0] if lines else ""
+    if isinstance(e, ValueError) and msg:
+        return msg
+    return f"{type(e).__name__}: {msg}" if msg else type(e).__name__
 
 
 if __name__ == "__main__":

