@@ -104,3 +104,47 @@ def test_group_size_errors_name_value(model):
         WideModel(model, WideConfig(attn_group_size=24))
     with pytest.raises(WideError, match="G=256 does not divide the intermediate size 128"):
         WideModel(model, WideConfig(ffn_group_size=256))
+
+
+def _bpe_tokenizer(clean_up: bool):
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {c: i for i, c in enumerate(["<unk>", "<eos>", "a", "b", ",", "!", "Ġ"])}
+    tk = Tokenizer(models.BPE(vocab=vocab, merges=[], unk_token="<unk>"))
+    tk.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    return PreTrainedTokenizerFast(tokenizer_object=tk, unk_token="<unk>", eos_token="<eos>",
+                                   clean_up_tokenization_spaces=clean_up)
+
+
+def test_bpe_cleanup_warning_silenced(tmp_path, monkeypatch):
+    """`wide generate` printed transformers' 'Ignoring clean_up_tokenization_spaces=True for BPE tokenizer'
+    warning: load_base_model turns the (ignored) flag off; decoded text is unchanged."""
+    from transformers import tokenization_utils_tokenizers as tut
+
+    from wide.modeling import load_base_model, quiet_bpe_cleanup
+
+    said = []
+    monkeypatch.setattr(tut.logger, "warning_once", lambda msg, *a, **k: said.append(msg))
+    raw = _bpe_tokenizer(clean_up=True)
+    ids = raw("a , b !")["input_ids"]
+    before = raw.decode(ids)
+    assert any("Ignoring clean_up_tokenization_spaces" in m for m in said)  # the warning this test is about
+    said.clear()
+    d = tmp_path / "m"
+    from wide_testutil import tiny_model
+
+    tiny_model().save_pretrained(d)
+    raw.save_pretrained(d)
+    _, tok, _ = load_base_model(str(d), device="cpu")
+    assert tok.clean_up_tokenization_spaces is False
+    assert tok.decode(ids) == before and said == []
+    # a non-BPE tokenizer and a forced clean-up are left alone
+    from wide_testutil import tiny_tokenizer
+
+    wl = tiny_tokenizer()
+    wl.clean_up_tokenization_spaces = True
+    assert quiet_bpe_cleanup(wl).clean_up_tokenization_spaces is True
+    forced = _bpe_tokenizer(clean_up=True)
+    forced.clean_up_tokenization_spaces_for_bpe_even_though_it_will_corrupt_output = True
+    assert quiet_bpe_cleanup(forced).clean_up_tokenization_spaces is True

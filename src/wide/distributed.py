@@ -206,7 +206,7 @@ def load_base(spec: str | None, env: DistEnv, device: str | None = None, check=N
     Raises:
         WideError: as :func:`wide.modeling.load_base_model`.
     """
-    from .modeling import check_architecture, load_base_model, resolve_model
+    from .modeling import check_architecture, load_base_model, quiet_bpe_cleanup, resolve_model
 
     if not env.active:
         return load_base_model(spec, device=device, check=check)
@@ -218,7 +218,7 @@ def load_base(spec: str | None, env: DistEnv, device: str | None = None, check=N
     src = resolve_model(spec)
     try:
         hf_config = AutoConfig.from_pretrained(src.directory, **src.hf_kwargs())
-        tok = AutoTokenizer.from_pretrained(src.directory, **src.hf_kwargs())
+        tok = quiet_bpe_cleanup(AutoTokenizer.from_pretrained(src.directory, **src.hf_kwargs()))
     except (OSError, ValueError, KeyError) as e:
         raise WideError(f"cannot read model {src.ref!r}: {str(e).splitlines()[0]}") from None
     check_architecture(hf_config)

@@ -157,7 +157,7 @@ def load_base_model(spec: str | None = None, device: str | torch.device | None =
         raise WideError(f"cannot read model config from {src.ref!r}: {str(e).splitlines()[0]}") from None
     check_architecture(hf_config)
     try:
-        tok = AutoTokenizer.from_pretrained(src.directory, **src.hf_kwargs())
+        tok = quiet_bpe_cleanup(AutoTokenizer.from_pretrained(src.directory, **src.hf_kwargs()))
     except (OSError, ValueError) as e:
         raise WideError(f"cannot load the tokenizer of {src.ref!r}: {str(e).splitlines()[0]}") from None
     if check is not None:
@@ -169,6 +169,30 @@ def load_base_model(spec: str | None = None, device: str | torch.device | None =
     model.to(device).eval()
     model.requires_grad_(False)
     return model, tok, src
+
+
+def quiet_bpe_cleanup(tokenizer):
+    """Turn off ``clean_up_tokenization_spaces`` on a BPE tokenizer, where transformers ignores it anyway.
+
+    transformers (>= 5) skips that clean-up for BPE tokenizers, since it would strip real spaces before
+    punctuation, and warns ``Ignoring clean_up_tokenization_spaces=True for BPE tokenizer ...`` on the
+    first decode (e.g. every ``wide generate``; the bundled SmolLM2 GGUF tokenizer sets the flag). Setting the
+    flag to ``False`` gives the same decoded text without that warning; other tokenizers, and one that
+    forces the clean-up (``clean_up_tokenization_spaces_for_bpe_even_though_it_will_corrupt_output``), and
+    all other warnings are left alone.
+
+    Args:
+        tokenizer: a Hugging Face tokenizer (any kind).
+
+    Returns:
+        the same tokenizer object.
+    """
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    if (getattr(tokenizer, "clean_up_tokenization_spaces", False) and backend is not None
+            and type(backend.model).__name__ == "BPE"
+            and not getattr(tokenizer, "clean_up_tokenization_spaces_for_bpe_even_though_it_will_corrupt_output", False)):
+        tokenizer.clean_up_tokenization_spaces = False
+    return tokenizer
 
 
 def decoder_layers(model: nn.Module) -> nn.ModuleList:
