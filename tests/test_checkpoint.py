@@ -86,3 +86,28 @@ def test_checkpoint_files_get_the_new_file_mode(tmp_path, model):
     assert {"routers.safetensors", "wide_config.json", "base_model.json"} <= set(names)
     for name in names:
         assert stat.S_IMODE((path / name).stat().st_mode) == 0o644, name
+
+
+def test_train_state_mode_and_atomic_failure(tmp_path):
+    """train_state.pt gets a new file's mode like every other file (one atomic writer), and a failing write
+    leaves the previous file and no temporary file behind."""
+    import os
+
+    from wide.config import atomic_write, new_file_mode
+    from wide.training import atomic_torch_save
+
+    old = os.umask(0o022)
+    try:
+        atomic_torch_save({"step": 1}, tmp_path / "train_state.pt")
+        assert (tmp_path / "train_state.pt").stat().st_mode & 0o777 == new_file_mode() == 0o644
+
+        def boom(tmp):
+            open(tmp, "w").write("partial")
+            raise RuntimeError("disk full")
+
+        with pytest.raises(RuntimeError, match="disk full"):
+            atomic_write(tmp_path / "train_state.pt", boom)
+        assert torch.load(tmp_path / "train_state.pt", weights_only=True) == {"step": 1}
+        assert sorted(p.name for p in tmp_path.iterdir()) == ["train_state.pt"]
+    finally:
+        os.umask(old)

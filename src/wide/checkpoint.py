@@ -13,12 +13,11 @@ from __future__ import annotations
 
 import json
 import os
-import tempfile
 from pathlib import Path
 
 import torch
 
-from .config import CONFIG_NAME, WideConfig, atomic_write_text, new_file_mode
+from .config import CONFIG_NAME, WideConfig, atomic_write, atomic_write_text
 from .errors import WideError
 from .modeling import WideModel, check_architecture, dims_of, fingerprint, load_base_model
 
@@ -38,18 +37,7 @@ def atomic_save_safetensors(tensors: dict[str, torch.Tensor], path: str | os.Pat
     """
     from safetensors.torch import save_file
 
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
-    os.close(fd)
-    try:
-        save_file(tensors, tmp, metadata=metadata)
-        os.chmod(tmp, new_file_mode())  # after save_file, which may recreate the file
-        os.replace(tmp, path)
-    except BaseException:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-        raise
+    atomic_write(path, lambda tmp: save_file(tensors, tmp, metadata=metadata))
 
 
 def read_safetensors(path: str | os.PathLike) -> dict[str, torch.Tensor]:

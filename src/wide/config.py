@@ -264,22 +264,36 @@ def new_file_mode() -> int:
     return 0o666 & ~umask
 
 
-def atomic_write_text(path: str | os.PathLike, text: str) -> None:
-    """Write ``text`` to ``path`` through a temporary file in the same folder and ``os.replace``.
+def atomic_write(path: str | os.PathLike, write) -> None:
+    """Create or replace ``path`` atomically: ``write(tmp)`` fills a temporary file in the same folder, which
+    then gets the mode of a newly created file (:func:`new_file_mode`, not ``mkstemp``'s ``0o600``) and is
+    renamed over ``path`` with ``os.replace``. On any error the temporary file is removed and ``path`` is
+    left as it was. The one writer behind every checkpoint, state and result file.
 
-    The file ends with the mode of a newly created file (:func:`new_file_mode`), not ``mkstemp``'s ``0o600``.
+    Args:
+        path: the file to write (its folder is created).
+        write: a callable taking the temporary file's path (str) and writing the whole content to it.
     """
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
+    os.close(fd)
     try:
-        os.fchmod(fd, new_file_mode())
-        with os.fdopen(fd, "w") as f:
-            f.write(text)
-            f.flush()
-            os.fsync(f.fileno())
+        write(tmp)
+        os.chmod(tmp, new_file_mode())  # after write, which may recreate the file (safetensors does)
         os.replace(tmp, path)
     except BaseException:
         if os.path.exists(tmp):
             os.unlink(tmp)
         raise
+
+
+def atomic_write_text(path: str | os.PathLike, text: str) -> None:
+    """Write ``text`` (UTF-8) to ``path`` atomically and durably (fsync before the rename; :func:`atomic_write`)."""
+    def write(tmp: str) -> None:
+        with open(tmp, "w", encoding="utf-8") as f:
+            f.write(text)
+            f.flush()
+            os.fsync(f.fileno())
+
+    atomic_write(path, write)

@@ -27,7 +27,6 @@ import hashlib
 import json
 import math
 import os
-import tempfile
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -36,6 +35,7 @@ import torch
 
 from . import distributed as D
 from .checkpoint import save_wide
+from .config import atomic_write
 from .errors import WideError
 from .modeling import WideModel, fingerprint
 from .routing import sparsity_loss, uniform_noise
@@ -205,18 +205,8 @@ def sample_keyed_uniform(shape, device, dtype, key: tuple) -> torch.Tensor:
 
 
 def atomic_torch_save(obj, path: Path) -> None:
-    """``torch.save`` to a temporary file, then rename (tensors, dicts, lists and numbers only)."""
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
-    os.close(fd)
-    try:
-        torch.save(obj, tmp)
-        os.replace(tmp, path)
-    except BaseException:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-        raise
+    """``torch.save`` through :func:`wide.config.atomic_write` (tensors, dicts, lists and numbers only)."""
+    atomic_write(path, lambda tmp: torch.save(obj, tmp))
 
 
 def load_train_state(path: Path) -> dict:
