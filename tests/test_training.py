@@ -106,3 +106,20 @@ def test_bad_args():
         CalibrationArgs(steps=0).validate()
     with pytest.raises(WideError, match="--lr"):
         CalibrationArgs(lr=0.0).validate()
+
+
+def test_interrupted_checkpoint_is_flagged_on_load(tmp_path):
+    """An intermediate save records step < steps, and loading it warns that the run did not finish."""
+    from wide.checkpoint import load
+
+    run(tmp_path / "b", 6, stop_after=3)
+    info = json.loads((tmp_path / "b" / "base_model.json").read_text())
+    assert info["extra"]["step"] == 2 and info["extra"]["steps"] == 6
+    with pytest.warns(UserWarning, match="saved at step 2 of 6"):
+        load(tmp_path / "b", model=tiny_model())
+    run(tmp_path / "a", 2)
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        load(tmp_path / "a", model=tiny_model())

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import os
+import warnings
 from pathlib import Path
 
 import torch
@@ -116,6 +117,10 @@ def load(path: str | os.PathLike, model: str | torch.nn.Module | None = None, de
     Raises:
         WideError: missing directory or files, corrupt files, a checkpoint made for another base model,
             router shapes that do not fit, or a missing / corrupt LoRA adapter.
+
+    Warns:
+        UserWarning: the checkpoint is an intermediate save of a run that did not finish (``base_model.json``
+            records ``step < steps``).
     """
     path = Path(path)
     if not path.is_dir():
@@ -123,6 +128,11 @@ def load(path: str | os.PathLike, model: str | torch.nn.Module | None = None, de
     config = WideConfig.load(path)
     info = read_base_info(path)
     routers = read_safetensors(path / ROUTERS_NAME)  # fail on a corrupt file before loading any model
+    extra = info.get("extra") or {}
+    if isinstance(extra.get("step"), int) and isinstance(extra.get("steps"), int) and extra["step"] < extra["steps"]:
+        warnings.warn(f"WIDE checkpoint {str(path)!r} was saved at step {extra['step']} of {extra['steps']}: an "
+                      f"interrupted {extra.get('stage', 'training')} run (the same command with --resume "
+                      f"continues it)", stacklevel=2)
     tok = None
     if isinstance(model, torch.nn.Module):
         base = model
