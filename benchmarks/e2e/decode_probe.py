@@ -8,7 +8,10 @@ Times, per decoder-layer op, B = 1 and B = 4 rows:
   at sparsity s in {0, 0.3, 0.5} against cuBLAS ``x @ w.T`` (dense);
 * ``gemv_swiglu`` (Eq. 3; K=4096, N=14336, G=128) against cuBLAS gate + up, and ``gemv_mn`` for q_proj
   (N=K=4096, G=512) against cuBLAS;
-* every ``gemv_k`` config candidate at down, B=1, s=0.3 (what the autotuner chooses from).
+* every ``gemv_k`` config candidate at down, B=1, s=0.3 (what the autotuner chooses from);
+* every ``gemv_mn`` (q_proj) and ``gemv_swiglu`` config candidate at B=1, s in {0, 0.5}, against cuBLAS:
+  the per-tile kernel (configs ``BN, BK``; the first is the untuned default) and the split kernel
+  (``BN, BK, SPLIT, SMAX``: dense-sized grid over the device-compacted active tiles x K splits).
 
 Masks are Bernoulli(1 - s) per (row, group).  Each op is captured ~20 times (or more) into one CUDA graph
 and the replay time / count is reported (median of the replays, after warm-up), which removes the launch
@@ -21,7 +24,7 @@ GPU (< 120 s on an H200)::
 
     PYTHONPATH=src python3 benchmarks/e2e/decode_probe.py --out $OUT
 
-writes ``$OUT/decode_probe.json``, ``$OUT/decode_probe.md`` and the autotuning cache it filled
+(with the gemv_mn / gemv_swiglu config parts, give it ``--budget 240``) writes ``$OUT/decode_probe.json``, ``$OUT/decode_probe.md`` and the autotuning cache it filled
 (``$OUT/autotune/kernel_autotune.json``), and prints the table.  A part that fails is skipped with its error
 recorded; parts still pending when ``--budget`` seconds have passed are skipped.  ``--smoke`` runs tiny
 shapes on the CPU under ``TRITON_INTERPRET=1`` (wall-clock, no graphs) to check that the script works.
@@ -256,6 +259,54 @@ class Probe:
         finally:
             decode._gemv_k_cands = orig
 
+    def mn_configs(self, swiglu, N, K, G, B, s):
+        """Every ``_gemv_mn_cands`` config of gemv_mn (one [N, K] weight) or gemv_swiglu (gate + up), forced in
+        turn, vs cuBLAS (x @ w.T, or gate and up)."""
+        nw = 2 if swiglu else 1
+        nbytes = nw * N * K * 2
+        ncopy = self.copies(nbytes)
+        ws = [[self.randn(N, K, std=K ** -0.5) for _ in range(ncopy)] for _ in range(nw)]
+        a = self.randn(B, K)
+        route = self.mask(B, N // G, s)
+        active = route.any(0).float().mean().item()
+        n = self.n_ops(ncopy)
+        od = [torch.empty(B, N, dtype=torch.bfloat16, device=self.dev) for _ in range(nw)]
+
+        def dense_op(i):
+            for j in range(nw):
+                torch.matmul(a, ws[j][i % ncopy].t(), out=od[j])
+
+        dense = self.time_ops([lambda i=i: dense_op(i) for i in range(n)])
+        if swiglu:
+            fn = lambda i, o: gemv_swiglu(a, ws[0][i % ncopy], ws[1][i % ncopy], route, G, out=o)  # noqa: E731
+            label = f"gemv_swiglu config (N={N},K={K},G={G})"
+        else:
+            fn = lambda i, o: gemv_mn(a, ws[0][i % ncopy], route, G, out=o)  # noqa: E731
+            label = f"gemv_mn config q_proj (N={N},K={K},G={G})"
+        j = (n - 1) % ncopy
+        ref = (swiglu_ref(a.double(), ws[0][j].double(), ws[1][j].double(), route, G) if swiglu
+               else gemm_mn_ref(a.double(), ws[0][j].double(), route, G))
+        cands = decode._gemv_mn_cands(K, swiglu, G, N)
+        orig = decode._gemv_mn_cands
+        o = torch.empty(B, N, dtype=torch.bfloat16, device=self.dev)
+        try:
+            for k, c in enumerate(cands):
+                if time.time() - self.t0 > self.args.budget:
+                    break
+                decode._gemv_mn_cands = lambda *_, c=c: [dict(c)]
+                kind = ("split" if "SPLIT" in c else "tile") + (" (default)" if k == 0 else "")
+                try:
+                    t = self.time_ops([lambda i=i: fn(i, o) for i in range(n)])
+                    err = self.rel(o, ref)
+                    self.add(op=label, B=B, s=s, impl=f"{kind} {json.dumps(c)}", us=t * 1e6,
+                             baseline_us=dense * 1e6, speedup=dense / t, active=active,
+                             GBps=active * nbytes / t * 1e-9, dense_GBps=nbytes / dense * 1e-9,
+                             check=f"rel err {err:.1e}", bytes=nbytes)
+                except Exception as e:
+                    self.add(op=label, B=B, s=s, impl=f"{kind} {json.dumps(c)}", us=None, check=f"failed: {e}")
+        finally:
+            decode._gemv_mn_cands = orig
+
     def swiglu(self, N, K, G, B, sparsities):
         nbytes = 2 * N * K * 2
         ncopy = self.copies(nbytes)
@@ -302,6 +353,9 @@ class Probe:
             self.part(f"gemv_k o_proj G={GF} B={B}", lambda B=B: self.gemv_k("o_proj", D, D, GF, B, sp))
             self.part(f"gemv_swiglu B={B}", lambda B=B: self.swiglu(FF, D, GF, B, sp))
             self.part(f"gemv_mn q_proj B={B}", lambda B=B: self.gemv_mn(D, D, GA, B, sp))
+        for s in (0.0, 0.5):
+            self.part(f"gemv_mn configs q_proj B=1 s={s}", lambda s=s: self.mn_configs(False, D, D, GA, 1, s))
+            self.part(f"gemv_swiglu configs B=1 s={s}", lambda s=s: self.mn_configs(True, FF, D, GF, 1, s))
         self.part("gemv_k configs down B=1 s=0.3", lambda: self.gemv_k_configs(D, FF, GF, 1, 0.3))
 
     def report(self):

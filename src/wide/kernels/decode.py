@@ -4,8 +4,9 @@ decoding, mask reordering is bypassed and routing is checked directly at the blo
 
 All kernels read the route directly (no reorder).  A group no row executes moves no weight bytes,
 which is the whole cost of a GEMV: GEMV-MN predicates the weight loads of an N tile by "any of the
-M rows executes this group"; GEMV-K compacts the active groups on the device and streams only their
-weight tiles, split over many programs.  Outputs of inactive (row, group) pairs are written as 0.
+M rows executes this group" (or, in its split variant, maps a dense-sized grid onto the compacted
+list of active N tiles x K splits); GEMV-K compacts the active groups on the device and streams only
+their weight tiles, split over many programs.  Outputs of inactive (row, group) pairs are written as 0.
 """
 
 from __future__ import annotations
@@ -72,6 +73,107 @@ if HAS_TRITON:
                 acc = acc / (1.0 + tl.exp(-acc)) * acc2
             res = tl.where(r, acc, 0.0).to(out_ptr.dtype.element_ty)
             tl.store(o_ptrs, res, mask=mmask[:, None] & nmask[None, :])
+
+    @triton.jit
+    def _gemv_mn_split_kernel(x_ptr, w_ptr, w2_ptr, out_ptr, part_ptr, cnt_ptr, route_ptr, M, K, NG, PROGS,
+                              stride_xm, stride_wn, stride_om, G: tl.constexpr, BN: tl.constexpr,
+                              BK: tl.constexpr, NGP: tl.constexpr, SMAX: tl.constexpr, SWIGLU: tl.constexpr,
+                              EVEN_K: tl.constexpr):
+        # 1-D grid of PROGS = (N / BN) * SPLIT programs, sized for the dense case.  Every program compacts
+        # the active groups (union over the M rows) on the device: rank = cumsum(active).  The A active
+        # N tiles (BN divides G, so a tile lies in one group) are numbered in N order; the K axis of each
+        # is cut into S = min(PROGS // A, SMAX, K chunks) splits, S chosen at run time, so the A * S work
+        # items (active tile, K split) keep ~PROGS programs streaming weight rows at any sparsity.
+        # Program p computes work item p (if p < A * S) and writes the zeros of the p-th inactive tile
+        # (if any); programs beyond both exit at once.
+        pid = tl.program_id(0)
+        offs_g = tl.arange(0, NGP)
+        gmask = offs_g < NG
+        act = tl.zeros((NGP,), dtype=tl.int32)
+        for m in range(0, M):
+            act = tl.maximum(act, (tl.load(route_ptr + m * NG + offs_g, mask=gmask, other=0) != 0).to(tl.int32))
+        inact = tl.where(gmask, 1 - act, 0)
+        TPG: tl.constexpr = G // BN  # N tiles per group
+        n_act = tl.sum(act, axis=0)
+        tiles_act = n_act * TPG
+        tiles_inact = (NG - n_act) * TPG
+        CH = tl.cdiv(K, BK)  # K chunks of one tile
+        S = tl.minimum(tl.minimum(PROGS // tl.maximum(tiles_act, 1), SMAX), CH)
+        S = tl.maximum(S, 1)
+        offs_m = tl.arange(0, 16)  # rows padded to 16 for the tensor-core dot; padded rows load nothing
+        mmask = offs_m < M
+        offs_b = tl.arange(0, BN)
+        if pid < tiles_inact:
+            qi = pid // TPG
+            rank_i = tl.where(inact != 0, tl.cumsum(inact, axis=0), 0)
+            gi = tl.sum(tl.where(rank_i == qi + 1, offs_g, 0), axis=0)  # the qi-th inactive group
+            nz = gi * G + (pid - qi * TPG) * BN + offs_b
+            tl.store(out_ptr + offs_m[:, None] * stride_om + nz[None, :],
+                     tl.zeros((16, BN), dtype=out_ptr.dtype.element_ty), mask=mmask[:, None])
+        if pid < tiles_act * S:
+            q = pid // S  # active tile
+            sp = pid - q * S  # its K split
+            qa = q // TPG
+            rank = tl.where(act != 0, tl.cumsum(act, axis=0), 0)
+            g = tl.sum(tl.where(rank == qa + 1, offs_g, 0), axis=0)  # the qa-th active group
+            offs_n = g * G + (q - qa * TPG) * BN + offs_b
+            c0 = (sp * CH) // S
+            c1 = ((sp + 1) * CH) // S
+            offs_k = tl.arange(0, BK)
+            w_rows = w_ptr + offs_n[:, None].to(tl.int64) * stride_wn + offs_k[None, :]
+            w2_rows = w2_ptr + offs_n[:, None].to(tl.int64) * stride_wn + offs_k[None, :]
+            x_rows = x_ptr + offs_m[:, None] * stride_xm + offs_k[None, :]
+            acc = tl.zeros((16, BN), dtype=tl.float32)
+            acc2 = tl.zeros((16, BN), dtype=tl.float32)
+            for c in range(c0, c1):
+                k0 = c * BK
+                if EVEN_K:
+                    xt = tl.load(x_rows + k0, mask=mmask[:, None], other=0.0)
+                    wt = tl.load(w_rows + k0)
+                else:
+                    km = (k0 + offs_k) < K
+                    xt = tl.load(x_rows + k0, mask=mmask[:, None] & km[None, :], other=0.0)
+                    wt = tl.load(w_rows + k0, mask=km[None, :], other=0.0)
+                acc = mma(xt, tl.trans(wt), acc)
+                if SWIGLU:
+                    if EVEN_K:
+                        w2t = tl.load(w2_rows + k0)
+                    else:
+                        w2t = tl.load(w2_rows + k0, mask=km[None, :], other=0.0)
+                    acc2 = mma(xt, tl.trans(w2t), acc2)
+            rg = tl.load(route_ptr + offs_m * NG + g, mask=mmask, other=0) != 0  # rows that execute g
+            o_ptrs = out_ptr + offs_m[:, None] * stride_om + offs_n[None, :]
+            if S == 1:
+                if SWIGLU:
+                    acc = acc / (1.0 + tl.exp(-acc)) * acc2
+                tl.store(o_ptrs, tl.where(rg[:, None], acc, 0.0).to(out_ptr.dtype.element_ty),
+                         mask=mmask[:, None])
+            else:
+                # fp32 partials in this program's slot [NW, M, BN] (NW = 2 with SwiGLU: gate, up); the
+                # split of the tile that arrives last sums the S slots in split order (deterministic),
+                # finishes the tile and resets the tile's arrival counter for the next launch
+                NW: tl.constexpr = 2 if SWIGLU else 1
+                SL = NW * M * BN  # slot size (floats)
+                slot = offs_m[:, None] * BN + offs_b[None, :]
+                pmask = mmask[:, None]
+                tl.store(part_ptr + pid.to(tl.int64) * SL + slot, acc, mask=pmask)
+                if SWIGLU:
+                    tl.store(part_ptr + pid.to(tl.int64) * SL + M * BN + slot, acc2, mask=pmask)
+                tl.debug_barrier()
+                arrived = tl.atomic_add(cnt_ptr + q, 1, sem="acq_rel", scope="gpu")
+                if arrived == S - 1:
+                    tot = tl.zeros((16, BN), dtype=tl.float32)
+                    tot2 = tl.zeros((16, BN), dtype=tl.float32)
+                    base = part_ptr + (q * S).to(tl.int64) * SL + slot
+                    for s in range(0, S):
+                        tot += tl.load(base + s * SL, mask=pmask, other=0.0, cache_modifier=".cg")
+                        if SWIGLU:
+                            tot2 += tl.load(base + s * SL + M * BN, mask=pmask, other=0.0, cache_modifier=".cg")
+                    if SWIGLU:
+                        tot = tot / (1.0 + tl.exp(-tot)) * tot2
+                    tl.store(o_ptrs, tl.where(rg[:, None], tot, 0.0).to(out_ptr.dtype.element_ty),
+                             mask=mmask[:, None])
+                    tl.atomic_xchg(cnt_ptr + q, 0, sem="relaxed", scope="gpu")
 
     @triton.jit
     def _gemv_k_kernel(x_ptr, w_ptr, out_ptr, part_ptr, cnt_ptr, route_ptr, M, N, NG, stride_xm, stride_wn,
@@ -226,13 +328,43 @@ def _check_small(x, M, what):
         fail(f"{what}: the GEMV path takes M <= 4 rows, got M={M}")
 
 
-def _gemv_mn_cands(K, swiglu=False):
+def _gemv_mn_cands(K, swiglu=False, G=16, N=None):
+    """Configs of :func:`gemv_mn` / :func:`gemv_swiglu`; the first is used untuned (graph capture, CPU).
+
+    Two kernels.  ``BN, BK`` (+ warps/stages): one program per N tile of BN columns (the original
+    kernel, still the untuned default); a tile that no row executes reads nothing, so at sparsity s only
+    ``(1 - s)`` of the programs stream weights.  ``BN, BK, SPLIT, SMAX``: :func:`_gemv_mn_split_kernel`,
+    ``N / BN * SPLIT`` programs (the dense case: SPLIT K splits per tile) mapped on the device onto the
+    active tiles with ``S = min(programs // active tiles, SMAX)`` K splits each, so about as many
+    programs stream weight rows at any sparsity.  BN must divide G (kept to ``pow2_part(G)``).
+    """
+    bnmax = pow2_part(G)
+    ch = lambda bk: max(1, -(-K // bk))  # noqa: E731  K chunks of width bk
     if interpret_mode():
-        return [dict(BN=16, BK=min(64, next_pow2(K)))]
+        bk = min(32, next_pow2(K))
+        return [dict(BN=16, BK=min(64, next_pow2(K))),
+                dict(BN=min(32, bnmax), BK=bk, SPLIT=min(2, ch(bk)), SMAX=min(4, ch(bk)))]
     c = [(16, 256, 4, 4), (32, 256, 4, 4), (16, 512, 4, 3), (64, 128, 4, 4)]
     if swiglu:
         c = [(16, 256, 4, 4), (32, 128, 4, 4), (16, 128, 4, 5)]
-    return [dict(BN=bn, BK=min(bk, next_pow2(K)), num_warps=w, num_stages=st) for bn, bk, w, st in c]
+    out = [dict(BN=bn, BK=min(bk, next_pow2(K)), num_warps=w, num_stages=st) for bn, bk, w, st in c]
+    # split kernel: (BN, BK, SPLIT, SMAX, warps, stages).  At Llama-3.1-8B shapes (H200, 132 SMs) the
+    # q_proj list launches 256-512 programs (N = 4096) and the SwiGLU list 224-896 (N = 14336, two
+    # weight tiles per K chunk), like the gemv_k configs that stream HBM at full rate.  None of them
+    # spills registers when compiled for sm_90 (ptxas; the SwiGLU tiles of 64 x 128 need 8 warps).
+    sc = [(64, 128, 8, 32, 4, 3), (64, 128, 8, 32, 8, 3), (32, 128, 4, 32, 4, 3), (32, 256, 4, 16, 8, 3),
+          (16, 256, 2, 16, 4, 4), (128, 64, 8, 64, 8, 3), (64, 64, 8, 64, 4, 3)]
+    if swiglu:
+        sc = [(64, 128, 2, 16, 8, 3), (64, 128, 4, 16, 8, 3), (64, 64, 4, 32, 4, 3), (128, 64, 2, 32, 8, 3),
+              (32, 64, 2, 32, 4, 4), (16, 128, 1, 16, 4, 4), (32, 64, 4, 32, 4, 4)]
+    for bn, bk, sp, smax, w, st in sc:
+        bn = min(bn, bnmax)
+        bk = min(bk, next_pow2(K))
+        sp = max(1, min(sp, ch(bk)))
+        cfg = dict(BN=bn, BK=bk, SPLIT=sp, SMAX=max(sp, min(smax, ch(bk))), num_warps=w, num_stages=st)
+        if cfg not in out:
+            out.append(cfg)
+    return out
 
 
 def _gemv_k_cands(G, K, N, M):
@@ -274,9 +406,24 @@ def gemv_mn(x: torch.Tensor, w: torch.Tensor, route: torch.Tensor, G: int, *,
         w2: optional second weight ``[N, K]``: computes the fused SwiGLU
             ``silu(x w.T) * (x w2.T)`` instead (see :func:`gemv_swiglu`).
 
-    A program owns BN output columns; it reads no weight byte when none of the M rows executes
-    its group (level-0 skip) and writes zeros.  fp32 accumulation (tensor-core dot with the rows
-    padded to 16).  Weight bytes read: ``(fraction of groups executed by some row) * N * K * 2``.
+    Returns:
+        ``out`` (or a new ``[M, N]`` tensor in x's dtype), fp32-accumulated; every column of a group
+        that row m does not execute is exactly 0 in row m.
+
+    Weight bytes read: ``(fraction of groups executed by some row) * N * K * itemsize`` (level-0 skip).
+    The autotuner (:func:`wide.kernels._common.pick_config`) picks one of two kernels, see
+    :func:`_gemv_mn_cands`; untuned (CUDA-graph capture, ``WIDE_AUTOTUNE=0``, CPU) it is the first:
+
+    * one program per N tile of BN columns; a tile that no row executes reads no weight byte and
+      writes zeros, so at sparsity s only ``1 - s`` of the programs stream memory;
+    * split kernel: a grid sized for the dense case (``N / BN * SPLIT`` programs).  Each program
+      compacts the active groups on the device (union over the M rows, ``cumsum``; no host sync,
+      CUDA-graph capturable) and takes one work item (active N tile, K split), with the number of K
+      splits per tile chosen at run time from the number of active tiles, so about as many programs
+      stream contiguous weight rows at any sparsity.  Partials of a split tile are fp32 and summed in
+      split order by the split that arrives last (per-tile arrival counter it resets; deterministic for
+      a given route), which then applies SiLU-and-product (SwiGLU) and the row mask.  Programs beyond
+      the active work write the zeros of the inactive tiles or exit.
 
     Raises:
         ValueError: M > 4, or bad shapes/dtypes/devices/G/route/out (as :func:`wide.kernels.gemm_mn`).
@@ -304,14 +451,33 @@ def gemv_mn(x: torch.Tensor, w: torch.Tensor, route: torch.Tensor, G: int, *,
     route = route.contiguous()
     NG = N // G
 
+    swiglu = w2 is not None
+    if M == 0 or N == 0:
+        return out
+
     def run(cfg):
+        if "SPLIT" in cfg:
+            bn = cfg["BN"]
+            tiles = N // bn
+            progs = tiles * cfg["SPLIT"]
+            nw = 2 if swiglu else 1
+            # fp32 partial slots, one per program (unused, 1 element, when a tile never splits)
+            part = torch.empty((progs * nw * M * bn if cfg["SMAX"] > 1 else 1,), dtype=torch.float32,
+                               device=x.device)
+            cnt = _tile_counters(x.device, tiles)
+            _gemv_mn_split_kernel[(progs,)](x, w, w2c, out, part, cnt, route, M, K, NG, progs, x.stride(0),
+                                            w.stride(0), out.stride(0), G=G, BN=bn, BK=cfg["BK"],
+                                            NGP=max(2, next_pow2(NG)), SMAX=cfg["SMAX"], SWIGLU=swiglu,
+                                            EVEN_K=(K % cfg["BK"] == 0), **launch_opts(cfg))
+            return
         grid = (triton.cdiv(N, cfg["BN"]),)
         _gemv_mn_kernel[grid](x, w, w2c, out, route, M, N, K, NG, x.stride(0), w.stride(0), out.stride(0),
-                              G, BN=cfg["BN"], BK=cfg["BK"], SWIGLU=w2 is not None,
+                              G, BN=cfg["BN"], BK=cfg["BK"], SWIGLU=swiglu,
                               EVEN_K=(K % cfg["BK"] == 0), **launch_opts(cfg))
 
-    op = "gemv_swiglu" if w2 is not None else "gemv_mn"
-    cfg = pick_config(op, (M, N, K, G, str(x.dtype)), x.device, _gemv_mn_cands(K, w2 is not None), run)
+    # "2": the candidate list gained the split kernel; a cache entry of the old list is not reused
+    op = "gemv_swiglu2" if swiglu else "gemv_mn2"
+    cfg = pick_config(op, (M, N, K, G, str(x.dtype)), x.device, _gemv_mn_cands(K, swiglu, G, N), run)
     run(cfg)
     return out
 
@@ -319,8 +485,11 @@ def gemv_mn(x: torch.Tensor, w: torch.Tensor, route: torch.Tensor, G: int, *,
 def gemv_swiglu(x, w_gate, w_up, route, G, *, out=None):
     """Decode fused routed SwiGLU, ``M <= 4`` (Eq. 3): ``silu(x Wg^T) * (x Wu^T)`` on active groups, else 0.
 
-    x ``[M, K]`` (M <= 4), w_gate/w_up ``[N, K]``, route bool ``[M, N // G]``, out optional ``[M, N]``;
-    reads each executed weight group of both matrices once and x once per K tile.
+    x ``[M, K]`` (M <= 4, bf16/fp16/fp32), w_gate/w_up ``[N, K]`` of x's dtype, route bool
+    ``[M, N // G]``, out optional contiguous ``[M, N]`` of x's dtype; returns ``out`` (or a new tensor),
+    fp32-accumulated, exactly 0 where ``route[m, n // G]`` is False.  Reads each executed weight group of
+    both matrices once and x once per K tile; the gate and up partials of a split tile are summed before
+    the SiLU (same two kernels and autotuning as :func:`gemv_mn`, tuned separately).
 
     Raises:
         ValueError: as :func:`gemv_mn`.
