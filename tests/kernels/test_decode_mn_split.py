@@ -49,12 +49,23 @@ def _check(x, w, w2, r, G, dtype):
     assert (out[off] == 0).all(), "an inactive (row, group) output must be exactly 0"
 
 
-@pytest.mark.parametrize("kernel", ["split", "old"])
+# the old per-tile kernel is the untuned default, which tests/kernels/test_decode.py covers (M 1-4, G 16 and
+# 512, random / none / one-row masks); here it is forced once per mask kind, the split kernel over the grid
+@pytest.mark.parametrize("kernel", ["split"])
 @pytest.mark.parametrize("M", [1, 2, 3, 4])
 @pytest.mark.parametrize("G", [16, 64, 128, 512])
 @pytest.mark.parametrize("kind", ["all", "none", "one_active", "random", "one_row"])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_gemv_mn_matches_float64(monkeypatch, kernel, M, G, kind, dtype):
+    _gemv_mn_case(monkeypatch, kernel, M, G, kind, dtype)
+
+
+@pytest.mark.parametrize("kind", ["all", "none", "one_active", "random", "one_row"])
+def test_gemv_mn_old_kernel_forced(monkeypatch, kind):
+    _gemv_mn_case(monkeypatch, "old", 3, 64, kind, torch.bfloat16)
+
+
+def _gemv_mn_case(monkeypatch, kernel, M, G, kind, dtype):
     gen = seed_for("gemv_mn_split", kernel, M, G, kind, dtype)
     N = 2 * G if G >= 128 else 4 * G
     K = 96 if M % 2 else 128  # K not a multiple of the K chunk (masked last chunk) and a multiple of it
