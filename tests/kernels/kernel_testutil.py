@@ -21,7 +21,8 @@ def randn(shape, dtype, gen):
 
 
 def make_mask(kind, shape, gen, p=0.5):
-    """kind: random | all | none | one_row (exactly one active row, the others all inactive)."""
+    """kind: random | all | none | one_row (exactly one active row, the others all inactive) |
+    one_active (exactly one (row, group) pair executes; 2-D shapes)."""
     if kind == "random":
         m = torch.rand(shape, generator=gen) < p
     elif kind == "all":
@@ -33,6 +34,9 @@ def make_mask(kind, shape, gen, p=0.5):
         rows = shape[-2]
         r = int(torch.randint(rows, (1,), generator=gen))
         m[..., r, :] = True
+    elif kind == "one_active":
+        m = torch.zeros(shape, dtype=torch.bool)
+        m[int(torch.randint(shape[0], (1,), generator=gen)), int(torch.randint(shape[1], (1,), generator=gen))] = True
     else:
         raise AssertionError(kind)
     return m.to(DEVICE)

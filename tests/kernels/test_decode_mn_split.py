@@ -10,7 +10,7 @@ inactive (row, group) outputs exactly 0.
 import pytest
 import torch
 
-from kernel_testutil import DEVICE, check_close, make_mask, poisoned, randn, seed_for
+from kernel_testutil import check_close, make_mask, poisoned, randn, seed_for
 from wide.kernels import decode, gemm_mn, gemv_mn, gemv_swiglu, swiglu
 from wide.kernels.reference import expand_route, gemm_mn_ref, swiglu_ref
 
@@ -19,14 +19,6 @@ OLD = dict(BN=16, BK=32)
 
 def _force(monkeypatch, cfg):
     monkeypatch.setattr(decode, "_gemv_mn_cands", lambda *a, **k: [dict(cfg)])
-
-
-def _mask(kind, M, NG, gen):
-    if kind == "one_active":  # exactly one (row, group) pair executes
-        m = torch.zeros((M, NG), dtype=torch.bool)
-        m[int(torch.randint(M, (1,), generator=gen)), int(torch.randint(NG, (1,), generator=gen))] = True
-        return m.to(DEVICE)
-    return make_mask(kind, (M, NG), gen)
 
 
 def _split_cfg(M, G, dtype):
@@ -73,7 +65,7 @@ def _gemv_mn_case(monkeypatch, kernel, M, G, kind, dtype):
     x = randn((M, K), dtype, gen)
     w = randn((N, K), dtype, gen)
     w2 = randn((N, K), dtype, gen)
-    _check(x, w, w2, _mask(kind, M, N // G, gen), G, dtype)
+    _check(x, w, w2, make_mask(kind, (M, N // G), gen), G, dtype)
 
 
 @pytest.mark.parametrize("split,smax", [(1, 1), (1, 16), (2, 2), (3, 5), (8, 8)])

@@ -7,21 +7,13 @@ direct-store path (1 split), the fp32-partials path (several splits) and splits 
 import pytest
 import torch
 
-from kernel_testutil import DEVICE, check_close, make_mask, poisoned, randn, seed_for
+from kernel_testutil import check_close, make_mask, poisoned, randn, seed_for
 from wide.kernels import decode, gemm_k, gemv_k
 from wide.kernels.reference import gemm_k_ref
 
 
 def _force(monkeypatch, **cfg):
     monkeypatch.setattr(decode, "_gemv_k_cands", lambda G, K, N, M: [dict(cfg)])
-
-
-def _mask(kind, M, NG, gen):
-    if kind == "one_active":  # exactly one (row, group) pair executes
-        m = torch.zeros((M, NG), dtype=torch.bool)
-        m[int(torch.randint(M, (1,), generator=gen)), int(torch.randint(NG, (1,), generator=gen))] = True
-        return m.to(DEVICE)
-    return make_mask(kind, (M, NG), gen)
 
 
 @pytest.mark.parametrize("M", [1, 2, 3, 4])
@@ -37,7 +29,7 @@ def test_gemv_k_matches_float64(monkeypatch, M, G, kind, dtype):
     _force(monkeypatch, BN=16, BK=min(32, G), SPLIT=split, FUSE=fuse)
     a = randn((M, K), dtype, gen)
     w = randn((N, K), dtype, gen)
-    r = _mask(kind, M, K // G, gen)
+    r = make_mask(kind, (M, K // G), gen)
     out = poisoned((M, N), dtype)
     gemv_k(a, w, r, G, out=out)
     check_close(out, gemm_k_ref(a.double(), w.double(), r, G))
