@@ -201,8 +201,7 @@ def _maybe_launch(args, command: str, precheck) -> int | None:
 
     if args.nproc is None or D.launched_by_torchrun():
         return None
-    if args.nproc < 1:
-        raise WideError(f"--nproc {args.nproc} must be >= 1")
+    _at_least("--nproc", args.nproc, 1)
     precheck()
     return D.launch(args.nproc, command, D.strip_nproc(args.argv))
 
@@ -467,10 +466,8 @@ def cmd_prune_static(args) -> int:
     out = Path(args.output)
     if out.exists() and any(out.iterdir()) and not args.overwrite:
         raise WideError(f"output {str(out)!r} exists and is not empty (use --overwrite)")
-    if args.batch_size < 1:
-        raise WideError(f"--batch-size {args.batch_size} must be >= 1")
-    if args.calib_blocks < 1:
-        raise WideError(f"--calib-blocks {args.calib_blocks} must be >= 1")
+    _at_least("--batch-size", args.batch_size, 1)
+    _at_least("--calib-blocks", args.calib_blocks, 1)
     _at_least("--seq-len", args.seq_len, 2)
     from .config import WideConfig
 
