@@ -46,6 +46,11 @@ def test_resume_gives_identical_losses(tmp_path, tied):
     run(tmp_path / "b", 6, stop_after=5, tied=tied)
     st = torch.load(tmp_path / "b" / STATE_NAME, weights_only=True)
     assert all(k.startswith(("attn_routers.", "ffn_routers.")) for k in st["model"]), sorted(st["model"])[:3]
+    if tied:  # a state written before the fix also held the frozen tied alias: it must still resume
+        from wide.training import atomic_torch_save
+
+        st["model"]["base.lm_head.weight"] = torch.zeros(128, 64)
+        atomic_torch_save(st, tmp_path / "b" / STATE_NAME)
     b = run(tmp_path / "b", 6, resume=True, tied=tied)
     la, lb = losses(tmp_path / "a" / "train_log.jsonl"), losses(tmp_path / "b" / "train_log.jsonl")
     assert [s for s, *_ in lb] == [1, 2, 3, 4, 5, 6]

@@ -291,7 +291,10 @@ def _load_state(wm: WideModel, opt, output: Path, key: dict, env: D.DistEnv) -> 
     names = {n for n, p in wm.named_parameters() if p.requires_grad}
     if use_pt:
         msd, osd, step = st["model"], st["optimizer"], int(st["step"])
-        msd = {k: v for k, v in msd.items() if k in names or not k.endswith("lm_head.weight")}  # older states
+        # states written before _trained_state also hold frozen tied aliases (base.lm_head.weight): drop
+        # every frozen parameter name, but keep unknown names so that a mismatch is still reported
+        frozen = {n for n, p in wm.named_parameters(remove_duplicate=False) if not p.requires_grad}
+        msd = {k: v for k, v in msd.items() if k not in frozen}
         if set(msd) != names:
             extra, missing = sorted(set(msd) - names), sorted(names - set(msd))
             raise WideError(f"--resume: {src} does not match this run's trained parameters (saved only: "
