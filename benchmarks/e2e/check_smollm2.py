@@ -37,6 +37,8 @@ PROMPTS = [
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--ckpt", default="benchmarks/quality/checkpoints/smollm2-global-s50-g128")
+    p.add_argument("--model", default=None,
+                   help="base model (path or --model string) instead of the one recorded in the checkpoint")
     p.add_argument("--steps", type=int, default=64)
     p.add_argument("--prompts", type=int, default=20)
     p.add_argument("--device", default=None)
@@ -50,7 +52,7 @@ def main(argv=None) -> int:
     from wide.inference import Engine, generate
 
     t0 = time.time()
-    wm, tok = wide.load(args.ckpt, device=args.device, tokenizer=True)
+    wm, tok = wide.load(args.ckpt, model=args.model, device=args.device, tokenizer=True)
     dev = next(wm.base.parameters()).device
     eng = Engine(wm)
     prompts = PROMPTS[: args.prompts]

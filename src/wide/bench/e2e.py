@@ -61,7 +61,8 @@ def add_arguments(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
     """Options of ``wide bench e2e``."""
     p.add_argument("--quick", action="store_true",
                    help="subset: prefill B=1 x {512,2048,16384}, decode B={1,16} x {512,2048} (+16384 at B=1), "
-                        "s={0,0.5}, G=128, paper split (+ uniform at 2048), trace, SmolLM2")
+                        "s={0,0.5}, G=128, paper split (+ uniform at prefill 16384 / 2048 and decode 2048), "
+                        "trace, SmolLM2")
     p.add_argument("--batch", default="1,8,16,32", type=_ints)
     p.add_argument("--prompt", default="512,2048,16384", type=_ints, help="prompt lengths (tokens)")
     p.add_argument("--sparsity", default="0,0.25,0.5", type=_floats, help="overall target sparsity s")
@@ -637,7 +638,7 @@ def run(args) -> int:
         prefill_pts = [(1, T) for T in (16384, 2048, 512)]  # goal point first
         decode_pts = [(1, 2048), (1, 512), (1, 16384), (16, 2048), (16, 512)]
         grid = [(0.5, 128, "paper"), (0.0, 128, "paper"), (0.5, 128, "uniform")]  # goal points first
-        uniform_pts = {("prefill", 1, 2048), ("decode", 1, 2048)}
+        uniform_pts = {("prefill", 1, 16384), ("prefill", 1, 2048), ("decode", 1, 2048)}
     else:
         prefill_pts = [(B, T) for B in a.batch for T in a.prompt if B * T <= a.max_prefill_tokens]
         decode_pts = [(B, T) for B in a.batch for T in a.prompt]
