@@ -91,7 +91,8 @@ def worker(a) -> int:
     g = torch.Generator().manual_seed(0)
     blocks = torch.randint(0, base.config.vocab_size, (64, a.seq_len), generator=g)
     args = CalibrationArgs(steps=a.warmup + a.steps, batch_size=a.micro_batch, grad_accum=1, lr=1e-3,
-                           warmup_steps=0, save_every=10**9, grad_checkpoint=a.grad_checkpoint)
+                           warmup_steps=0, save_every=10**9, grad_checkpoint=a.grad_checkpoint,
+                           reshard_after_forward=not a.keep_gathered)
     recs = []
 
     def on_step(r):
@@ -127,6 +128,7 @@ def worker(a) -> int:
             "micro_batch_per_gpu": a.micro_batch,
             "global_batch": a.micro_batch * env.world_size,
             "grad_checkpoint": a.grad_checkpoint,
+            "reshard_after_forward": (not a.keep_gathered) if env.active else None,
             "warmup_steps": a.warmup,
             "measured_steps": a.steps,
             "lm_loss_last": recs[-1]["lm_loss"],
@@ -158,6 +160,13 @@ def main() -> int:
                    help="activation checkpointing for the Llama-3.1-8B shape (SmolLM2 always off)")
     p.add_argument("--out", default=str(Path(__file__).resolve().parent))
     p.add_argument("--tag", default="scaling")
+    p.add_argument("--reshard-after-forward", choices=["on", "off", "both"], default="on",
+                   help="FSDP2 runs (N > 1): free each layer's gathered weights after forward (on, default) or "
+                        "keep them for backward (off: one all-gather a step; wide calibrate "
+                        "--no-reshard-after-forward)")
+    p.add_argument("--micro-batch-8b", type=int, nargs="+", default=None,
+                   help="micro-batches per GPU for the Llama-3.1-8B shape (default 1; the paper trains "
+                        "16 x 4096 on 4 GPUs = 4 per GPU)")
     p.add_argument("--stages", nargs="+", choices=["router", "lora"], default=["router"],
                    help="router = stage-1 calibration (the issue's measurement); lora = stage-2 LoRA recovery")
     # worker mode (internal)
@@ -166,6 +175,7 @@ def main() -> int:
     p.add_argument("--seq-len", type=int, help=argparse.SUPPRESS)
     p.add_argument("--micro-batch", type=int, help=argparse.SUPPRESS)
     p.add_argument("--worker-grad-checkpoint", dest="grad_checkpoint_w", action="store_true", help=argparse.SUPPRESS)
+    p.add_argument("--worker-keep-gathered", dest="keep_gathered", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--result", help=argparse.SUPPRESS)
     p.add_argument("--stage", default="router", help=argparse.SUPPRESS)
     a = p.parse_args()
@@ -183,9 +193,14 @@ def main() -> int:
     for stage in a.stages:
         for model in a.models:
             ckpts = [False] if model == "smollm2-135m" else {"off": [False], "on": [True], "both": [False, True]}[a.grad_checkpoint]
-            runs += [(stage, model, ck, n) for ck in ckpts for n in a.gpus]
-    for stage, model, ck, n in runs:
-        seq_len, mb = DEFAULT_RUNS[model]
+            mbs = [DEFAULT_RUNS[model][1]]
+            if model == "llama-3.1-8b" and a.micro_batch_8b:
+                mbs = a.micro_batch_8b
+            rafs = {"on": [True], "off": [False], "both": [True, False]}[a.reshard_after_forward]
+            runs += [(stage, model, ck, mb, n, raf) for ck in ckpts for mb in mbs for n in a.gpus
+                     for raf in (rafs if n > 1 else [True])]
+    for stage, model, ck, mb, n, raf in runs:
+        seq_len = DEFAULT_RUNS[model][0]
         with tempfile.NamedTemporaryFile(suffix=".json", delete=False) as f:
             result = f.name
         wargs = [me, "--worker", "--device", a.device, "--model", model, "--seq-len", str(seq_len),
@@ -193,25 +208,29 @@ def main() -> int:
                  "--steps", str(a.steps), "--warmup", str(a.warmup), "--result", result, "--stage", stage]
         if ck:
             wargs.append("--worker-grad-checkpoint")
+        if not raf:
+            wargs.append("--worker-keep-gathered")
         if n == 1:
             cmd = [sys.executable, *wargs]
         else:
             cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={n}", *wargs]
-        print(f"== {stage}: {model} seq {seq_len} micro-batch {mb}/GPU, {n} GPU(s), grad checkpoint {ck}",
-              flush=True)
+        print(f"== {stage}: {model} seq {seq_len} micro-batch {mb}/GPU, {n} GPU(s), grad checkpoint {ck}"
+              + ("" if n == 1 else f", reshard after forward {raf}"), flush=True)
         t0 = time.time()
         proc = subprocess.run(cmd)
         if proc.returncode != 0 or not os.path.getsize(result):
             print(f"   FAILED (exit {proc.returncode})", flush=True)
             records.append({"model": model, "gpus": n, "stage": stage, "grad_checkpoint": ck,
                             "error": f"exit {proc.returncode}", "date": date, "command": command,
-                            "seq_len": seq_len})
+                            "seq_len": seq_len, "micro_batch_per_gpu": mb,
+                            "reshard_after_forward": raf if n > 1 else None})
             continue
         rec = json.loads(Path(result).read_text())
         os.unlink(result)
         rec.update(date=date, command=command, wall_s=time.time() - t0)
         one = [r for r in records if r.get("gpus") == 1 and r.get("seq_len") == seq_len and r.get("stage") == stage
-               and r.get("grad_checkpoint") == ck and r["model"] == rec["model"] and "tokens_per_s" in r]
+               and r.get("grad_checkpoint") == ck and r.get("micro_batch_per_gpu") == mb
+               and r["model"] == rec["model"] and "tokens_per_s" in r]
         if one and n > 1:
             rec["speedup_vs_1gpu"] = rec["tokens_per_s"] / one[0]["tokens_per_s"]
         print(f"   {rec['tokens_per_s']:.0f} tokens/s, peak {rec['peak_mem_gb']:.1f} GB/GPU"
@@ -220,13 +239,17 @@ def main() -> int:
         (out / f"{a.tag}.json").write_text(json.dumps(records, indent=2) + "\n")
     lines = ["| stage | model | GPUs | mode | seq len | micro-batch/GPU | grad ckpt | tokens/s | speed-up | peak GB/GPU |",
              "|---|---|---|---|---|---|---|---|---|---|"]
+
+    def mode(r):  # FSDP2 runs name the reshard setting when it is not FSDP2's default
+        return r["mode"] + (" (no reshard after forward)" if r.get("reshard_after_forward") is False else "")
     for r in records:
         if "error" in r:
-            lines.append(f"| {r['stage']} | {r['model']} | {r['gpus']} | failed: {r['error']} | {r['seq_len']} | | "
+            lines.append(f"| {r['stage']} | {r['model']} | {r['gpus']} | failed: {r['error']} | {r['seq_len']} | "
+                         f"{r.get('micro_batch_per_gpu', '')} | "
                          f"{r['grad_checkpoint']} | | | |")
             continue
         sp = f"{r['speedup_vs_1gpu']:.2f}x" if "speedup_vs_1gpu" in r else "1.00x" if r["gpus"] == 1 else ""
-        lines.append(f"| {r['stage']} | {r['model']} | {r['gpus']} | {r['mode']} | {r['seq_len']} | {r['micro_batch_per_gpu']} | "
+        lines.append(f"| {r['stage']} | {r['model']} | {r['gpus']} | {mode(r)} | {r['seq_len']} | {r['micro_batch_per_gpu']} | "
                      f"{'on' if r['grad_checkpoint'] else 'off'} | {r['tokens_per_s']:.0f} | {sp} | {r['peak_mem_gb']:.1f} |")
     gpu = next((r["gpu"] for r in records if "gpu" in r), "?")
     md = (f"# Training throughput, {' vs '.join(map(str, a.gpus))} GPUs ({gpu}, {date})\n\n"

@@ -78,6 +78,9 @@ def _add_dist(p: argparse.ArgumentParser) -> None:
                         "`torchrun --nproc-per-node N -m wide ...`); --batch-size is per process")
     g.add_argument("--grad-checkpoint", action="store_true",
                    help="activation checkpointing: recompute each decoder layer in backward (less memory)")
+    g.add_argument("--no-reshard-after-forward", dest="reshard_after_forward", action="store_false",
+                   help="FSDP2: keep each decoder layer's gathered weights from forward to backward (one "
+                        "all-gather of the base a step instead of two; every GPU then holds the whole base)")
 
 
 def _config_from(args):
@@ -127,7 +130,8 @@ def _train_args_from(args):
     warm = args.warmup_steps if args.warmup_steps is not None else max(0, args.steps // 20)
     a = CalibrationArgs(steps=args.steps, batch_size=args.batch_size, grad_accum=args.grad_accum, lr=args.lr,
                         warmup_steps=warm, seed=args.seed, save_every=args.save_every,
-                        grad_checkpoint=bool(getattr(args, "grad_checkpoint", False)))
+                        grad_checkpoint=bool(getattr(args, "grad_checkpoint", False)),
+                        reshard_after_forward=bool(getattr(args, "reshard_after_forward", True)))
     a.validate()
     return a
 

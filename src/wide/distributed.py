@@ -127,7 +127,7 @@ def shutdown() -> None:
         dist.destroy_process_group()
 
 
-def shard(wm: nn.Module, env: DistEnv) -> None:
+def shard(wm: nn.Module, env: DistEnv, reshard_after_forward: bool = True) -> None:
     """Apply FSDP2 ``fully_shard`` to a :class:`wide.modeling.WideModel` in place, per decoder layer, with the
     weights of rank 0.
 
@@ -141,6 +141,12 @@ def shard(wm: nn.Module, env: DistEnv) -> None:
     rank 0's full state dict (``set_model_state_dict(..., broadcast_from_rank0=True)``) and the
     non-persistent buffers (rotary ``inv_freq``) are broadcast too. Call after LoRA injection and after
     enabling activation checkpointing.
+
+    ``reshard_after_forward`` is FSDP2's option for the decoder layers. True (default): each layer's weights
+    are freed after its forward and all-gathered again in backward (least memory: a rank holds 1/world of
+    the base). False: the gathered bf16 weights stay from forward to backward, so a step all-gathers the
+    base once instead of twice; every rank then holds the whole base during the step (as a single GPU
+    does), which suits routers-only training of a model that fits on one GPU.
 
     Raises:
         WideError: no process group is open.
@@ -173,8 +179,8 @@ def shard(wm: nn.Module, env: DistEnv) -> None:
     if routers:  # one unit for all routers: 2 collectives a step instead of 3 per router (issue 6)
         fully_shard(routers, mesh=mesh, mp_policy=fp32, reshard_after_forward=False)
     for layer in decoder_layers(wm.base):
-        fully_shard(layer, mesh=mesh, mp_policy=layer_mp)
-    fully_shard(wm, mesh=mesh, mp_policy=layer_mp)
+        fully_shard(layer, mesh=mesh, mp_policy=layer_mp, reshard_after_forward=reshard_after_forward)
+    fully_shard(wm, mesh=mesh, mp_policy=layer_mp, reshard_after_forward=reshard_after_forward)
     wm.to_empty(device=env.device)
     set_model_state_dict(wm, full_sd if env.is_main else {},
                          options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True))

@@ -62,6 +62,9 @@ class CalibrationArgs:
         save_every: checkpoint period in steps (and at the last step).
         log_every: kept for compatibility; every step is logged.
         grad_checkpoint: recompute each decoder layer in backward (activation checkpointing).
+        reshard_after_forward: under FSDP2, free each decoder layer's gathered weights after its forward
+            (default; least memory) or keep them for backward (False: one all-gather of the base per step
+            instead of two, the whole base resident on every rank). No effect on one process.
     """
 
     steps: int = 500
@@ -75,6 +78,7 @@ class CalibrationArgs:
     save_every: int = 100
     log_every: int = 1
     grad_checkpoint: bool = False
+    reshard_after_forward: bool = True
 
     def validate(self) -> None:
         """Raises WideError naming the first bad value (non-positive counts, ``lr <= 0``, negative warm-up)."""
@@ -236,7 +240,8 @@ def has_train_state(output: str | os.PathLike) -> bool:
 def _resume_key(wm: WideModel, args: CalibrationArgs, stage: str, extra_key: dict | None, world: int) -> dict:
     """The settings a resumed run must share with the saved one (the global batch, not its split)."""
     train = {k: v for k, v in asdict(args).items()
-             if k not in ("batch_size", "grad_accum", "save_every", "log_every", "grad_checkpoint")}
+             if k not in ("batch_size", "grad_accum", "save_every", "log_every", "grad_checkpoint",
+                          "reshard_after_forward")}
     train["global_batch"] = args.batch_size * args.grad_accum * world
     return {"stage": stage, "config": wm.config.to_dict(), "train": train, **(extra_key or {})}
 
@@ -380,7 +385,7 @@ def train(wm: WideModel, blocks: torch.Tensor, args: CalibrationArgs, output: st
     if args.grad_checkpoint:
         enable_grad_checkpoint(wm)
     if env.active:
-        D.shard(wm, env)
+        D.shard(wm, env, reshard_after_forward=args.reshard_after_forward)
         device = env.device
     else:
         device = next(wm.base.parameters()).device
