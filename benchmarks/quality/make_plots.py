@@ -7,11 +7,14 @@
   and the bundled base model.
 * Figure 6 analogue: average zero-shot accuracy against target sparsity, per method and stage, from a
   sparsity-sweep record file (``--sweep FILE``).
+* Figure 5 analogue: WIDE at S = 0.5, average zero-shot accuracy and WikiText-2 token perplexity against
+  the group size (G_ffn sweep at the default G_attn, G_attn sweep at G_ffn 128), from a group-sweep record
+  file (``--group FILE``); planned points without a record are named under the plot.
 
     PYTHONPATH=src python3 benchmarks/quality/make_plots.py --results benchmarks/quality/table.json \
         --profile wide-global-s50-gagqa-gf128-router \
         --checkpoint benchmarks/quality/checkpoints/wide-global-s50-gagqa-gf128-router \
-        --sweep benchmarks/quality/sparsity.json --out benchmarks/quality
+        --sweep benchmarks/quality/sparsity.json --group benchmarks/quality/group.json --out benchmarks/quality
 """
 
 from __future__ import annotations
@@ -19,6 +22,11 @@ from __future__ import annotations
 import argparse
 import json
 from pathlib import Path
+
+# the group plan of run_quality.py (GROUP_FFN, GROUP_ATTN; there the default G_attn, one GQA group, is None)
+GROUP_FFN = [16, 32, 64, 128, 256, 512]
+GROUP_ATTN = [64, 576]
+DEFAULT_G_FFN = 128
 
 SENTENCE = ("A boy is running down a track. The boy runs into a car and falls down, then gets up and "
             "keeps running toward the finish line.")
@@ -58,6 +66,62 @@ def sweep_plot(records: list[dict], path: Path) -> Path:
     return path
 
 
+def group_plot(records: list[dict], path: Path) -> Path:
+    """Figure 5 analogue, two panels against the group size G (log scale): average zero-shot accuracy
+    (left) and WikiText-2 token perplexity (right) of WIDE at S = 0.5, global loss. One line varies G_ffn at
+    the default G_attn (key ``-gagqa-``: one GQA group), one varies G_attn at G_ffn 128; stage 1 solid,
+    + LoRA dashed; dense as a gray line. Planned points of run_quality.py's group plan that have no
+    record are listed under the panels."""
+    from wide.plots import _plt
+
+    plt = _plt()
+    wide = [r for r in records if r["method"] == "wide" and r.get("target_sparsity") == 0.5
+            and r.get("sparsity_mode", "global") == "global" and r.get("avg_acc") is not None]
+    dense = [r for r in records if r["method"] == "dense" and r["stage"] == "router" and r.get("avg_acc") is not None]
+    if not wide:
+        raise SystemExit("no WIDE S=0.5 record in the group file")
+    default = [r for r in wide if "-gagqa-" in r.get("key", "")]
+    g_attn0 = (default or wide)[0]["G_attn"]
+    series = {}  # (knob, stage) -> {G: record}
+    for r in wide:
+        if r["G_attn"] == g_attn0:
+            series.setdefault(("G_ffn", r["stage"]), {})[r["G_ffn"]] = r
+        if r["G_ffn"] == DEFAULT_G_FFN:
+            series.setdefault(("G_attn", r["stage"]), {})[r["G_attn"]] = r
+    fig, axes = plt.subplots(1, 2, figsize=(9.5, 3.6), dpi=150)
+    for ax, field, label in ((axes[0], "avg_acc", "average zero-shot accuracy (%)"),
+                             (axes[1], "ppl", "WikiText-2 perplexity (token, ctx 2048)")):
+        scale = 100 if field == "avg_acc" else 1
+        for (knob, st), pts in sorted(series.items()):
+            gs = sorted(pts)
+            fixed = f"G_attn {g_attn0}" if knob == "G_ffn" else f"G_ffn {DEFAULT_G_FFN}"
+            ax.plot(gs, [scale * pts[g][field] for g in gs], marker="o" if knob == "G_ffn" else "s",
+                    ms=4 if knob == "G_ffn" else 6, ls="-" if st == "router" else "--",
+                    label=f"vary {knob} ({fixed}, {'router' if st == 'router' else '+LoRA'})")
+        if dense and dense[0].get(field) is not None:
+            ax.axhline(scale * dense[0][field], color="gray", ls=":", label="dense")
+        ax.set_xscale("log", base=2)
+        ticks = sorted({g for pts in series.values() for g in pts} | set(GROUP_FFN))
+        ax.set_xticks(ticks)
+        ax.set_xticklabels([str(t) for t in ticks])
+        ax.set_xlabel("group size G (channels)")
+        ax.set_ylabel(label)
+        ax.grid(alpha=0.3)
+    axes[0].legend(fontsize=7)
+    stages = sorted({st for _, st in series})
+    missing = [f"G_ffn {g}" for g in GROUP_FFN if g not in series.get(("G_ffn", "router"), {})]
+    missing += [f"G_attn {g}" for g in GROUP_ATTN if g not in series.get(("G_attn", "router"), {})]
+    note = f"WIDE, S = 0.5, {'/'.join(stages)} stage"
+    if missing:
+        note += "; not run: " + ", ".join(missing)
+    fig.text(0.5, 0.01, note, ha="center", fontsize=8)
+    fig.tight_layout(rect=(0, 0.05, 1, 1))
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path)
+    plt.close(fig)
+    return path
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--results", default=None, help="a run_quality.py record file (for --profile)")
@@ -69,6 +133,7 @@ def main() -> None:
     p.add_argument("--max-tokens", type=int, default=65536, help="tokens of --wikitext to measure on")
     p.add_argument("--sentence", default=SENTENCE)
     p.add_argument("--sweep", default=None, help="a sparsity-sweep record file (Figure 6)")
+    p.add_argument("--group", default=None, help="a group-sweep record file (Figure 5)")
     p.add_argument("--out", default="benchmarks/quality")
     a = p.parse_args()
     out = Path(a.out)
@@ -112,6 +177,8 @@ def main() -> None:
                                      f"{rep['tokens']:,} WikiText-2 tokens", target=c.target_sparsity))
     if a.sweep:
         print(sweep_plot(json.loads(Path(a.sweep).read_text()), out / "fig6_sparsity_sweep.png"))
+    if a.group:
+        print(group_plot(json.loads(Path(a.group).read_text()), out / "fig5_group_size.png"))
 
 
 if __name__ == "__main__":
