@@ -10,8 +10,9 @@ Times, per decoder-layer op, B = 1 and B = 4 rows:
   (N=K=4096, G=512) against cuBLAS;
 * every ``gemv_k`` config candidate at down, B=1, s=0.3 (what the autotuner chooses from);
 * every ``gemv_mn`` (q_proj) and ``gemv_swiglu`` config candidate at B=1, s in {0, 0.5}, against cuBLAS:
-  the per-tile kernel (configs ``BN, BK``; the first is the untuned default) and the split kernel
-  (``BN, BK, SPLIT, SMAX``: dense-sized grid over the device-compacted active tiles x K splits).
+  the per-tile kernel (configs ``BN, BK``) and the split kernel (``BN, BK, SPLIT, SMAX``: dense-sized
+  grid over the device-compacted active tiles x K splits); the row marked "(default)" is the untuned
+  default (``_gemv_mn_cands``' first entry).
 
 Masks are Bernoulli(1 - s) per (row, group).  Each op is captured ~20 times (or more) into one CUDA graph
 and the replay time / count is reported (median of the replays, after warm-up), which removes the launch

@@ -331,12 +331,14 @@ def _check_small(x, M, what):
 def _gemv_mn_cands(K, swiglu=False, G=16, N=None):
     """Configs of :func:`gemv_mn` / :func:`gemv_swiglu`; the first is used untuned (graph capture, CPU).
 
-    Two kernels.  ``BN, BK`` (+ warps/stages): one program per N tile of BN columns (the original
-    kernel, still the untuned default); a tile that no row executes reads nothing, so at sparsity s only
-    ``(1 - s)`` of the programs stream weights.  ``BN, BK, SPLIT, SMAX``: :func:`_gemv_mn_split_kernel`,
-    ``N / BN * SPLIT`` programs (the dense case: SPLIT K splits per tile) mapped on the device onto the
-    active tiles with ``S = min(programs // active tiles, SMAX)`` K splits each, so about as many
-    programs stream weight rows at any sparsity.  BN must divide G (kept to ``pow2_part(G)``).
+    Two kernels.  ``BN, BK`` (+ warps/stages): one program per N tile of BN columns; a tile that no row
+    executes reads nothing, so at sparsity s only ``(1 - s)`` of the programs stream weights.
+    ``BN, BK, SPLIT, SMAX``: :func:`_gemv_mn_split_kernel`, ``N / BN * SPLIT`` programs (the dense case:
+    SPLIT K splits per tile) mapped on the device onto the active tiles with
+    ``S = min(programs // active tiles, SMAX)`` K splits each, so about as many programs stream weight
+    rows at any sparsity.  BN must divide G (kept to ``pow2_part(G)``).  The untuned default is the split
+    config that was fastest at both s = 0 and s = 0.5 in the H200 probe (``benchmarks/e2e/decode_probe.md``:
+    q_proj 12.6 / 8.5 us against cuBLAS 13.9 us; SwiGLU 62.6 / 37.3 us against 67.4 us).
     """
     bnmax = pow2_part(G)
     ch = lambda bk: max(1, -(-K // bk))  # noqa: E731  K chunks of width bk
@@ -347,24 +349,26 @@ def _gemv_mn_cands(K, swiglu=False, G=16, N=None):
     c = [(16, 256, 4, 4), (32, 256, 4, 4), (16, 512, 4, 3), (64, 128, 4, 4)]
     if swiglu:
         c = [(16, 256, 4, 4), (32, 128, 4, 4), (16, 128, 4, 5)]
-    out = [dict(BN=bn, BK=min(bk, next_pow2(K)), num_warps=w, num_stages=st) for bn, bk, w, st in c]
-    # split kernel: (BN, BK, SPLIT, SMAX, warps, stages).  At Llama-3.1-8B shapes (H200, 132 SMs) the
-    # q_proj list launches 256-512 programs (N = 4096) and the SwiGLU list 224-896 (N = 14336, two
-    # weight tiles per K chunk), like the gemv_k configs that stream HBM at full rate.  None of them
-    # spills registers when compiled for sm_90 (ptxas; the SwiGLU tiles of 64 x 128 need 8 warps).
-    sc = [(64, 128, 8, 32, 4, 3), (64, 128, 8, 32, 8, 3), (32, 128, 4, 32, 4, 3), (32, 256, 4, 16, 8, 3),
+    tiles = [dict(BN=bn, BK=min(bk, next_pow2(K)), num_warps=w, num_stages=st) for bn, bk, w, st in c]
+    # split kernel: (BN, BK, SPLIT, SMAX, warps, stages), the default first.  At Llama-3.1-8B shapes (H200,
+    # 132 SMs) the q_proj list launches 256-512 programs (N = 4096) and the SwiGLU list 224-896
+    # (N = 14336, two weight tiles per K chunk), like the gemv_k configs that stream HBM at full rate.
+    # None of them spills registers when compiled for sm_90 (ptxas; the SwiGLU tiles of 64 x 128 need
+    # 8 warps).
+    sc = [(32, 128, 4, 32, 4, 3), (64, 128, 8, 32, 4, 3), (64, 128, 8, 32, 8, 3), (32, 256, 4, 16, 8, 3),
           (16, 256, 2, 16, 4, 4), (128, 64, 8, 64, 8, 3), (64, 64, 8, 64, 4, 3)]
     if swiglu:
-        sc = [(64, 128, 2, 16, 8, 3), (64, 128, 4, 16, 8, 3), (64, 64, 4, 32, 4, 3), (128, 64, 2, 32, 8, 3),
-              (32, 64, 2, 32, 4, 4), (16, 128, 1, 16, 4, 4), (32, 64, 4, 32, 4, 4)]
+        sc = [(32, 64, 2, 32, 4, 4), (64, 128, 2, 16, 8, 3), (64, 128, 4, 16, 8, 3), (64, 64, 4, 32, 4, 3),
+              (128, 64, 2, 32, 8, 3), (16, 128, 1, 16, 4, 4), (32, 64, 4, 32, 4, 4)]
+    splits = []
     for bn, bk, sp, smax, w, st in sc:
         bn = min(bn, bnmax)
         bk = min(bk, next_pow2(K))
         sp = max(1, min(sp, ch(bk)))
         cfg = dict(BN=bn, BK=bk, SPLIT=sp, SMAX=max(sp, min(smax, ch(bk))), num_warps=w, num_stages=st)
-        if cfg not in out:
-            out.append(cfg)
-    return out
+        if cfg not in splits:
+            splits.append(cfg)
+    return splits[:1] + tiles + splits[1:]
 
 
 def _gemv_k_cands(G, K, N, M):
@@ -475,9 +479,10 @@ def gemv_mn(x: torch.Tensor, w: torch.Tensor, route: torch.Tensor, G: int, *,
                               G, BN=cfg["BN"], BK=cfg["BK"], SWIGLU=swiglu,
                               EVEN_K=(K % cfg["BK"] == 0), **launch_opts(cfg))
 
-    # "2": the candidate list gained the split kernel; a cache entry of the old list is not reused
-    op = "gemv_swiglu2" if swiglu else "gemv_mn2"
-    cfg = pick_config(op, (M, N, K, G, str(x.dtype)), x.device, _gemv_mn_cands(K, swiglu, G, N), run)
+    # "3": tuned under CUDA-graph replay since; an entry timed the old way (do_bench) is not reused
+    op = "gemv_swiglu3" if swiglu else "gemv_mn3"
+    cfg = pick_config(op, (M, N, K, G, str(x.dtype)), x.device, _gemv_mn_cands(K, swiglu, G, N), run,
+                      graph=True)
     run(cfg)
     return out
 
@@ -581,7 +586,8 @@ def gemv_k(a: torch.Tensor, w: torch.Tensor, route: torch.Tensor, G: int, *,
             _splitk_sum_kernel[(triton.cdiv(M * N, blk),)](part, out, M * N, SPLITS=split, BLOCK=blk,
                                                          **({} if interpret_mode() else {"num_warps": 4}))
 
-    cfg = pick_config("gemv_k2", (M, N, K, G, str(a.dtype)), a.device, _gemv_k_cands(G, K, N, M), run)
+    cfg = pick_config("gemv_k3", (M, N, K, G, str(a.dtype)), a.device, _gemv_k_cands(G, K, N, M), run,
+                      graph=True)
     run(cfg)
     return out
 
