@@ -97,13 +97,15 @@ def group_plot(records: list[dict], path: Path) -> Path:
             fixed = f"G_attn {g_attn0}" if knob == "G_ffn" else f"G_ffn {DEFAULT_G_FFN}"
             ax.plot(gs, [scale * pts[g][field] for g in gs], marker="o" if knob == "G_ffn" else "s",
                     ms=4 if knob == "G_ffn" else 6, ls="-" if st == "router" else "--",
+                    color="C0" if knob == "G_ffn" else "C1",
                     label=f"vary {knob} ({fixed}, {'router' if st == 'router' else '+LoRA'})")
         if dense and dense[0].get(field) is not None:
             ax.axhline(scale * dense[0][field], color="gray", ls=":", label="dense")
         ax.set_xscale("log", base=2)
         ticks = sorted({g for pts in series.values() for g in pts} | set(GROUP_FFN))
         ax.set_xticks(ticks)
-        ax.set_xticklabels([str(t) for t in ticks])
+        crowded = any(b / a < 1.25 for a, b in zip(ticks, ticks[1:]))  # e.g. 512 and 576
+        ax.set_xticklabels([str(t) for t in ticks], rotation=45 if crowded else 0)
         ax.set_xlabel("group size G (channels)")
         ax.set_ylabel(label)
         ax.grid(alpha=0.3)
