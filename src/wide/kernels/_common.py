@@ -330,16 +330,21 @@ if HAS_TRITON:
 
     @triton.jit
     def mma(a, b, acc):
-        """``acc + a @ b`` with fp32 accumulation."""
+        """``acc + a @ b`` with fp32 accumulation.  fp32 operands multiply in full fp32 (``ieee``), like
+        torch's default fp32 matmul, not TF32."""
         if DOT_F32:
             a = a.to(tl.float32)
             b = b.to(tl.float32)
+        if a.dtype == tl.float32:
+            return tl.dot(a, b, acc, input_precision="ieee")
         return tl.dot(a, b, acc)
 
     @triton.jit
     def mm(a, b):
-        """``a @ b`` in fp32."""
+        """``a @ b`` in fp32 (fp32 operands: ``ieee``, as :func:`mma`)."""
         if DOT_F32:
             a = a.to(tl.float32)
             b = b.to(tl.float32)
+        if a.dtype == tl.float32:
+            return tl.dot(a, b, input_precision="ieee")
         return tl.dot(a, b)
