@@ -1,10 +1,11 @@
-"""Import without Triton, CPU fallback without the interpreter, and the autotuning cache."""
+"""Import without Triton, CPU fallback without the interpreter, the autotuning cache and its launchable fallback."""
 
 import json
 import os
 import subprocess
 import sys
 
+import pytest
 import torch
 
 from wide.kernels import _common
@@ -64,3 +65,28 @@ def test_autotune_cache_roundtrip(tmp_path, monkeypatch):
     # off the GPU the first candidate is used and nothing is tuned
     cfg = _common.pick_config("op", (1,), torch.device("cpu"), [{"a": 1}, {"a": 2}], lambda c: None)
     assert cfg == {"a": 1}
+
+
+def test_first_launchable_skips_configs_that_run_out_of_resources():
+    # an fp32 model can need more shared memory than a bf16-sized tile list allows (H200: 245,760 B asked,
+    # 232,448 B there); the untuned choice is the first config that launches, other errors propagate
+    from triton.runtime.errors import OutOfResources
+
+    tried = []
+
+    def run(cfg):
+        tried.append(cfg["BM"])
+        if cfg["BM"] > 64:
+            raise OutOfResources(245760, 232448, "shared memory")
+
+    cands = [{"BM": 128}, {"BM": 256}, {"BM": 64}, {"BM": 32}]
+    assert _common.first_launchable(cands, run) == {"BM": 64}
+    assert tried == [128, 256, 64]
+    with pytest.raises(OutOfResources):
+        _common.first_launchable(cands[:2], run)
+
+    def bad(cfg):
+        raise ValueError("a real bug, not a resource limit")
+
+    with pytest.raises(ValueError, match="real bug"):
+        _common.first_launchable(cands, bad)

@@ -179,6 +179,7 @@ def m_bucket(M: int) -> int:
 
 _CACHE_LOCK = threading.Lock()
 _CACHE: dict | None = None
+_LAUNCHABLE: dict = {}  # untuned choices that were checked to launch (this process only, never written)
 
 
 def cache_dir() -> str:
@@ -266,6 +267,37 @@ def _graph_time_ms(run: Callable[[dict], None], cfg: dict, device: torch.device,
     return statistics.median(times)
 
 
+def _out_of_resources() -> tuple:
+    try:
+        from triton.runtime.errors import OutOfResources
+
+        return (OutOfResources,)
+    except Exception:  # noqa: BLE001 - no Triton / another layout: nothing to catch
+        return ()
+
+
+def first_launchable(candidates: Sequence[dict], run: Callable[[dict], None]) -> dict:
+    """The first of ``candidates`` whose launch does not run out of GPU resources.
+
+    A config's shared memory grows with the element size, so a tile list sized for bf16 can hold
+    configs that do not fit an fp32 model (e.g. 245,760 B asked of the H200's 232,448 B).  Each
+    ``run(cfg)`` is a real launch (``run`` must be repeatable, as for tuning); Triton raises
+    ``OutOfResources`` before anything is queued.  Other errors propagate.
+
+    Raises:
+        triton.runtime.errors.OutOfResources: no candidate fits.
+    """
+    oor = _out_of_resources()
+    last = None
+    for c in candidates:
+        try:
+            run(c)
+            return dict(c)
+        except oor as e:  # noqa: PERF203 - one try per candidate
+            last = e
+    raise last
+
+
 def pick_config(op: str, key: tuple, device: torch.device, candidates: Sequence[dict],
                 run: Callable[[dict], None], graph: bool = False) -> dict:
     """Return the fastest of ``candidates`` for ``(op, key)`` on this GPU, tuning once.
@@ -275,8 +307,10 @@ def pick_config(op: str, key: tuple, device: torch.device, candidates: Sequence[
     kernels, whose eager timing is mostly launch overhead), and stores the winner in
     ``$WIDE_CACHE_DIR/kernel_autotune.json`` (default ``~/.cache/wide``), so a second process reuses
     it.  Tuning never happens during CUDA-graph capture, under the interpreter, or with
-    ``WIDE_AUTOTUNE=0``: then the cached winner, or else ``candidates[0]``, is used.  ``run(cfg)``
-    must launch the op with config ``cfg`` (it may write scratch outputs).
+    ``WIDE_AUTOTUNE=0``: then the cached winner is used, or else (``WIDE_AUTOTUNE=0``) the first
+    candidate that launches (:func:`first_launchable`; remembered, so a later capture of the same
+    shape reuses it), or during a capture ``candidates[0]``.  ``run(cfg)`` must launch the op with
+    config ``cfg`` and be repeatable (it may write scratch outputs).
     """
     if len(candidates) == 1 or device.type != "cuda":
         return dict(candidates[0])
@@ -288,8 +322,12 @@ def pick_config(op: str, key: tuple, device: torch.device, candidates: Sequence[
         for c in candidates:
             if c == hit:
                 return dict(c)
-    if _capturing() or os.environ.get("WIDE_AUTOTUNE", "1") == "0":
-        return dict(candidates[0])
+    if _capturing():
+        return dict(_LAUNCHABLE.get(skey, candidates[0]))
+    if os.environ.get("WIDE_AUTOTUNE", "1") == "0":
+        if skey not in _LAUNCHABLE:
+            _LAUNCHABLE[skey] = first_launchable(candidates, run)
+        return dict(_LAUNCHABLE[skey])
     from triton.testing import do_bench
 
     best, best_t = None, float("inf")
