@@ -378,6 +378,27 @@ if HAS_TRITON:
         return tl.dot(a, b, acc)
 
     @triton.jit
+    def swiglu_act(g, u, DT: tl.constexpr):
+        """``silu(g) * u`` from fp32 accumulators with the rounding points of the model's own MLP in
+        dtype DT (``act_fn(gate_proj(x)) * up_proj(x)``: gate, up, SiLU and product each rounded to DT),
+        so the fused kernel computes what the unfused model computes; a no-op rounding in fp32."""
+        g = round_to(g, DT)
+        u = round_to(u, DT)
+        a = round_to(g / (1.0 + tl.exp(-g)), DT)
+        return a * u
+
+    @triton.jit
+    def round_to(x, DT: tl.constexpr):
+        """fp32 ``x`` rounded to dtype DT (round to nearest even) and returned as fp32.  Triton 3.6's CPU
+        interpreter casts fp32 to bf16 by truncation; there the rounding is done on the bits."""
+        if DOT_F32 and DT == tl.bfloat16:
+            b = x.to(tl.uint32, bitcast=True)
+            b = ((b + 0x7FFF + ((b >> 16) & 1)) >> 16) << 16
+            return b.to(tl.float32, bitcast=True)
+        else:
+            return x.to(DT).to(tl.float32)
+
+    @triton.jit
     def mm(a, b):
         """``a @ b`` in fp32 (fp32 operands: ``ieee``, as :func:`mma`)."""
         if DOT_F32:

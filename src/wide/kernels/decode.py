@@ -24,7 +24,7 @@ if HAS_TRITON:
     import triton
     import triton.language as tl
 
-    from ._common import mm, mma  # noqa: F401
+    from ._common import mm, mma, swiglu_act  # noqa: F401
 
     @triton.jit
     def _gemv_mn_kernel(x_ptr, w_ptr, w2_ptr, out_ptr, route_ptr, M, N, K, NG,
@@ -70,7 +70,7 @@ if HAS_TRITON:
                 w_ptrs += BK
                 x_ptrs += BK
             if SWIGLU:
-                acc = acc / (1.0 + tl.exp(-acc)) * acc2
+                acc = swiglu_act(acc, acc2, out_ptr.dtype.element_ty)
             res = tl.where(r, acc, 0.0).to(out_ptr.dtype.element_ty)
             tl.store(o_ptrs, res, mask=mmask[:, None] & nmask[None, :])
 
@@ -145,7 +145,7 @@ if HAS_TRITON:
             o_ptrs = out_ptr + offs_m[:, None] * stride_om + offs_n[None, :]
             if S == 1:
                 if SWIGLU:
-                    acc = acc / (1.0 + tl.exp(-acc)) * acc2
+                    acc = swiglu_act(acc, acc2, out_ptr.dtype.element_ty)
                 tl.store(o_ptrs, tl.where(rg[:, None], acc, 0.0).to(out_ptr.dtype.element_ty),
                          mask=mmask[:, None])
             else:
@@ -170,7 +170,7 @@ if HAS_TRITON:
                         if SWIGLU:
                             tot2 += tl.load(base + s * SL + M * BN, mask=pmask, other=0.0, cache_modifier=".cg")
                     if SWIGLU:
-                        tot = tot / (1.0 + tl.exp(-tot)) * tot2
+                        tot = swiglu_act(tot, tot2, out_ptr.dtype.element_ty)
                     tl.store(o_ptrs, tl.where(rg[:, None], tot, 0.0).to(out_ptr.dtype.element_ty),
                              mask=mmask[:, None])
                     tl.atomic_xchg(cnt_ptr + q, 0, sem="relaxed", scope="gpu")

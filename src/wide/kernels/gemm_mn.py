@@ -28,7 +28,7 @@ if HAS_TRITON:
     import triton
     import triton.language as tl
 
-    from ._common import mm, mma  # noqa: F401
+    from ._common import mm, mma, swiglu_act  # noqa: F401
 
     @triton.jit
     def _gemm_mn_kernel(x_ptr, w_ptr, w2_ptr, out_ptr, idx_ptr, cnt_ptr, route_ptr,
@@ -100,7 +100,7 @@ if HAS_TRITON:
                 a_ptrs += BK
                 b_ptrs += BK
             if SWIGLU:
-                acc = acc / (1.0 + tl.exp(-acc)) * acc2
+                acc = swiglu_act(acc, acc2, out_ptr.dtype.element_ty)
             res = tl.where(active[:, None], acc, 0.0).to(out_ptr.dtype.element_ty)
             tl.store(out_ptrs, res, mask=valid[:, None])
 

@@ -57,10 +57,17 @@ def swiglu_ref(x: torch.Tensor, w_gate: torch.Tensor, w_up: torch.Tensor, route:
     """Routed SwiGLU (Eq. 3): ``silu(x Wg^T) * (x Wu^T)`` for active groups, 0 elsewhere.
 
     x ``[M, K]``, w_gate/w_up ``[N, K]``, route bool ``[M, N // G]`` -> ``[M, N]`` in x's dtype.
+    Rounding as the model's own MLP in x's dtype: the gate and up products, the SiLU and the product
+    are each rounded to x's dtype (nothing is rounded for fp32 / fp64 inputs).
     """
     acc = _acc_dtype(x.dtype)
     xa = x.to(acc)
-    y = F.silu(xa @ w_gate.to(acc).T) * (xa @ w_up.to(acc).T)
+    gate, up = xa @ w_gate.to(acc).T, xa @ w_up.to(acc).T
+    if acc != x.dtype:  # bf16 / fp16: HF's rounding points (act_fn(gate_proj(x)) * up_proj(x))
+        gate, up = gate.to(x.dtype).to(acc), up.to(x.dtype).to(acc)
+        y = F.silu(gate).to(x.dtype).to(acc) * up
+    else:
+        y = F.silu(gate) * up
     y = torch.where(expand_route(route, G), y, torch.zeros((), dtype=acc, device=y.device))
     return y.to(x.dtype)
 
