@@ -6,6 +6,8 @@
   (HF DynamicCache, one prompt at a time); positions equal up to the first divergence, and overall;
 * teacher-forced on the engine's tokens: max |logit difference| / max |logit| per step, and the fraction of
   equal router decisions (attention and FFN, every layer, every generated token);
+* with fixed masks: the masking path given the engine's own decisions at every position, against the
+  engine's logits: the kernels' error on the real model without decision flips;
 * the masking path's own noise floor: the same tokens fed one at a time through its KV cache against its
   one full pass (same two metrics).  In bf16 the routers' hard decisions flip wherever two summation
   orders round a near-tie differently, and every flip changes the residual stream of later layers, so
@@ -57,6 +59,7 @@ def main(argv=None) -> int:
     from transformers import DynamicCache
 
     import wide
+    from wide.bench.e2e import _fixed_mask_logits
     from wide.inference import Engine, generate
 
     t0 = time.time()
@@ -87,6 +90,7 @@ def main(argv=None) -> int:
                 "prompts_fully_equal": sum(r["first_divergence"] is None for r in per_prompt),
                 "teacher_forced_max_rel_logit_err": max(r["teacher_forced_max_rel_logit_err"] for r in per_prompt),
                 "teacher_forced_mask_agreement_min": min(r["teacher_forced_mask_agreement"] for r in per_prompt),
+                "fixed_masks_max_rel_logit_err": max(r["fixed_masks_max_rel_logit_err"] for r in per_prompt),
                 "engine_realized_sparsity": res.sparsity})
         summary.update({
             "seconds": round(time.time() - t0, 1),
@@ -147,9 +151,11 @@ def main(argv=None) -> int:
             lg = eng.prefill(full[:, :n_prompt], None, c, all_logits=False).float()
             agree_n = sum(int((m[0] == ref_masks[k][0, :n_prompt]).sum()) for k, m in eng.masks.items())
             agree_d = sum(m[0].numel() for m in eng.masks.values())
-            errs = []
+            eng_masks = {k: [m.clone()] for k, m in eng.masks.items()}  # the engine's decisions, every position
+            eng_logits, errs = [], []
             for s in range(args.steps):
                 r = ref_logits[n_prompt - 1 + s]
+                eng_logits.append(lg[0])
                 errs.append(((lg[0] - r).abs().max() / r.abs().max()).item())
                 if s == args.steps - 1:
                     break
@@ -158,14 +164,22 @@ def main(argv=None) -> int:
                     rm = ref_masks[k][0, n_prompt + s]
                     agree_n += int((m[0, 0] == rm).sum())
                     agree_d += rm.numel()
+                    eng_masks[k].append(m.clone())
             eng.record_masks = False
+            # the masking path given the engine's decisions: the kernels' own error, without decision flips
+            n_seen = n_prompt + args.steps - 1
+            fixed = _fixed_mask_logits(wm, eng_masks, full[:, :n_seen], torch.ones_like(full[:, :n_seen]))[0]
+            fixed_err = max(((x - fixed[n_prompt - 1 + s]).abs().max() / fixed[n_prompt - 1 + s].abs().max()).item()
+                            for s, x in enumerate(eng_logits))
             per_prompt.append({**rec, "equal_positions": sum(int(x == y) for x, y in zip(eng_tokens, ref_tokens)),
                                "first_divergence": first_div, "teacher_forced_max_rel_logit_err": max(errs),
                                "teacher_forced_mask_agreement": agree_n / max(agree_d, 1),
+                               "fixed_masks_max_rel_logit_err": fixed_err,
                                "engine_text": tok.decode(eng_tokens)})
             summarize(final=False)
             print(f"[{b}] equal {per_prompt[-1]['equal_positions']}/{args.steps} first divergence {first_div} "
-                  f"max rel logit err {max(errs):.2e} mask agreement {per_prompt[-1]['teacher_forced_mask_agreement']:.5f}",
+                  f"max rel logit err {max(errs):.2e} mask agreement {per_prompt[-1]['teacher_forced_mask_agreement']:.5f} "
+                  f"fixed-mask max rel logit err {fixed_err:.2e}",
                   flush=True)
     summarize(final=True)
     return 0
