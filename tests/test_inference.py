@@ -200,6 +200,8 @@ def test_bad_input(reference_path):
         generate(eng, tok, ["w1 w2 w3 w4 w5"], max_new_tokens=2, max_len=4)
     with pytest.raises(WideError, match="does not fit the KV cache"):
         generate(eng, tok, ["w1 w2 w3"], max_new_tokens=5, max_len=4)
+    with pytest.raises(WideError, match="exceeds the model's context of 256 tokens"):  # max_position_embeddings
+        generate(eng, tok, ["w1 w2"], max_new_tokens=100000)
     with pytest.raises(WideError, match="mixed devices"):
         generate(eng, tok, [torch.tensor([3, 4]), torch.tensor([5], device="meta")], max_new_tokens=2)
     with pytest.raises(WideError, match="empty prompt"):

@@ -111,7 +111,8 @@ def generate(engine, tokenizer, prompts, max_new_tokens: int = 32, *, max_len: i
         :class:`GenerationResult`.
 
     Raises:
-        WideError: empty prompt, mixed devices, ``max_new_tokens < 1``, a prompt (+ new tokens) longer than
+        WideError: empty prompt, mixed devices, ``max_new_tokens < 1``, a cache longer than the model's
+            context (``max_position_embeddings``), a prompt (+ new tokens) longer than
             the cache, or ``graphs=True`` without a GPU.
     """
     if max_new_tokens < 1:
@@ -132,6 +133,10 @@ def generate(engine, tokenizer, prompts, max_new_tokens: int = 32, *, max_len: i
     if need > max_len:
         raise WideError(f"prompt of {longest} tokens + {max_new_tokens} new tokens does not fit the KV cache "
                         f"({max_len} tokens)")
+    ctx = getattr(engine.base.config, "max_position_embeddings", None)
+    if ctx is not None and max_len > ctx:
+        raise WideError(f"a KV cache of {max_len} tokens (prompt of {longest} + {max_new_tokens} new, or "
+                        f"--max-cache-len) exceeds the model's context of {ctx} tokens (max_position_embeddings)")
     graphs = (dev.type == "cuda") if graphs is None else graphs
     pad_id = 0
     eos = None
