@@ -52,6 +52,7 @@ BAD = [
     (["--text", "SHORT"], "shorter than one sequence of 32"),
     (["--text", "/no/such/file.txt"], "text '/no/such/file.txt' not found"),
     (["--resume"], "--resume: no train_state.pt"),
+    (["-o", "AFILE"], "is a file; give a directory"),
 ]
 
 
@@ -59,7 +60,9 @@ BAD = [
 def test_bad_input_calibrate(tmp_path, model_dir, text_file, capsys, extra, msg):
     (tmp_path / "empty.txt").write_text("\n")
     (tmp_path / "short.txt").write_text("w1 w2 w3")
-    extra = [{"EMPTY": tmp_path / "empty.txt", "SHORT": tmp_path / "short.txt"}.get(a, a) for a in extra]
+    (tmp_path / "afile").write_text("not a directory\n")
+    extra = [{"EMPTY": tmp_path / "empty.txt", "SHORT": tmp_path / "short.txt", "AFILE": tmp_path / "afile"}.get(a, a)
+             for a in extra]
     args = ["calibrate", "--model", model_dir, "--text", text_file, "-o", tmp_path / "out", "--steps", "1",
             "--seq-len", "32", "--ffn-group-size", "32", "--device", "cpu", *extra]
     rc, out, err = run(args, capsys)
@@ -195,3 +198,23 @@ def test_bench_without_gpu_same_error_format(tmp_path, capsys, bench):
     rc, _, err = run(["bench", bench, "--out-dir", out], capsys)
     _one_line_error(rc, err, "bench", f"wide bench {bench} times GPU code and needs a CUDA GPU")
     assert not out.exists()
+
+
+@pytest.mark.parametrize("module,cmd", [("lm_eval", ["eval", "--tasks", "wide_boolq"]), ("lm_eval", ["lm-eval"]),
+                                        ("peft", ["lora", "-o", "LORA"])])
+def test_missing_quality_extra_is_one_line(tmp_path, model_dir, text_file, capsys, monkeypatch, module, cmd):
+    # `make demo` installs only the core package: these commands name the missing package and the extra
+    import importlib.util
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == module else real(name, *a))
+    args = [str(tmp_path / "lora") if a == "LORA" else a for a in cmd]
+    if cmd[0] in ("eval", "lora"):
+        args += ["--wide", str(tmp_path / "ckpt"), "--model", model_dir]
+    if cmd[0] == "lora":
+        args += ["--text", text_file, "--device", "cpu"]
+    rc, _, err = run(args, capsys)
+    assert rc == 2, err
+    assert f"needs the '{module}' package" in err and "wide[quality]" in err
+    assert len(err.strip().splitlines()) == 1 and "Traceback" not in err
+    assert not (tmp_path / "lora").exists()

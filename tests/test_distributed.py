@@ -126,7 +126,8 @@ def test_resume_two_processes_to_one(tmp_path, reference):
     _assert_same_losses(first, _log(reference)[:3])  # 2 processes match 1 process step by step
     from wide.errors import WideError
 
-    with pytest.raises(WideError, match="other settings"):  # global batch 2 x 2 = 4, saved with 2 x 2 x 2 = 8
+    # global batch 2 x 2 = 4, saved with 2 x 2 x 2 = 8: the message names the one setting that differs
+    with pytest.raises(WideError, match=r"other settings: train\.global_batch: saved 8, now 4$"):
         _calibrate(tmp_path, batch_size=2, resume=True)
     bad = tmp_path.parent / (tmp_path.name + "-corrupt")
     shutil.copytree(tmp_path, bad)

@@ -25,3 +25,7 @@ def __getattr__(name):  # lazy: keep `import wide` light (no transformers import
         from .modeling import load_base_model
         return load_base_model
     raise AttributeError(name)
+
+
+def __dir__():
+    return sorted(set(globals()) | set(__all__))

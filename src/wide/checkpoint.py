@@ -105,14 +105,19 @@ def load(path: str | os.PathLike, model: str | torch.nn.Module | None = None, de
         path: a directory written by :func:`save_wide` (``wide calibrate`` / ``wide lora`` output).
         model: ``None`` to load the base model recorded in the checkpoint, a ``--model`` string, or an
             already loaded Hugging Face model.
-        device, dtype: as in :func:`wide.modeling.load_base_model`.
+        device: ``"cpu"``, ``"cuda"``, ``"cuda:1"`` or a ``torch.device``; default CUDA when available.
+        dtype: the base model's parameter dtype (``torch.bfloat16`` / ``float16`` / ``float32``); default
+            bf16 on a GPU, fp32 on the CPU. The routers stay fp32 whatever the dtype.
         tokenizer: also return the tokenizer (then ``model`` must not be a module).
         merge_lora: if the directory holds a stage-2 LoRA adapter (``adapter/``, peft format), fold it into
             the base weights with peft's own merge and scale (``lora_alpha / r``); otherwise (default) keep
             it as separate peft LoRA layers. Either way the routing hooks gate the adapted projections.
 
     Returns:
-        :class:`WideModel` (or ``(WideModel, tokenizer)``).
+        :class:`WideModel` (or ``(WideModel, tokenizer)``) in eval mode. Calling it as a Hugging Face
+        causal LM, ``model(input_ids)`` with int64 ``input_ids [B, T]`` (optional ``attention_mask [B, T]``),
+        returns logits ``[B, T, vocab]`` in the model dtype; each token's routing decisions are bool
+        ``[B, T, N_G]`` masks per layer (True = execute; Eq. 4-5 with argmax instead of Gumbel sampling).
 
     Raises:
         WideError: missing directory or files, corrupt files, a checkpoint made for another base model,

@@ -115,6 +115,15 @@ def _model_dims(model):
     return dims_of(hf)
 
 
+def _need_extra(module: str, what: str) -> None:
+    """Raise WideError naming the missing optional package and the extra that installs it."""
+    import importlib.util
+
+    if importlib.util.find_spec(module) is None:
+        raise WideError(f"{what} needs the '{module}' package, which is not installed: "
+                        f"pip install 'wide[quality]' (or, in this repository, .venv/bin/pip install -e '.[quality]')")
+
+
 def _at_least(option: str, value, low: int) -> None:
     """Raise WideError ``"<option> <value> must be >= <low>"`` unless ``value`` is ``None`` or ``>= low``."""
     if value is not None and not value >= low:
@@ -212,14 +221,22 @@ def _maybe_launch(args, command: str, precheck) -> int | None:
 
 def _precheck_train(args, cfg=None):
     from .data import load_texts
-    from .training import has_train_state
 
     _train_args_from(args)
     if cfg is not None:
         cfg.validate()
-    if args.resume and not has_train_state(args.output):
-        raise WideError(f"--resume: no train_state.pt in {str(args.output)!r}")
+    _check_output(args)
     load_texts(args.text, split="calib")
+
+
+def _check_output(args) -> None:
+    """``-o`` must be a directory (or not exist yet); with ``--resume`` it must hold a training state."""
+    from .training import has_train_state
+
+    if os.path.exists(args.output) and not os.path.isdir(args.output):
+        raise WideError(f"-o {str(args.output)!r} is a file; give a directory for the checkpoint")
+    if args.resume and not has_train_state(args.output):
+        raise WideError(f"--resume: no train_state.pt or train_state.dcp in {str(args.output)!r}")
 
 
 def cmd_calibrate(args) -> int:
@@ -228,7 +245,7 @@ def cmd_calibrate(args) -> int:
     from . import distributed as D
     from .data import load_texts, pack
     from .modeling import WideModel
-    from .training import calibrate, has_train_state
+    from .training import calibrate
 
     cfg = _config_from(args)
     launched = _maybe_launch(args, "calibrate", lambda: _precheck_train(args, cfg))
@@ -236,8 +253,7 @@ def cmd_calibrate(args) -> int:
         return launched
     targs = _train_args_from(args)
     out = Path(args.output)
-    if args.resume and not has_train_state(out):
-        raise WideError(f"--resume: no train_state.pt in {str(out)!r}")
+    _check_output(args)
     docs = load_texts(args.text, split="calib")
     env = D.init(args.device)
     say = _print if env.is_main else (lambda *_: None)
@@ -270,11 +286,11 @@ def cmd_lora(args) -> int:
     from .checkpoint import load
     from .data import load_texts, pack
     from .lora import LoraSettings, check_stage1, recover
-    from .training import has_train_state
 
     settings = LoraSettings(r=args.lora_r, alpha=args.lora_alpha, dropout=args.lora_dropout)
 
     def precheck():
+        _need_extra("peft", "wide lora")
         settings.validate()
         check_stage1(args.wide)
         _precheck_train(args)
@@ -287,8 +303,7 @@ def cmd_lora(args) -> int:
     out = Path(args.output)
     if Path(args.wide).resolve() == out.resolve():
         raise WideError(f"-o {str(out)!r} must differ from the stage-1 checkpoint --wide {args.wide!r}")
-    if args.resume and not has_train_state(out):
-        raise WideError(f"--resume: no train_state.pt in {str(out)!r}")
+    _check_output(args)
     info = check_stage1(args.wide)
     docs = load_texts(args.text, split="calib")
     env = D.init(args.device)
@@ -417,6 +432,7 @@ def cmd_demo(args) -> int:
 
 
 def cmd_eval(args) -> int:
+    _need_extra("lm_eval", "wide eval")
     from .config import atomic_write_text
     from .lm_eval_adapter import WideLM, evaluate, resolve_tasks
 
@@ -620,6 +636,11 @@ def main(argv: list[str] | None = None) -> int:
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     raw = list(sys.argv[1:] if argv is None else argv)
     if raw[:1] == ["lm-eval"]:  # pass everything through untouched (argparse would eat lm-eval's options)
+        try:
+            _need_extra("lm_eval", "wide lm-eval")
+        except WideError as e:
+            print(f"wide lm-eval: error: {e}", file=sys.stderr)
+            return 2
         from .lm_eval_adapter import lm_eval_main
 
         try:

@@ -173,8 +173,9 @@ def shard(wm: nn.Module, env: DistEnv, reshard_after_forward: bool = True) -> No
         layer_mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
     else:
         layer_mp = fp32
-    # Router.forward returns a view of its output; nothing writes into it in place, so FSDP's warning is moot.
-    warnings.filterwarnings("ignore", message=r"FSDP2-wrapped module \(FSDPRouter\) returned a view tensor")
+    # Router.forward returns a view of its output; nothing writes into it in place, so FSDP's warning (naming
+    # every router of the one routers unit) is moot.
+    warnings.filterwarnings("ignore", message=r"FSDP2-wrapped module \((FSDPRouter(, )?)+\) returned a view tensor")
     routers = [*wm.attn_routers, *wm.ffn_routers]
     if routers:  # one unit for all routers: 2 collectives a step instead of 3 per router (issue 6)
         fully_shard(routers, mesh=mesh, mp_policy=fp32, reshard_after_forward=False)

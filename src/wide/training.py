@@ -237,6 +237,19 @@ def has_train_state(output: str | os.PathLike) -> bool:
     return (output / STATE_NAME).is_file() or D.sharded_meta(output / DCP_NAME) is not None
 
 
+def _key_diff(saved, now, prefix: str = "") -> str:
+    """The settings that differ between two resume keys, e.g. ``train.steps: saved 2, now 4``."""
+    if not (isinstance(saved, dict) and isinstance(now, dict)):
+        return f"{prefix or 'settings'}: saved {saved!r}, now {now!r}"
+    parts = []
+    for k in sorted(set(saved) | set(now), key=str):
+        a, b = saved.get(k, "(absent)"), now.get(k, "(absent)")
+        if a != b:
+            parts.append(_key_diff(a, b, f"{prefix}{k}.") if isinstance(a, dict) and isinstance(b, dict)
+                         else f"{prefix}{k}: saved {a!r}, now {b!r}")
+    return "; ".join(parts)
+
+
 def _resume_key(wm: WideModel, args: CalibrationArgs, stage: str, extra_key: dict | None, world: int) -> dict:
     """The settings a resumed run must share with the saved one (the global batch, not its split)."""
     train = {k: v for k, v in asdict(args).items()
@@ -292,7 +305,7 @@ def _load_state(wm: WideModel, opt, output: Path, key: dict, env: D.DistEnv) -> 
     saved_key = st["meta"] if use_pt else meta.get("key")
     src = pt if use_pt else Path(meta["_path"])
     if saved_key != key:
-        raise WideError(f"--resume: {src} was written with other settings (saved {saved_key}, now {key})")
+        raise WideError(f"--resume: {src} was written with other settings: {_key_diff(saved_key, key)}")
     names = {n for n, p in wm.named_parameters() if p.requires_grad}
     if use_pt:
         msd, osd, step = st["model"], st["optimizer"], int(st["step"])
