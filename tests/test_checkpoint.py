@@ -55,6 +55,28 @@ def test_other_base_model_weights(tmp_path, model):
         load(path, model=tiny_model(seed=1))
 
 
+def test_base_model_changed_in_one_middle_layer(tmp_path, model):
+    # a fine-tune or merged adapter touching one layer (here q_proj of layer 1 scaled by 1.01) is another base
+    # model too (fingerprint v2); a checkpoint written with the v1 fingerprint is still checked with v1
+    import json
+
+    from wide.modeling import fingerprint
+
+    _, path = _saved(tmp_path, model)
+    assert json.loads((path / "base_model.json").read_text())["fingerprint"].startswith("v2:")
+    other = tiny_model()
+    with torch.no_grad():
+        other.model.layers[1].self_attn.q_proj.weight.mul_(1.01)
+    with pytest.raises(WideError, match="was made for base model 'tiny'"):
+        load(path, model=other)
+    info = json.loads((path / "base_model.json").read_text())
+    info["fingerprint"] = fingerprint(tiny_model(), version=1)
+    (path / "base_model.json").write_text(json.dumps(info))
+    load(path, model=tiny_model())  # v1: same base, loads
+    with pytest.raises(WideError, match="was made for base model 'tiny'"):
+        load(path, model=tiny_model(seed=1))
+
+
 def test_other_base_model_dims(tmp_path, model):
     _, path = _saved(tmp_path, model)
     with pytest.raises(WideError, match="was made for a model with dims"):

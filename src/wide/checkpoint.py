@@ -147,8 +147,9 @@ def load(path: str | os.PathLike, model: str | torch.nn.Module | None = None, de
     if info.get("dims") and info["dims"] != dims.__dict__:
         raise WideError(f"checkpoint {str(path)!r} was made for a model with dims {info['dims']}, "
                         f"this model has {dims.__dict__}")
-    fp = fingerprint(base)
-    if fp != info["fingerprint"]:
+    saved_fp = str(info["fingerprint"])
+    fp = fingerprint(base, version=2 if saved_fp.startswith("v2:") else 1)
+    if fp != saved_fp:
         raise WideError(f"checkpoint {str(path)!r} was made for base model {info['model']!r} "
                         f"(fingerprint {info['fingerprint']}), not this one (fingerprint {fp})")
     wm = WideModel(base, config)

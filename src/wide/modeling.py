@@ -212,18 +212,35 @@ def _get(module: nn.Module, dotted: str) -> nn.Module:
     return module
 
 
-def fingerprint(model: nn.Module) -> str:
+def fingerprint(model: nn.Module, version: int = 2) -> str:
     """A short hash identifying the base model's weights, independent of storage format and dtype.
 
-    Hashes the dims and a fixed slice of the embedding and of the last ``down_proj``, rounded to bf16.
+    Version 2 (``"v2:" + 16 hex digits``, written since session 3): the dims, the first 64 embedding rows
+    and, in every decoder layer, the first two and last two rows of each of the seven projections plus
+    both norm weights, all rounded to bf16; so a change to any layer (a merged adapter, a fine-tune) is
+    caught, not only one of the first embedding rows or the last ``down_proj``. Version 1 (16 hex digits,
+    older checkpoints; :func:`wide.load` still checks those with it): the dims, the first 64 embedding rows
+    and the first 16 rows of the last ``down_proj``. A peft-wrapped projection is read through its
+    ``base_layer``.
     """
+    def rows(t: torch.Tensor) -> list[torch.Tensor]:
+        t = t.detach()
+        return [t] if t.dim() == 1 or t.shape[0] <= 4 else [t[:2], t[-2:]]
+
     dims = dims_of(model.config)
     h = hashlib.sha256(json.dumps(dims.__dict__, sort_keys=True).encode())
     layers = decoder_layers(model)
-    for t in (model.get_input_embeddings().weight[:64], _get(layers[-1], "mlp.down_proj").weight[:16]):
-        t = getattr(t, "base_layer", t)
+    if version == 1:
+        parts = [model.get_input_embeddings().weight[:64], _get(layers[-1], "mlp.down_proj").weight[:16]]
+    else:
+        parts = [model.get_input_embeddings().weight[:64]]
+        for layer in layers:
+            for name in _LAYOUT:
+                mod = _get(layer, name)
+                parts += rows(getattr(mod, "base_layer", mod).weight)
+    for t in parts:
         h.update(t.detach().to("cpu", torch.bfloat16).contiguous().view(torch.int16).numpy().tobytes())
-    return h.hexdigest()[:16]
+    return h.hexdigest()[:16] if version == 1 else "v2:" + h.hexdigest()[:16]
 
 
 @dataclass
