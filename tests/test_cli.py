@@ -218,3 +218,17 @@ def test_missing_quality_extra_is_one_line(tmp_path, model_dir, text_file, capsy
     assert f"needs the '{module}' package" in err and "wide[quality]" in err
     assert len(err.strip().splitlines()) == 1 and "Traceback" not in err
     assert not (tmp_path / "lora").exists()
+
+
+def test_interrupted_training_says_how_to_resume(tmp_path, model_dir, text_file, capsys, monkeypatch):
+    import wide.cli as cli
+
+    def stop(args):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(cli, "cmd_calibrate", stop)
+    rc, _, err = run(["calibrate", "--model", model_dir, "--text", text_file, "-o", tmp_path / "o",
+                      "--save-every", "5"], capsys)
+    assert rc == 130
+    assert err.strip() == (f"wide calibrate: interrupted; the last state saved (every --save-every 5 steps) is in "
+                           f"{str(tmp_path / 'o')!r}: add --resume to continue from it")

@@ -533,7 +533,9 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--text", default=None, help="calibration text: .txt, .jsonl with 'text', datasets folder "
                                                 "(default: BoolQ Wikipedia passages, calibration split)")
     s.add_argument("--output", "-o", required=True, help="checkpoint directory")
-    s.add_argument("--resume", action="store_true", help="continue from <output>/train_state.pt")
+    s.add_argument("--resume", action="store_true",
+                   help="continue from the training state in --output (train_state.pt, or train_state.dcp of a "
+                        "multi-process run)")
     _add_method(s)
     _add_train(s)
     _add_dist(s)
@@ -667,7 +669,11 @@ def main(argv: list[str] | None = None) -> int:
         print(f"wide {args.command}: error: {e}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
-        print(f"wide {args.command}: interrupted", file=sys.stderr)
+        hint = ""
+        if args.command in ("calibrate", "lora"):
+            hint = (f"; the last state saved (every --save-every {args.save_every} steps) is in "
+                    f"{str(args.output)!r}: add --resume to continue from it")
+        print(f"wide {args.command}: interrupted{hint}", file=sys.stderr)
         return 130
 
 
