@@ -165,7 +165,8 @@ class WideConfig:
                 raise WideError(f"FFN group size G={self.ffn_group_size!r} must be a positive integer")
             return
         if self.ffn_group_size < 16 or self.ffn_group_size & (self.ffn_group_size - 1):
-            raise WideError(f"FFN group size G={self.ffn_group_size!r} must be a power of two >= 16")
+            raise WideError(f"FFN group size G={self.ffn_group_size!r} must be a power of two >= 16 (16, 32, 64, ...; "
+                            f"`wide info --model M` lists the sizes that divide that model's FFN)")
 
     def resolve(self, dims: ModelDims) -> "WideConfig":
         """Return a copy with ``attn_group_size`` filled in and every size checked against ``dims``.
