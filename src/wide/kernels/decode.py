@@ -75,6 +75,14 @@ if HAS_TRITON:
             tl.store(o_ptrs, res, mask=mmask[:, None] & nmask[None, :])
 
     @triton.jit
+    def _route_union(route_ptr, M, NG, offs_g, gmask, NGP: tl.constexpr):
+        """int32 ``[NGP]``: 1 where some of the M rows of bool ``route [M, NG]`` executes group g, else 0."""
+        act = tl.zeros((NGP,), dtype=tl.int32)
+        for m in range(0, M):
+            act = tl.maximum(act, (tl.load(route_ptr + m * NG + offs_g, mask=gmask, other=0) != 0).to(tl.int32))
+        return act
+
+    @triton.jit
     def _gemv_mn_split_kernel(x_ptr, w_ptr, w2_ptr, out_ptr, part_ptr, cnt_ptr, route_ptr, M, K, NG, PROGS,
                               stride_xm, stride_wn, stride_om, G: tl.constexpr, BN: tl.constexpr,
                               BK: tl.constexpr, NGP: tl.constexpr, SMAX: tl.constexpr, SWIGLU: tl.constexpr,
@@ -89,9 +97,7 @@ if HAS_TRITON:
         pid = tl.program_id(0)
         offs_g = tl.arange(0, NGP)
         gmask = offs_g < NG
-        act = tl.zeros((NGP,), dtype=tl.int32)
-        for m in range(0, M):
-            act = tl.maximum(act, (tl.load(route_ptr + m * NG + offs_g, mask=gmask, other=0) != 0).to(tl.int32))
+        act = _route_union(route_ptr, M, NG, offs_g, gmask, NGP)
         inact = tl.where(gmask, 1 - act, 0)
         TPG: tl.constexpr = G // BN  # N tiles per group
         n_act = tl.sum(act, axis=0)
@@ -188,9 +194,7 @@ if HAS_TRITON:
         sp = tl.program_id(1)
         offs_g = tl.arange(0, NGP)
         gmask = offs_g < NG
-        act = tl.zeros((NGP,), dtype=tl.int32)
-        for m in range(0, M):
-            act = tl.maximum(act, (tl.load(route_ptr + m * NG + offs_g, mask=gmask, other=0) != 0).to(tl.int32))
+        act = _route_union(route_ptr, M, NG, offs_g, gmask, NGP)
         rank = tl.where(act != 0, tl.cumsum(act, axis=0), 0)  # 1-based rank of each active group, 0 if inactive
         CPG: tl.constexpr = G // BK
         total = tl.sum(act, axis=0) * CPG
