@@ -4,8 +4,10 @@
 
 * free-running greedy: the engine's tokens (batched, static cache) vs the masking path's own greedy loop
   (HF DynamicCache, one prompt at a time); positions equal up to the first divergence, and overall;
-* teacher-forced on the engine's tokens: max |logit difference| / max |logit| per step, and the fraction of
-  equal router decisions (attention and FFN, every layer, every generated token);
+* teacher-forced on the engine's tokens: max |logit difference| / max |logit| per step, the fraction of
+  equal router decisions (attention and FFN, every layer, every generated token), and the fraction of steps
+  where both pick the same next token from the same prefix (greedy agreement without the compounding of a
+  free-running comparison, where one early divergence makes every later position differ);
 * with fixed masks: the masking path given the engine's own decisions at every position, against the
   engine's logits: the kernels' error on the real model without decision flips;
 * the masking path's own noise floor: the same tokens fed one at a time through its KV cache against its
@@ -83,6 +85,8 @@ def main(argv=None) -> int:
                                                            for r in per_prompt),
             "reference_incremental_mask_agreement_min": min(r["reference_incremental_mask_agreement"]
                                                             for r in per_prompt),
+            "reference_incremental_next_token_agreement": sum(r["reference_incremental_next_token_agreement"]
+                                                              for r in per_prompt) / len(per_prompt),
         }
         if res is not None:
             summary.update({
@@ -91,6 +95,8 @@ def main(argv=None) -> int:
                 "teacher_forced_max_rel_logit_err": max(r["teacher_forced_max_rel_logit_err"] for r in per_prompt),
                 "teacher_forced_mask_agreement_min": min(r["teacher_forced_mask_agreement"] for r in per_prompt),
                 "fixed_masks_max_rel_logit_err": max(r["fixed_masks_max_rel_logit_err"] for r in per_prompt),
+                "teacher_forced_next_token_agreement": sum(r["teacher_forced_next_token_agreement"]
+                                                           for r in per_prompt) / len(per_prompt),
                 "engine_realized_sparsity": res.sparsity})
         summary.update({
             "seconds": round(time.time() - t0, 1),
@@ -137,8 +143,12 @@ def main(argv=None) -> int:
             wm.record_masks = False
             self_err = max(((x - ref_logits[n_prompt - 1 + s]).abs().max() / ref_logits[n_prompt - 1 + s].abs().max()).item()
                            for s, x in enumerate(inc_logits))
+            ref_next = ref_logits[n_prompt - 1:n_prompt - 1 + args.steps].argmax(-1)
+            inc_next = torch.stack(inc_logits).argmax(-1)
             rec = {"prompt": p, "reference_incremental_max_rel_logit_err": self_err,
                    "reference_incremental_mask_agreement": inc_agree / max(inc_n, 1),
+                   # the floor of the teacher-forced next-token agreement below
+                   "reference_incremental_next_token_agreement": float((inc_next == ref_next).float().mean()),
                    "reference_text": tok.decode(ref_tokens)}
             if eng is None:
                 per_prompt.append(rec)
@@ -175,6 +185,9 @@ def main(argv=None) -> int:
                                "first_divergence": first_div, "teacher_forced_max_rel_logit_err": max(errs),
                                "teacher_forced_mask_agreement": agree_n / max(agree_d, 1),
                                "fixed_masks_max_rel_logit_err": fixed_err,
+                               # same prefix (the engine's tokens), same greedy choice of the next token?
+                               "teacher_forced_next_token_agreement": float(
+                                   (torch.stack(eng_logits).argmax(-1) == ref_next).float().mean()),
                                "engine_text": tok.decode(eng_tokens)})
             summarize(final=False)
             print(f"[{b}] equal {per_prompt[-1]['equal_positions']}/{args.steps} first divergence {first_div} "

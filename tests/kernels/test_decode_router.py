@@ -29,7 +29,7 @@ def _logits64(R, x):
     return (h @ R.w2.weight.double().T + R.w2.bias.double()).view(*x.shape[:-1], R.n_groups, 2)
 
 
-@pytest.mark.parametrize("rows", [1, 2, 3, 4, 17, 32])
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 17, 32, 33, 50])
 @pytest.mark.parametrize("D,N,r", [(64, 8, 16), (200, 112, 16), (4096, 8, 16), (96, 3, 4), (128, 20, 32)])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
 def test_router_kernel_matches_reference(rows, D, N, r, dtype):
@@ -48,7 +48,8 @@ def test_router_kernel_matches_reference(rows, D, N, r, dtype):
     assert torch.equal(mask[clear], want[clear])
     assert torch.equal(mask[clear], (ref[..., 0] >= ref[..., 1])[clear])
     assert torch.equal(router_mask(R, x)[clear], want[clear])
-    assert torch.equal(_router_mask_rowwise(R, x)[clear], want[clear])
+    if rows <= ROUTER_MAX_ROWS:
+        assert torch.equal(_router_mask_rowwise(R, x)[clear], want[clear])
 
 
 def test_router_shapes_counter_and_fallback():
@@ -65,8 +66,12 @@ def test_router_shapes_counter_and_fallback():
     # strided rows (last dim not contiguous) and a 3-D batch
     xs = torch.randn((3, 2, 128), generator=gen).to(DEVICE)[..., ::2]
     assert torch.equal(router_mask(R, xs), argmax_mask(R(xs)))
-    # more rows than the kernel takes: the reference path, same convention
+    # more rows than the few-row kernel takes: the tile kernel (rank 16), same convention
     xb = torch.randn((ROUTER_MAX_ROWS + 1, 64), generator=gen).to(DEVICE)
     assert torch.equal(router_mask(R, xb), argmax_mask(R(xb)))
+    # a rank below 16 with many rows: the reference path
+    R4 = _router(64, 6, 4, gen)
+    assert not fused._router_ok(R4, xb)
+    assert torch.equal(router_mask(R4, xb), argmax_mask(R4(xb)))
     with pytest.raises(ValueError, match="features"):
         router_mask(R, torch.zeros((1, 32), device=DEVICE))
