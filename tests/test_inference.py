@@ -171,6 +171,43 @@ def test_kaxis_variants_same_function():
         Engine(wm, kaxis="fast")
 
 
+def test_naxis_variants_same_function_and_measured_activity():
+    """Q and gate + up as cuBLAS GEMMs (+ the masked SwiGLU activation) equal gemm_mn / swiglu, forced
+    (``naxis="dense"``) and chosen per layer from the measured activity (``"auto"``, > 128 rows); Triton
+    interpreter, left padding."""
+    from wide.inference import Engine
+
+    wm = _wide(seed=13)
+    gen = torch.Generator().manual_seed(13)
+    ids = torch.randint(2, 128, (2, 70), generator=gen)  # 140 rows: the many-row (reordered) path
+    am = torch.ones_like(ids)
+    am[1, :6] = 0
+    cache = Engine(wm).new_cache(2, 70)
+    ref_eng = Engine(wm)
+    ref_eng.record_masks = True
+    ref = ref_eng.prefill(ids, am, cache, all_logits=True)
+    masks = dict(ref_eng.masks)
+    dense = Engine(wm, naxis="dense").prefill(ids, am, cache, all_logits=True)
+    auto = Engine(wm, naxis="auto", kaxis="auto")
+    assert not any(auto.naxis_dense(k, 0, 140) for k in ("attn", "ffn"))  # nothing measured: the kernels
+    act = auto.measure_activity(ids, am)
+    n = len(auto.layers)
+    assert set(act) == {(k, i) for k in ("attn", "ffn") for i in range(n)}
+    w = am.double()
+    for k, v in act.items():  # the executed fraction over real tokens, from the recorded masks
+        assert v == pytest.approx(float((masks[k].double().mean(-1) * w).sum() / w.sum()), abs=1e-12)
+    assert auto.expected_active == act and auto.masks == {} and not auto.record_masks
+    auto.expected_active = {k: 1.0 for k in act}  # above every threshold: cuBLAS for the N-axis ops
+    assert all(auto.naxis_dense(k, i, 140) for k, i in act) and not auto.naxis_dense("ffn", 0, 128)
+    out_auto = auto.prefill(ids, am, cache, all_logits=True)
+    valid = am.bool()
+    for out in (dense, out_auto):
+        assert (out - ref)[valid].abs().max().item() < ATOL
+    with pytest.raises(WideError, match="naxis"):
+        Engine(wm, naxis="fast")
+    assert Engine(wm, ops="dense").measure_activity(ids, am) == {}
+
+
 def test_dense_ops_left_padding_and_attn_only_routing(reference_path):
     from wide.inference import Engine
 

@@ -10,7 +10,9 @@ each the median over ``--runs`` replays (>= 50; long prefills use fewer, recorde
 (which also compiles and autotunes the kernels).  Baselines: the dense Hugging Face model in eager mode
 (``hf_eager_ms``; SDPA attention, DynamicCache) and the dense engine under CUDA graphs (``dense_ms``: cuBLAS
 linears, SDPA flash prefill attention, the project's split-KV decode attention with every head active, the
-same structure as the WIDE engine); ``speedup = dense_ms / wide_ms``.
+same structure as the WIDE engine); ``speedup = dense_ms / wide_ms``.  ``wide_auto_ms`` / ``speedup_auto``: the
+WIDE engine with ``kaxis="auto"`` and ``naxis="auto"`` (cuBLAS for an op where the routed kernel would be
+slower at the layer's measured activity, :meth:`wide.inference.Engine.measure_activity`; same function).
 
 Models: Llama-3.1-8B shapes with random weights and routers biased to the target sparsity (the paper's
 split, attention 66 % / FFN 28.5 % at overall 47 % (§4.4), scaled to ``s``; or ``uniform``: both at ``s``);
@@ -235,11 +237,13 @@ class _Ctx:
 
 def _engine_pair(base, wm, fused: bool = True):
     """``(WIDE engine, dense engine)``; the WIDE engine carries ``.auto``, the same engine with ``kaxis="auto"``
-    (O / down projections as cuBLAS GEMMs where gemm_k was measured slower)."""
+    and ``naxis="auto"`` (O / down as cuBLAS GEMMs where gemm_k was measured slower; Q and gate + up as cuBLAS
+    GEMMs in the layers whose measured activity is above what the routed kernel needs to win: call
+    ``.auto.measure_activity`` once the routers are final)."""
     from wide.inference.engine import Engine
 
     wide_eng = Engine(wm, track_sparsity=False, fused=fused)
-    wide_eng.auto = Engine(wm, track_sparsity=False, fused=fused, kaxis="auto")
+    wide_eng.auto = Engine(wm, track_sparsity=False, fused=fused, kaxis="auto", naxis="auto")
     return wide_eng, Engine(base, ops="dense", track_sparsity=False, fused=fused)
 
 
@@ -540,10 +544,14 @@ def bench_smollm2(ctx):
     from wide.inference.engine import Engine
 
     args = ctx.args
-    wm = wide.load(args.smollm2_ckpt, device=DEVICE, dtype=torch.bfloat16)
+    wm, tok = wide.load(args.smollm2_ckpt, device=DEVICE, dtype=torch.bfloat16, tokenizer=True)
     for h in wm._handles:  # HF eager baseline without routing hooks
         h.remove()
     wide_eng, dense_eng = _engine_pair(wm.base, wm)
+    from wide.data import default_passages, pack
+
+    sample = pack(default_passages()[:64], tok, 2048, max_blocks=1).to(DEVICE)  # the bundled text
+    wide_eng.auto.measure_activity(sample)
     extra = dict(sparsity=wm.config.target_sparsity, G_ffn=wm.config.ffn_group_size, split="calibrated",
                  checkpoint=args.smollm2_ckpt)
     for T in [t for t in args.prompt if t <= 8192]:
@@ -562,7 +570,7 @@ def bench_smollm2(ctx):
 def write_report(records: list, out_dir: str, tag: str) -> None:
     """Markdown table and plot (speedup vs prompt length per phase / batch / s) from the records."""
     rows = ["| phase | model | split | B | prompt | s | G | realized attn / ffn / overall | HF eager ms | "
-            "dense (graph) ms | WIDE ms | speedup | WIDE auto-K ms | speedup auto-K |",
+            "dense (graph) ms | WIDE ms | speedup | WIDE auto ms | speedup auto |",
             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in records:
         rs = dict(r.get("realized_sparsity") or {})
@@ -591,14 +599,14 @@ def write_report(records: list, out_dir: str, tag: str) -> None:
                 (r["prompt_len"], r["speedup"]))
         for r in rs:
             if "speedup_auto" in r:
-                series.setdefault((r["batch"], r["sparsity"], r.get("split"), r["G_ffn"], "auto-K"), []).append(
+                series.setdefault((r["batch"], r["sparsity"], r.get("split"), r["G_ffn"], "auto"), []).append(
                     (r["prompt_len"], r["speedup_auto"]))
         for key, pts in sorted(series.items(), key=lambda kv: str(kv[0])):
             B, s, split, G = key[:4]
             pts.sort()
             auto = len(key) == 5
             ax.plot([p[0] for p in pts], [p[1] for p in pts], "s--" if auto else "o-", alpha=0.8,
-                    label=f"B={B} s={s} {split} G={G}" + (" auto-K" if auto else ""))
+                    label=f"B={B} s={s} {split} G={G}" + (" auto" if auto else ""))
         ax.axhline(1.0, color="k", lw=0.6)
         ax.axhline(1.75 if phase == "prefill" else 1.65, color="r", ls="--", lw=0.8, label="goal (s=0.5)")
         ax.set_xscale("log", base=2)
@@ -661,6 +669,7 @@ def run(args) -> int:
                 h.remove()
             wide_eng, dense_eng = _engine_pair(base, wm, fused=fused)
             bias_routers(wide_eng, calib, sa, sf)
+            wide_eng.auto.measure_activity(calib)  # per-layer activity for the auto engine's dispatch
             if fused and not smoked:
                 smoked = True
                 try:
@@ -716,7 +725,9 @@ def run(args) -> int:
                     try:
                         tw = trace_layer(wide_eng, B, T, phase)
                         td = trace_layer(dense_eng, B, T, phase)
+                        ta = trace_layer(wide_eng.auto, B, T, phase)
                         traces[f"{phase}_B{B}_T{T}"] = {"wide": tw, "dense": td, "amdahl": amdahl(tw, td),
+                                                        "wide_auto": ta, "amdahl_auto": amdahl(ta, td),
                                                         "sparsity": s, "G_ffn": G, "split": split,
                                                         "gpu": ctx.gpu, "date": ctx.date, "command": ctx.command}
                         with open(os.path.join(a.out_dir, f"e2e_{a.tag}_trace.json"), "w") as f:

@@ -30,10 +30,28 @@ from ..kernels import Reordered, gemm_k, gemm_mn, reorder, routed_attention, swi
 from ..kernels._common import use_triton
 from ..modeling import check_architecture, decoder_layers, dims_of
 from .cache import StaticKVCache
-from .fused import add_rmsnorm, rope_cache, router_mask
+from .fused import add_rmsnorm, masked_swiglu_act, rope_cache, router_mask
 
 OPS = ("routed", "dense")
 KAXIS = ("kernel", "auto", "dense")
+NAXIS = ("kernel", "auto", "dense")
+
+
+def naxis_dense_above(op: str, G: int) -> float:
+    """Executed fraction above which ``naxis="auto"`` runs an N-axis op as dense cuBLAS GEMMs (many rows).
+
+    From the H200 kernel probe (benchmarks/kernels/README.md, s = 0, M = 4096 and 16384): the routed tile
+    kernel at full activity takes 1/0.63-1/0.70 of cuBLAS's time for ``gemm_mn`` at G = 128, 1/0.78-1/0.81
+    at G = 512, and 1/0.80-1/0.85 for the fused SwiGLU; its time scales with the executed fraction p, so it
+    wins while p is below that ratio.
+
+    Args:
+        op: ``"gemm_mn"`` (the Q projection) or ``"swiglu"`` (gate + up).
+        G: the op's group size (channels).
+    """
+    if op == "swiglu":
+        return 0.82
+    return 0.78 if G >= 256 else 0.66
 
 
 def _gemm_mn_uses_reorder(M: int) -> bool:
@@ -116,6 +134,13 @@ class Engine:
             ``"dense"`` (cuBLAS on the zero-filled input: the routed producer already wrote exact zeros for the
             skipped groups, so the function is the same), or ``"auto"`` (cuBLAS where the measured ``gemm_k``
             is slower, see :meth:`kaxis_dense`).
+        naxis: how the N-axis ops (Q projection, gate + up) run: ``"kernel"`` (``gemm_mn`` / fused ``swiglu``,
+            Algorithm 2; default), ``"dense"`` (cuBLAS GEMMs; the routed attention ignores the Q rows of
+            skipped head groups and :func:`~wide.inference.fused.masked_swiglu_act` zeroes the skipped FFN
+            groups, so the function is the same), or ``"auto"``: cuBLAS for many rows (prefill) in the layers
+            whose executed fraction, measured by :meth:`measure_activity`, is above what the routed kernel
+            needs to beat cuBLAS (:func:`naxis_dense_above`); the kernels otherwise (and before any
+            measurement).  A host-side choice per layer, so prefill stays free of host syncs.
 
     Attributes:
         dims: :class:`wide.ModelDims`; ``n_attn``, ``n_ffn``: groups per layer; ``g_attn``, ``g_ffn``: group
@@ -124,16 +149,19 @@ class Engine:
 
     Raises:
         WideError: unsupported architecture, activation other than SiLU, a wrapped
-            (unmerged LoRA) projection, or an unknown ``ops`` / ``kaxis``.
+            (unmerged LoRA) projection, or an unknown ``ops`` / ``kaxis`` / ``naxis``.
     """
 
     def __init__(self, model: nn.Module, ops: str = "routed", track_sparsity: bool = True, fused: bool = True,
-                 kaxis: str = "kernel") -> None:
+                 kaxis: str = "kernel", naxis: str = "kernel") -> None:
         if ops not in OPS:
             raise WideError(f"ops={ops!r} is not one of {', '.join(OPS)}")
         if kaxis not in KAXIS:
             raise WideError(f"kaxis={kaxis!r} is not one of {', '.join(KAXIS)}")
-        self.fused, self.kaxis = fused, kaxis
+        if naxis not in NAXIS:
+            raise WideError(f"naxis={naxis!r} is not one of {', '.join(NAXIS)}")
+        self.fused, self.kaxis, self.naxis = fused, kaxis, naxis
+        self.expected_active: dict = {}  # {(kind, layer): executed fraction}, see measure_activity
         from ..modeling import WideModel
 
         self.wide = model if isinstance(model, WideModel) else None
@@ -238,13 +266,16 @@ class Engine:
             cache[key] = torch.ones(shape, dtype=torch.bool, device=device)
         return cache[key]
 
-    def _reorders(self, mask: torch.Tensor, attention: bool):
-        """One reorder per routing decision: ``(flat [B*T, N_G] or None, per-sequence [B, T, N_G] or None)``."""
+    def _reorders(self, mask: torch.Tensor, attention: bool, mn_kernel: bool = True, k_kernel: bool = True):
+        """One reorder per routing decision: ``(flat [B*T, N_G] or None, per-sequence [B, T, N_G] or None)``.
+
+        The flat one only where a GEMM that runs as a routed kernel (``mn_kernel``: the N-axis op, ``k_kernel``:
+        the K-axis op) consumes it at this row count."""
         if mask is None or not use_triton(mask):
             return None, None
         B, T, N = mask.shape
         M = B * T
-        need_flat = _gemm_mn_uses_reorder(M) or _gemm_k_uses_reorder(M)
+        need_flat = (mn_kernel and _gemm_mn_uses_reorder(M)) or (k_kernel and _gemm_k_uses_reorder(M))
         need_attn = attention and T > 1
         flat = reorder(mask.view(M, N)) if need_flat else None
         per = None
@@ -295,14 +326,16 @@ class Engine:
             st["am_flat"], st["am_per"] = (None, None)
 
         def attn_reorder(st):
-            st["am_flat"], st["am_per"] = self._reorders(st["am"], attention=True)
+            M = st["x"].shape[0] * st["x"].shape[1]
+            st["am_flat"], st["am_per"] = self._reorders(st["am"], True, not self.naxis_dense("attn", i, M),
+                                                         not self.kaxis_dense(M, self.g_attn))
 
         def q_proj(st):
             x = st["x"]
             B, T, D = x.shape
             x2 = x.view(B * T, D)
-            if st["am"] is None:
-                q = F.linear(x2, L.wq, L.bq)
+            if st["am"] is None or self.naxis_dense("attn", i, B * T):
+                q = F.linear(x2, L.wq, L.bq)  # the routed attention ignores skipped head groups: same function
             else:
                 q = gemm_mn(x2, L.wq, st["am"].view(B * T, -1), self.g_attn, reordered=st["am_flat"])
                 if L.bq is not None:
@@ -380,7 +413,9 @@ class Engine:
             st["fm_flat"] = None
 
         def ffn_reorder(st):
-            st["fm_flat"], _ = self._reorders(st["fm"], attention=False)
+            M = st["x_ffn"].shape[0] * st["x_ffn"].shape[1]
+            st["fm_flat"], _ = self._reorders(st["fm"], False, not self.naxis_dense("ffn", i, M),
+                                              not self.kaxis_dense(M, self.g_ffn))
 
         def gate_up(st):
             x = st["x_ffn"]
@@ -388,6 +423,9 @@ class Engine:
             x2 = x.view(B * T, D)
             if st["fm"] is None:
                 st["u"] = F.silu(F.linear(x2, L.wg)) * F.linear(x2, L.wu)
+            elif self.naxis_dense("ffn", i, B * T):
+                st["u"] = masked_swiglu_act(F.linear(x2, L.wg), F.linear(x2, L.wu), st["fm"].view(B * T, -1),
+                                            self.g_ffn)
             else:
                 st["u"] = swiglu(x2, L.wg, L.wu, st["fm"].view(B * T, -1), self.g_ffn, reordered=st["fm_flat"])
 
@@ -424,6 +462,58 @@ class Engine:
         if self.kaxis == "dense":
             return True
         return M > 4 or G >= 512
+
+    def naxis_dense(self, kind: str, i: int, M: int) -> bool:
+        """Whether layer ``i``'s N-axis op (``kind`` "attn": the Q projection, "ffn": gate + up) of ``M`` rows runs
+        as cuBLAS GEMMs instead of ``gemm_mn`` / ``swiglu`` (see ``naxis`` in the class docstring)."""
+        if self.naxis == "kernel":
+            return False
+        if self.naxis == "dense":
+            return True
+        from ..kernels.gemm_mn import DIRECT_MAX_M
+
+        p = self.expected_active.get((kind, i))
+        if M <= DIRECT_MAX_M or p is None:  # few rows: the route-reading tiles / GEMVs match cuBLAS at p = 1
+            return False
+        G = self.g_attn if kind == "attn" else self.g_ffn
+        return p > naxis_dense_above("gemm_mn" if kind == "attn" else "swiglu", G)
+
+    @torch.no_grad()
+    def measure_activity(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None) -> dict:
+        """Measure each routed layer's executed fraction on a sample prefill, for ``naxis="auto"``.
+
+        Args:
+            input_ids: int64 ``[B, T]`` sample prompts (left-padded), e.g. a slice of calibration text.
+            attention_mask: ``[B, T]`` (1 = real token) or None.
+
+        Returns:
+            ``{(kind, layer): fraction}`` with kind "attn" / "ffn" and the fraction of executed (token, group)
+            decisions over real tokens; also stored in :attr:`expected_active`.  One host sync (call it before
+            timing or graph capture, not per step).  Empty for ``ops="dense"`` or a model without routers.
+
+        Raises:
+            WideError: as :meth:`prefill`.
+        """
+        if self.ops == "dense":
+            return {}
+        B, T = input_ids.shape
+        prev = self.record_masks
+        self.record_masks = True
+        try:
+            self.prefill(input_ids, attention_mask, self.new_cache(B, T))
+            masks = self.masks
+        finally:
+            self.record_masks = prev
+            self.masks = {}
+        w = (attention_mask.to(torch.float64) if attention_mask is not None
+             else torch.ones((B, T), dtype=torch.float64, device=self.device))
+        keys = [k for k in masks if (k[0] == "attn" and self.attn_routers is not None)
+                or (k[0] == "ffn" and self.ffn_routers is not None)]
+        if not keys:
+            return {}
+        fr = torch.stack([(masks[k].to(torch.float64).mean(-1) * w).sum() / w.sum() for k in keys]).tolist()
+        self.expected_active = dict(zip(keys, fr))
+        return dict(self.expected_active)
 
     def begin(self, st: dict) -> dict:
         """Per-forward state shared by all layers: RoPE cos/sin from the model's rotary module (once)."""

@@ -18,6 +18,7 @@ Each has a PyTorch reference (``*_ref``) with the same semantics, used on CPU wi
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 
 from ..kernels._common import HAS_TRITON, interpret_mode, next_pow2, use_triton
 
@@ -25,7 +26,7 @@ if HAS_TRITON:
     import triton
     import triton.language as tl
 
-    from ..kernels._common import mm, mma  # noqa: F401
+    from ..kernels._common import mm, mma, round_to  # noqa: F401
 
     @triton.jit
     def _add_rmsnorm_kernel(h_ptr, add_ptr, hout_ptr, y_ptr, w_ptr, D, eps,
@@ -197,6 +198,23 @@ if HAS_TRITON:
             lp = logit_ptr + (offs_m64[:, None] * N + offs_n[None, :]) * 2
             tl.store(lp, le, mask=om)
             tl.store(lp + 1, ls, mask=om)
+
+
+    @triton.jit
+    def _masked_swiglu_kernel(g_ptr, u_ptr, route_ptr, out_ptr, M, N, NG, G,
+                              BN: tl.constexpr, BM: tl.constexpr):
+        # one [BM, BN] tile: silu(g) * u with the MLP's rounding points, 0 where the route skips the group
+        offs_m = (tl.program_id(0) * BM + tl.arange(0, BM)).to(tl.int64)
+        offs_n = tl.program_id(1) * BN + tl.arange(0, BN)
+        inb = (offs_m < M)[:, None] & (offs_n < N)[None, :]
+        ptr = offs_m[:, None] * N + offs_n[None, :]
+        keep = tl.load(route_ptr + offs_m[:, None] * NG + (offs_n // G)[None, :], mask=inb, other=0) != 0
+        g = tl.load(g_ptr + ptr, mask=keep, other=0.0).to(tl.float32)
+        u = tl.load(u_ptr + ptr, mask=keep, other=0.0).to(tl.float32)
+        DT = out_ptr.dtype.element_ty
+        a = round_to(g / (1.0 + tl.exp(-g)), DT)
+        y = round_to(a * u, DT)
+        tl.store(out_ptr + ptr, tl.where(keep, y, 0.0).to(DT), mask=inb)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -434,3 +452,52 @@ def _router_mask_rowwise(router, x: torch.Tensor) -> torch.Tensor:
                                  N, x2.stride(0), R=router.w1.out_features, BD=min(256, next_pow2(D)),
                                  NP=max(16, next_pow2(N)), **({} if interpret_mode() else {"num_warps": 4}))
     return out.view(*x.shape[:-1], N)
+
+
+# ----------------------------------------------------------------------------------------------
+# Masked SwiGLU activation (the dense-GEMM form of the routed FFN)
+# ----------------------------------------------------------------------------------------------
+
+
+def masked_swiglu_act_ref(g: torch.Tensor, u: torch.Tensor, route: torch.Tensor, G: int) -> torch.Tensor:
+    """Reference of :func:`masked_swiglu_act`: ``(silu(g) * u)`` in the model dtype (the MLP's own ops), times
+    the route expanded to channels."""
+    y = F.silu(g) * u
+    keep = route.repeat_interleave(G, dim=-1)
+    return torch.where(keep, y, torch.zeros((), dtype=y.dtype, device=y.device))
+
+
+def masked_swiglu_act(g: torch.Tensor, u: torch.Tensor, route: torch.Tensor, G: int) -> torch.Tensor:
+    """``silu(g) * u`` where ``route[m, n // G]``, else 0: the SwiGLU activation of the routed FFN (Eq. 3)
+    when gate and up ran as dense GEMMs (the engine's ``naxis="dense"`` / ``"auto"`` form).
+
+    One elementwise pass, instead of the model's two (``act_fn(gate) * up``) plus a mask multiply; the
+    rounding is the MLP's (SiLU and the product each rounded to the model dtype).  Skipped groups read no
+    ``g``/``u`` bytes and are written as exact zeros, so ``down_proj`` may run as a dense GEMM.
+
+    Args:
+        g, u: ``[M, N]`` gate and up projections (contiguous), bf16/fp16/fp32, same dtype and device.
+        route: bool ``[M, N // G]`` (True = execute), contiguous.
+        G: FFN group size (channels per group), dividing N.
+
+    Returns:
+        ``[M, N]`` in g's dtype.
+
+    Raises:
+        ValueError: shapes, dtypes or G that do not fit together.
+    """
+    if g.shape != u.shape or g.dim() != 2 or g.dtype != u.dtype:
+        raise ValueError(f"masked_swiglu_act: g {tuple(g.shape)} {g.dtype} and u {tuple(u.shape)} {u.dtype} must be "
+                         f"equal 2-D shapes and dtypes")
+    M, N = g.shape
+    if not isinstance(G, int) or G < 1 or N % G or route.dtype != torch.bool or tuple(route.shape) != (M, N // G):
+        raise ValueError(f"masked_swiglu_act: route must be bool [M, N // G] = [{M}, {N // G if G else '?'}] with "
+                         f"G={G!r} dividing N={N}; got {route.dtype} {tuple(route.shape)}")
+    if not use_triton(g):
+        return masked_swiglu_act_ref(g, u, route, G)
+    g, u, route = g.contiguous(), u.contiguous(), route.contiguous()
+    out = torch.empty_like(g)
+    BM, BN = (16, 32) if interpret_mode() else (8, 512)
+    _masked_swiglu_kernel[(triton.cdiv(M, BM), triton.cdiv(N, BN))](
+        g, u, route, out, M, N, N // G, G, BN=BN, BM=BM, **({} if interpret_mode() else {"num_warps": 4}))
+    return out
