@@ -78,6 +78,9 @@ def add_arguments(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
     p.add_argument("--no-hf", action="store_true", help="skip the dense HF eager baseline")
     p.add_argument("--no-trace", action="store_true")
     p.add_argument("--smollm2-ckpt", default="benchmarks/quality/checkpoints/smollm2-global-s50-g128")
+    p.add_argument("--smollm2-model", default=None,
+                   help="base model of that checkpoint (a GGUF file or HF directory) when its bundled package is "
+                        "not installed, e.g. on a GPU machine")
     p.add_argument("--out-dir", default="benchmarks/e2e")
     p.add_argument("--tag", default="h200")
     p.add_argument("--time-budget", default=1e9, type=float, help="seconds; stop starting new points past this")
@@ -544,7 +547,8 @@ def bench_smollm2(ctx):
     from wide.inference.engine import Engine
 
     args = ctx.args
-    wm, tok = wide.load(args.smollm2_ckpt, device=DEVICE, dtype=torch.bfloat16, tokenizer=True)
+    wm, tok = wide.load(args.smollm2_ckpt, model=args.smollm2_model, device=DEVICE, dtype=torch.bfloat16,
+                        tokenizer=True)
     for h in wm._handles:  # HF eager baseline without routing hooks
         h.remove()
     wide_eng, dense_eng = _engine_pair(wm.base, wm)
