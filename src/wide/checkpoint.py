@@ -11,6 +11,7 @@ Every file is written atomically (temporary file, then rename); nothing is ever 
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import warnings
@@ -18,7 +19,7 @@ from pathlib import Path
 
 import torch
 
-from .config import CONFIG_NAME, WideConfig, atomic_write, atomic_write_text
+from .config import CONFIG_NAME, ModelDims, WideConfig, atomic_write, atomic_write_text
 from .errors import WideError
 from .modeling import WideModel, check_architecture, dims_of, fingerprint, load_base_model
 
@@ -97,6 +98,36 @@ def read_base_info(directory: str | os.PathLike) -> dict:
     return info
 
 
+def read_config(directory: str | os.PathLike, base: torch.nn.Module) -> WideConfig:
+    """``<directory>/wide_config.json`` checked against the Hugging Face model ``base`` (its group sizes must fit).
+
+    Raises:
+        WideError: the file is missing or holds a bad value; the message names the file, the value and what
+            is allowed (e.g. the legal group sizes of ``base``).
+    """
+    config = WideConfig.load(directory)
+    _check_fits(config, dims_of(base.config), directory)
+    return config
+
+
+def _saved_dims(info: dict) -> ModelDims | None:
+    """The ``dims`` recorded in ``base_model.json`` as ModelDims, or None if absent or not positive integers."""
+    d = info.get("dims")
+    if not isinstance(d, dict) or set(d) != {f.name for f in dataclasses.fields(ModelDims)}:
+        return None
+    if not all(isinstance(v, int) and not isinstance(v, bool) and v > 0 for v in d.values()):
+        return None
+    return ModelDims(**d)
+
+
+def _check_fits(config: WideConfig, dims, directory: str | os.PathLike) -> None:
+    """``config.resolve(dims)``; its WideError (a group size that does not fit) is prefixed with the file."""
+    try:
+        config.resolve(dims)
+    except WideError as e:
+        raise WideError(f"corrupt {Path(directory) / CONFIG_NAME}: {e}") from None
+
+
 def load(path: str | os.PathLike, model: str | torch.nn.Module | None = None, device=None, dtype=None,
          tokenizer: bool = False, merge_lora: bool = False):
     """Load a saved WIDE model, ready for evaluation (argmax routing).
@@ -120,7 +151,8 @@ def load(path: str | os.PathLike, model: str | torch.nn.Module | None = None, de
         ``[B, T, N_G]`` masks per layer (True = execute; Eq. 4-5 with argmax instead of Gumbel sampling).
 
     Raises:
-        WideError: missing directory or files, corrupt files, a checkpoint made for another base model,
+        WideError: missing directory or files, corrupt files (a bad value in ``wide_config.json``, including
+            group sizes that do not fit the model, names the file), a checkpoint made for another base model,
             router shapes that do not fit, or a missing / corrupt LoRA adapter.
 
     Warns:
@@ -132,6 +164,9 @@ def load(path: str | os.PathLike, model: str | torch.nn.Module | None = None, de
         raise WideError(f"WIDE checkpoint {str(path)!r} not found (expected a directory with {CONFIG_NAME})")
     config = WideConfig.load(path)
     info = read_base_info(path)
+    saved = _saved_dims(info)
+    if saved is not None:  # before any model loads; checked against the loaded model's dims below too
+        _check_fits(config, saved, path)
     routers = read_safetensors(path / ROUTERS_NAME)  # fail on a corrupt file before loading any model
     extra = info.get("extra") or {}
     if isinstance(extra.get("step"), int) and isinstance(extra.get("steps"), int) and extra["step"] < extra["steps"]:
@@ -147,6 +182,7 @@ def load(path: str | os.PathLike, model: str | torch.nn.Module | None = None, de
     if info.get("dims") and info["dims"] != dims.__dict__:
         raise WideError(f"checkpoint {str(path)!r} was made for a model with dims {info['dims']}, "
                         f"this model has {dims.__dict__}")
+    _check_fits(config, dims, path)  # group sizes that do not fit the model: an error naming the file
     saved_fp = str(info["fingerprint"])
     fp = fingerprint(base, version=2 if saved_fp.startswith("v2:") else 1)
     if fp != saved_fp:

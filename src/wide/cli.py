@@ -64,7 +64,8 @@ def _add_train(p: argparse.ArgumentParser, steps: int | None = 500, batch: int =
     g.add_argument("--seq-len", type=int, default=None if "seq_len" in auto else seq_len,
                    help=f"tokens per packed sequence (>= 2; {default('seq_len', seq_len)})")
     g.add_argument("--lr", type=float, default=lr, help=f"peak learning rate (> 0; default: {lr:g})")
-    g.add_argument("--warmup-steps", type=int, default=None, help="linear warm-up steps (default: 5%% of --steps)")
+    g.add_argument("--warmup-steps", type=int, default=None,
+                   help="linear warm-up steps (0 to --steps; default: 5%% of --steps)")
     g.add_argument("--seed", type=int, default=0, help="random seed of data order and router init (default: 0)")
     g.add_argument("--save-every", type=int, default=100, help="checkpoint every N steps (default: 100)")
     g.add_argument("--max-blocks", type=int, default=None,
@@ -219,24 +220,40 @@ def _maybe_launch(args, command: str, precheck) -> int | None:
     return D.launch(args.nproc, command, D.strip_nproc(args.argv))
 
 
-def _precheck_train(args, cfg=None):
+def _precheck_train(args, cfg=None, stage: str = "router"):
     from .data import load_texts
 
     _train_args_from(args)
     if cfg is not None:
         cfg.validate()
-    _check_output(args)
+    _check_output(args, stage)
     load_texts(args.text, split="calib")
 
 
-def _check_output(args) -> None:
-    """``-o`` must be a directory (or not exist yet); with ``--resume`` it must hold a training state."""
+def _check_output(args, stage: str = "router") -> None:
+    """``-o`` must be a directory or not exist yet. With ``--resume`` it must hold a training state; without
+    it, it must be empty unless ``--overwrite`` is given (the new run then writes into it, each file replaced
+    atomically when its new version is complete; a stage-1 run refuses a directory holding a LoRA adapter)."""
+    from .lora import ADAPTER_DIR
     from .training import has_train_state
 
-    if os.path.exists(args.output) and not os.path.isdir(args.output):
-        raise WideError(f"-o {str(args.output)!r} is a file; give a directory for the checkpoint")
-    if args.resume and not has_train_state(args.output):
-        raise WideError(f"--resume: no train_state.pt or train_state.dcp in {str(args.output)!r}")
+    out = str(args.output)
+    if os.path.exists(out) and not os.path.isdir(out):
+        raise WideError(f"-o {out!r} is a file; give a directory for the checkpoint")
+    overwrite = bool(getattr(args, "overwrite", False))
+    if args.resume and overwrite:
+        raise WideError("--resume and --overwrite exclude each other: --resume continues the run in "
+                        f"{out!r}, --overwrite replaces it")
+    if args.resume and not has_train_state(out):
+        raise WideError(f"--resume: no train_state.pt or train_state.dcp in {out!r}")
+    if args.resume or not os.path.isdir(out) or not any(os.scandir(out)):
+        return
+    if not overwrite:
+        raise WideError(f"output {out!r} exists and is not empty (use --resume to continue that run or "
+                        f"--overwrite to replace it)")
+    if stage == "router" and os.path.exists(os.path.join(out, ADAPTER_DIR)):
+        raise WideError(f"--overwrite: {out!r} holds a stage-2 LoRA adapter ({ADAPTER_DIR}/) that a stage-1 run "
+                        f"would leave in place; give another -o")
 
 
 def cmd_calibrate(args) -> int:
@@ -289,31 +306,31 @@ def cmd_lora(args) -> int:
 
     settings = LoraSettings(r=args.lora_r, alpha=args.lora_alpha, dropout=args.lora_dropout)
 
+    out = Path(args.output)
+
     def precheck():
         _need_extra("peft", "wide lora")
         settings.validate()
         check_stage1(args.wide)
-        _precheck_train(args)
+        if Path(args.wide).resolve() == out.resolve():
+            raise WideError(f"-o {str(out)!r} must differ from the stage-1 checkpoint --wide {args.wide!r}")
+        _precheck_train(args, stage="lora")
 
     launched = _maybe_launch(args, "lora", precheck)
     if launched is not None:
         return launched
     precheck()
     targs = _train_args_from(args)
-    out = Path(args.output)
-    if Path(args.wide).resolve() == out.resolve():
-        raise WideError(f"-o {str(out)!r} must differ from the stage-1 checkpoint --wide {args.wide!r}")
-    _check_output(args)
     info = check_stage1(args.wide)
     docs = load_texts(args.text, split="calib")
     env = D.init(args.device)
     say = _print if env.is_main else (lambda *_: None)
     if env.active:  # rank 0 holds the weights (CPU) and checks the checkpoint; the others only the structure
-        from .config import WideConfig
+        from .checkpoint import read_config
         from .modeling import WideModel
 
         base, tok, _ = D.load_base(args.model or info["model"], env)
-        wm = load(args.wide, model=base) if env.is_main else WideModel(base, WideConfig.load(args.wide))
+        wm = load(args.wide, model=base) if env.is_main else WideModel(base, read_config(args.wide, base))
     else:
         wm, tok = load(args.wide, model=args.model, device=args.device, tokenizer=True)
     blocks = pack(docs, tok, args.seq_len, max_blocks=args.max_blocks)
@@ -509,11 +526,13 @@ def cmd_prune_static(args) -> int:
     p.model, p.fingerprint = src.ref, fingerprint(model)
     small = slice_model(model, p)
     save_pruned(small, tok, p, out)
-    _print(f"static pruning of {src.ref} to S={args.sparsity}: removed attention {p.attn_sparsity:.3f} (heads "
+    asked = (f"--attn-sparsity {args.attn_sparsity:g} --ffn-sparsity {args.ffn_sparsity:g}"
+             if args.attn_sparsity is not None else f"S={args.sparsity:g}")
+    _print(f"static pruning of {src.ref} ({asked}): removed attention {p.attn_sparsity:.3f} (heads "
            f"{model.config.num_attention_heads} -> {small.config.num_attention_heads}, KV heads "
            f"{model.config.num_key_value_heads} -> {small.config.num_key_value_heads}), FFN {p.ffn_sparsity:.3f} "
-           f"(intermediate {model.config.intermediate_size} -> {small.config.intermediate_size}); parameters "
-           f"{param_count(model):,} -> {param_count(small):,}; {time.time() - t0:.0f}s")
+           f"(intermediate {model.config.intermediate_size} -> {small.config.intermediate_size}), overall "
+           f"{p.sparsity:.3f}; parameters {param_count(model):,} -> {param_count(small):,}; {time.time() - t0:.0f}s")
     _print(f"saved the pruned model to {out} (use it as --model {out})")
     return 0
 
@@ -536,6 +555,8 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--resume", action="store_true",
                    help="continue from the training state in --output (train_state.pt, or train_state.dcp of a "
                         "multi-process run)")
+    s.add_argument("--overwrite", action="store_true",
+                   help="start a new run in a non-empty --output, replacing its files as the new ones are saved")
     _add_method(s)
     _add_train(s)
     _add_dist(s)
@@ -547,6 +568,8 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--text", default=None, help="training text (default: BoolQ passages, calibration split)")
     s.add_argument("--output", "-o", required=True, help="output WIDE directory (routers, config, adapter/)")
     s.add_argument("--resume", action="store_true", help="continue from the training state in --output")
+    s.add_argument("--overwrite", action="store_true",
+                   help="start a new run in a non-empty --output, replacing its files as the new ones are saved")
     s.add_argument("--freeze-router", action="store_true", help="keep the stage-1 routers fixed; train only LoRA")
     g = s.add_argument_group("LoRA (peft)")
     g.add_argument("--lora-r", type=int, default=16, help="LoRA rank r")
@@ -603,7 +626,7 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--calib-blocks", type=int, default=32, help="calibration sequences to score on")
     s.add_argument("--seq-len", type=int, default=2048)
     s.add_argument("--batch-size", type=int, default=4)
-    s.add_argument("--overwrite", action="store_true")
+    s.add_argument("--overwrite", action="store_true", help="write into a non-empty --output")
     s.set_defaults(func=cmd_prune_static)
 
     s = sub.add_parser("demo", help="dense ppl, short calibration to S=0.5, WIDE ppl, per-layer table, save")

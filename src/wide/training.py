@@ -56,7 +56,7 @@ class CalibrationArgs:
             ``batch_size * grad_accum * world_size`` sequences.
         grad_accum: micro-batches per step.
         lr: peak learning rate (stage 1 default 5e-3 in the CLI, stage 2 2e-4).
-        warmup_steps: linear warm-up steps before cosine decay.
+        warmup_steps: linear warm-up steps before cosine decay, ``0 <= warmup_steps <= steps``.
         weight_decay, max_grad_norm: AdamW decay and gradient-clipping norm.
         seed: seeds the data order, the Gumbel noise and dropout.
         save_every: checkpoint period in steps (and at the last step).
@@ -81,7 +81,8 @@ class CalibrationArgs:
     reshard_after_forward: bool = True
 
     def validate(self) -> None:
-        """Raises WideError naming the first bad value (non-positive counts, ``lr <= 0``, negative warm-up)."""
+        """Raises WideError naming the first bad value (non-positive counts, ``lr <= 0``, a negative warm-up or
+        one longer than ``steps``)."""
         for name in ("steps", "batch_size", "grad_accum", "save_every", "log_every"):
             v = getattr(self, name)
             if not isinstance(v, int) or v < 1:
@@ -90,6 +91,9 @@ class CalibrationArgs:
             raise WideError(f"--lr {self.lr!r} must be > 0")
         if self.warmup_steps < 0:
             raise WideError(f"--warmup-steps {self.warmup_steps!r} must be >= 0")
+        if self.warmup_steps > self.steps:
+            raise WideError(f"--warmup-steps {self.warmup_steps!r} must be <= --steps {self.steps!r} "
+                            f"(0 to {self.steps})")
         if not self.max_grad_norm > 0:
             raise WideError(f"--max-grad-norm {self.max_grad_norm!r} must be > 0")
 
