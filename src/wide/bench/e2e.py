@@ -81,6 +81,9 @@ def add_arguments(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
     p.add_argument("--smollm2-model", default=None,
                    help="base model of that checkpoint (a GGUF file or HF directory) when its bundled package is "
                         "not installed, e.g. on a GPU machine")
+    p.add_argument("--smollm2-text", default=None,
+                   help="text the auto engine measures SmolLM2's per-layer activity on (a --data spec of wide "
+                        "calibrate, e.g. a .jsonl/.txt file; default: the bundled text)")
     p.add_argument("--out-dir", default="benchmarks/e2e")
     p.add_argument("--tag", default="h200")
     p.add_argument("--time-budget", default=1e9, type=float, help="seconds; stop starting new points past this")
@@ -552,9 +555,9 @@ def bench_smollm2(ctx):
     for h in wm._handles:  # HF eager baseline without routing hooks
         h.remove()
     wide_eng, dense_eng = _engine_pair(wm.base, wm)
-    from wide.data import default_passages, pack
+    from wide.data import load_texts, pack
 
-    sample = pack(default_passages()[:64], tok, 2048, max_blocks=1).to(DEVICE)  # the bundled text
+    sample = pack(load_texts(args.smollm2_text)[:64], tok, 2048, max_blocks=1).to(DEVICE)
     wide_eng.auto.measure_activity(sample)
     extra = dict(sparsity=wm.config.target_sparsity, G_ffn=wm.config.ffn_group_size, split="calibrated",
                  checkpoint=args.smollm2_ckpt)
