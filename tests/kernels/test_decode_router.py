@@ -75,3 +75,26 @@ def test_router_shapes_counter_and_fallback():
     assert torch.equal(router_mask(R4, xb), argmax_mask(R4(xb)))
     with pytest.raises(ValueError, match="features"):
         router_mask(R, torch.zeros((1, 32), device=DEVICE))
+
+
+def test_router_split3_many_rows():
+    """The tensor-core variant of the many-row router: W1 as three bf16 pieces summing to it exactly, one GEMM
+    with fp32 accumulation (emulated in fp32 on the CPU), then W2 and the argmax; against float64."""
+    gen = seed_for("router_split3")
+    R = _router(4096, 112, 16, gen)
+    x = torch.randn((70, 4096), generator=gen).to(torch.bfloat16).to(DEVICE)
+    w = fused._w1_split3(R)
+    assert w.dtype == torch.bfloat16 and w.shape == (48, 4096)
+    assert torch.equal(w[:16].double() + w[16:32].double() + w[32:].double(), R.w1.weight.double())
+    assert fused._w1_split3(R) is w  # cached
+    with torch.no_grad():
+        R.w1.weight.mul_(0.5)  # an in-place change rebuilds the pieces
+    w2 = fused._w1_split3(R)
+    assert torch.equal(w2[:16].double() + w2[16:32].double() + w2[32:].double(), R.w1.weight.double())
+    ref = _logits64(R, x)
+    margin = (ref[..., 0] - ref[..., 1]).abs()
+    clear = margin > 1e-4 * ref.abs().max().item()
+    assert clear.float().mean().item() > 0.9
+    got = fused._router_split3(R, x)
+    assert torch.equal(got[clear], (ref[..., 0] >= ref[..., 1])[clear])
+    assert torch.equal(router_mask(R, x)[clear], got[clear])  # the path router_mask picks on this device

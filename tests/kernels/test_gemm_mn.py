@@ -100,3 +100,18 @@ def test_tma_weight_tiles(swiglu, monkeypatch):
     ref = (swiglu_ref(x.double(), w.double(), w2.double(), route, G) if swiglu
            else gemm_mn_ref(x.double(), w.double(), route, G))
     check_close(out, ref)
+
+
+def test_gpu_tile_candidates_fit_the_group(monkeypatch):
+    """The compiled-mode tile lists: every BN divides G (a tile never straddles two groups), no duplicates, TMA
+    weight tiles only for the many-row path."""
+    from wide.kernels._common import pow2_part
+
+    monkeypatch.setattr(gemm_mn_mod, "interpret_mode", lambda: False)
+    for G in (16, 48, 128, 192, 512):
+        for M in (5, 64, 100, 129, 4096, 16384):
+            for sw in (False, True):
+                cands = gemm_mn_mod._candidates(G, M, sw)
+                assert cands and all(G % c["BN"] == 0 and c["BN"] <= pow2_part(G) for c in cands)
+                assert len({tuple(sorted(c.items())) for c in cands}) == len(cands)
+                assert all(M > 128 or not c.get("TMA") for c in cands)

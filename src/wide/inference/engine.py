@@ -40,18 +40,19 @@ NAXIS = ("kernel", "auto", "dense")
 def naxis_dense_above(op: str, G: int) -> float:
     """Executed fraction above which ``naxis="auto"`` runs an N-axis op as dense cuBLAS GEMMs (many rows).
 
-    From the H200 kernel probe (benchmarks/kernels/README.md, s = 0, M = 4096 and 16384): the routed tile
-    kernel at full activity takes 1/0.63-1/0.70 of cuBLAS's time for ``gemm_mn`` at G = 128, 1/0.78-1/0.81
-    at G = 512, and 1/0.80-1/0.85 for the fused SwiGLU; its time scales with the executed fraction p, so it
-    wins while p is below that ratio.
+    From the H200 tile probe (benchmarks/kernels/tile_probe.json, M = 16384, s = 0, best config): the routed
+    tile kernel at full activity reaches 0.82 of cuBLAS's speed for ``gemm_mn`` at G = 128, 0.95 at G = 512,
+    and 1.00 (G = 128) / 0.95 (G = 512) for the fused SwiGLU against two cuBLAS GEMMs plus the activation;
+    its time scales with the executed fraction p, so it wins while p is below that ratio (taken a little
+    lower here: the reorder is not in those times).
 
     Args:
         op: ``"gemm_mn"`` (the Q projection) or ``"swiglu"`` (gate + up).
         G: the op's group size (channels).
     """
     if op == "swiglu":
-        return 0.82
-    return 0.78 if G >= 256 else 0.66
+        return 0.93
+    return 0.92 if G >= 256 else 0.80
 
 
 def _gemm_mn_uses_reorder(M: int) -> bool:
@@ -456,12 +457,13 @@ class Engine:
     def kaxis_dense(self, M: int, G: int) -> bool:
         """Whether a K-axis projection (O, down) of ``M`` rows runs as a cuBLAS GEMM on its zero-filled input
         instead of ``gemm_k`` (``kaxis="dense"``, or ``"auto"`` where the H200 kernel measurements in
-        benchmarks/kernels/README.md put ``gemm_k`` below cuBLAS: M > 4, or M <= 4 with G >= 512)."""
+        benchmarks/kernels/README.md put ``gemm_k`` below cuBLAS: M > 4; the decode GEMV ``gemv_k`` beats
+        cuBLAS's at every G measured since its rewrite, benchmarks/e2e/e2e_h200-quick3_trace.json)."""
         if self.kaxis == "kernel":
             return False
         if self.kaxis == "dense":
             return True
-        return M > 4 or G >= 512
+        return M > 4
 
     def naxis_dense(self, kind: str, i: int, M: int) -> bool:
         """Whether layer ``i``'s N-axis op (``kind`` "attn": the Q projection, "ffn": gate + up) of ``M`` rows runs

@@ -17,6 +17,8 @@ Each has a PyTorch reference (``*_ref``) with the same semantics, used on CPU wi
 
 from __future__ import annotations
 
+import weakref
+
 import torch
 import torch.nn.functional as F
 
@@ -372,21 +374,86 @@ def _router_ok(router, x: torch.Tensor) -> bool:
     return ok and (rows <= ROUTER_MAX_ROWS or r >= 16)
 
 
-ROUTER_TILE_BM = 64
-
-
-def _router_tile_launch(router, x2: torch.Tensor, logits: torch.Tensor | None = None) -> torch.Tensor:
+def _router_tile_launch(router, x2: torch.Tensor, logits: torch.Tensor | None = None, BM: int = 64,
+                        num_warps: int = 4) -> torch.Tensor:
     rows, D = x2.shape
     N = router.n_groups
     out = torch.empty((rows, N), dtype=torch.bool, device=x2.device)
-    BM = 16 if interpret_mode() else ROUTER_TILE_BM
+    BM = 16 if interpret_mode() else BM
     w1, b1 = router.w1.weight.contiguous(), router.w1.bias.contiguous()
     w2, b2 = router.w2.weight.contiguous(), router.w2.bias.contiguous()
     _router_tile_kernel[(triton.cdiv(rows, BM),)](
         x2, w1, b1, w2, b2, out, logits if logits is not None else b2, rows, D, N, x2.stride(0),
         R=router.w1.out_features, BM=BM, BD=32 if interpret_mode() else 64, NP=max(16, next_pow2(N)),
-        WRITE_LOGITS=logits is not None, **({} if interpret_mode() else {"num_warps": 4}))
+        WRITE_LOGITS=logits is not None, **({} if interpret_mode() else {"num_warps": num_warps}))
     return out
+
+
+_W1_SPLIT = weakref.WeakKeyDictionary()  # router -> ((version, data_ptr), bf16 [3r, D])
+
+
+def _w1_split3(router) -> torch.Tensor:
+    """W1 (fp32) as three bf16 pieces ``[hi; mid; lo]`` (``[3r, D]``) whose sum is W1 exactly: bf16 keeps fp32's
+    exponent range and 8 of its 24 significand bits, so three pieces hold all of them.  Cached per router and
+    rebuilt when the weight changes."""
+    w = router.w1.weight
+    tag = (w._version, w.data_ptr())
+    hit = _W1_SPLIT.get(router)
+    if hit is None or hit[0] != tag:
+        with torch.no_grad():
+            hi = w.to(torch.bfloat16)
+            r1 = w - hi.float()
+            mid = r1.to(torch.bfloat16)
+            lo = (r1 - mid.float()).to(torch.bfloat16)
+            hit = (tag, torch.cat([hi, mid, lo]).contiguous())
+        _W1_SPLIT[router] = hit
+    return hit[1]
+
+
+def _mm_f32(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """``a @ b`` of bf16 operands with an fp32 result from fp32 accumulation (products of bf16 values are exact
+    in fp32): cuBLAS with ``out_dtype`` on CUDA; the same arithmetic in fp32 elsewhere."""
+    if a.is_cuda:
+        return torch.mm(a, b, out_dtype=torch.float32)
+    return a.float() @ b.float()
+
+
+def _router_split3(router, x2: torch.Tensor) -> torch.Tensor:
+    """Many-row router on tensor cores: ``x W1^T`` as one bf16 GEMM against the three-piece split of W1
+    (:func:`_w1_split3`, fp32 result) summed ``(hi + mid) + lo``, then ``+ b1``, the fp32 ``W2`` GEMM and the
+    argmax.  x must be bf16 (exact in the GEMM); the result equals the fp32 router up to summation order."""
+    r = router.w1.out_features
+    y = _mm_f32(x2, _w1_split3(router).t())  # [rows, 3r] fp32
+    h = (y[:, :r] + y[:, r:2 * r]) + y[:, 2 * r:] + router.w1.bias
+    lg = torch.addmm(router.w2.bias, h, router.w2.weight.t()).view(x2.shape[0], router.n_groups, 2)
+    return lg[..., 0] >= lg[..., 1]
+
+
+def _router_many(router, x2: torch.Tensor) -> torch.Tensor:
+    """Many-row (prefill) router: the fastest of the tile kernel (two tile shapes), the split-W1 tensor-core
+    GEMM (bf16 input) and the module itself, timed once per shape on the GPU (:func:`pick_config`, cached)."""
+    from ..kernels._common import m_bucket, pick_config
+    from ..routing import argmax_mask
+
+    rows, D = x2.shape
+    cands = [dict(impl="tile", BM=64, num_warps=4), dict(impl="tile", BM=128, num_warps=8)]
+    if x2.dtype == torch.bfloat16 and x2.is_cuda:
+        cands.append(dict(impl="split3"))
+    cands.append(dict(impl="module"))
+    res = {}
+
+    def run(cfg):
+        if cfg["impl"] == "tile":
+            res["out"] = _router_tile_launch(router, x2, BM=cfg["BM"], num_warps=cfg["num_warps"])
+        elif cfg["impl"] == "split3":
+            res["out"] = _router_split3(router, x2)
+        else:
+            res["out"] = argmax_mask(router(x2))
+
+    key = (m_bucket(rows), D, router.w1.out_features, router.n_groups, str(x2.dtype))
+    cfg = pick_config("router_rows", key, x2.device, cands, run)
+    run(cfg)
+    return res["out"]
 
 
 def _as_rows(x: torch.Tensor) -> torch.Tensor:
@@ -410,10 +477,11 @@ def router_mask(router, x: torch.Tensor) -> torch.Tensor:
     about 64 programs each compute ``x[:, D_p] W1[:, D_p]^T`` over their slice of D (so W1 is read by
     many SMs at once), and the program that arrives last (atomic counter, reset by that program) sums the
     partials in a fixed order, adds ``b1``, computes the two fp32 class logits per group with ``W2, b2``
-    and writes the argmax.  With more rows (prefill) and a power-of-two rank >= 16 it is one tile kernel:
-    each program owns 64 rows, reads them once in the model dtype (no fp32 copy of ``x``) and computes both
-    GEMMs as fp32 dots and the argmax (about 10x faster than the module at 16k tokens of an 8B model,
-    where the module's fp32 upcast of ``x`` and the fp32 GEMM dominate).  Otherwise the router module and
+    and writes the argmax.  With more rows (prefill) and a power-of-two rank >= 16 it is the fastest on this
+    GPU (timed once per shape, cached like the kernels' tile configs) of: a tile kernel whose programs own 64
+    or 128 rows, read them once in the model dtype (no fp32 copy of ``x``) and compute both GEMMs as fp32
+    dots and the argmax; for bf16 ``x``, one tensor-core GEMM against W1 split into three bf16 pieces that
+    sum to it exactly (fp32 accumulation of exact products); and the module itself.  Otherwise the router module and
     :func:`wide.routing.argmax_mask` run (the reference).  All compute in fp32; the summation order differs, so a decision can differ only where
     the two logits tie to fp32 rounding.  Concurrent calls on different CUDA streams use separate
     workspaces; calls on one stream are serialised by the stream.
@@ -429,7 +497,7 @@ def router_mask(router, x: torch.Tensor) -> torch.Tensor:
     if x.shape[-1] != router.w1.in_features:
         raise ValueError(f"router_mask: x has {x.shape[-1]} features, the router reads {router.w1.in_features}")
     x2 = _as_rows(x)
-    out = _router_launch(router, x2) if x2.shape[0] <= ROUTER_MAX_ROWS else _router_tile_launch(router, x2)
+    out = _router_launch(router, x2) if x2.shape[0] <= ROUTER_MAX_ROWS else _router_many(router, x2)
     return out.view(*x.shape[:-1], router.n_groups)
 
 

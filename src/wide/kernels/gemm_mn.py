@@ -116,31 +116,39 @@ def uses_reorder(M: int) -> bool:
 
 
 def _candidates(G: int, M: int, swiglu: bool) -> list[dict]:
+    """Tile configs the autotuner times for ``M`` rows.  The large-M lists lead with the winners of the H200
+    tile probe (benchmarks/kernels/tile_probe.json, M = 16384): weight tiles by TMA with 4 stages, 128 x 256
+    tiles where the group allows (G >= 256), GROUP_M 16."""
     if interpret_mode():
         bn = min(pow2_part(G), 64)
         return [dict(BM=32, BN=bn, BK=32, GROUP_M=4)]
-    cands = []
-    if swiglu:
-        base = [(128, 128, 64, 8, 3), (128, 64, 64, 4, 4), (64, 128, 64, 4, 4)]
-        if M <= 64:
-            base = [(64, 64, 64, 4, 4), (32, 64, 128, 4, 3)]
-    else:
-        base = [(128, 256, 64, 8, 3), (128, 128, 64, 8, 4), (128, 64, 64, 4, 4), (64, 128, 64, 4, 4)]
-        if M >= 2048:
-            base = [(256, 128, 64, 8, 3)] + base
+    # (BM, BN, BK, GROUP_M, warps, stages, TMA weights)
     if M <= 64:
-        base = [(64, 128, 64, 4, 4), (32, 64, 128, 4, 4), (64, 64, 128, 4, 3)]
-    seen = set()
-    for bm, bn, bk, w, s in base:
+        base = [(64, 128, 64, 8, 4, 4, False), (32, 64, 128, 8, 4, 4, False), (64, 64, 128, 8, 4, 3, False)]
+        if swiglu:
+            base = [(64, 64, 64, 8, 4, 4, False), (32, 64, 128, 8, 4, 3, False)]
+    elif swiglu:
+        base = [(128, 128, 64, 8, 8, 4, True), (128, 128, 64, 16, 8, 4, True), (128, 128, 64, 8, 8, 3, False),
+                (128, 64, 64, 8, 4, 4, False), (64, 128, 64, 8, 4, 4, False)]
+    else:
+        base = [(128, 256, 64, 8, 8, 4, True), (128, 256, 64, 8, 8, 3, True), (128, 128, 64, 16, 8, 4, True),
+                (128, 128, 64, 8, 8, 3, False), (128, 128, 64, 8, 8, 4, False), (128, 64, 64, 8, 4, 4, False),
+                (64, 128, 64, 8, 4, 4, False)]
+        if M >= 2048:
+            base.append((256, 128, 64, 8, 8, 3, False))
+    tma_ok = M > 128 and HAS_TRITON and hasattr(tl, "tensor_descriptor")
+    cands, seen = [], set()
+    for bm, bn, bk, gm, w, st, tma in base:
         bn = min(bn, pow2_part(G))
-        key = (bm, bn, bk, w, s)
+        tma = tma and tma_ok and bn >= 16
+        key = (bm, bn, bk, gm, w, st, tma)
         if key in seen:
             continue
         seen.add(key)
-        cands.append(dict(BM=bm, BN=bn, BK=bk, GROUP_M=8, num_warps=w, num_stages=s))
-    if M > 128 and HAS_TRITON and hasattr(tl, "tensor_descriptor"):
-        # same tiles with the weight operand loaded by TMA (Hopper bulk tensor copies)
-        cands += [dict(c, TMA=True) for c in cands[:3] if c["BN"] >= 16]
+        c = dict(BM=bm, BN=bn, BK=bk, GROUP_M=gm, num_warps=w, num_stages=st)
+        if tma:
+            c["TMA"] = True
+        cands.append(c)
     return cands
 
 
