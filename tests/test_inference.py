@@ -172,9 +172,9 @@ def test_kaxis_variants_same_function():
 
 
 def test_naxis_variants_same_function_and_measured_activity():
-    """Q and gate + up as cuBLAS GEMMs (+ the masked SwiGLU activation) equal gemm_mn / swiglu, forced
-    (``naxis="dense"``) and chosen per layer from the measured activity (``"auto"``, > 128 rows); Triton
-    interpreter, left padding."""
+    """Q and gate + up as cuBLAS GEMMs (+ the masked SwiGLU activation) equal gemm_mn / swiglu, and SDPA with
+    the skipped head groups zeroed equals the routed attention: forced (``"dense"``) and chosen per layer from
+    the measured activity (``"auto"``, > 128 rows); Triton interpreter, left padding."""
     from wide.inference import Engine
 
     wm = _wide(seed=13)
@@ -188,8 +188,10 @@ def test_naxis_variants_same_function_and_measured_activity():
     ref = ref_eng.prefill(ids, am, cache, all_logits=True)
     masks = dict(ref_eng.masks)
     dense = Engine(wm, naxis="dense").prefill(ids, am, cache, all_logits=True)
-    auto = Engine(wm, naxis="auto", kaxis="auto")
+    sdpa = Engine(wm, attn="dense").prefill(ids, am, cache, all_logits=True)
+    auto = Engine(wm, naxis="auto", kaxis="auto", attn="auto")
     assert not any(auto.naxis_dense(k, 0, 140) for k in ("attn", "ffn"))  # nothing measured: the kernels
+    assert not auto.attn_dense(0, "prefill")
     act = auto.measure_activity(ids, am)
     n = len(auto.layers)
     assert set(act) == {(k, i) for k in ("attn", "ffn") for i in range(n)}
@@ -199,12 +201,15 @@ def test_naxis_variants_same_function_and_measured_activity():
     assert auto.expected_active == act and auto.masks == {} and not auto.record_masks
     auto.expected_active = {k: 1.0 for k in act}  # above every threshold: cuBLAS for the N-axis ops
     assert all(auto.naxis_dense(k, i, 140) for k, i in act) and not auto.naxis_dense("ffn", 0, 128)
+    assert auto.attn_dense(0, "prefill") and not auto.attn_dense(0, "decode")
     out_auto = auto.prefill(ids, am, cache, all_logits=True)
     valid = am.bool()
-    for out in (dense, out_auto):
+    for out in (dense, sdpa, out_auto):
         assert (out - ref)[valid].abs().max().item() < ATOL
     with pytest.raises(WideError, match="naxis"):
         Engine(wm, naxis="fast")
+    with pytest.raises(WideError, match="attn"):
+        Engine(wm, attn="flash")
     assert Engine(wm, ops="dense").measure_activity(ids, am) == {}
 
 

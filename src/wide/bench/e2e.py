@@ -11,8 +11,9 @@ each the median over ``--runs`` replays (>= 50; long prefills use fewer, recorde
 (``hf_eager_ms``; SDPA attention, DynamicCache) and the dense engine under CUDA graphs (``dense_ms``: cuBLAS
 linears, SDPA flash prefill attention, the project's split-KV decode attention with every head active, the
 same structure as the WIDE engine); ``speedup = dense_ms / wide_ms``.  ``wide_auto_ms`` / ``speedup_auto``: the
-WIDE engine with ``kaxis="auto"`` and ``naxis="auto"`` (cuBLAS for an op where the routed kernel would be
-slower at the layer's measured activity, :meth:`wide.inference.Engine.measure_activity`; same function).
+WIDE engine with ``kaxis``, ``naxis`` and ``attn`` set to ``"auto"`` (cuBLAS / SDPA for an op where the routed
+kernel would be slower at the layer's measured activity, :meth:`wide.inference.Engine.measure_activity`; same
+function).
 
 Models: Llama-3.1-8B shapes with random weights and routers biased to the target sparsity (the paper's
 split, attention 66 % / FFN 28.5 % at overall 47 % (§4.4), scaled to ``s``; or ``uniform``: both at ``s``);
@@ -243,13 +244,13 @@ class _Ctx:
 
 def _engine_pair(base, wm, fused: bool = True):
     """``(WIDE engine, dense engine)``; the WIDE engine carries ``.auto``, the same engine with ``kaxis="auto"``
-    and ``naxis="auto"`` (O / down as cuBLAS GEMMs where gemm_k was measured slower; Q and gate + up as cuBLAS
-    GEMMs in the layers whose measured activity is above what the routed kernel needs to win: call
-    ``.auto.measure_activity`` once the routers are final)."""
+    ``naxis="auto"`` and ``attn="auto"`` (O / down as cuBLAS GEMMs where gemm_k was measured slower; Q, gate + up
+    and the prefill attention as cuBLAS / SDPA in the layers whose measured activity is above what the routed
+    kernel needs to win: call ``.auto.measure_activity`` once the routers are final)."""
     from wide.inference.engine import Engine
 
     wide_eng = Engine(wm, track_sparsity=False, fused=fused)
-    wide_eng.auto = Engine(wm, track_sparsity=False, fused=fused, kaxis="auto", naxis="auto")
+    wide_eng.auto = Engine(wm, track_sparsity=False, fused=fused, kaxis="auto", naxis="auto", attn="auto")
     return wide_eng, Engine(base, ops="dense", track_sparsity=False, fused=fused)
 
 

@@ -35,6 +35,14 @@ from .fused import add_rmsnorm, masked_swiglu_act, rope_cache, router_mask
 OPS = ("routed", "dense")
 KAXIS = ("kernel", "auto", "dense")
 NAXIS = ("kernel", "auto", "dense")
+ATTN = ("kernel", "auto", "dense")
+
+# Attention executed fraction above which attn="auto" runs the prefill attention as SDPA (flash) and zeroes the
+# skipped head groups.  From the H200 trace of one Llama-3.1-8B layer at 16k tokens
+# (benchmarks/e2e/e2e_h200-quick4_trace.json): the routed kernel took 1.72 ms at 30 % of the head groups executed,
+# SDPA 3.96 ms at all of them, so about 5.7 ms at full activity: it wins below ~0.69.  (At 4k tokens per sequence
+# the kernel probe measured it 1.21x faster than SDPA at full activity, so this is conservative there.)
+ATTN_DENSE_ABOVE = 0.69
 
 
 def naxis_dense_above(op: str, G: int) -> float:
@@ -142,6 +150,10 @@ class Engine:
             whose executed fraction, measured by :meth:`measure_activity`, is above what the routed kernel
             needs to beat cuBLAS (:func:`naxis_dense_above`); the kernels otherwise (and before any
             measurement).  A host-side choice per layer, so prefill stays free of host syncs.
+        attn: how the prefill attention runs: ``"kernel"`` (routed attention, Algorithm 4; default), ``"dense"``
+            (SDPA's flash attention for every head, then the skipped head groups' outputs set to 0: the same
+            function), or ``"auto"``: SDPA in the layers whose measured attention activity is above
+            ``ATTN_DENSE_ABOVE``.  Decode always runs the project's split-KV decode attention.
 
     Attributes:
         dims: :class:`wide.ModelDims`; ``n_attn``, ``n_ffn``: groups per layer; ``g_attn``, ``g_ffn``: group
@@ -150,18 +162,20 @@ class Engine:
 
     Raises:
         WideError: unsupported architecture, activation other than SiLU, a wrapped
-            (unmerged LoRA) projection, or an unknown ``ops`` / ``kaxis`` / ``naxis``.
+            (unmerged LoRA) projection, or an unknown ``ops`` / ``kaxis`` / ``naxis`` / ``attn``.
     """
 
     def __init__(self, model: nn.Module, ops: str = "routed", track_sparsity: bool = True, fused: bool = True,
-                 kaxis: str = "kernel", naxis: str = "kernel") -> None:
+                 kaxis: str = "kernel", naxis: str = "kernel", attn: str = "kernel") -> None:
         if ops not in OPS:
             raise WideError(f"ops={ops!r} is not one of {', '.join(OPS)}")
         if kaxis not in KAXIS:
             raise WideError(f"kaxis={kaxis!r} is not one of {', '.join(KAXIS)}")
         if naxis not in NAXIS:
             raise WideError(f"naxis={naxis!r} is not one of {', '.join(NAXIS)}")
-        self.fused, self.kaxis, self.naxis = fused, kaxis, naxis
+        if attn not in ATTN:
+            raise WideError(f"attn={attn!r} is not one of {', '.join(ATTN)}")
+        self.fused, self.kaxis, self.naxis, self.attn = fused, kaxis, naxis, attn
         self.expected_active: dict = {}  # {(kind, layer): executed fraction}, see measure_activity
         from ..modeling import WideModel
 
@@ -328,7 +342,8 @@ class Engine:
 
         def attn_reorder(st):
             M = st["x"].shape[0] * st["x"].shape[1]
-            st["am_flat"], st["am_per"] = self._reorders(st["am"], True, not self.naxis_dense("attn", i, M),
+            st["am_flat"], st["am_per"] = self._reorders(st["am"], not self.attn_dense(i, phase),
+                                                         not self.naxis_dense("attn", i, M),
                                                          not self.kaxis_dense(M, self.g_attn))
 
         def q_proj(st):
@@ -387,6 +402,10 @@ class Engine:
                 k, v, lp = c.k[i, :B], c.v[i, :B], st["slot"]
             if dense and phase == "prefill":
                 st["a"] = _dense_prefill_attention(q, k, v, st.get("padded", True) and lp, L.scaling)
+            elif st["am"] is not None and self.attn_dense(i, phase):
+                a = _dense_prefill_attention(q, k, v, st.get("padded", True) and lp, L.scaling)
+                keep = st["am"].transpose(1, 2).repeat_interleave(Hq // self.n_attn, dim=1).unsqueeze(-1)
+                st["a"] = a.masked_fill_(~keep, 0)  # skipped head groups output 0, as in Algorithm 4
             else:
                 route = st["am"]
                 if route is None:
@@ -480,9 +499,19 @@ class Engine:
         G = self.g_attn if kind == "attn" else self.g_ffn
         return p > naxis_dense_above("gemm_mn" if kind == "attn" else "swiglu", G)
 
+    def attn_dense(self, i: int, phase: str) -> bool:
+        """Whether layer ``i``'s attention runs as SDPA + zeroed skipped head groups (prefill only; see ``attn`` in
+        the class docstring)."""
+        if phase != "prefill" or self.attn == "kernel":
+            return False
+        if self.attn == "dense":
+            return True
+        p = self.expected_active.get(("attn", i))
+        return p is not None and p > ATTN_DENSE_ABOVE
+
     @torch.no_grad()
     def measure_activity(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None) -> dict:
-        """Measure each routed layer's executed fraction on a sample prefill, for ``naxis="auto"``.
+        """Measure each routed layer's executed fraction on a sample prefill, for ``naxis`` / ``attn="auto"``.
 
         Args:
             input_ids: int64 ``[B, T]`` sample prompts (left-padded), e.g. a slice of calibration text.
