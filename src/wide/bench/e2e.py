@@ -10,7 +10,8 @@ each the median over ``--runs`` replays (>= 50; long prefills use fewer, recorde
 (which also compiles and autotunes the kernels).  Baselines: the dense Hugging Face model in eager mode
 (``hf_eager_ms``; SDPA attention, DynamicCache) and the dense engine under CUDA graphs (``dense_ms``: cuBLAS
 linears, SDPA flash prefill attention, the project's split-KV decode attention with every head active, the
-same structure as the WIDE engine); ``speedup = dense_ms / wide_ms``.  ``wide_auto_ms`` / ``speedup_auto``: the
+same structure as the WIDE engine); ``speedup = dense_ms / wide_ms`` with ``wide_ms`` the WIDE engine running
+every routed op through its Triton kernel.  ``wide_auto_ms`` / ``speedup_auto``: the
 WIDE engine with ``kaxis``, ``naxis`` and ``attn`` set to ``"auto"`` (cuBLAS / SDPA for an op where the routed
 kernel would be slower at the layer's measured activity, :meth:`wide.inference.Engine.measure_activity`; same
 function).
@@ -243,13 +244,13 @@ class _Ctx:
 
 
 def _engine_pair(base, wm, fused: bool = True):
-    """``(WIDE engine, dense engine)``; the WIDE engine carries ``.auto``, the same engine with ``kaxis="auto"``
-    ``naxis="auto"`` and ``attn="auto"`` (O / down as cuBLAS GEMMs where gemm_k was measured slower; Q, gate + up
+    """``(WIDE engine with every routed op as its kernel, dense engine)``; the WIDE engine carries ``.auto``, the
+    same engine with ``kaxis="auto"``, ``naxis="auto"`` and ``attn="auto"`` (O / down as cuBLAS GEMMs where gemm_k was measured slower; Q, gate + up
     and the prefill attention as cuBLAS / SDPA in the layers whose measured activity is above what the routed
     kernel needs to win: call ``.auto.measure_activity`` once the routers are final)."""
     from wide.inference.engine import Engine
 
-    wide_eng = Engine(wm, track_sparsity=False, fused=fused)
+    wide_eng = Engine(wm, track_sparsity=False, fused=fused, kaxis="kernel", naxis="kernel", attn="kernel")
     wide_eng.auto = Engine(wm, track_sparsity=False, fused=fused, kaxis="auto", naxis="auto", attn="auto")
     return wide_eng, Engine(base, ops="dense", track_sparsity=False, fused=fused)
 

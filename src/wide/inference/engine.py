@@ -139,20 +139,20 @@ class Engine:
             kernels per layer; off in the benchmarks).
         fused: on the Triton path, run RMSNorm (+ residual add), RoPE + KV-cache write and few-row routers as
             the fused kernels of :mod:`wide.inference.fused` (default) instead of the model's PyTorch modules.
-        kaxis: how the K-axis projections (O, down) run: ``"kernel"`` (``gemm_k``, Algorithm 3; default),
+        kaxis: how the K-axis projections (O, down) run: ``"kernel"`` (``gemm_k``, Algorithm 3),
             ``"dense"`` (cuBLAS on the zero-filled input: the routed producer already wrote exact zeros for the
-            skipped groups, so the function is the same), or ``"auto"`` (cuBLAS where the measured ``gemm_k``
-            is slower, see :meth:`kaxis_dense`).
+            skipped groups, so the function is the same), or ``"auto"`` (default: cuBLAS where the measured
+            ``gemm_k`` is slower, see :meth:`kaxis_dense`).
         naxis: how the N-axis ops (Q projection, gate + up) run: ``"kernel"`` (``gemm_mn`` / fused ``swiglu``,
-            Algorithm 2; default), ``"dense"`` (cuBLAS GEMMs; the routed attention ignores the Q rows of
+            Algorithm 2), ``"dense"`` (cuBLAS GEMMs; the routed attention ignores the Q rows of
             skipped head groups and :func:`~wide.inference.fused.masked_swiglu_act` zeroes the skipped FFN
-            groups, so the function is the same), or ``"auto"``: cuBLAS for many rows (prefill) in the layers
+            groups, so the function is the same), or ``"auto"`` (default): cuBLAS for many rows (prefill) in the layers
             whose executed fraction, measured by :meth:`measure_activity`, is above what the routed kernel
             needs to beat cuBLAS (:func:`naxis_dense_above`); the kernels otherwise (and before any
             measurement).  A host-side choice per layer, so prefill stays free of host syncs.
-        attn: how the prefill attention runs: ``"kernel"`` (routed attention, Algorithm 4; default), ``"dense"``
+        attn: how the prefill attention runs: ``"kernel"`` (routed attention, Algorithm 4), ``"dense"``
             (SDPA's flash attention for every head, then the skipped head groups' outputs set to 0: the same
-            function), or ``"auto"``: SDPA in the layers whose measured attention activity is above
+            function), or ``"auto"`` (default): SDPA in the layers whose measured attention activity is above
             ``ATTN_DENSE_ABOVE``.  Decode always runs the project's split-KV decode attention.
 
     Attributes:
@@ -166,7 +166,7 @@ class Engine:
     """
 
     def __init__(self, model: nn.Module, ops: str = "routed", track_sparsity: bool = True, fused: bool = True,
-                 kaxis: str = "kernel", naxis: str = "kernel", attn: str = "kernel") -> None:
+                 kaxis: str = "auto", naxis: str = "auto", attn: str = "auto") -> None:
         if ops not in OPS:
             raise WideError(f"ops={ops!r} is not one of {', '.join(OPS)}")
         if kaxis not in KAXIS:

@@ -302,9 +302,9 @@ def pick_config(op: str, key: tuple, device: torch.device, candidates: Sequence[
                 run: Callable[[dict], None], graph: bool = False) -> dict:
     """Return the fastest of ``candidates`` for ``(op, key)`` on this GPU, tuning once.
 
-    Tuning times each candidate with ``triton.testing.do_bench`` (median), or with ``graph=True`` as
-    the median of CUDA-graph replays of 20 launches (:func:`_graph_time_ms`; for microsecond decode
-    kernels, whose eager timing is mostly launch overhead), and stores the winner in
+    Tuning times each candidate with ``triton.testing.do_bench`` (median over a 40-ms window), or with
+    ``graph=True`` as the median of CUDA-graph replays of 20 launches (:func:`_graph_time_ms`; for
+    microsecond decode kernels, whose eager timing is mostly launch overhead), and stores the winner in
     ``$WIDE_CACHE_DIR/kernel_autotune.json`` (default ``~/.cache/wide``), so a second process reuses
     it.  Tuning never happens during CUDA-graph capture, under the interpreter, or with
     ``WIDE_AUTOTUNE=0``: then the cached winner is used, or else (``WIDE_AUTOTUNE=0``) the first
@@ -338,7 +338,7 @@ def pick_config(op: str, key: tuple, device: torch.device, candidates: Sequence[
             if graph:
                 t = _graph_time_ms(run, c, device)
             else:
-                t = do_bench(lambda: run(c), warmup=3, rep=15, return_mode="median")
+                t = do_bench(lambda: run(c), warmup=5, rep=40, return_mode="median")
         except Exception:  # a config that fails to compile (e.g. too much shared memory)
             continue
         if t < best_t:
