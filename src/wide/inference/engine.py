@@ -211,6 +211,9 @@ class Engine:
                 self.g_ffn = d.intermediate_size
             self.attn_routers = self.ffn_routers = None
         self.n_attn, self.n_ffn = d.attn_width // self.g_attn, d.intermediate_size // self.g_ffn
+        for kind, routers in (("attn", self.attn_routers), ("ffn", self.ffn_routers)):
+            if routers is None:  # not routed: every group executes, known without measuring
+                self.expected_active.update({(kind, i): 1.0 for i in range(d.num_layers)})
         self.record_masks = False
         self.masks: dict = {}
         self.stats = torch.zeros(4, dtype=torch.float64, device=self.device)  # attn exec/total, ffn exec/total
@@ -519,8 +522,9 @@ class Engine:
 
         Returns:
             ``{(kind, layer): fraction}`` with kind "attn" / "ffn" and the fraction of executed (token, group)
-            decisions over real tokens; also stored in :attr:`expected_active`.  One host sync (call it before
-            timing or graph capture, not per step).  Empty for ``ops="dense"`` or a model without routers.
+            decisions over real tokens; also stored in :attr:`expected_active` (which holds 1.0 from the start for
+            a sublayer kind without routers).  One host sync (call it before timing or graph capture, not per
+            step).  Empty for ``ops="dense"`` or a model without routers.
 
         Raises:
             WideError: as :meth:`prefill`.
@@ -543,8 +547,9 @@ class Engine:
         if not keys:
             return {}
         fr = torch.stack([(masks[k].to(torch.float64).mean(-1) * w).sum() / w.sum() for k in keys]).tolist()
-        self.expected_active = dict(zip(keys, fr))
-        return dict(self.expected_active)
+        measured = dict(zip(keys, fr))
+        self.expected_active.update(measured)
+        return measured
 
     def begin(self, st: dict) -> dict:
         """Per-forward state shared by all layers: RoPE cos/sin from the model's rotary module (once)."""
