@@ -217,14 +217,22 @@ def atomic_torch_save(obj, path: Path) -> None:
     atomic_write(path, lambda tmp: torch.save(obj, tmp))
 
 
-def load_train_state(path: Path) -> dict:
-    """Read a training state safely (``weights_only=True``). Raises WideError if corrupt."""
+def load_train_state(path: Path, mmap: bool = False) -> dict:
+    """Read a training state safely (``weights_only=True``); ``mmap=True`` maps the tensors instead of reading
+    them (a cheap check of the file before a model loads).
+
+    Raises:
+        WideError: ``corrupt training state <path> (<short reason>); delete it or rerun without --resume``.
+    """
+    def corrupt(reason: str) -> WideError:
+        return WideError(f"corrupt training state {path} ({reason}); delete it or rerun without --resume")
+
     try:
-        st = torch.load(path, map_location="cpu", weights_only=True)
-    except Exception as e:  # noqa: BLE001 - any failure to parse is a corrupt file to the user
-        raise WideError(f"corrupt training state {path}: {str(e).splitlines()[0]}") from None
+        st = torch.load(path, map_location="cpu", weights_only=True, mmap=mmap)
+    except Exception:  # noqa: BLE001 - torch's messages for a damaged file are cryptic (an offset, an errno)
+        raise corrupt("unreadable: truncated or not a torch file") from None
     if not isinstance(st, dict) or not {"step", "model", "optimizer", "meta"} <= set(st):
-        raise WideError(f"corrupt training state {path}: not a wide training state (old format or other file)")
+        raise corrupt("not a wide training state: old format or another file")
     return st
 
 
@@ -254,13 +262,30 @@ def _key_diff(saved, now, prefix: str = "") -> str:
     return "; ".join(parts)
 
 
-def _resume_key(wm: WideModel, args: CalibrationArgs, stage: str, extra_key: dict | None, world: int) -> dict:
-    """The settings a resumed run must share with the saved one (the global batch, not its split)."""
+# resume-key entries added later: a state saved without one still resumes (the entry is not compared)
+_OPTIONAL_KEYS = ("data",)
+
+
+def data_fingerprint(blocks: torch.Tensor) -> str:
+    """sha256 (first 16 hex digits) of the packed token blocks: their dtype, shape and bytes."""
+    t = blocks.detach().to("cpu").contiguous()
+    h = hashlib.sha256(f"{t.dtype}{tuple(t.shape)}".encode())
+    h.update(t.view(-1).view(torch.uint8).numpy() if t.numel() else b"")
+    return h.hexdigest()[:16]
+
+
+def _resume_key(wm: WideModel, args: CalibrationArgs, stage: str, extra_key: dict | None, world: int,
+                blocks: torch.Tensor | None = None) -> dict:
+    """The settings a resumed run must share with the saved one (the global batch, not its split, and the
+    training data: its sequence length and a fingerprint of the packed tokens)."""
     train = {k: v for k, v in asdict(args).items()
              if k not in ("batch_size", "grad_accum", "save_every", "log_every", "grad_checkpoint",
                           "reshard_after_forward")}
     train["global_batch"] = args.batch_size * args.grad_accum * world
-    return {"stage": stage, "config": wm.config.to_dict(), "train": train, **(extra_key or {})}
+    key = {"stage": stage, "config": wm.config.to_dict(), "train": train, **(extra_key or {})}
+    if blocks is not None:
+        key["data"] = {"seq_len": int(blocks.shape[1]), "tokens_sha256": data_fingerprint(blocks)}
+    return key
 
 
 def enable_grad_checkpoint(wm: WideModel) -> None:
@@ -296,8 +321,9 @@ def _trained_state(wm: WideModel, opt) -> tuple[dict, dict]:
     return {k: v for k, v in msd.items() if k in names}, osd
 
 
-def _load_state(wm: WideModel, opt, output: Path, key: dict, env: D.DistEnv) -> int:
-    """Load the newest training state in ``output`` (``.pt`` or DCP) into ``wm`` / ``opt``; return its step."""
+def _load_state(wm: WideModel, opt, output: Path, key: dict, env: D.DistEnv) -> tuple[int, Path]:
+    """Load the newest training state in ``output`` (``.pt`` or DCP) into ``wm`` / ``opt``; return its step
+    and its path. Entries of ``key`` in ``_OPTIONAL_KEYS`` that the saved state lacks are not compared."""
     from torch.distributed.checkpoint.state_dict import set_state_dict
 
     pt = output / STATE_NAME
@@ -308,6 +334,8 @@ def _load_state(wm: WideModel, opt, output: Path, key: dict, env: D.DistEnv) -> 
     use_pt = st is not None and (meta is None or int(st["step"]) >= int(meta.get("step", -1)))
     saved_key = st["meta"] if use_pt else meta.get("key")
     src = pt if use_pt else Path(meta["_path"])
+    if isinstance(saved_key, dict):  # states from before an optional entry existed
+        key = {k: v for k, v in key.items() if k in saved_key or k not in _OPTIONAL_KEYS}
     if saved_key != key:
         raise WideError(f"--resume: {src} was written with other settings: {_key_diff(saved_key, key)}")
     names = {n for n, p in wm.named_parameters() if p.requires_grad}
@@ -323,14 +351,14 @@ def _load_state(wm: WideModel, opt, output: Path, key: dict, env: D.DistEnv) -> 
                             f"{extra[:3]}{'...' if len(extra) > 3 else ''}; missing: "
                             f"{missing[:3]}{'...' if len(missing) > 3 else ''})")
         set_state_dict(wm, opt, model_state_dict=msd, optim_state_dict=osd, options=_state_options(full=True))
-        return step
+        return step, src
     msd, osd = _trained_state(wm, opt)
     if set(msd) != names:
         raise WideError(f"--resume: this run trains parameters that {src} does not hold")
     state = {"model": msd, "optim": osd}
     D.load_sharded(state, src, env)
     set_state_dict(wm, opt, model_state_dict=state["model"], optim_state_dict=state["optim"], options=_state_options())
-    return int(meta["step"])
+    return int(meta["step"]), src
 
 
 def _save_state(wm: WideModel, opt, output: Path, step: int, key: dict, env: D.DistEnv) -> None:
@@ -370,8 +398,9 @@ def train(wm: WideModel, blocks: torch.Tensor, args: CalibrationArgs, output: st
         output: folder for the WIDE checkpoint, the training state and ``train_log.jsonl``.
         model_ref: the base model's ``--model`` value, stored in the checkpoint.
         stage: ``"router"`` or ``"lora"`` (recorded in the state and the checkpoint).
-        resume: continue from the newest training state in ``output`` (any world size, same global batch).
-        progress: show a tqdm bar (rank 0 only).
+        resume: continue from the newest training state in ``output`` (any world size, same global batch;
+            the settings, the sequence length and the packed tokens must be those of the saved run).
+        progress: show a tqdm bar and, with ``resume``, the step it resumes from (rank 0 only).
         on_step: optional callback ``f(record)`` after every step, on every rank.
         extra_key: JSON-able settings a resumed run must match (e.g. the LoRA config).
         extra_info: JSON-able facts stored in ``base_model.json`` under ``"extra"``.
@@ -408,8 +437,12 @@ def train(wm: WideModel, blocks: torch.Tensor, args: CalibrationArgs, output: st
         device = next(wm.base.parameters()).device
     params = [p for p in wm.parameters() if p.requires_grad]
     opt = torch.optim.AdamW(params, lr=args.lr, weight_decay=args.weight_decay, betas=(0.9, 0.999))
-    key = _resume_key(wm, args, stage, extra_key, env.world_size)
-    start = _load_state(wm, opt, output, key, env) if resume else 0
+    key = _resume_key(wm, args, stage, extra_key, env.world_size, blocks)
+    start = 0
+    if resume:
+        start, src = _load_state(wm, opt, output, key, env)
+        if progress and env.is_main:
+            print(f"resuming from step {start} of {args.steps} (state in {src})", flush=True)
     log_path = output / LOG_NAME
     if env.is_main:
         output.mkdir(parents=True, exist_ok=True)
