@@ -24,7 +24,7 @@ setup: $(VENV)/.setup
 setup-dev: $(VENV)/.setup-dev
 
 demo: setup
-	HF_HUB_OFFLINE=1 $(VENV)/bin/wide demo
+	HF_HUB_OFFLINE=1 $(VENV)/bin/wide demo --overwrite   # replaces runs/demo: `make demo` can run again
 
 test: setup-dev
 	HF_HUB_OFFLINE=1 $(PY) -m pytest -q

@@ -1,7 +1,11 @@
 """Input checks found by a fresh-user test: a non-empty -o without --resume / --overwrite, --warmup-steps above
 --steps, a bad value in a checkpoint's wide_config.json (the error names the file), and prune-static's summary
-with --attn-sparsity / --ffn-sparsity."""
+with --attn-sparsity / --ffn-sparsity. A second round: --device checked first by every command, a resume on
+other data or another --seq-len refused, --json / -o targets checked before any work, `wide demo` keeping a
+non-empty -o unless --overwrite, `wide eval` defaulting to the offline zero-shot tasks, a corrupt
+train_state.pt in one clear line, help texts, and peft's missing-config warning silenced."""
 
+import importlib.util
 import json
 
 import pytest
@@ -125,3 +129,243 @@ def test_prune_static_summary_shows_the_sparsities_used(tmp_path, model_dir, tex
                            "--device", "cpu"], capsys)
     assert rc == 0, err
     assert "(S=0.5): removed attention" in stdout and "overall 0.500" in stdout
+
+
+# --- second fresh-user round: --device, resume data, output paths, demo overwrite, eval default, help texts ---
+NOWHERE = "no-model"  # a --model that does not exist: any error seen comes before the model loads
+
+DEVICE_COMMANDS = {
+    "info": [],
+    "calibrate": ["-o", "{tmp}/o"],
+    "lora": ["--wide", "{tmp}/w", "-o", "{tmp}/o"],
+    "eval-ppl": [],
+    "eval": [],
+    "prune-static": ["-S", "0.5", "-o", "{tmp}/o"],
+    "demo": ["-o", "{tmp}/o"],
+    "generate": ["--prompt", "hi"],
+}
+
+
+@pytest.mark.parametrize("cmd", list(DEVICE_COMMANDS))
+@pytest.mark.parametrize("device,cuda,words", [
+    ("tpu", 0, ["--device 'tpu'", "use cpu, cuda or cuda:N"]),
+    ("cuda", 0, ["--device cuda: no CUDA GPU on this machine (use --device cpu)"]),
+    ("cuda:0", 0, ["--device cuda:0: no CUDA GPU on this machine"]),
+    ("cuda:2", 2, ["--device cuda:2: this machine has 2 CUDA GPU(s): use cuda:0 to cuda:1 or cpu"]),
+])
+def test_device_is_checked_first_by_every_command(tmp_path, capsys, monkeypatch, cmd, device, cuda, words):
+    import torch
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: cuda > 0)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: cuda)
+    extra = [a.format(tmp=tmp_path) for a in DEVICE_COMMANDS[cmd]]
+    rc, _, err = run([cmd, "--model", tmp_path / NOWHERE, "--device", device, *extra], capsys)
+    one_line_error(rc, err, cmd, *words)
+    assert not (tmp_path / "o").exists()
+
+
+def test_check_device_accepts_cpu_and_present_gpus(monkeypatch):
+    import torch
+
+    from wide.cli import check_device
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    for dev in (None, "cpu", "cuda", "cuda:0", "cuda:1"):
+        check_device(dev)
+    for dev in ("CPU", "cuda:", "cuda:x", "mps", "cuda:0,1"):
+        with pytest.raises(WideError, match="use cpu, cuda or cuda:N"):
+            check_device(dev)
+
+
+def error_after_loading(rc, err, cmd, *words):
+    """As :func:`one_line_error` for an error found once the model is loaded: its progress bars come first."""
+    one_line_error(rc, err.strip().splitlines()[-1], cmd, *words)
+    assert "Traceback" not in err
+
+
+def test_resume_refuses_other_seq_len_or_text_and_says_where_it_resumes(tmp_path, model_dir, text_file, capsys):
+    import torch
+
+    out = tmp_path / "run"
+    rc, _, err = run(calibrate_args(model_dir, text_file, out), capsys)
+    assert rc == 0, err
+    rc, stdout, err = run(calibrate_args(model_dir, text_file, out, "--resume"), capsys)
+    assert rc == 0, err
+    assert f"resuming from step 1 of 1 (state in {out / 'train_state.pt'})" in stdout.splitlines()
+
+    args = calibrate_args(model_dir, text_file, out, "--resume")
+    args[args.index("--seq-len") + 1] = "16"
+    rc, _, err = run(args, capsys)
+    error_after_loading(rc, err, "calibrate", "written with other settings", "data.seq_len: saved 32, now 16")
+    other = tmp_path / "other.txt"
+    other.write_text(text_file.read_text()[::-1])
+    rc, _, err = run(calibrate_args(model_dir, other, out, "--resume"), capsys)
+    error_after_loading(rc, err, "calibrate", "written with other settings", "data.tokens_sha256: saved '")
+    assert "data.seq_len" not in err
+
+    # a state saved before the data entry existed still resumes (the entry is not compared)
+    path = out / "train_state.pt"
+    st = torch.load(path, weights_only=True)
+    del st["meta"]["data"]
+    torch.save(st, path)
+    rc, stdout, err = run(calibrate_args(model_dir, other, out, "--resume"), capsys)
+    assert rc == 0, err
+    assert "resuming from step 1 of 1" in stdout
+
+
+@pytest.mark.parametrize("content,reason", [
+    (b"\x00" * 64, "unreadable: truncated or not a torch file"),
+    (None, "unreadable: truncated or not a torch file"),  # a real state cut in half
+    ("list", "not a wide training state"),
+])
+def test_corrupt_train_state_is_one_clear_line_before_loading(tmp_path, text_file, capsys, content, reason):
+    import torch
+
+    out = tmp_path / "run"
+    out.mkdir()
+    path = out / "train_state.pt"
+    if content is None:
+        torch.save({"step": 1, "model": {"w": torch.zeros(4096)}, "optimizer": {}, "meta": {}}, path)
+        path.write_bytes(path.read_bytes()[: path.stat().st_size // 2])
+    elif content == "list":
+        torch.save([1, 2], path)
+    else:
+        path.write_bytes(content)
+    rc, _, err = run(calibrate_args(tmp_path / NOWHERE, text_file, out, "--resume"), capsys)
+    one_line_error(rc, err, "calibrate", f"corrupt training state {path} ({reason}",
+                   "); delete it or rerun without --resume")
+
+
+def test_json_target_is_checked_before_any_work(tmp_path, text_file, capsys):
+    afile = tmp_path / "afile"
+    afile.write_text("x")
+    for target, words in ((tmp_path, [repr(str(tmp_path)), "is a directory; give a file path"]),
+                          (afile / "r.json", [repr(str(afile / "r.json")), repr(str(afile)), "is a file, not a "
+                                                                                             "directory"])):
+        rc, _, err = run(["eval-ppl", "--model", tmp_path / NOWHERE, "--text", text_file, "--device", "cpu",
+                          "--json", target], capsys)
+        one_line_error(rc, err, "eval-ppl", "--json", *words)
+    if importlib.util.find_spec("lm_eval") is not None:
+        rc, _, err = run(["eval", "--model", tmp_path / NOWHERE, "--device", "cpu", "--json", tmp_path], capsys)
+        one_line_error(rc, err, "eval", "--json", "is a directory; give a file path")
+
+
+def test_json_into_a_new_directory_is_fine(tmp_path, model_dir, text_file, capsys):
+    target = tmp_path / "new" / "sub" / "r.json"
+    rc, _, err = run(["eval-ppl", "--model", model_dir, "--text", text_file, "--device", "cpu", "--ctx", "32",
+                      "--max-tokens", "64", "--json", target], capsys)
+    assert rc == 0, err
+    assert "dense" in json.loads(target.read_text())
+
+
+@pytest.mark.parametrize("cmd", ["calibrate", "prune-static", "demo"])  # lora: the same _check_output
+@pytest.mark.parametrize("below", [False, True])
+def test_output_dir_that_is_a_file(tmp_path, text_file, capsys, cmd, below):
+    afile = tmp_path / "afile"
+    afile.write_text("x")
+    out = afile / "sub" if below else afile
+    args = {"calibrate": calibrate_args(tmp_path / NOWHERE, text_file, out),
+            "prune-static": ["prune-static", "--model", tmp_path / NOWHERE, "-S", "0.5", "-o", out],
+            "demo": ["demo", "--model", tmp_path / NOWHERE, "-o", out]}[cmd]
+    rc, _, err = run(args, capsys)
+    if below:
+        one_line_error(rc, err, cmd, f"-o {str(out)!r}: {str(afile)!r} is a file, not a directory")
+    else:
+        one_line_error(rc, err, cmd, f"-o {str(out)!r} is a file; give a directory")
+    assert afile.read_text() == "x"
+
+
+def test_demo_keeps_a_non_empty_output_unless_overwrite(tmp_path, model_dir, text_file, capsys):
+    from pathlib import Path
+
+    out = tmp_path / "demo"
+    out.mkdir()
+    (out / "routers.safetensors").write_text("an earlier checkpoint")
+    demo = ["demo", "--model", model_dir, "--text", text_file, "-o", out, "--device", "cpu", "--steps", "1",
+            "--batch-size", "1", "--seq-len", "32", "--ctx", "32", "--eval-tokens", "64", "--ffn-group-size", "32"]
+    rc, _, err = run(demo, capsys)
+    one_line_error(rc, err, "demo", repr(str(out)), "exists and is not empty", "use --overwrite to replace it")
+    assert "--resume" not in err  # demo has none
+    assert (out / "routers.safetensors").read_text() == "an earlier checkpoint"
+    rc, _, err = run([*demo, "--overwrite"], capsys)
+    assert rc == 0, err
+    assert (out / "demo_result.json").is_file() and (out / "routers.safetensors").read_bytes()[:1] != b"a"
+    # `make demo` passes --overwrite, so running it twice works
+    makefile = (Path(__file__).resolve().parents[1] / "Makefile").read_text()
+    demo_line = next(ln for ln in makefile.splitlines() if "bin/wide demo" in ln)
+    assert "--overwrite" in demo_line
+
+
+def test_prune_static_non_empty_output_needs_overwrite(tmp_path, text_file, capsys):
+    out = tmp_path / "static"
+    out.mkdir()
+    (out / "x").write_text("x")
+    rc, _, err = run(["prune-static", "--model", tmp_path / NOWHERE, "-S", "0.5", "-o", out], capsys)
+    one_line_error(rc, err, "prune-static", repr(str(out)), "exists and is not empty (use --overwrite")
+
+
+def test_eval_default_tasks_are_the_offline_zero_shot_ones():
+    from wide.cli import build_parser
+
+    assert build_parser().parse_args(["eval"]).tasks == "zeroshot"
+    if __import__("importlib").util.find_spec("lm_eval") is not None:
+        from wide.lm_eval_adapter import ZEROSHOT_TASKS, resolve_tasks
+
+        assert resolve_tasks("zeroshot") == list(ZEROSHOT_TASKS) and "wide_wikitext" not in ZEROSHOT_TASKS
+        assert resolve_tasks("all") == [*ZEROSHOT_TASKS, "wide_wikitext"]
+
+
+def _subparser(*names):
+    from wide.cli import build_parser
+
+    p = build_parser()
+    for n in names:
+        p = next(a for a in p._actions if a.__class__.__name__ == "_SubParsersAction").choices[n]
+    return p
+
+
+@pytest.mark.parametrize("cmd,defaults", [
+    ("lora", {"lora_dropout": "0.1"}),
+    ("prune-static", {"ffn_group_size": "128", "seq_len": "2048", "batch_size": "4", "calib_blocks": "32"}),
+    ("generate", {"max_new_tokens": "64"}),
+    ("demo", {}),
+])
+def test_every_option_has_help(cmd, defaults):
+    p = _subparser(cmd)
+    missing = [a.option_strings for a in p._actions if a.option_strings and not a.help]
+    assert not missing, missing
+    helps = {a.dest: a.help for a in p._actions}
+    for dest, default in defaults.items():
+        assert f"default: {default})" in helps[dest], (dest, helps[dest])
+
+
+def test_bench_e2e_help_texts():
+    pytest.importorskip("wide.bench.e2e")
+    helps = {a.dest: a.help for a in _subparser("bench", "e2e")._actions}
+    assert "issue" not in helps["runs"] and "default: 50" in helps["runs"]
+    assert "--text spec of wide calibrate" in helps["smollm2_text"] and "--data" not in helps["smollm2_text"]
+
+
+def test_lora_save_silences_only_peft_missing_config_warning(tmp_path):
+    pytest.importorskip("peft")
+    import warnings
+
+    from wide_testutil import tiny_model
+    from wide.config import WideConfig
+    from wide.lora import attach_lora, peft_model, save_adapter
+    from wide.modeling import WideModel
+
+    wm = WideModel(tiny_model(), WideConfig(ffn_group_size=32))
+    attach_lora(wm)
+    pm = peft_model(wm)
+    pm.peft_config["default"].base_model_name_or_path = str(tmp_path / "gguf-package")  # no config.json there
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        pm.save_pretrained(str(tmp_path / "plain"))  # peft's own save warns ...
+        assert any("Could not find a config file" in str(w.message) for w in seen)
+        seen.clear()
+        save_adapter(wm, tmp_path / "adapter")  # ... ours does not
+        warnings.warn("another warning", UserWarning)  # and other warnings still show
+    assert [str(w.message) for w in seen] == ["another warning"]
+    assert (tmp_path / "adapter" / "adapter_config.json").is_file()

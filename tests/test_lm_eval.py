@@ -406,7 +406,7 @@ def test_rolling_batch_is_cut_and_gives_the_same_perplexity(byte_wide, monkeypat
 
 
 def test_eval_wikitext_missing_names_wide_eval_option(tmp_path, monkeypatch, model_dir, capsys):
-    """`wide eval` (default --tasks all) without wiki.test.raw: one line naming --wikitext PATH and WIDE_WIKITEXT
+    """`wide eval --tasks all` without wiki.test.raw: one line naming --wikitext PATH and WIDE_WIKITEXT
     (not lm-eval's --metadata), each tried path once, before the model loads."""
     from wide.cli import main
     from wide.tasks import loaders
@@ -415,7 +415,7 @@ def test_eval_wikitext_missing_names_wide_eval_option(tmp_path, monkeypatch, mod
     monkeypatch.delenv("WIDE_WIKITEXT", raising=False)
     orig = loaders.wikitext_candidates
     monkeypatch.setattr(loaders, "wikitext_candidates", lambda: orig((tmp_path / "a", tmp_path / "a")))
-    rc = main(["eval", "--model", str(tmp_path / "no-model")])
+    rc = main(["eval", "--model", str(tmp_path / "no-model"), "--tasks", "all"])
     err = capsys.readouterr().err
     assert rc == 2, err
     lines = err.strip().splitlines()

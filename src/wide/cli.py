@@ -20,7 +20,7 @@ from .errors import WideError
 def _add_model(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default=None,
                    help="local HF checkpoint dir, .gguf file, or 'smollm2-135m' (default: the bundled SmolLM2-135M-Instruct GGUF)")
-    p.add_argument("--device", default=None, help="cpu or cuda (default: cuda if available)")
+    p.add_argument("--device", default=None, help="cpu, cuda or cuda:N (default: cuda if available)")
 
 
 def _add_method(p: argparse.ArgumentParser, sparsity_default: float = 0.5) -> None:
@@ -131,6 +131,59 @@ def _at_least(option: str, value, low: int) -> None:
         raise WideError(f"{option} {value} must be >= {low}")
 
 
+def check_device(device) -> None:
+    """``--device`` must be ``cpu``, ``cuda`` or ``cuda:N`` naming a GPU of this machine (None = automatic).
+
+    Shared by every subcommand that takes ``--device`` (:func:`main` runs it before the command).
+
+    Raises:
+        WideError: an unknown device string, CUDA without a CUDA GPU, or ``cuda:N`` past the last GPU.
+    """
+    import re
+
+    if device is None:
+        return
+    dev = str(device)
+    m = re.fullmatch(r"cpu|cuda(?::(\d+))?", dev)
+    if m is None:
+        raise WideError(f"--device {dev!r}: use cpu, cuda or cuda:N")
+    if dev == "cpu":
+        return
+    import torch
+
+    if not torch.cuda.is_available():
+        raise WideError(f"--device {dev}: no CUDA GPU on this machine (use --device cpu)")
+    n = torch.cuda.device_count()
+    if m.group(1) is not None and int(m.group(1)) >= n:
+        raise WideError(f"--device {dev}: this machine has {n} CUDA GPU(s): use cuda:0 to cuda:{n - 1} or cpu")
+
+
+def _check_ancestors(option: str, path) -> None:
+    """Raise WideError if a parent of ``path`` exists but is not a directory (nothing could be written there)."""
+    for parent in Path(os.path.abspath(path)).parents:
+        if parent.exists():
+            if not parent.is_dir():
+                raise WideError(f"{option} {str(path)!r}: {str(parent)!r} is a file, not a directory")
+            return
+
+
+def _check_output_file(option: str, path) -> None:
+    """An output file written at the end of a command (e.g. ``--json``) must be writable as a file: not an
+    existing directory, not below a file. Missing parent directories are created when it is written."""
+    if path is None:
+        return
+    if os.path.isdir(path):
+        raise WideError(f"{option} {str(path)!r} is a directory; give a file path")
+    _check_ancestors(option, path)
+
+
+def _check_output_dir(option: str, path) -> None:
+    """An output directory must be a directory or not exist yet, and not lie below a file."""
+    if os.path.exists(path) and not os.path.isdir(path):
+        raise WideError(f"{option} {str(path)!r} is a file; give a directory for the checkpoint")
+    _check_ancestors(option, path)
+
+
 def _train_args_from(args):
     """CalibrationArgs from the ``_add_train`` options, validated (WideError on a bad value)."""
     from .training import CalibrationArgs
@@ -230,27 +283,31 @@ def _precheck_train(args, cfg=None, stage: str = "router"):
     load_texts(args.text, split="calib")
 
 
-def _check_output(args, stage: str = "router") -> None:
-    """``-o`` must be a directory or not exist yet. With ``--resume`` it must hold a training state; without
-    it, it must be empty unless ``--overwrite`` is given (the new run then writes into it, each file replaced
-    atomically when its new version is complete; a stage-1 run refuses a directory holding a LoRA adapter)."""
+def _check_output(args, stage: str | None = "router") -> None:
+    """``-o`` must be a directory or not exist yet (not below a file). With ``--resume`` it must hold a training
+    state (a ``train_state.pt`` must be readable); without it, it must be empty unless ``--overwrite`` is given (the new run then writes into it, each
+    file replaced atomically when its new version is complete; a stage-1 run (``stage="router"``) refuses a
+    directory holding a LoRA adapter). Commands without ``--resume`` (demo, prune-static) get the same checks."""
     from .lora import ADAPTER_DIR
-    from .training import has_train_state
+    from .training import STATE_NAME, has_train_state, load_train_state
 
     out = str(args.output)
-    if os.path.exists(out) and not os.path.isdir(out):
-        raise WideError(f"-o {out!r} is a file; give a directory for the checkpoint")
+    _check_output_dir("-o", out)
     overwrite = bool(getattr(args, "overwrite", False))
-    if args.resume and overwrite:
+    resumable = hasattr(args, "resume")
+    resume = bool(getattr(args, "resume", False))
+    if resume and overwrite:
         raise WideError("--resume and --overwrite exclude each other: --resume continues the run in "
                         f"{out!r}, --overwrite replaces it")
-    if args.resume and not has_train_state(out):
+    if resume and not has_train_state(out):
         raise WideError(f"--resume: no train_state.pt or train_state.dcp in {out!r}")
-    if args.resume or not os.path.isdir(out) or not any(os.scandir(out)):
+    if resume and os.path.isfile(os.path.join(out, STATE_NAME)):
+        load_train_state(Path(out) / STATE_NAME, mmap=True)  # a corrupt state fails here, before the model loads
+    if resume or not os.path.isdir(out) or not any(os.scandir(out)):
         return
     if not overwrite:
-        raise WideError(f"output {out!r} exists and is not empty (use --resume to continue that run or "
-                        f"--overwrite to replace it)")
+        use = "--resume to continue that run or --overwrite" if resumable else "--overwrite"
+        raise WideError(f"output {out!r} exists and is not empty (use {use} to replace it)")
     if stage == "router" and os.path.exists(os.path.join(out, ADAPTER_DIR)):
         raise WideError(f"--overwrite: {out!r} holds a stage-2 LoRA adapter ({ADAPTER_DIR}/) that a stage-1 run "
                         f"would leave in place; give another -o")
@@ -355,6 +412,7 @@ def cmd_eval_ppl(args) -> int:
     _at_least("--ctx", args.ctx, 2)
     _at_least("--batch-size", args.batch_size, 1)
     _at_least("--max-tokens", args.max_tokens, 1)
+    _check_output_file("--json", args.json)
     docs = load_texts(args.text, split="eval")
     if args.wide:
         wm, tok = load(args.wide, model=args.model, device=args.device, tokenizer=True)
@@ -406,6 +464,7 @@ def cmd_demo(args) -> int:
     _train_args_from(argparse.Namespace(**{**vars(args), "steps": steps, "seq_len": seq_len}))  # before loading
     cfg = _config_from(args)
     out = Path(args.output)
+    _check_output(args)  # an earlier checkpoint there is kept unless --overwrite
     torch.manual_seed(0)
     t_all = time.time()
     _print(f"[1/5] loading {args.model or 'the bundled SmolLM2-135M-Instruct (GGUF)'} on {'cuda' if gpu else 'cpu'}")
@@ -454,6 +513,7 @@ def cmd_eval(args) -> int:
     from .lm_eval_adapter import WideLM, evaluate, resolve_tasks
 
     tasks = resolve_tasks(args.tasks)
+    _check_output_file("--json", args.json)
     _at_least("--batch-size", args.batch_size, 1)
     _at_least("--max-length", args.max_length, 1)
     _at_least("--bootstrap-iters", args.bootstrap_iters, 0)
@@ -501,8 +561,7 @@ def cmd_prune_static(args) -> int:
     from .modeling import fingerprint
 
     out = Path(args.output)
-    if out.exists() and any(out.iterdir()) and not args.overwrite:
-        raise WideError(f"output {str(out)!r} exists and is not empty (use --overwrite)")
+    _check_output(args, stage=None)
     _at_least("--batch-size", args.batch_size, 1)
     _at_least("--calib-blocks", args.calib_blocks, 1)
     _at_least("--seq-len", args.seq_len, 2)
@@ -574,7 +633,8 @@ def build_parser() -> argparse.ArgumentParser:
     g = s.add_argument_group("LoRA (peft)")
     g.add_argument("--lora-r", type=int, default=16, help="LoRA rank r")
     g.add_argument("--lora-alpha", type=float, default=32.0, help="lora_alpha; peft scales by alpha / r")
-    g.add_argument("--lora-dropout", type=float, default=0.1)
+    g.add_argument("--lora-dropout", type=float, default=0.1,
+                   help="dropout on the LoRA input, in [0, 1) (default: 0.1)")
     _add_train(s, lr=2e-4)
     _add_dist(s)
     s.set_defaults(func=cmd_lora)
@@ -590,12 +650,14 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--json", default=None, help="write results to this JSON file")
     s.set_defaults(func=cmd_eval_ppl)
 
-    s = sub.add_parser("eval", help="zero-shot accuracy (lm-eval, offline tasks) and WikiText-2 word perplexity")
+    s = sub.add_parser("eval", help="zero-shot accuracy (lm-eval, offline tasks) and, with --tasks all, WikiText-2 "
+                                    "word perplexity")
     _add_model(s)
     s.add_argument("--wide", default=None, help="WIDE / SkipGPT checkpoint directory (omit for the dense --model)")
-    s.add_argument("--tasks", default="all",
-                   help="comma list: all, zeroshot, arc_easy, arc_challenge, boolq, hellaswag, piqa, winogrande, "
-                        "openbookqa, wikitext (default: all)")
+    s.add_argument("--tasks", default="zeroshot",
+                   help="comma list: zeroshot (the seven zero-shot tasks, offline), all (zeroshot + wikitext, "
+                        "needs wiki.test.raw: --wikitext), arc_easy, arc_challenge, boolq, hellaswag, piqa, "
+                        "winogrande, openbookqa, wikitext (default: zeroshot)")
     s.add_argument("--batch-size", type=int, default=8, help="requests per forward pass (>= 1; default: 8)")
     s.add_argument("--limit", type=float, default=None,
                    help="at most N documents per task (a whole number >= 1), or a fraction in (0, 1) (default: all)")
@@ -620,12 +682,14 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--output", "-o", required=True, help="output directory (a HF checkpoint usable as --model)")
     s.add_argument("--text", default=None, help="calibration text (default: BoolQ passages, calibration split)")
     s.add_argument("--attn-group-size", type=int, default=None, help="multiple of the GQA group (default: it)")
-    s.add_argument("--ffn-group-size", type=int, default=128)
+    s.add_argument("--ffn-group-size", type=int, default=128,
+                   help="FFN G: power of two >= 16 dividing the FFN size (default: 128)")
     s.add_argument("--attn-sparsity", type=float, default=None, help="fix the attention fraction (with --ffn-sparsity)")
     s.add_argument("--ffn-sparsity", type=float, default=None, help="fix the FFN fraction (with --attn-sparsity)")
-    s.add_argument("--calib-blocks", type=int, default=32, help="calibration sequences to score on")
-    s.add_argument("--seq-len", type=int, default=2048)
-    s.add_argument("--batch-size", type=int, default=4)
+    s.add_argument("--calib-blocks", type=int, default=32,
+                   help="calibration sequences to score on (>= 1; default: 32)")
+    s.add_argument("--seq-len", type=int, default=2048, help="tokens per calibration sequence (>= 2; default: 2048)")
+    s.add_argument("--batch-size", type=int, default=4, help="sequences per forward pass (>= 1; default: 4)")
     s.add_argument("--overwrite", action="store_true", help="write into a non-empty --output")
     s.set_defaults(func=cmd_prune_static)
 
@@ -635,7 +699,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="text for calibration and evaluation: .txt, .jsonl with 'text', datasets folder (default: "
                         "BoolQ Wikipedia passages, calibration / evaluation splits)")
     s.add_argument("--output", "-o", default="runs/demo",
-                   help="checkpoint directory; also gets demo_result.json (default: runs/demo)")
+                   help="checkpoint directory; also gets demo_result.json (default: runs/demo); must be empty "
+                        "or new unless --overwrite")
+    s.add_argument("--overwrite", action="store_true",
+                   help="replace the checkpoint in a non-empty --output (`make demo` passes it)")
     s.add_argument("--ctx", type=int, default=None,
                    help="evaluation window in tokens (>= 2; default: auto, 512 on CPU, 2048 on GPU)")
     s.add_argument("--eval-tokens", type=int, default=None,
@@ -681,12 +748,14 @@ def main(argv: list[str] | None = None) -> int:
         from . import distributed as D
 
         try:
+            check_device(getattr(args, "device", None))
             return args.func(args)
         except (Exception, KeyboardInterrupt) as e:  # noqa: BLE001
             return D.report_error(args.command, e)
         finally:
             D.shutdown()
     try:
+        check_device(getattr(args, "device", None))  # every command with --device, before any work
         return args.func(args)
     except WideError as e:
         print(f"wide {args.command}: error: {e}", file=sys.stderr)

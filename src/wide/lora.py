@@ -16,6 +16,7 @@ from __future__ import annotations
 import math
 import os
 import shutil
+import warnings
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -195,7 +196,9 @@ def save_adapter(wm: WideModel, directory: str | os.PathLike, env=None) -> Path:
     if env.is_main:
         tmp = directory.parent / f".{directory.name}.tmp"
         shutil.rmtree(tmp, ignore_errors=True)
-        pm.save_pretrained(str(tmp), safe_serialization=True, state_dict=full)
+        with warnings.catch_warnings():  # peft looks for a config.json next to the base (a GGUF has none)
+            warnings.filterwarnings("ignore", message=r"Could not find a config file in ", category=UserWarning)
+            pm.save_pretrained(str(tmp), safe_serialization=True, state_dict=full)
         _swap_dir(tmp, directory)
     D.barrier(env)
     return directory

@@ -74,7 +74,8 @@ def add_arguments(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
     p.add_argument("--split", default="paper,uniform", type=_strs, help="attention/FFN split of s: paper, uniform")
     p.add_argument("--phases", default="prefill,decode", type=_strs)
     p.add_argument("--models", default="llama8b,smollm2", type=_strs)
-    p.add_argument("--runs", default=50, type=int, help="timed replays per point (>= 50 asked by the issue)")
+    p.add_argument("--runs", default=50, type=int, help="timed replays per point; the median is reported "
+                   "(default: 50; fewer, at least 5, where that many would take over ~6 s)")
     p.add_argument("--max-prefill-tokens", default=65536, type=int, help="skip prefills with batch*prompt above")
     p.add_argument("--max-kv-gb", default=40.0, type=float, help="skip decode points whose KV cache is larger")
     p.add_argument("--no-hf", action="store_true", help="skip the dense HF eager baseline")
@@ -84,7 +85,7 @@ def add_arguments(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
                    help="base model of that checkpoint (a GGUF file or HF directory) when its bundled package is "
                         "not installed, e.g. on a GPU machine")
     p.add_argument("--smollm2-text", default=None,
-                   help="text the auto engine measures SmolLM2's per-layer activity on (a --data spec of wide "
+                   help="text the auto engine measures SmolLM2's per-layer activity on (a --text spec of wide "
                         "calibrate, e.g. a .jsonl/.txt file; default: the bundled text)")
     p.add_argument("--out-dir", default="benchmarks/e2e")
     p.add_argument("--tag", default="h200")

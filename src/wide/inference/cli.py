@@ -17,10 +17,10 @@ def add_arguments(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
     p.add_argument("--wide", default=None, help="WIDE checkpoint directory (routers); omit for the dense model (s = 0)")
     p.add_argument("--prompt", action="append", required=True,
                    help="prompt text; repeat for a batch (left-padded prefill, batched decode)")
-    p.add_argument("--max-new-tokens", type=int, default=64)
+    p.add_argument("--max-new-tokens", type=int, default=64, help="tokens to generate per prompt (>= 1; default: 64)")
     p.add_argument("--max-cache-len", type=int, default=None,
                    help="KV-cache capacity per sequence in tokens (default: longest prompt + --max-new-tokens)")
-    p.add_argument("--device", default=None, help="cpu or cuda (default: cuda if available)")
+    p.add_argument("--device", default=None, help="cpu, cuda or cuda:N (default: cuda if available)")
     p.add_argument("--dense-ops", action="store_true",
                    help="run cuBLAS/SDPA dense ops instead of the routed kernels (routers ignored)")
     p.add_argument("--no-graphs", action="store_true", help="decode eagerly instead of replaying CUDA graphs")
@@ -33,11 +33,9 @@ def run(args) -> int:
     """Run ``wide generate`` (see :func:`add_arguments`).
 
     Raises:
-        WideError: ``--device cuda`` without a GPU, empty prompt, prompt longer than the cache, a checkpoint
-            made for another base model, bad sizes.
+        WideError: a bad ``--device`` (see :func:`wide.cli.check_device`), empty prompt, prompt longer than
+            the cache, a checkpoint made for another base model, bad sizes.
     """
-    import torch
-
     from ..modeling import load_base_model
     from .engine import Engine
     from .generation import generate
@@ -48,11 +46,10 @@ def run(args) -> int:
         raise WideError(f"--max-cache-len {args.max_cache_len} must be >= 1")
     if any(p.strip() == "" for p in args.prompt):
         raise WideError("empty prompt: every --prompt needs some text")
+    from ..cli import check_device
+
     dev = args.device
-    if dev is not None and str(dev).startswith("cuda") and not torch.cuda.is_available():
-        raise WideError(f"--device {dev}: no CUDA GPU on this machine (use --device cpu)")
-    if dev is not None and str(dev) not in ("cpu",) and not str(dev).startswith("cuda"):
-        raise WideError(f"--device {dev!r}: use cpu or cuda")
+    check_device(dev)  # the check every `wide` command with --device shares
     if args.wide:
         from ..checkpoint import load
 
