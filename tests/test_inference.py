@@ -255,6 +255,30 @@ def test_bad_input(reference_path):
     if not torch.cuda.is_available():
         with pytest.raises(WideError, match="CUDA"):
             generate(eng, tok, ["w1"], max_new_tokens=2, graphs=True)
+    # values: ids outside the vocabulary, float ids, masks that are not left-padded 0/1 with a real token per row
+    ids = torch.randint(2, 128, (2, 5), generator=torch.Generator().manual_seed(7))
+    vocab = eng.embed.num_embeddings
+    with pytest.raises(WideError, match=f"vocabulary is 0..{vocab - 1}"):
+        eng.prefill(torch.full((1, 3), vocab), None, eng.new_cache(1, 4))
+    with pytest.raises(WideError, match="vocabulary"):
+        eng.prefill(torch.full((1, 3), -1), None, eng.new_cache(1, 4))
+    with pytest.raises(WideError, match="integer"):
+        eng.prefill(ids.float(), None, eng.new_cache(2, 5))
+    ones = torch.ones_like(ids)
+    bad_masks = {"right-padded": torch.tensor([[1, 1, 1, 0, 0], [1] * 5]),
+                 "holes": torch.tensor([[0, 1, 0, 1, 1], [1] * 5]),
+                 "no real token": torch.tensor([[0] * 5, [1] * 5]), "values 0/1/2": ones * 2}
+    for name, m in bad_masks.items():
+        with pytest.raises(WideError, match="left-padded"):
+            eng.prefill(ids, m, eng.new_cache(2, 5))
+        with pytest.raises(WideError, match="left-padded"):
+            eng.measure_activity(ids, m)
+    for bad in (ids[0], torch.zeros(1, 0, dtype=torch.long), ids[None]):
+        with pytest.raises(WideError, match="input_ids|empty"):
+            eng.measure_activity(bad)
+    eng.reset_stats()
+    assert eng.measure_activity(ids, torch.tensor([[0, 0, 1, 1, 1], [1] * 5]))
+    assert eng.stats.abs().sum().item() == 0  # the sample does not count in realized_sparsity
 
 
 @pytest.fixture

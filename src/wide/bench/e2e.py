@@ -245,10 +245,12 @@ class _Ctx:
 
 
 def _engine_pair(base, wm, fused: bool = True):
-    """``(WIDE engine with every routed op as its kernel, dense engine)``; the WIDE engine carries ``.auto``, the
-    same engine with ``kaxis="auto"``, ``naxis="auto"`` and ``attn="auto"`` (O / down as cuBLAS GEMMs where gemm_k was measured slower; Q, gate + up
-    and the prefill attention as cuBLAS / SDPA in the layers whose measured activity is above what the routed
-    kernel needs to win: call ``.auto.measure_activity`` once the routers are final)."""
+    """``(WIDE engine with every routed op as its kernel, dense engine)``.
+
+    The WIDE engine carries ``.auto``, the same engine with ``kaxis``, ``naxis`` and ``attn`` set to ``"auto"``:
+    O / down as cuBLAS GEMMs where gemm_k was measured slower; Q, gate + up and the prefill attention as
+    cuBLAS / SDPA in the layers whose measured activity is above what the routed kernel needs to win (call
+    ``.auto.measure_activity`` once the routers are final)."""
     from wide.inference.engine import Engine
 
     wide_eng = Engine(wm, track_sparsity=False, fused=fused, kaxis="kernel", naxis="kernel", attn="kernel")

@@ -524,23 +524,25 @@ class Engine:
             ``{(kind, layer): fraction}`` with kind "attn" / "ffn" and the fraction of executed (token, group)
             decisions over real tokens; also stored in :attr:`expected_active` (which holds 1.0 from the start for
             a sublayer kind without routers).  One host sync (call it before timing or graph capture, not per
-            step).  Empty for ``ops="dense"`` or a model without routers.
+            step).  Empty for ``ops="dense"`` or a model without routers.  The sample does not count in
+            :meth:`realized_sparsity`.
 
         Raises:
             WideError: as :meth:`prefill`.
         """
         if self.ops == "dense":
             return {}
+        self._check_ids(input_ids)
         B, T = input_ids.shape
-        prev = self.record_masks
-        self.record_masks = True
+        prev, track = self.record_masks, self.track_sparsity
+        self.record_masks, self.track_sparsity = True, False  # the sample does not count in realized_sparsity
         try:
             self.prefill(input_ids, attention_mask, self.new_cache(B, T))
             masks = self.masks
         finally:
-            self.record_masks = prev
+            self.record_masks, self.track_sparsity = prev, track
             self.masks = {}
-        w = (attention_mask.to(torch.float64) if attention_mask is not None
+        w = (attention_mask.bool().to(torch.float64) if attention_mask is not None
              else torch.ones((B, T), dtype=torch.float64, device=self.device))
         keys = [k for k in masks if (k[0] == "attn" and self.attn_routers is not None)
                 or (k[0] == "ffn" and self.ffn_routers is not None)]
@@ -570,10 +572,33 @@ class Engine:
     def _check_ids(self, input_ids: torch.Tensor) -> None:
         if not isinstance(input_ids, torch.Tensor) or input_ids.dim() != 2:
             raise WideError(f"input_ids must be an int tensor [B, T], got {getattr(input_ids, 'shape', input_ids)!r}")
+        if input_ids.dtype.is_floating_point or input_ids.dtype.is_complex or input_ids.dtype == torch.bool:
+            raise WideError(f"input_ids must be an integer tensor (token ids), got dtype {input_ids.dtype}")
         if input_ids.device != self.device:
             raise WideError(f"input_ids are on {input_ids.device}, the engine's model is on {self.device}")
         if input_ids.shape[1] == 0 or input_ids.shape[0] == 0:
             raise WideError("empty prompt: input_ids has no tokens")
+
+    def _check_values(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None) -> None:
+        """Token ids inside the vocabulary and a left-padded 0/1 mask with a real token in every row: one host
+        sync per prefill (skipped while a CUDA graph is being captured; decode steps never check)."""
+        try:
+            if torch.cuda.is_current_stream_capturing():
+                return
+        except Exception:  # noqa: BLE001 - no CUDA
+            pass
+        vocab = self.embed.num_embeddings
+        checks = [((input_ids < 0) | (input_ids >= vocab)).any()]
+        if attention_mask is not None:
+            m = attention_mask
+            checks += [~((m == 0) | (m == 1)).all(), (m[:, 1:] < m[:, :-1]).any(), (m[:, -1] != 1).any()]
+        bad = torch.stack(checks).tolist()
+        if bad[0]:
+            lo, hi = int(input_ids.min()), int(input_ids.max())
+            raise WideError(f"input_ids hold token ids from {lo} to {hi}; the model's vocabulary is 0..{vocab - 1}")
+        if any(bad[1:]):
+            raise WideError("attention_mask must be left-padded, each row [0]*pad + [1]*n with n >= 1 real tokens "
+                            "(0/1 values); set tokenizer.padding_side = 'left'")
 
     @torch.no_grad()
     def prefill(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None, cache: StaticKVCache,
@@ -593,7 +618,9 @@ class Engine:
             does not shift them), so a padded row gives the logits of the same prompt run alone.
 
         Raises:
-            WideError: empty prompt, a row without real tokens, wrong device, or a cache too small.
+            WideError: empty prompt, non-integer ids or ids outside the vocabulary, a mask that is not left-padded
+                0/1 with a real token in every row, wrong device, or a cache too small.  (Checking the values is
+                one host sync; it is skipped during CUDA-graph capture.)
         """
         self._check_ids(input_ids)
         B, T = input_ids.shape
@@ -614,6 +641,7 @@ class Engine:
             n = valid.sum(1)
             pad = T - n
             padded = True
+        self._check_values(input_ids, attention_mask)
         pos = (torch.arange(T, device=self.device).view(1, T) - pad.view(B, 1)).clamp_min(0)
         slots = cache.prefill_slots(pad, T)
         cache.lengths.zero_()

@@ -481,10 +481,10 @@ def router_mask(router, x: torch.Tensor) -> torch.Tensor:
     GPU (timed once per shape, cached like the kernels' tile configs) of: a tile kernel whose programs own 64
     or 128 rows, read them once in the model dtype (no fp32 copy of ``x``) and compute both GEMMs as fp32
     dots and the argmax; for bf16 ``x``, one tensor-core GEMM against W1 split into three bf16 pieces that
-    sum to it exactly (fp32 accumulation of exact products); and the module itself.  Otherwise the router module and
-    :func:`wide.routing.argmax_mask` run (the reference).  All compute in fp32; the summation order differs, so a decision can differ only where
-    the two logits tie to fp32 rounding.  Concurrent calls on different CUDA streams use separate
-    workspaces; calls on one stream are serialised by the stream.
+    sum to it exactly (fp32 accumulation of exact products); and the module itself.  Otherwise the router
+    module and :func:`wide.routing.argmax_mask` run (the reference).  All compute in fp32; the summation order
+    differs, so a decision can differ only where the two logits tie to fp32 rounding.  Concurrent calls on
+    different CUDA streams use separate workspaces; calls on one stream are serialised by the stream.
 
     Raises:
         ValueError: ``x.shape[-1] != D`` on the kernel path (the reference path raises torch's
@@ -557,10 +557,17 @@ def masked_swiglu_act(g: torch.Tensor, u: torch.Tensor, route: torch.Tensor, G: 
     if g.shape != u.shape or g.dim() != 2 or g.dtype != u.dtype:
         raise ValueError(f"masked_swiglu_act: g {tuple(g.shape)} {g.dtype} and u {tuple(u.shape)} {u.dtype} must be "
                          f"equal 2-D shapes and dtypes")
+    if g.dtype not in (torch.bfloat16, torch.float16, torch.float32):
+        raise ValueError(f"masked_swiglu_act: dtype {g.dtype}; allowed: bfloat16, float16, float32")
     M, N = g.shape
-    if not isinstance(G, int) or G < 1 or N % G or route.dtype != torch.bool or tuple(route.shape) != (M, N // G):
-        raise ValueError(f"masked_swiglu_act: route must be bool [M, N // G] = [{M}, {N // G if G else '?'}] with "
-                         f"G={G!r} dividing N={N}; got {route.dtype} {tuple(route.shape)}")
+    if isinstance(G, bool) or not isinstance(G, int) or G < 1 or N % G:
+        raise ValueError(f"masked_swiglu_act: G={G!r} must be a positive int dividing N={N}")
+    if route.dtype != torch.bool or tuple(route.shape) != (M, N // G):
+        raise ValueError(f"masked_swiglu_act: route must be bool [M, N // G] = [{M}, {N // G}]; got {route.dtype} "
+                         f"{tuple(route.shape)}")
+    if not (g.device == u.device == route.device):
+        raise ValueError(f"masked_swiglu_act: g, u and route must be on one device; got {g.device}, {u.device}, "
+                         f"{route.device}")
     if not use_triton(g):
         return masked_swiglu_act_ref(g, u, route, G)
     g, u, route = g.contiguous(), u.contiguous(), route.contiguous()
