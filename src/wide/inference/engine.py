@@ -28,6 +28,7 @@ from torch import nn
 from ..errors import WideError
 from ..kernels import Reordered, gemm_k, gemm_mn, reorder, routed_attention, swiglu
 from ..kernels._common import use_triton
+from ..kernels.reference import head_route
 from ..modeling import check_architecture, decoder_layers, dims_of
 from .cache import StaticKVCache
 from .fused import add_rmsnorm, masked_swiglu_act, rope_cache, router_mask
@@ -407,7 +408,7 @@ class Engine:
                 st["a"] = _dense_prefill_attention(q, k, v, st.get("padded", True) and lp, L.scaling)
             elif st["am"] is not None and self.attn_dense(i, phase):
                 a = _dense_prefill_attention(q, k, v, st.get("padded", True) and lp, L.scaling)
-                keep = st["am"].transpose(1, 2).repeat_interleave(Hq // self.n_attn, dim=1).unsqueeze(-1)
+                keep = head_route(st["am"], Hq).unsqueeze(-1)
                 st["a"] = a.masked_fill_(~keep, 0)  # skipped head groups output 0, as in Algorithm 4
             else:
                 route = st["am"]

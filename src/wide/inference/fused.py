@@ -530,9 +530,10 @@ def _router_mask_rowwise(router, x: torch.Tensor) -> torch.Tensor:
 def masked_swiglu_act_ref(g: torch.Tensor, u: torch.Tensor, route: torch.Tensor, G: int) -> torch.Tensor:
     """Reference of :func:`masked_swiglu_act`: ``(silu(g) * u)`` in the model dtype (the MLP's own ops), times
     the route expanded to channels."""
+    from ..kernels.reference import expand_route
+
     y = F.silu(g) * u
-    keep = route.repeat_interleave(G, dim=-1)
-    return torch.where(keep, y, torch.zeros((), dtype=y.dtype, device=y.device))
+    return torch.where(expand_route(route, G), y, torch.zeros((), dtype=y.dtype, device=y.device))
 
 
 def masked_swiglu_act(g: torch.Tensor, u: torch.Tensor, route: torch.Tensor, G: int) -> torch.Tensor:

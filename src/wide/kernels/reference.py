@@ -27,6 +27,12 @@ def expand_route(route: torch.Tensor, G: int) -> torch.Tensor:
     return route.repeat_interleave(G, dim=-1)
 
 
+def head_route(route: torch.Tensor, n_heads: int) -> torch.Tensor:
+    """Attention routing per query head: bool ``[B, T, N_G]`` -> ``[B, H_q, T]``, each head group's decision
+    repeated for its ``H_q / N_G`` consecutive query heads (Eq. 2)."""
+    return route.transpose(1, 2).repeat_interleave(n_heads // route.shape[-1], dim=1)
+
+
 def reorder_ref(mask: torch.Tensor) -> Reordered:
     """Eq. 7 / Algorithm 1: per routing column, stable descending sort of a bool mask.
 
@@ -95,8 +101,6 @@ def attention_ref(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, route: torc
     """
     B, Hq, Tq, d = q.shape
     Hk, Tk = k.shape[1], k.shape[2]
-    NG = route.shape[-1]
-    hpg = Hq // NG
     acc = _acc_dtype(q.dtype)
     scale = 1.0 / math.sqrt(d) if scale is None else scale
     rep = Hq // Hk
@@ -114,8 +118,7 @@ def attention_ref(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, route: torc
     p = torch.softmax(s, dim=-1)
     p = torch.nan_to_num(p, nan=0.0)  # rows without any visible key
     o = p @ vv
-    head_route = route.transpose(1, 2).repeat_interleave(hpg, dim=1)  # [B, Hq, Tq]
-    o = torch.where(head_route[..., None], o, torch.zeros((), dtype=acc, device=o.device))
+    o = torch.where(head_route(route, Hq)[..., None], o, torch.zeros((), dtype=acc, device=o.device))
     return o.to(q.dtype)
 
 
