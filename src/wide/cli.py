@@ -285,9 +285,10 @@ def _precheck_train(args, cfg=None, stage: str = "router"):
 
 def _check_output(args, stage: str | None = "router") -> None:
     """``-o`` must be a directory or not exist yet (not below a file). With ``--resume`` it must hold a training
-    state (a ``train_state.pt`` must be readable); without it, it must be empty unless ``--overwrite`` is given (the new run then writes into it, each
-    file replaced atomically when its new version is complete; a stage-1 run (``stage="router"``) refuses a
-    directory holding a LoRA adapter). Commands without ``--resume`` (demo, prune-static) get the same checks."""
+    state (a ``train_state.pt`` must be readable); without it, it must be empty unless ``--overwrite`` is given
+    (the new run then writes into it, each file replaced atomically when its new version is complete; a stage-1
+    run (``stage="router"``) refuses a directory holding a LoRA adapter). Commands without ``--resume`` (demo,
+    prune-static) get the same checks."""
     from .lora import ADAPTER_DIR
     from .training import STATE_NAME, has_train_state, load_train_state
 

@@ -33,8 +33,9 @@ def run(args) -> int:
     """Run ``wide generate`` (see :func:`add_arguments`).
 
     Raises:
-        WideError: a bad ``--device`` (see :func:`wide.cli.check_device`), empty prompt, prompt longer than
-            the cache, a checkpoint made for another base model, bad sizes.
+        WideError: empty prompt, prompt longer than the cache, a checkpoint made for another base model, bad
+            sizes.  (A bad ``--device`` is refused earlier, by :func:`wide.cli.main`'s
+            :func:`wide.cli.check_device`.)
     """
     from ..modeling import load_base_model
     from .engine import Engine
@@ -46,10 +47,7 @@ def run(args) -> int:
         raise WideError(f"--max-cache-len {args.max_cache_len} must be >= 1")
     if any(p.strip() == "" for p in args.prompt):
         raise WideError("empty prompt: every --prompt needs some text")
-    from ..cli import check_device
-
-    dev = args.device
-    check_device(dev)  # the check every `wide` command with --device shares
+    dev = args.device  # already checked by wide.cli.main (check_device), before any command runs
     if args.wide:
         from ..checkpoint import load
 
