@@ -409,6 +409,43 @@ def test_cuda_graph_decode_and_fixed_mask_check():
     assert res.path == "kernels+cuda-graphs" and all(len(t) == 8 for t in res.tokens)
 
 
+@cuda
+def test_cuda_router_overlap_and_one_launch_qkv_change_nothing():
+    """bf16 on the GPU, batch 1 and 3: decode steps with the routers on a second stream (reading h + add in
+    their kernel) and the one-launch [Q | K | V] GEMV give the same masks and logits as the plain engine
+    (the same values reach the same kernels), eagerly and replayed from a CUDA graph."""
+    from wide.inference import Engine
+    from wide.inference.graphs import capture
+
+    wm = _wide(seed=9)
+    wm.base.to("cuda", torch.bfloat16)
+    wm.to("cuda")
+    for B in (1, 3):
+        ids = torch.randint(2, 128, (B, 12), device="cuda", generator=torch.Generator("cuda").manual_seed(B))
+        outs = []
+        for overlap in (True, False):
+            eng = Engine(wm, overlap=overlap)
+            assert eng.overlaps_router("attn", "decode") == overlap and eng.qkv_one_launch("decode", B)
+            names = [n for n, _ in eng.layer_steps(0, {"h": torch.zeros(B, 1, 8)}, "decode")]
+            assert ("attn_router" in names) != overlap and "qkv_proj" in names and "kv_proj" not in names
+            cache = eng.new_cache(B, 20)
+            tok = eng.prefill(ids, None, cache).argmax(-1)
+            eng.record_masks = True
+            eager = eng.decode(tok, cache)
+            masks = {k: v.clone() for k, v in eng.masks.items()}
+            eng.record_masks = False
+            res = {}
+            g = capture(lambda: res.__setitem__("logits", eng.decode(tok, cache)))
+            cache.lengths.fill_(12)  # replay the same step (position 12) from the graph
+            g.replay()
+            torch.cuda.synchronize()
+            assert (res["logits"].float() - eager.float()).abs().max().item() < 5e-2
+            outs.append((eager.float(), masks, res["logits"].float().clone()))
+        (a, ma, ga), (b, mb, gb) = outs
+        assert torch.equal(a, b) and torch.equal(ga, gb)
+        assert ma.keys() == mb.keys() and all(torch.equal(ma[k], mb[k]) for k in ma)
+
+
 def test_bench_helpers_on_cpu(tmp_path, reference_path):
     """The parts of `wide bench e2e` that need no GPU: router biasing to a target split, Amdahl attribution,
     the report."""

@@ -98,3 +98,23 @@ def test_router_split3_many_rows():
     got = fused._router_split3(R, x)
     assert torch.equal(got[clear], (ref[..., 0] >= ref[..., 1])[clear])
     assert torch.equal(router_mask(R, x)[clear], got[clear])  # the path router_mask picks on this device
+
+
+@pytest.mark.parametrize("rows", [1, 3, 40])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_router_reads_residual_add(rows, dtype):
+    """``router_mask(R, h, add)`` routes on ``h + add`` rounded to the model dtype (what add_rmsnorm writes):
+    the few-row kernel adds inside the kernel, more rows add first; float64 logits of the rounded sum decide."""
+    gen = seed_for("router_add", rows, dtype)
+    R = _router(200, 112, 16, gen)
+    h = torch.randn((rows, 1, 200), generator=gen).to(dtype).to(DEVICE)
+    a = torch.randn((rows, 1, 200), generator=gen).to(dtype).to(DEVICE)
+    s = (h.double() + a.double()).to(dtype)  # one rounding of the exact sum, as the fp32 add then cast
+    ref = _logits64(R, s)
+    clear = (ref[..., 0] - ref[..., 1]).abs() > 1e-4 * ref.abs().max().item()
+    got = router_mask(R, h, add=a)
+    assert got.shape == (rows, 1, 112)
+    assert torch.equal(got[clear], (ref[..., 0] >= ref[..., 1])[clear])
+    assert torch.equal(got, router_mask(R, s))  # same input, same kernel: same decisions, ties included
+    with pytest.raises(ValueError, match="add is"):
+        router_mask(R, h, add=a[:, :, :100])

@@ -44,7 +44,7 @@ LLAMA8B = dict(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, 
                rope_theta=500000.0, rms_norm_eps=1e-5, tie_word_embeddings=False,
                rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
                              "high_freq_factor": 4.0, "original_max_position_embeddings": 8192})
-ROUTED_OPS = ("q_proj", "attention", "o_proj", "gate_up", "down_proj")
+ROUTED_OPS = ("q_proj", "qkv_proj", "attention", "o_proj", "gate_up", "down_proj")  # qkv_proj: decode, K/V inside
 ROUTING_OPS = ("attn_router", "attn_reorder", "ffn_router", "ffn_reorder")
 DEVICE = "cuda"  # the CPU self-test of this module swaps it (with _capture / _median_ms / _decode_runner)
 

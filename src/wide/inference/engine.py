@@ -26,7 +26,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..errors import WideError
-from ..kernels import Reordered, gemm_k, gemm_mn, reorder, routed_attention, swiglu
+from ..kernels import Reordered, gemm_k, gemm_mn, gemv_mn, reorder, routed_attention, swiglu
 from ..kernels._common import use_triton
 from ..kernels.reference import head_route
 from ..modeling import check_architecture, decoder_layers, dims_of
@@ -118,6 +118,11 @@ class _Layer:
         self.wq, self.wk, self.wv, self.wo = at.q_proj.weight, at.k_proj.weight, at.v_proj.weight, at.o_proj.weight
         self.bq, self.bk, self.bv = at.q_proj.bias, at.k_proj.bias, at.v_proj.bias
         self.bo = at.o_proj.bias
+        bs = (self.bq, self.bk, self.bv)
+        # bias of the one-launch [Q | K | V] decode projection (Qwen2 has q/k/v biases); None without biases
+        self.bqkv = (None if all(b is None for b in bs) else torch.cat(
+            [b.detach() if b is not None else torch.zeros(w.shape[0], dtype=w.dtype, device=w.device)
+             for b, w in zip(bs, (self.wq, self.wk, self.wv))]))
         self.wg, self.wu, self.wd = mlp.gate_proj.weight, mlp.up_proj.weight, mlp.down_proj.weight
         if any(b is not None for b in (mlp.gate_proj.bias, mlp.up_proj.bias, mlp.down_proj.bias)):
             raise WideError("FFN projections with biases are not supported by the inference engine")
@@ -135,7 +140,7 @@ class Engine:
             ``*ForCausalLM`` of a supported architecture (no routers: every group executes, s = 0, still
             through the routed kernels when ``ops="routed"``).
         ops: ``"routed"`` (the WIDE kernels) or ``"dense"`` (cuBLAS linears, SDPA prefill attention; the
-            dense baseline; routers ignored).
+            dense baseline; routers ignored; decode of <= 4 rows runs Q/K/V as one GEMV, see below).
         track_sparsity: accumulate executed / total groups over valid tokens on the device (a few tiny
             kernels per layer; off in the benchmarks).
         fused: on the Triton path, run RMSNorm (+ residual add), RoPE + KV-cache write and few-row routers as
@@ -155,6 +160,12 @@ class Engine:
             (SDPA's flash attention for every head, then the skipped head groups' outputs set to 0: the same
             function), or ``"auto"`` (default): SDPA in the layers whose measured attention activity is above
             ``ATTN_DENSE_ABOVE``.  Decode always runs the project's split-KV decode attention.
+        overlap: at decode on CUDA, run each router on a second stream concurrently with the RMSNorm before it
+            (see :meth:`overlaps_router`; default True).
+
+    At decode with up to 4 rows (batch <= 4) both engines run Q, K and V as one GEMV launch
+    (:meth:`qkv_one_launch`): the project's ``gemv_mn`` with K and V as an always-executed tail, every group
+    executed in the dense engine.
 
     Attributes:
         dims: :class:`wide.ModelDims`; ``n_attn``, ``n_ffn``: groups per layer; ``g_attn``, ``g_ffn``: group
@@ -167,7 +178,7 @@ class Engine:
     """
 
     def __init__(self, model: nn.Module, ops: str = "routed", track_sparsity: bool = True, fused: bool = True,
-                 kaxis: str = "auto", naxis: str = "auto", attn: str = "auto") -> None:
+                 kaxis: str = "auto", naxis: str = "auto", attn: str = "auto", overlap: bool = True) -> None:
         if ops not in OPS:
             raise WideError(f"ops={ops!r} is not one of {', '.join(OPS)}")
         if kaxis not in KAXIS:
@@ -177,6 +188,7 @@ class Engine:
         if attn not in ATTN:
             raise WideError(f"attn={attn!r} is not one of {', '.join(ATTN)}")
         self.fused, self.kaxis, self.naxis, self.attn = fused, kaxis, naxis, attn
+        self.overlap = overlap
         self.expected_active: dict = {}  # {(kind, layer): executed fraction}, see measure_activity
         from ..modeling import WideModel
 
@@ -257,8 +269,10 @@ class Engine:
             out["overall"] = sum(kinds) / len(kinds)  # every layer has one module of each routed kind
         return out
 
-    def _route(self, kind: str, i: int, h: torch.Tensor, valid: torch.Tensor | None) -> torch.Tensor | None:
-        """Bool mask ``[B, T, N_G]`` for layer ``i``'s ``kind`` sublayer (Eq. 4-5), None when not routed."""
+    def _route(self, kind: str, i: int, h: torch.Tensor, valid: torch.Tensor | None,
+               add: torch.Tensor | None = None) -> torch.Tensor | None:
+        """Bool mask ``[B, T, N_G]`` for layer ``i``'s ``kind`` sublayer (Eq. 4-5), None when not routed.
+        ``add``: the pending residual add (the router reads ``h + add``, see :func:`router_mask`)."""
         if self.ops == "dense":
             return None
         routers = self.attn_routers if kind == "attn" else self.ffn_routers
@@ -266,7 +280,7 @@ class Engine:
         if routers is None:
             mask = self._all_true((*h.shape[:-1], n), h.device)
         else:
-            mask = router_mask(routers[i], h)
+            mask = router_mask(routers[i], h, add=add)
         if self.track_sparsity:
             w = valid.to(torch.float64) if valid is not None else torch.ones(h.shape[:-1], dtype=torch.float64,
                                                                                device=h.device)
@@ -313,6 +327,37 @@ class Engine:
         """Whether the fused unrouted kernels (:mod:`wide.inference.fused`) run (``fused`` and Triton)."""
         return self.fused and self.uses_kernels
 
+    def overlaps_router(self, kind: str, phase: str) -> bool:
+        """Whether a decode step runs the ``kind`` router concurrently with the RMSNorm before it.
+
+        The router reads the residual stream ``h + add`` (the add inside its kernel) on a second CUDA stream
+        while the fused add + RMSNorm runs on the current one; the current stream waits for both before the
+        projections.  A few-row decode step is a chain of latency-bound kernels, so this hides the shorter of
+        the two (~2 µs a router on an H200).  Decode on CUDA with the fused kernels and routers, and
+        :attr:`overlap` (default True); CUDA-graph capturable (the second stream forks from and joins the
+        capturing one inside the step)."""
+        routers = self.attn_routers if kind == "attn" else self.ffn_routers
+        return (self.overlap and phase == "decode" and self.fast and self.ops != "dense" and routers is not None
+                and self.device.type == "cuda")
+
+    def _side_stream(self) -> torch.cuda.Stream:
+        side = self.__dict__.get("_side")
+        if side is None:
+            side = self._side = torch.cuda.Stream(self.device)
+        return side
+
+    def _concurrently(self, side_fn, main_fn) -> None:
+        """Run ``side_fn`` on the side stream and ``main_fn`` on the current one; the current stream then waits
+        for both.  Memory allocated on the side stream is only reused after a later fork, which orders it after
+        every use issued so far on the current stream."""
+        cur = torch.cuda.current_stream(self.device)
+        side = self._side_stream()
+        side.wait_stream(cur)
+        with torch.cuda.stream(side):
+            side_fn()
+        main_fn()
+        cur.wait_stream(side)
+
     def _norm(self, module, h, add):
         """``(h + add, module(h + add))``: fused kernel on the fast path, else the model's own module."""
         if self.fast:
@@ -336,9 +381,22 @@ class Engine:
         d = self.dims
         dense = self.ops == "dense"
         fused_rope = self.fast and L.q_norm is None
+        qkv = self.qkv_one_launch(phase, st["h"].shape[0] * st["h"].shape[1], i)
+
+        ov_attn, ov_ffn = self.overlaps_router("attn", phase), self.overlaps_router("ffn", phase)
 
         def input_norm(st):
-            st["h_attn"], st["x"] = self._norm(L.ln1, st["h"], st.get("pending"))
+            def norm():
+                st["h_attn"], st["x"] = self._norm(L.ln1, st["h"], st.get("pending"))
+
+            if ov_attn:  # the attention router, concurrently (the attn_router step is left out)
+                def route():
+                    st["am"] = self._route("attn", i, st["h"], st.get("valid"), add=st.get("pending"))
+
+                self._concurrently(route, norm)
+                st["am_flat"], st["am_per"] = (None, None)
+            else:
+                norm()
 
         def attn_router(st):
             st["am"] = self._route("attn", i, st["h_attn"], st.get("valid"))
@@ -367,6 +425,21 @@ class Engine:
             B, T, _ = x.shape
             st["k_raw"] = F.linear(x, L.wk, L.bk).view(B, T, d.num_kv_heads, d.head_dim)
             st["v_raw"] = F.linear(x, L.wv, L.bv).view(B, T, d.num_kv_heads, d.head_dim)
+
+        def qkv_proj(st):  # decode, <= 4 rows: [Q routed | K | V] as one GEMV launch (see qkv_one_launch)
+            x = st["x"]
+            B, T, D = x.shape
+            route = st["am"]
+            if route is None:
+                route = self._all_true((B, T, self.n_attn), x.device)
+            out = gemv_mn(x.view(B * T, D), L.wq, route.view(B * T, -1), self.g_attn, tail=(L.wk, L.wv))
+            if L.bqkv is not None:
+                out = out + L.bqkv
+            nq, nkv = d.num_heads * d.head_dim, d.num_kv_heads * d.head_dim
+            out = out.view(B, T, -1)  # token strides (T * width, width) in the [B, T, H, d] views below
+            st["q_raw"] = out[..., :nq].view(B, T, d.num_heads, d.head_dim)
+            st["k_raw"] = out[..., nq:nq + nkv].view(B, T, d.num_kv_heads, d.head_dim)
+            st["v_raw"] = out[..., nq + nkv:].view(B, T, d.num_kv_heads, d.head_dim)
 
         def slots_of(st):
             return st["slots"] if phase == "prefill" else st["slot"].view(-1, 1)
@@ -430,7 +503,17 @@ class Engine:
             st["o"] = o.view(B, T, -1)
 
         def post_norm(st):
-            st["h_ffn"], st["x_ffn"] = self._norm(L.ln2, st["h_attn"], st["o"])
+            def norm():
+                st["h_ffn"], st["x_ffn"] = self._norm(L.ln2, st["h_attn"], st["o"])
+
+            if ov_ffn:  # the FFN router, concurrently (the ffn_router step is left out)
+                def route():
+                    st["fm"] = self._route("ffn", i, st["h_attn"], st.get("valid"), add=st["o"])
+
+                self._concurrently(route, norm)
+                st["fm_flat"] = None
+            else:
+                norm()
 
         def ffn_router(st):
             st["fm"] = self._route("ffn", i, st["h_ffn"], st.get("valid"))
@@ -463,19 +546,38 @@ class Engine:
             st["h"] = st["h_ffn"]
             st["pending"] = y.view(B, T, D)  # added to h by the next norm (fused add)
 
-        steps = [("input_norm", input_norm), ("attn_router", attn_router)]
+        steps = [("input_norm", input_norm)] + ([] if ov_attn else [("attn_router", attn_router)])
         if not dense:
             steps.append(("attn_reorder", attn_reorder))
-        steps += [("q_proj", q_proj), ("kv_proj", kv_proj)]
+        steps += [("qkv_proj", qkv_proj)] if qkv else [("q_proj", q_proj), ("kv_proj", kv_proj)]
         if fused_rope:
             steps.append(("rope_kv_cache", rope_kv_cache))
         else:
             steps += [("rope", rope), ("kv_cache_write", cache_write)]
-        steps += [("attention", attention), ("o_proj", o_proj), ("post_norm", post_norm), ("ffn_router", ffn_router)]
+        steps += [("attention", attention), ("o_proj", o_proj), ("post_norm", post_norm)]
+        if not ov_ffn:
+            steps.append(("ffn_router", ffn_router))
         if not dense:
             steps.append(("ffn_reorder", ffn_reorder))
         steps += [("gate_up", gate_up), ("down_proj", down_proj)]
         return steps
+
+    def qkv_one_launch(self, phase: str, M: int, i: int = 0) -> bool:
+        """Whether layer ``i``'s Q, K and V projections of ``M`` rows run as one decode GEMV launch,
+        :func:`wide.kernels.gemv_mn` over the routed Q groups with K and V as its always-executed tail (no
+        weight copy).  At batch 1 each projection alone is a latency-bound GEMV: cuBLAS streams the 2 x 8 MiB
+        of Llama-3.1-8B's K and V at ~1.3 TB/s; one launch over all three keeps the GPU's memory system busy.
+        Both engines do this (the dense one with every group executed), so the dense baseline gains as much.
+
+        True for decode steps of ``M <= 4`` rows on the Triton path with the fused kernels, when the K/V width
+        is a multiple of the head-group width ``g_attn`` (Llama 3.x, Mistral, SmolLM2; not e.g. Qwen2.5-0.5B,
+        7 query heads per K/V head and 2 K/V heads) and the Q projection would run its kernel (not ``naxis``
+        "dense")."""
+        if phase != "decode" or M > 4 or not self.fast:
+            return False
+        if (self.dims.num_kv_heads * self.dims.head_dim) % self.g_attn:
+            return False
+        return self.ops == "dense" or not self.naxis_dense("attn", i, M)
 
     def kaxis_dense(self, M: int, G: int) -> bool:
         """Whether a K-axis projection (O, down) of ``M`` rows runs as a cuBLAS GEMM on its zero-filled input

@@ -39,13 +39,13 @@ if HAS_TRITON:
         h = tl.load(h_ptr + row * D + offs, mask=m, other=0.0)
         if HAS_ADD:
             a = tl.load(add_ptr + row * D + offs, mask=m, other=0.0)
-            h = (h.to(tl.float32) + a.to(tl.float32)).to(h_ptr.dtype.element_ty)
+            h = round_to(h.to(tl.float32) + a.to(tl.float32), h_ptr.dtype.element_ty).to(h_ptr.dtype.element_ty)
             tl.store(hout_ptr + row * D + offs, h, mask=m)
         hf = h.to(tl.float32)
         var = tl.sum(hf * hf, axis=0) / D
-        n = (hf * (1.0 / tl.sqrt(var + eps))).to(h_ptr.dtype.element_ty)
+        n = round_to(hf * (1.0 / tl.sqrt(var + eps)), h_ptr.dtype.element_ty)
         w = tl.load(w_ptr + offs, mask=m, other=0.0)
-        y = (w.to(tl.float32) * n.to(tl.float32)).to(y_ptr.dtype.element_ty)
+        y = round_to(w.to(tl.float32) * n, y_ptr.dtype.element_ty).to(y_ptr.dtype.element_ty)
         tl.store(y_ptr + row * D + offs, y, mask=m)
 
     @triton.jit
@@ -117,10 +117,12 @@ if HAS_TRITON:
         tl.store(out_ptr + row * N + offs_n, le >= ls, mask=nm)
 
     @triton.jit
-    def _router_kernel(x_ptr, w1_ptr, b1_ptr, w2_ptr, b2_ptr, out_ptr, part_ptr, cnt_ptr, logit_ptr,
-                       rows, D, N, stride_xm,
+    def _router_kernel(x_ptr, add_ptr, w1_ptr, b1_ptr, w2_ptr, b2_ptr, out_ptr, part_ptr, cnt_ptr, logit_ptr,
+                       rows, D, N, stride_xm, stride_am,
                        R: tl.constexpr, RP: tl.constexpr, BDP: tl.constexpr, BDI: tl.constexpr,
-                       NP: tl.constexpr, PP: tl.constexpr, WRITE_LOGITS: tl.constexpr):
+                       NP: tl.constexpr, PP: tl.constexpr, WRITE_LOGITS: tl.constexpr, HAS_ADD: tl.constexpr):
+        # HAS_ADD: the router reads x + add rounded to x's dtype (the residual add of add_rmsnorm, so the
+        # router can run concurrently with that norm on another stream and still see the same input)
         # Stage 1 (every program): partial h_p = x[:, D_p] @ W1[:, D_p]^T over this program's BDP columns of D,
         # so W1 is streamed by many CTAs at once.  Stage 2 (the program that arrives last, found with an
         # atomic counter): h = sum_p h_p + b1 in a fixed order, the two class logits per group, argmax.
@@ -135,7 +137,12 @@ if HAS_TRITON:
             dd = pid * BDP + i * BDI + offs_d
             dm = dd < D
             x = tl.load(x_ptr + offs_m[:, None] * stride_xm + dd[None, :], mask=mrow[:, None] & dm[None, :],
-                        other=0.0).to(tl.float32)  # [RP, BDI]
+                        other=0.0)
+            if HAS_ADD:
+                a = tl.load(add_ptr + offs_m[:, None] * stride_am + dd[None, :], mask=mrow[:, None] & dm[None, :],
+                            other=0.0)
+                x = round_to(x.to(tl.float32) + a.to(tl.float32), x_ptr.dtype.element_ty)
+            x = x.to(tl.float32)  # [RP, BDI]
             w = tl.load(w1_ptr + offs_r[:, None] * D + dd[None, :], mask=dm[None, :], other=0.0)  # [R, BDI]
             acc += tl.sum(x[:, None, :] * w[None, :, :], axis=2)
         tl.store(part_ptr + pid * (RP * R) + offs_m[:, None] * R + offs_r[None, :], acc)
@@ -301,14 +308,19 @@ def rope_cache(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.Ten
         return rope_cache_ref(q, k, v, cos, sin, cache_k, cache_v, slots, want_k)
     B, T, Hq, d = q.shape
     Hk = k.shape[2]
-    for t in (q, k, v):
-        assert t.stride(3) == 1 and t.stride(2) == d and t.stride(0) == T * t.stride(1)
+    def token_stride(t):  # elements between consecutive tokens b * T + t (a size-1 dim's stride is arbitrary)
+        assert t.stride(3) == 1 and (t.stride(2) == d or t.shape[2] == 1), "heads must be contiguous [.., H, d]"
+        if T == 1:
+            return t.stride(0)
+        assert B == 1 or t.stride(0) == T * t.stride(1), "tokens must be evenly strided over [B, T]"
+        return t.stride(1)
+
     cos, sin = cos.contiguous(), sin.contiguous()
     qo = torch.empty((B, T, Hq, d), dtype=q.dtype, device=q.device)
     ko = torch.empty((B, T, Hk, d), dtype=q.dtype, device=q.device) if want_k else qo
     slots = slots.contiguous()
     _rope_cache_kernel[(B * T, Hq + 2 * Hk)](
-        q, k, v, cos, sin, qo, ko, cache_k, cache_v, slots, T, Hq, Hk, q.stride(1), k.stride(1), v.stride(1),
+        q, k, v, cos, sin, qo, ko, cache_k, cache_v, slots, T, Hq, Hk, token_stride(q), token_stride(k), token_stride(v),
         cache_k.stride(0), cache_k.stride(1), cache_k.stride(2), cache_v.stride(0), cache_v.stride(1),
         cache_v.stride(2), HALF=d // 2, WRITE_K=want_k, **({} if interpret_mode() else {"num_warps": 1}))
     return qo, (ko if want_k else None)
@@ -348,7 +360,8 @@ def _router_plan(rows: int, D: int, R: int):
     return RP, BDP, BDI, -(-D // BDP)
 
 
-def _router_launch(router, x2: torch.Tensor, logits: torch.Tensor | None = None) -> torch.Tensor:
+def _router_launch(router, x2: torch.Tensor, logits: torch.Tensor | None = None,
+                   add2: torch.Tensor | None = None) -> torch.Tensor:
     rows, D = x2.shape
     R = router.w1.out_features
     N = router.n_groups
@@ -357,9 +370,11 @@ def _router_launch(router, x2: torch.Tensor, logits: torch.Tensor | None = None)
     out = torch.empty((rows, N), dtype=torch.bool, device=x2.device)
     w1, b1 = router.w1.weight.contiguous(), router.w1.bias.contiguous()
     w2, b2 = router.w2.weight.contiguous(), router.w2.bias.contiguous()
-    _router_kernel[(P,)](x2, w1, b1, w2, b2, out, part, cnt, logits if logits is not None else part,
-                         rows, D, N, x2.stride(0), R=R, RP=RP, BDP=BDP, BDI=BDI, NP=max(16, next_pow2(N)),
-                         PP=max(2, next_pow2(P)), WRITE_LOGITS=logits is not None,
+    _router_kernel[(P,)](x2, add2 if add2 is not None else x2, w1, b1, w2, b2, out, part, cnt,
+                         logits if logits is not None else part, rows, D, N, x2.stride(0),
+                         (add2 if add2 is not None else x2).stride(0), R=R, RP=RP, BDP=BDP, BDI=BDI,
+                         NP=max(16, next_pow2(N)), PP=max(2, next_pow2(P)), WRITE_LOGITS=logits is not None,
+                         HAS_ADD=add2 is not None,
                          **({} if interpret_mode() else {"num_warps": 4}))
     return out
 
@@ -461,12 +476,15 @@ def _as_rows(x: torch.Tensor) -> torch.Tensor:
     return x2 if x2.stride(-1) == 1 else x2.contiguous()
 
 
-def router_mask(router, x: torch.Tensor) -> torch.Tensor:
+def router_mask(router, x: torch.Tensor, add: torch.Tensor | None = None) -> torch.Tensor:
     """Argmax routing mask (Eq. 4-5) of a :class:`wide.routing.Router`.
 
     Args:
         router: a :class:`wide.routing.Router` (fp32 ``W1 [r, D]``, ``b1 [r]``, ``W2 [2 N_G, r]``, ``b2 [2 N_G]``).
         x: ``[..., D]`` residual stream, bf16/fp16/fp32, on the router's device.
+        add: optional ``[..., D]`` of x's shape and dtype: the router reads ``x + add`` rounded to x's dtype,
+            exactly the residual stream :func:`add_rmsnorm` writes (on the few-row kernel path the add happens
+            inside the kernel, so the engine can run the router concurrently with that norm).
 
     Returns:
         bool ``[..., N_G]``, True = execute (``logit_0 >= logit_1``, ties execute, as
@@ -488,16 +506,25 @@ def router_mask(router, x: torch.Tensor) -> torch.Tensor:
 
     Raises:
         ValueError: ``x.shape[-1] != D`` on the kernel path (the reference path raises torch's
-            ``RuntimeError`` from the linear layer instead).
+            ``RuntimeError`` from the linear layer instead); ``add`` of another shape, dtype or device than x.
     """
     from ..routing import argmax_mask
 
+    if add is not None and (add.shape != x.shape or add.dtype != x.dtype or add.device != x.device):
+        raise ValueError(f"router_mask: add is {tuple(add.shape)} {add.dtype} on {add.device}; x is "
+                         f"{tuple(x.shape)} {x.dtype} on {x.device}")
+    few = x.numel() // max(1, x.shape[-1]) <= ROUTER_MAX_ROWS
+    if add is not None and not (few and _router_ok(router, x)):
+        x, add = (x.float() + add.float()).to(x.dtype), None  # the residual add, rounded as add_rmsnorm does
     if not _router_ok(router, x):
         return argmax_mask(router(x))
     if x.shape[-1] != router.w1.in_features:
         raise ValueError(f"router_mask: x has {x.shape[-1]} features, the router reads {router.w1.in_features}")
     x2 = _as_rows(x)
-    out = _router_launch(router, x2) if x2.shape[0] <= ROUTER_MAX_ROWS else _router_many(router, x2)
+    if x2.shape[0] <= ROUTER_MAX_ROWS:
+        out = _router_launch(router, x2, add2=_as_rows(add) if add is not None else None)
+    else:
+        out = _router_many(router, x2)
     return out.view(*x.shape[:-1], router.n_groups)
 
 

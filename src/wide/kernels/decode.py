@@ -28,16 +28,22 @@ if HAS_TRITON:
 
     @triton.jit
     def _gemv_mn_kernel(x_ptr, w_ptr, w2_ptr, out_ptr, route_ptr, M, N, K, NG,
-                        stride_xm, stride_wn, stride_om, G,
+                        stride_xm, stride_wn, stride_om, G, N1, N2, OFF2, OFF3,
                         BN: tl.constexpr, BK: tl.constexpr, SWIGLU: tl.constexpr, EVEN_K: tl.constexpr):
-        # rows are padded to 16 for the tensor-core dot; padded rows load nothing
+        # rows are padded to 16 for the tensor-core dot; padded rows load nothing.  Columns >= N1 are the
+        # always-executed tail (NG = N1 // G routed groups): rows N1..N1+N2-1 of the weight live at element
+        # offset OFF2 from w_ptr, the rest at OFF3 (a tile lies in one segment: BN divides G, G divides N1, N2)
         pid = tl.program_id(0)
         offs_n = pid * BN + tl.arange(0, BN)
         nmask = offs_n < N
         offs_m = tl.arange(0, 16)
         mmask = offs_m < M
+        n0 = pid * BN
+        shift = tl.where(n0 < N1, 0, tl.where(n0 < N1 + N2, OFF2 - N1.to(tl.int64) * stride_wn,
+                                              OFF3 - (N1 + N2).to(tl.int64) * stride_wn)).to(tl.int64)
         r = tl.load(route_ptr + offs_m[:, None] * NG + (offs_n // G)[None, :],
-                    mask=mmask[:, None] & nmask[None, :], other=0) != 0  # [16, BN]
+                    mask=mmask[:, None] & (nmask & (offs_n < N1))[None, :], other=0) != 0  # [16, BN]
+        r = r | (mmask[:, None] & (nmask & (offs_n >= N1))[None, :])
         colact = (tl.max(r.to(tl.int32), axis=0) != 0) & nmask  # [BN]: some row executes this column
         o_ptrs = out_ptr + offs_m[:, None] * stride_om + offs_n[None, :]
         if tl.max(colact.to(tl.int32), axis=0) == 0:
@@ -48,7 +54,7 @@ if HAS_TRITON:
             acc = tl.zeros((16, BN), dtype=tl.float32)
             if SWIGLU:
                 acc2 = tl.zeros((16, BN), dtype=tl.float32)
-            w_ptrs = w_ptr + offs_n[:, None].to(tl.int64) * stride_wn + offs_k[None, :]
+            w_ptrs = w_ptr + shift + offs_n[:, None].to(tl.int64) * stride_wn + offs_k[None, :]
             w2_ptrs = w2_ptr + offs_n[:, None].to(tl.int64) * stride_wn + offs_k[None, :]
             x_ptrs = x_ptr + offs_m[:, None] * stride_xm + offs_k[None, :]
             for k0 in range(0, K, BK):
@@ -83,8 +89,16 @@ if HAS_TRITON:
         return act
 
     @triton.jit
+    def _route_union_tail(route_ptr, M, NR, NG, offs_g, NGP: tl.constexpr):
+        """:func:`_route_union` of ``route [M, NR]`` over ``NG >= NR`` groups; groups ``NR..NG-1`` (the
+        always-executed tail) are 1."""
+        act = _route_union(route_ptr, M, NR, offs_g, offs_g < NR, NGP)
+        return tl.where((offs_g >= NR) & (offs_g < NG), 1, act)
+
+    @triton.jit
     def _gemv_mn_split_kernel(x_ptr, w_ptr, w2_ptr, out_ptr, part_ptr, cnt_ptr, route_ptr, M, K, NG, PROGS,
-                              stride_xm, stride_wn, stride_om, G: tl.constexpr, BN: tl.constexpr,
+                              stride_xm, stride_wn, stride_om, NR, N1, N2, OFF2, OFF3,
+                              G: tl.constexpr, BN: tl.constexpr,
                               BK: tl.constexpr, NGP: tl.constexpr, SMAX: tl.constexpr, SWIGLU: tl.constexpr,
                               EVEN_K: tl.constexpr):
         # 1-D grid of PROGS = (N / BN) * SPLIT programs, sized for the dense case.  Every program compacts
@@ -93,11 +107,13 @@ if HAS_TRITON:
         # is cut into S = min(PROGS // A, SMAX, K chunks) splits, S chosen at run time, so the A * S work
         # items (active tile, K split) keep ~PROGS programs streaming weight rows at any sparsity.
         # Program p computes work item p (if p < A * S) and writes the zeros of the p-th inactive tile
-        # (if any); programs beyond both exit at once.
+        # (if any); programs beyond both exit at once.  Groups NR..NG-1 are the always-executed tail (route
+        # is [M, NR]); their weight rows live at element offsets OFF2 (rows N1..N1+N2-1) and OFF3 (the rest)
+        # from w_ptr, as in _gemv_mn_kernel.
         pid = tl.program_id(0)
         offs_g = tl.arange(0, NGP)
         gmask = offs_g < NG
-        act = _route_union(route_ptr, M, NG, offs_g, gmask, NGP)
+        act = _route_union_tail(route_ptr, M, NR, NG, offs_g, NGP)
         inact = tl.where(gmask, 1 - act, 0)
         TPG: tl.constexpr = G // BN  # N tiles per group
         n_act = tl.sum(act, axis=0)
@@ -123,10 +139,13 @@ if HAS_TRITON:
             rank = tl.where(act != 0, tl.cumsum(act, axis=0), 0)
             g = tl.sum(tl.where(rank == qa + 1, offs_g, 0), axis=0)  # the qa-th active group
             offs_n = g * G + (q - qa * TPG) * BN + offs_b
+            n0 = g * G
+            shift = tl.where(n0 < N1, 0, tl.where(n0 < N1 + N2, OFF2 - N1.to(tl.int64) * stride_wn,
+                                                  OFF3 - (N1 + N2).to(tl.int64) * stride_wn)).to(tl.int64)
             c0 = (sp * CH) // S
             c1 = ((sp + 1) * CH) // S
             offs_k = tl.arange(0, BK)
-            w_rows = w_ptr + offs_n[:, None].to(tl.int64) * stride_wn + offs_k[None, :]
+            w_rows = w_ptr + shift + offs_n[:, None].to(tl.int64) * stride_wn + offs_k[None, :]
             w2_rows = w2_ptr + offs_n[:, None].to(tl.int64) * stride_wn + offs_k[None, :]
             x_rows = x_ptr + offs_m[:, None] * stride_xm + offs_k[None, :]
             acc = tl.zeros((16, BN), dtype=tl.float32)
@@ -147,7 +166,7 @@ if HAS_TRITON:
                     else:
                         w2t = tl.load(w2_rows + k0, mask=km[None, :], other=0.0)
                     acc2 = mma(xt, tl.trans(w2t), acc2)
-            rg = tl.load(route_ptr + offs_m * NG + g, mask=mmask, other=0) != 0  # rows that execute g
+            rg = (tl.load(route_ptr + offs_m * NR + g, mask=mmask & (g < NR), other=0) != 0) | (g >= NR)
             o_ptrs = out_ptr + offs_m[:, None] * stride_om + offs_n[None, :]
             if S == 1:
                 if SWIGLU:
@@ -400,7 +419,8 @@ def _gemv_k_cands(G, K, N, M):
 
 
 def gemv_mn(x: torch.Tensor, w: torch.Tensor, route: torch.Tensor, G: int, *,
-            out: torch.Tensor | None = None, w2: torch.Tensor | None = None) -> torch.Tensor:
+            out: torch.Tensor | None = None, w2: torch.Tensor | None = None,
+            tail: tuple[torch.Tensor, ...] = ()) -> torch.Tensor:
     """Decode GEMV for GEMM-MN, ``M <= 4`` (Algorithm 2, GEMV variant; no reorder).
 
     ``out[m, n] = (x @ w.T)[m, n] if route[m, n // G] else 0``.
@@ -410,12 +430,17 @@ def gemv_mn(x: torch.Tensor, w: torch.Tensor, route: torch.Tensor, G: int, *,
         w: ``[N, K]``, same dtype/device.
         route: bool ``[M, N // G]``, True = execute.
         G: group size along N (multiple of 16 dividing N).
-        out: optional contiguous ``[M, N]`` output in x's dtype.
+        out: optional contiguous ``[M, N + sum of the tail widths]`` output in x's dtype.
         w2: optional second weight ``[N, K]``: computes the fused SwiGLU
             ``silu(x w.T) * (x w2.T)`` instead (see :func:`gemv_swiglu`).
+        tail: up to two more weights ``[N_t, K]`` (same dtype/device, each ``N_t`` a multiple of G) whose
+            outputs follow the routed ones in ``out`` and are always computed: ``out[:, N:] = x @ cat(tail).T``.
+            The engine's decode step runs ``[Q | K | V]`` as one launch this way (Q routed by head group, K/V
+            dense) without copying the three weights into one tensor: the kernels address the tail
+            weights by their element offset from ``w``.  Not with ``w2``.
 
     Returns:
-        ``out`` (or a new ``[M, N]`` tensor in x's dtype), fp32-accumulated; every column of a group
+        ``out`` (or a new ``[M, N + N_tail]`` tensor in x's dtype), fp32-accumulated; every column of a group
         that row m does not execute is exactly 0 in row m.
 
     Weight bytes read: ``(fraction of groups executed by some row) * N * K * itemsize`` (level-0 skip).
@@ -434,7 +459,9 @@ def gemv_mn(x: torch.Tensor, w: torch.Tensor, route: torch.Tensor, G: int, *,
       the active work write the zeros of the inactive tiles or exit.
 
     Raises:
-        ValueError: M > 4, or bad shapes/dtypes/devices/G/route/out (as :func:`wide.kernels.gemm_mn`).
+        ValueError: M > 4, or bad shapes/dtypes/devices/G/route/out (as :func:`wide.kernels.gemm_mn`), a
+            tail weight whose width is not a multiple of G or whose K, dtype or device differs, more than
+            two tail weights, or a tail together with ``w2``.
     """
     from .gemm_mn import _validate
 
@@ -443,13 +470,30 @@ def gemv_mn(x: torch.Tensor, w: torch.Tensor, route: torch.Tensor, G: int, *,
         _validate(x, w2, route, G, "w2")
         if w2.shape != w.shape:
             fail(f"w2 shape {tuple(w2.shape)} must equal w shape {tuple(w.shape)}")
-    check_out(out, (x.shape[0], w.shape[0]), x.dtype, x.device)
+    tail = tuple(tail)
+    if tail and w2 is not None:
+        fail("gemv_mn: tail weights are not supported with w2 (fused SwiGLU)")
+    if len(tail) > 2:
+        fail(f"gemv_mn: at most two tail weights, got {len(tail)}")
+    for j, t in enumerate(tail):
+        if not isinstance(t, torch.Tensor) or t.dim() != 2 or t.shape[1] != x.shape[1]:
+            fail(f"tail[{j}] must be a [N_t, K={x.shape[1]}] tensor, got "
+                 f"{tuple(t.shape) if isinstance(t, torch.Tensor) else type(t).__name__}")
+        if t.dtype != x.dtype or t.device != x.device:
+            fail(f"tail[{j}] is {t.dtype} on {t.device}; x is {x.dtype} on {x.device}")
+        if t.shape[0] % G:
+            fail(f"tail[{j}] has {t.shape[0]} rows, not a multiple of G={G}")
     M, K = x.shape
     N = w.shape[0]
+    NT = sum(t.shape[0] for t in tail)
+    check_out(out, (M, N + NT), x.dtype, x.device)
     _check_small(x, M, "gemv_mn")
     if out is None:
-        out = torch.empty((M, N), dtype=x.dtype, device=x.device)
+        out = torch.empty((M, N + NT), dtype=x.dtype, device=x.device)
     if not use_triton(x):
+        if tail:
+            full = torch.cat([route, torch.ones((M, NT // G), dtype=torch.bool, device=route.device)], 1)
+            return out.copy_(reference.gemm_mn_ref(x, torch.cat([w, *tail]), full, G))
         res = (reference.gemm_mn_ref(x, w, route, G) if w2 is None
                else reference.swiglu_ref(x, w, w2, route, G))
         return out.copy_(res)
@@ -457,6 +501,13 @@ def gemv_mn(x: torch.Tensor, w: torch.Tensor, route: torch.Tensor, G: int, *,
     w = w.contiguous()
     w2c = w2.contiguous() if w2 is not None else w
     route = route.contiguous()
+    NR = N // G  # routed groups
+    tail = tuple(t.contiguous() for t in tail)
+    esz = w.element_size()
+    offs = [(t.data_ptr() - w.data_ptr()) // esz for t in tail] + [0, 0]  # element offsets from w
+    N2 = tail[0].shape[0] if tail else 0
+    N1 = N
+    N = N + NT
     NG = N // G
 
     swiglu = w2 is not None
@@ -474,19 +525,20 @@ def gemv_mn(x: torch.Tensor, w: torch.Tensor, route: torch.Tensor, G: int, *,
                                device=x.device)
             cnt = _tile_counters(x.device, tiles)
             _gemv_mn_split_kernel[(progs,)](x, w, w2c, out, part, cnt, route, M, K, NG, progs, x.stride(0),
-                                            w.stride(0), out.stride(0), G=G, BN=bn, BK=cfg["BK"],
+                                            w.stride(0), out.stride(0), NR, N1, N2, offs[0], offs[1],
+                                            G=G, BN=bn, BK=cfg["BK"],
                                             NGP=max(2, next_pow2(NG)), SMAX=cfg["SMAX"], SWIGLU=swiglu,
                                             EVEN_K=(K % cfg["BK"] == 0), **launch_opts(cfg))
             return
         grid = (triton.cdiv(N, cfg["BN"]),)
-        _gemv_mn_kernel[grid](x, w, w2c, out, route, M, N, K, NG, x.stride(0), w.stride(0), out.stride(0),
-                              G, BN=cfg["BN"], BK=cfg["BK"], SWIGLU=swiglu,
+        _gemv_mn_kernel[grid](x, w, w2c, out, route, M, N, K, NR, x.stride(0), w.stride(0), out.stride(0),
+                              G, N1, N2, offs[0], offs[1], BN=cfg["BN"], BK=cfg["BK"], SWIGLU=swiglu,
                               EVEN_K=(K % cfg["BK"] == 0), **launch_opts(cfg))
 
     # "3": tuned under CUDA-graph replay since; an entry timed the old way (do_bench) is not reused
     op = "gemv_swiglu3" if swiglu else "gemv_mn3"
-    cfg = pick_config(op, (M, N, K, G, str(x.dtype)), x.device, _gemv_mn_cands(K, swiglu, G, N), run,
-                      graph=True)
+    key = (M, N, K, G, str(x.dtype)) + ((N1, N2) if tail else ())
+    cfg = pick_config(op, key, x.device, _gemv_mn_cands(K, swiglu, G, N), run, graph=True)
     run(cfg)
     return out
 
