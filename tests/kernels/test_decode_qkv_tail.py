@@ -9,7 +9,7 @@ separate tensors (the kernels address the tail by element offset from ``wq``).
 import pytest
 import torch
 
-from kernel_testutil import check_close, make_mask, poisoned, randn, seed_for
+from kernel_testutil import DEVICE, check_close, make_mask, poisoned, randn, seed_for
 from wide.kernels import decode, gemv_mn
 from wide.kernels.reference import expand_route
 
@@ -39,7 +39,7 @@ def test_gemv_mn_tail_matches_float64(monkeypatch, kernel, M, shape, kind, dtype
     r = make_mask(kind, (M, NQ // G), gen)
     out = poisoned((M, NQ + 2 * NKV), dtype)
     gemv_mn(x, wq, r, G, out=out, tail=(wk, wv))
-    keep = torch.cat([expand_route(r, G), torch.ones((M, 2 * NKV), dtype=torch.bool)], 1)
+    keep = torch.cat([expand_route(r, G), torch.ones((M, 2 * NKV), dtype=torch.bool, device=DEVICE)], 1)
     ref = (x.double() @ torch.cat([wq, wk, wv]).double().T) * keep
     check_close(out, ref)
     assert (out[~keep] == 0).all(), "an inactive (row, group) output must be exactly 0"
@@ -53,23 +53,23 @@ def test_gemv_mn_one_tail_and_new_output(monkeypatch):
     r = make_mask("random", (3, 2), gen)
     out = gemv_mn(x, w, r, 32, tail=(t,))
     assert out.shape == (3, 96)
-    keep = torch.cat([expand_route(r, 32), torch.ones((3, 32), dtype=torch.bool)], 1)
+    keep = torch.cat([expand_route(r, 32), torch.ones((3, 32), dtype=torch.bool, device=DEVICE)], 1)
     check_close(out, (x.double() @ torch.cat([w, t]).double().T) * keep)
 
 
 def test_gemv_mn_tail_rejects_bad_input():
-    x = torch.zeros((1, 64), dtype=torch.bfloat16)
-    w = torch.zeros((64, 64), dtype=torch.bfloat16)
-    r = torch.ones((1, 2), dtype=torch.bool)
+    x = torch.zeros((1, 64), dtype=torch.bfloat16, device=DEVICE)
+    w = torch.zeros((64, 64), dtype=torch.bfloat16, device=DEVICE)
+    r = torch.ones((1, 2), dtype=torch.bool, device=DEVICE)
     with pytest.raises(ValueError, match="not a multiple of G=32"):
-        gemv_mn(x, w, r, 32, tail=(torch.zeros((48, 64), dtype=torch.bfloat16),))
+        gemv_mn(x, w, r, 32, tail=(torch.zeros((48, 64), dtype=torch.bfloat16, device=DEVICE),))
     with pytest.raises(ValueError, match="K=64"):
-        gemv_mn(x, w, r, 32, tail=(torch.zeros((32, 48), dtype=torch.bfloat16),))
+        gemv_mn(x, w, r, 32, tail=(torch.zeros((32, 48), dtype=torch.bfloat16, device=DEVICE),))
     with pytest.raises(ValueError, match="float16"):
-        gemv_mn(x, w, r, 32, tail=(torch.zeros((32, 64), dtype=torch.float16),))
+        gemv_mn(x, w, r, 32, tail=(torch.zeros((32, 64), dtype=torch.float16, device=DEVICE),))
     with pytest.raises(ValueError, match="at most two"):
         gemv_mn(x, w, r, 32, tail=(w[:32],) * 3)
     with pytest.raises(ValueError, match="w2"):
         gemv_mn(x, w, r, 32, w2=w, tail=(w[:32],))
     with pytest.raises(ValueError, match="out"):
-        gemv_mn(x, w, r, 32, tail=(w[:32],), out=torch.empty((1, 64), dtype=torch.bfloat16))
+        gemv_mn(x, w, r, 32, tail=(w[:32],), out=torch.empty((1, 64), dtype=torch.bfloat16, device=DEVICE))
