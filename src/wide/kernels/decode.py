@@ -514,7 +514,7 @@ def gemv_mn(x: torch.Tensor, w: torch.Tensor, route: torch.Tensor, G: int, *,
     if M == 0 or N == 0:
         return out
 
-    def run(cfg):
+    def run(cfg, route=route):
         if "SPLIT" in cfg:
             bn = cfg["BN"]
             tiles = N // bn
@@ -535,10 +535,11 @@ def gemv_mn(x: torch.Tensor, w: torch.Tensor, route: torch.Tensor, G: int, *,
                               G, N1, N2, offs[0], offs[1], BN=cfg["BN"], BK=cfg["BK"], SWIGLU=swiglu,
                               EVEN_K=(K % cfg["BK"] == 0), **launch_opts(cfg))
 
-    # "3": tuned under CUDA-graph replay since; an entry timed the old way (do_bench) is not reused
-    op = "gemv_swiglu3" if swiglu else "gemv_mn3"
+    # "4": tuned under CUDA-graph replay with every group executed (see _dense_tuner); older entries (timed
+    # with do_bench, or on the live route) are not reused
+    op = "gemv_swiglu4" if swiglu else "gemv_mn4"
     key = (M, N, K, G, str(x.dtype)) + ((N1, N2) if tail else ())
-    cfg = pick_config(op, key, x.device, _gemv_mn_cands(K, swiglu, G, N), run, graph=True)
+    cfg = pick_config(op, key, x.device, _gemv_mn_cands(K, swiglu, G, N), _dense_tuner(run, route), graph=True)
     run(cfg)
     return out
 
@@ -556,6 +557,25 @@ def gemv_swiglu(x, w_gate, w_up, route, G, *, out=None):
         ValueError: as :func:`gemv_mn`.
     """
     return gemv_mn(x, w_gate, route, G, out=out, w2=w_up)
+
+
+def _dense_tuner(run, route: torch.Tensor):
+    """``run`` for the autotuner with every group executed (an all-True copy of ``route``, made on the first call).
+
+    A decode GEMV's config is cached per shape, not per mask, so the first route seen would otherwise decide it
+    for every sparsity.  Tuned at s = 0.5, the H200 picked configs that ran the whole decode step at 0.96x
+    dense with everything executed; tuned with everything executed they ran it at 1.02x, and at s = 0.5 within
+    1.5 % of the s = 0.5 pick (``benchmarks/e2e/e2e_h200-quick6.*`` against ``e2e_h200-decode6.*``).  The
+    split kernels size their grid for the dense case and map it onto the active work at run time, so the
+    dense-tuned config also serves sparse routes."""
+    dense: dict = {}
+
+    def tune(cfg):
+        if "route" not in dense:
+            dense["route"] = torch.ones_like(route)
+        run(cfg, dense["route"])
+
+    return tune
 
 
 _TILE_COUNTERS: dict = {}
@@ -628,7 +648,7 @@ def gemv_k(a: torch.Tensor, w: torch.Tensor, route: torch.Tensor, G: int, *,
     NG = K // G
     ngp = max(2, next_pow2(NG))
 
-    def run(cfg):
+    def run(cfg, route=route):
         split = cfg["SPLIT"]
         fuse = split > 1 and cfg.get("FUSE", False)
         part = torch.empty((split, M, N), dtype=torch.float32, device=a.device) if split > 1 else out
@@ -642,8 +662,8 @@ def gemv_k(a: torch.Tensor, w: torch.Tensor, route: torch.Tensor, G: int, *,
             _splitk_sum_kernel[(triton.cdiv(M * N, blk),)](part, out, M * N, SPLITS=split, BLOCK=blk,
                                                          **({} if interpret_mode() else {"num_warps": 4}))
 
-    cfg = pick_config("gemv_k3", (M, N, K, G, str(a.dtype)), a.device, _gemv_k_cands(G, K, N, M), run,
-                      graph=True)
+    cfg = pick_config("gemv_k4", (M, N, K, G, str(a.dtype)), a.device, _gemv_k_cands(G, K, N, M),
+                      _dense_tuner(run, route), graph=True)
     run(cfg)
     return out
 
