@@ -345,10 +345,11 @@ def bench_attention(ctx, T, s, decode=False):
 def write_report(records, out_dir, tag):
     """Markdown table and PNG plot (speedup vs M per sparsity, ideal 1/(1-s) dashed)."""
     md = [f"# Routed kernels vs dense ({tag})", "",
-          "| op | M | N | K | G | s | dense ms | wide ms | speedup | ideal | of ideal |",
-          "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+          "| op | M | B x T | N | K | G | s | dense ms | wide ms | speedup | ideal | of ideal |",
+          "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for r in sorted(records, key=lambda r: (r["op"], r["G"], r["sparsity"], r["M"], r.get("T", 0))):
-        md.append(f"| {r['op']} | {r['M']} | {r['N']} | {r['K']} | {r['G']} | {r['sparsity']:.2f} | "
+        bt = f"{r['B']} x {r['T']}" if "B" in r and "T" in r else "-"  # attention: batch x sequence length
+        md.append(f"| {r['op']} | {r['M']} | {bt} | {r['N']} | {r['K']} | {r['G']} | {r['sparsity']:.2f} | "
                   f"{r['dense_ms']:.4f} | {r['wide_ms']:.4f} | {r['speedup']:.3f} | {r['ideal']:.2f} | "
                   f"{r.get('fraction_of_ideal', float('nan')):.2f} |")
     with open(os.path.join(out_dir, f"kernels_{tag}.md"), "w") as f:
