@@ -212,6 +212,9 @@ def test_naxis_variants_same_function_and_measured_activity():
         Engine(wm, naxis="fast")
     with pytest.raises(WideError, match="attn"):
         Engine(wm, attn="flash")
+    with pytest.raises(WideError, match="overlap='yes'"):
+        Engine(wm, overlap="yes")
+    assert not Engine(wm).overlaps_router("attn", "decode")  # CPU: no second stream
     assert Engine(wm, ops="dense").measure_activity(ids, am) == {}
 
 

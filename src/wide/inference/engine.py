@@ -12,7 +12,9 @@ Per decoder layer (prefill of a left-padded batch, or one decode step over a :cl
 * RMSNorm modules, embeddings, the final norm and ``lm_head`` are the model's own.
 
 Decode steps need no reorder (M = batch <= 128: the GEMMs read the route directly, GEMV for M <= 4) and
-no host synchronisation; :mod:`wide.inference.graphs` captures them in CUDA graphs.
+no host synchronisation; :mod:`wide.inference.graphs` captures them in CUDA graphs.  With M <= 4 the Q, K and
+V projections are one GEMV launch (:meth:`Engine.qkv_one_launch`), and on CUDA each router runs on a second
+stream beside the RMSNorm before it (:meth:`Engine.overlaps_router`).
 
 ``ops="dense"`` runs the same structure with cuBLAS linears and SDPA (the dense baseline of the
 benchmarks); routers are then ignored.  On CPU without ``TRITON_INTERPRET=1`` every kernel falls back to
@@ -174,7 +176,8 @@ class Engine:
 
     Raises:
         WideError: unsupported architecture, activation other than SiLU, a wrapped
-            (unmerged LoRA) projection, or an unknown ``ops`` / ``kaxis`` / ``naxis`` / ``attn``.
+            (unmerged LoRA) projection, an unknown ``ops`` / ``kaxis`` / ``naxis`` / ``attn``, or an
+            ``overlap`` that is not a bool.
     """
 
     def __init__(self, model: nn.Module, ops: str = "routed", track_sparsity: bool = True, fused: bool = True,
@@ -187,6 +190,8 @@ class Engine:
             raise WideError(f"naxis={naxis!r} is not one of {', '.join(NAXIS)}")
         if attn not in ATTN:
             raise WideError(f"attn={attn!r} is not one of {', '.join(ATTN)}")
+        if not isinstance(overlap, bool):
+            raise WideError(f"overlap={overlap!r} must be True or False")
         self.fused, self.kaxis, self.naxis, self.attn = fused, kaxis, naxis, attn
         self.overlap = overlap
         self.expected_active: dict = {}  # {(kind, layer): executed fraction}, see measure_activity
