@@ -49,6 +49,17 @@ def test_truncated_router_file(tmp_path, model):
         load(path, model=tiny_model())
 
 
+def test_garbled_router_payload(tmp_path, model):
+    """Bytes overwritten inside the tensor data still parse as safetensors; the NaN / inf they leave are caught."""
+    _, path = _saved(tmp_path, model)
+    data = bytearray((path / ROUTERS_NAME).read_bytes())
+    mid = len(data) // 2
+    data[mid:mid + 64] = b"\xff" * 64  # 0xffffffff is a float32 NaN
+    (path / ROUTERS_NAME).write_bytes(bytes(data))
+    with pytest.raises(WideError, match="corrupt checkpoint file .*NaN or infinite"):
+        load(path, model=tiny_model())
+
+
 def test_other_base_model_weights(tmp_path, model):
     _, path = _saved(tmp_path, model)
     with pytest.raises(WideError, match="was made for base model 'tiny'"):

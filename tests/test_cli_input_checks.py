@@ -276,6 +276,17 @@ def test_output_dir_that_is_a_file(tmp_path, text_file, capsys, cmd, below):
     assert afile.read_text() == "x"
 
 
+@pytest.mark.parametrize("cmd", ["calibrate", "demo"])
+def test_output_dir_where_nothing_can_be_created(tmp_path, text_file, capsys, cmd):
+    """/proc takes no new entries (even for root): one line before any model loads (the model path does not
+    exist, so loading it would be a different error)."""
+    out = "/proc/wide-out"
+    args = {"calibrate": calibrate_args(tmp_path / NOWHERE, text_file, out),
+            "demo": ["demo", "--model", tmp_path / NOWHERE, "-o", out]}[cmd]
+    rc, _, err = run(args, capsys)
+    one_line_error(rc, err, cmd, f"-o {out!r}: nothing can be written in '/proc'")
+
+
 def test_demo_keeps_a_non_empty_output_unless_overwrite(tmp_path, model_dir, text_file, capsys):
     from pathlib import Path
 

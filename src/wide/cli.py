@@ -159,11 +159,21 @@ def check_device(device) -> None:
 
 
 def _check_ancestors(option: str, path) -> None:
-    """Raise WideError if a parent of ``path`` exists but is not a directory (nothing could be written there)."""
-    for parent in Path(os.path.abspath(path)).parents:
+    """Raise WideError if ``path`` could not be written: its nearest existing parent is a file, or a directory in
+    which nothing can be created (read-only, ``/proc``; probed by creating and removing a temporary directory
+    there, so the check holds for root too).  Runs before the model loads."""
+    import tempfile
+
+    target = Path(os.path.abspath(path))
+    for parent in ([target] if target.is_dir() else []) + list(target.parents):
         if parent.exists():
             if not parent.is_dir():
                 raise WideError(f"{option} {str(path)!r}: {str(parent)!r} is a file, not a directory")
+            try:
+                os.rmdir(tempfile.mkdtemp(prefix=".wide-write-check-", dir=parent))
+            except OSError as e:
+                raise WideError(f"{option} {str(path)!r}: nothing can be written in {str(parent)!r} "
+                                f"({e.strerror or e})") from None
             return
 
 
@@ -600,6 +610,9 @@ def cmd_prune_static(args) -> int:
 # --- parser ----------------------------------------------------------------------------------------
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="wide", description="WIDE: token-level dynamic width pruning for LLMs")
+    from . import __version__
+
+    p.add_argument("--version", action="version", version=f"wide {__version__}")
     sub = p.add_subparsers(dest="command", required=True)
 
     s = sub.add_parser("info", help="model dims, legal group sizes and router parameter count")

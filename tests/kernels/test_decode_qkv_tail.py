@@ -69,6 +69,8 @@ def test_gemv_mn_tail_rejects_bad_input():
         gemv_mn(x, w, r, 32, tail=(torch.zeros((32, 64), dtype=torch.float16, device=DEVICE),))
     with pytest.raises(ValueError, match="at most two"):
         gemv_mn(x, w, r, 32, tail=(w[:32],) * 3)
+    with pytest.raises(ValueError, match="tuple"):
+        gemv_mn(x, w, r, 32, tail=w[:32])
     with pytest.raises(ValueError, match="w2"):
         gemv_mn(x, w, r, 32, w2=w, tail=(w[:32],))
     with pytest.raises(ValueError, match="out"):

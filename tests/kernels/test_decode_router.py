@@ -118,3 +118,5 @@ def test_router_reads_residual_add(rows, dtype):
     assert torch.equal(got, router_mask(R, s))  # same input, same kernel: same decisions, ties included
     with pytest.raises(ValueError, match="add is"):
         router_mask(R, h, add=a[:, :, :100])
+    with pytest.raises(ValueError, match="add must be a tensor"):
+        router_mask(R, h, add=1.0)

@@ -56,7 +56,10 @@ def run(args) -> int:
         model, tok, _ = load_base_model(args.model, device=dev)
     engine = Engine(model, ops="dense" if args.dense_ops else "routed")
     if engine.device.type != "cuda":
-        path = "Triton interpreter" if engine.uses_kernels else "PyTorch reference of every kernel"
+        if args.dense_ops:
+            path = "dense PyTorch ops"
+        else:
+            path = "Triton interpreter" if engine.uses_kernels else "PyTorch reference of every kernel"
         print(f"wide generate: no CUDA device: running the {path} on {engine.device} (no CUDA graphs; slow)",
               file=sys.stderr)
     prompts = list(args.prompt)

@@ -510,6 +510,8 @@ def router_mask(router, x: torch.Tensor, add: torch.Tensor | None = None) -> tor
     """
     from ..routing import argmax_mask
 
+    if add is not None and not isinstance(add, torch.Tensor):
+        raise ValueError(f"router_mask: add must be a tensor of x's shape {tuple(x.shape)}, got {type(add).__name__}")
     if add is not None and (add.shape != x.shape or add.dtype != x.dtype or add.device != x.device):
         raise ValueError(f"router_mask: add is {tuple(add.shape)} {add.dtype} on {add.device}; x is "
                          f"{tuple(x.shape)} {x.dtype} on {x.device}")

@@ -116,7 +116,7 @@ def generate(engine, tokenizer, prompts, max_new_tokens: int = 32, *, max_len: i
             the cache, or ``graphs=True`` without a GPU.
     """
     if max_new_tokens < 1:
-        raise WideError(f"--max-new-tokens {max_new_tokens} must be >= 1")
+        raise WideError(f"max_new_tokens={max_new_tokens} must be >= 1")
     dev = engine.device
     if graphs and (not torch.cuda.is_available() or dev.type != "cuda"):
         raise WideError("CUDA-graph decode needs a CUDA GPU and the model on it; this run is on "

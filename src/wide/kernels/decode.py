@@ -470,6 +470,9 @@ def gemv_mn(x: torch.Tensor, w: torch.Tensor, route: torch.Tensor, G: int, *,
         _validate(x, w2, route, G, "w2")
         if w2.shape != w.shape:
             fail(f"w2 shape {tuple(w2.shape)} must equal w shape {tuple(w.shape)}")
+    if isinstance(tail, torch.Tensor):
+        fail(f"gemv_mn: tail must be a tuple of up to two [N_t, K] weights, got one tensor {tuple(tail.shape)} "
+             f"(write tail=(w,))")
     tail = tuple(tail)
     if tail and w2 is not None:
         fail("gemv_mn: tail weights are not supported with w2 (fused SwiGLU)")
