@@ -412,6 +412,41 @@ def test_cuda_graph_decode_and_fixed_mask_check():
     assert res.path == "kernels+cuda-graphs" and all(len(t) == 8 for t in res.tokens)
 
 
+def test_router_overlap_logic_on_cpu(monkeypatch):
+    """The overlap path's logic (router reading h + add inside its kernel, the router steps left out) on the CPU
+    interpreter, with CUDA's stream calls stubbed: the same masks and logits as the plain path, batch 1 and 3."""
+    import contextlib
+    import types
+
+    from wide.inference import Engine
+
+    wm = _wide(seed=9)
+    warm = Engine(wm)  # every lazily imported module loads before torch.cuda is stubbed below
+    warm.decode(warm.prefill(torch.tensor([[5, 6]]), None, c := warm.new_cache(1, 4)).argmax(-1), c)
+    fake = types.SimpleNamespace(wait_stream=lambda other: None)
+    monkeypatch.setattr(torch.cuda, "Stream", lambda device=None: fake)
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: fake)
+    monkeypatch.setattr(torch.cuda, "stream", lambda s: contextlib.nullcontext())
+    for B in (1, 3):
+        ids = torch.randint(2, 128, (B, 9), generator=torch.Generator().manual_seed(B))
+        outs = []
+        for overlap in (True, False):
+            eng = Engine(wm, overlap=overlap)
+            eng.overlaps_router = (lambda kind, phase, on=overlap: on and phase == "decode")
+            names = [n for n, _ in eng.layer_steps(0, {"h": torch.zeros(B, 1, 8)}, "decode")]
+            assert ("attn_router" in names) != overlap and ("ffn_router" in names) != overlap
+            cache = eng.new_cache(B, 12)
+            tok = eng.prefill(ids, None, cache).argmax(-1)
+            eng.record_masks = True
+            logits = [eng.decode(tok, cache)]
+            masks = dict(eng.masks)
+            logits.append(eng.decode(logits[0].argmax(-1), cache))
+            outs.append((logits, masks))
+        (la, ma), (lb, mb) = outs
+        assert all(torch.equal(a, b) for a, b in zip(la, lb))
+        assert ma.keys() == mb.keys() and all(torch.equal(ma[k], mb[k]) for k in ma)
+
+
 @cuda
 def test_cuda_router_overlap_and_one_launch_qkv_change_nothing():
     """bf16 on the GPU, batch 1 and 3: decode steps with the routers on a second stream (reading h + add in

@@ -345,23 +345,23 @@ class Engine:
         return (self.overlap and phase == "decode" and self.fast and self.ops != "dense" and routers is not None
                 and self.device.type == "cuda")
 
-    def _side_stream(self) -> torch.cuda.Stream:
+    def _norm_route(self, module, h, add, kind: str, i: int, st: dict, overlap: bool):
+        """``(h + add, norm(h + add), mask)``: :meth:`_norm`, and with ``overlap`` layer ``i``'s ``kind`` router
+        reading ``h + add`` on a second stream meanwhile (else ``mask`` is None); the current stream then waits
+        for both.  Memory allocated on the second stream is only reused after a later fork, which orders it
+        after every use issued so far on the current stream."""
+        if not overlap:
+            return (*self._norm(module, h, add), None)
         side = self.__dict__.get("_side")
         if side is None:
             side = self._side = torch.cuda.Stream(self.device)
-        return side
-
-    def _concurrently(self, side_fn, main_fn) -> None:
-        """Run ``side_fn`` on the side stream and ``main_fn`` on the current one; the current stream then waits
-        for both.  Memory allocated on the side stream is only reused after a later fork, which orders it after
-        every use issued so far on the current stream."""
         cur = torch.cuda.current_stream(self.device)
-        side = self._side_stream()
         side.wait_stream(cur)
         with torch.cuda.stream(side):
-            side_fn()
-        main_fn()
+            mask = self._route(kind, i, h, st.get("valid"), add=add)
+        hn, x = self._norm(module, h, add)
         cur.wait_stream(side)
+        return hn, x, mask
 
     def _norm(self, module, h, add):
         """``(h + add, module(h + add))``: fused kernel on the fast path, else the model's own module."""
@@ -390,18 +390,10 @@ class Engine:
 
         ov_attn, ov_ffn = self.overlaps_router("attn", phase), self.overlaps_router("ffn", phase)
 
-        def input_norm(st):
-            def norm():
-                st["h_attn"], st["x"] = self._norm(L.ln1, st["h"], st.get("pending"))
-
-            if ov_attn:  # the attention router, concurrently (the attn_router step is left out)
-                def route():
-                    st["am"] = self._route("attn", i, st["h"], st.get("valid"), add=st.get("pending"))
-
-                self._concurrently(route, norm)
-                st["am_flat"], st["am_per"] = (None, None)
-            else:
-                norm()
+        def input_norm(st):  # with ov_attn also the attention router (its own step is then left out)
+            st["h_attn"], st["x"], m = self._norm_route(L.ln1, st["h"], st.get("pending"), "attn", i, st, ov_attn)
+            if ov_attn:
+                st["am"], st["am_flat"], st["am_per"] = m, None, None
 
         def attn_router(st):
             st["am"] = self._route("attn", i, st["h_attn"], st.get("valid"))
@@ -507,18 +499,10 @@ class Engine:
                     o = o + L.bo
             st["o"] = o.view(B, T, -1)
 
-        def post_norm(st):
-            def norm():
-                st["h_ffn"], st["x_ffn"] = self._norm(L.ln2, st["h_attn"], st["o"])
-
-            if ov_ffn:  # the FFN router, concurrently (the ffn_router step is left out)
-                def route():
-                    st["fm"] = self._route("ffn", i, st["h_attn"], st.get("valid"), add=st["o"])
-
-                self._concurrently(route, norm)
-                st["fm_flat"] = None
-            else:
-                norm()
+        def post_norm(st):  # with ov_ffn also the FFN router (its own step is then left out)
+            st["h_ffn"], st["x_ffn"], m = self._norm_route(L.ln2, st["h_attn"], st["o"], "ffn", i, st, ov_ffn)
+            if ov_ffn:
+                st["fm"], st["fm_flat"] = m, None
 
         def ffn_router(st):
             st["fm"] = self._route("ffn", i, st["h_ffn"], st.get("valid"))
