@@ -153,8 +153,8 @@ def load(path: str | os.PathLike, model: str | torch.nn.Module | None = None, de
     Raises:
         WideError: missing directory or files, corrupt files (a bad value in ``wide_config.json``, including
             group sizes that do not fit the model, names the file; router weights that are not finite), a
-            checkpoint made for another base model,
-            router shapes that do not fit, or a missing / corrupt LoRA adapter.
+            checkpoint made for another base model, router shapes that do not fit, or a missing / corrupt LoRA
+            adapter.
 
     Warns:
         UserWarning: the checkpoint is an intermediate save of a run that did not finish (``base_model.json``
@@ -169,7 +169,7 @@ def load(path: str | os.PathLike, model: str | torch.nn.Module | None = None, de
     if saved is not None:  # before any model loads; checked against the loaded model's dims below too
         _check_fits(config, saved, path)
     routers = read_safetensors(path / ROUTERS_NAME)  # fail on a corrupt file before loading any model
-    for name, t in routers.items():  # a garbled payload parses but holds NaN / inf (training never saves those)
+    for name, t in routers.items():  # a garbled payload parses but holds NaN / inf: unusable routers
         if t.is_floating_point() and not bool(torch.isfinite(t).all()):
             bad = int((~torch.isfinite(t)).sum())
             raise WideError(f"corrupt checkpoint file {path / ROUTERS_NAME}: tensor {name!r} holds {bad} NaN or "
