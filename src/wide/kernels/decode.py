@@ -27,6 +27,14 @@ if HAS_TRITON:
     from ._common import mm, mma, swiglu_act  # noqa: F401
 
     @triton.jit
+    def _tail_shift(n0, N1, N2, OFF2, OFF3, stride_wn):
+        """int64 element shift from ``w_ptr + n * stride_wn`` to the row of output column ``n`` (in the tile
+        starting at ``n0``): 0 for the routed rows (< N1), else into the first (OFF2) or second (OFF3) tail
+        weight, given as element offsets from ``w_ptr``."""
+        return tl.where(n0 < N1, 0, tl.where(n0 < N1 + N2, OFF2 - N1.to(tl.int64) * stride_wn,
+                                             OFF3 - (N1 + N2).to(tl.int64) * stride_wn)).to(tl.int64)
+
+    @triton.jit
     def _gemv_mn_kernel(x_ptr, w_ptr, w2_ptr, out_ptr, route_ptr, M, N, K, NG,
                         stride_xm, stride_wn, stride_om, G, N1, N2, OFF2, OFF3,
                         BN: tl.constexpr, BK: tl.constexpr, SWIGLU: tl.constexpr, EVEN_K: tl.constexpr):
@@ -38,9 +46,7 @@ if HAS_TRITON:
         nmask = offs_n < N
         offs_m = tl.arange(0, 16)
         mmask = offs_m < M
-        n0 = pid * BN
-        shift = tl.where(n0 < N1, 0, tl.where(n0 < N1 + N2, OFF2 - N1.to(tl.int64) * stride_wn,
-                                              OFF3 - (N1 + N2).to(tl.int64) * stride_wn)).to(tl.int64)
+        shift = _tail_shift(pid * BN, N1, N2, OFF2, OFF3, stride_wn)
         r = tl.load(route_ptr + offs_m[:, None] * NG + (offs_n // G)[None, :],
                     mask=mmask[:, None] & (nmask & (offs_n < N1))[None, :], other=0) != 0  # [16, BN]
         r = r | (mmask[:, None] & (nmask & (offs_n >= N1))[None, :])
@@ -139,9 +145,7 @@ if HAS_TRITON:
             rank = tl.where(act != 0, tl.cumsum(act, axis=0), 0)
             g = tl.sum(tl.where(rank == qa + 1, offs_g, 0), axis=0)  # the qa-th active group
             offs_n = g * G + (q - qa * TPG) * BN + offs_b
-            n0 = g * G
-            shift = tl.where(n0 < N1, 0, tl.where(n0 < N1 + N2, OFF2 - N1.to(tl.int64) * stride_wn,
-                                                  OFF3 - (N1 + N2).to(tl.int64) * stride_wn)).to(tl.int64)
+            shift = _tail_shift(g * G, N1, N2, OFF2, OFF3, stride_wn)
             c0 = (sp * CH) // S
             c1 = ((sp + 1) * CH) // S
             offs_k = tl.arange(0, BK)
