@@ -13,7 +13,12 @@
 * the masking path's own noise floor: the same tokens fed one at a time through its KV cache against its
   one full pass (same two metrics).  In bf16 the routers' hard decisions flip wherever two summation
   orders round a near-tie differently, and every flip changes the residual stream of later layers, so
-  this floor, not 0, is what the engine can be held to (``--reference-only`` measures only it).
+  this floor, not 0, is what the engine can be held to (``--reference-only`` measures only it);
+* with ``--truth`` (for a bf16 / fp16 run): both the engine and the masking path against the masking path in
+  float32 on the same device, which stands for the exact function: free-running greedy positions equal to
+  the fp32 greedy, next-token agreement on the same prefix, and router decisions.  Two bf16 implementations
+  that round differently need not agree with each other; what a user needs is that the engine is no further
+  from the exact model than the masking path in the same dtype is.
 
 Run on the CPU (float32, PyTorch references of the kernels; ``TRITON_INTERPRET=0``) or on a GPU (bf16 by
 default, ``--dtype float32`` for an exact check of the Triton kernels and CUDA graphs on the real model)::
@@ -54,6 +59,8 @@ def main(argv=None) -> int:
                    help="model dtype (default: bf16 on a GPU, fp32 on the CPU)")
     p.add_argument("--reference-only", action="store_true",
                    help="skip the engine; measure only the masking path against itself (noise floor)")
+    p.add_argument("--truth", action="store_true",
+                   help="also compare the engine and the masking path with the masking path in float32")
     p.add_argument("--out", default=None)
     args = p.parse_args(argv)
     os.environ.setdefault("TRITON_INTERPRET", "0")
@@ -69,6 +76,9 @@ def main(argv=None) -> int:
     wm, tok = wide.load(args.ckpt, model=args.model, device=args.device, dtype=dtype, tokenizer=True)
     dev = next(wm.base.parameters()).device
     prompts = PROMPTS[: args.prompts]
+    wm32 = None
+    if args.truth:
+        wm32 = wide.load(args.ckpt, model=args.model, device=args.device, dtype=torch.float32)
     eng = res = None
     if not args.reference_only:
         eng = Engine(wm)
@@ -98,6 +108,16 @@ def main(argv=None) -> int:
                 "teacher_forced_next_token_agreement": sum(r["teacher_forced_next_token_agreement"]
                                                            for r in per_prompt) / len(per_prompt),
                 "engine_realized_sparsity": res.sparsity})
+        if wm32 is not None:
+            def mean(k):
+                vals = [r[k] for r in per_prompt if k in r]
+                return sum(vals) / len(vals) if vals else None
+
+            summary["vs_fp32"] = {k: mean(k) for k in (
+                "reference_greedy_positions_equal_fp32", "engine_greedy_positions_equal_fp32",
+                "reference_next_token_agreement_fp32", "reference_incremental_next_token_agreement_fp32",
+                "engine_next_token_agreement_fp32", "reference_mask_agreement_fp32",
+                "engine_mask_agreement_fp32")}
         summary.update({
             "seconds": round(time.time() - t0, 1),
             "date": dt.datetime.now(dt.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"),
@@ -124,6 +144,18 @@ def main(argv=None) -> int:
                 ref_tokens.append(t)
                 out = wm(torch.tensor([[t]], device=dev), past_key_values=cache, use_cache=True)
             eng_tokens = res.tokens[b] if res is not None else ref_tokens
+            truth = {}
+            if wm32 is not None:  # the fp32 masking path: free-running greedy
+                cache = DynamicCache(config=wm32.base.config)
+                out = wm32(ids, past_key_values=cache, use_cache=True)
+                t32 = []
+                for _ in range(args.steps):
+                    t = int(out.logits[0, -1].argmax())
+                    t32.append(t)
+                    out = wm32(torch.tensor([[t]], device=dev), past_key_values=cache, use_cache=True)
+                truth["reference_greedy_positions_equal_fp32"] = sum(int(x == y) for x, y in zip(ref_tokens, t32)) / args.steps
+                if res is not None:
+                    truth["engine_greedy_positions_equal_fp32"] = sum(int(x == y) for x, y in zip(eng_tokens, t32)) / args.steps
             first_div = next((i for i, (x, y) in enumerate(zip(eng_tokens, ref_tokens)) if x != y), None)
             # teacher-forced on the engine's tokens: logits and masks of every step
             full = torch.tensor([tok(p)["input_ids"] + eng_tokens], device=dev)
@@ -141,6 +173,20 @@ def main(argv=None) -> int:
                     inc_agree += int((m[0] == ref_masks[k][0, lo:hi]).sum())
                     inc_n += m[0].numel()
             wm.record_masks = False
+            span = slice(n_prompt - 1, n_prompt - 1 + args.steps)
+            if wm32 is not None:  # fp32 full pass on the same tokens: next token and decisions at every position
+                wm32.record_masks = True
+                truth_next = wm32(full).logits[0, span].float().argmax(-1)
+                truth_masks = dict(wm32.record.masks)
+                wm32.record_masks = False
+                truth["reference_next_token_agreement_fp32"] = float(
+                    (ref_logits[span].argmax(-1) == truth_next).float().mean())
+                truth["reference_incremental_next_token_agreement_fp32"] = float(
+                    (torch.stack(inc_logits).argmax(-1) == truth_next).float().mean())
+                n_seen = n_prompt + args.steps - 1
+                truth["reference_mask_agreement_fp32"] = (
+                    sum(int((ref_masks[k][0, :n_seen] == m[0, :n_seen]).sum()) for k, m in truth_masks.items())
+                    / sum(m[0, :n_seen].numel() for m in truth_masks.values()))
             self_err = max(((x - ref_logits[n_prompt - 1 + s]).abs().max() / ref_logits[n_prompt - 1 + s].abs().max()).item()
                            for s, x in enumerate(inc_logits))
             ref_next = ref_logits[n_prompt - 1:n_prompt - 1 + args.steps].argmax(-1)
@@ -149,7 +195,7 @@ def main(argv=None) -> int:
                    "reference_incremental_mask_agreement": inc_agree / max(inc_n, 1),
                    # the floor of the teacher-forced next-token agreement below
                    "reference_incremental_next_token_agreement": float((inc_next == ref_next).float().mean()),
-                   "reference_text": tok.decode(ref_tokens)}
+                   "reference_text": tok.decode(ref_tokens), **truth}
             if eng is None:
                 per_prompt.append(rec)
                 summarize(final=False)
@@ -176,6 +222,14 @@ def main(argv=None) -> int:
                     agree_d += rm.numel()
                     eng_masks[k].append(m.clone())
             eng.record_masks = False
+            if wm32 is not None:
+                rec["engine_next_token_agreement_fp32"] = float(
+                    (torch.stack(eng_logits).argmax(-1) == truth_next).float().mean())
+                em = {k: torch.cat([x.view(1, -1, x.shape[-1]) for x in v], 1) for k, v in eng_masks.items()}
+                n_seen = n_prompt + args.steps - 1
+                rec["engine_mask_agreement_fp32"] = (
+                    sum(int((em[k][0, :n_seen] == m[0, :n_seen]).sum()) for k, m in truth_masks.items())
+                    / sum(m[0, :n_seen].numel() for m in truth_masks.values()))
             # the masking path given the engine's decisions: the kernels' own error, without decision flips
             n_seen = n_prompt + args.steps - 1
             fixed = _fixed_mask_logits(wm, eng_masks, full[:, :n_seen], torch.ones_like(full[:, :n_seen]))[0]
