@@ -380,3 +380,14 @@ def test_lora_save_silences_only_peft_missing_config_warning(tmp_path):
         warnings.warn("another warning", UserWarning)  # and other warnings still show
     assert [str(w.message) for w in seen] == ["another warning"]
     assert (tmp_path / "adapter" / "adapter_config.json").is_file()
+
+
+def test_bench_e2e_trace_points_parse_and_reject():
+    pytest.importorskip("wide.bench.e2e")
+    p = _subparser("bench", "e2e")
+    a = p.parse_args(["--trace-points", "prefill:1:2048,decode:4:2048", "--trace-sparsity", "0,0.5"])
+    assert a.trace_points == [("prefill", 1, 2048), ("decode", 4, 2048)] and a.trace_sparsity == [0.0, 0.5]
+    assert p.parse_args([]).trace_points == [("prefill", 1, 16384), ("decode", 1, 2048)]
+    for bad in ("prefill:1", "train:1:2048", "decode:0:2048", "decode:x:2048"):
+        with pytest.raises(SystemExit):
+            p.parse_args(["--trace-points", bad])

@@ -61,6 +61,21 @@ def _strs(s):
     return [v for v in str(s).split(",") if v]
 
 
+def _trace_points(s):
+    out = []
+    for item in _strs(s):
+        try:
+            phase, B, T = item.split(":")
+            B, T = int(B), int(T)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"trace point {item!r} is not phase:batch:tokens") from None
+        if phase not in ("prefill", "decode") or B < 1 or T < 1:
+            raise argparse.ArgumentTypeError(f"trace point {item!r}: phase must be prefill or decode, "
+                                             "batch and tokens >= 1")
+        out.append((phase, B, T))
+    return out
+
+
 def add_arguments(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
     """Options of ``wide bench e2e``."""
     p.add_argument("--quick", action="store_true",
@@ -80,6 +95,10 @@ def add_arguments(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
     p.add_argument("--max-kv-gb", default=40.0, type=float, help="skip decode points whose KV cache is larger")
     p.add_argument("--no-hf", action="store_true", help="skip the dense HF eager baseline")
     p.add_argument("--no-trace", action="store_true")
+    p.add_argument("--trace-sparsity", default="0.5", type=_floats,
+                   help="sparsities (paper split, G_ffn 128) at which one layer is traced op by op")
+    p.add_argument("--trace-points", default="prefill:1:16384,decode:1:2048", type=_trace_points,
+                   help="phase:batch:tokens points of the per-op trace")
     p.add_argument("--smollm2-ckpt", default="benchmarks/quality/checkpoints/smollm2-global-s50-g128")
     p.add_argument("--smollm2-model", default=None,
                    help="base model of that checkpoint (a GGUF file or HF directory) when its bundled package is "
@@ -732,19 +751,20 @@ def run(args) -> int:
                         print(f"FAILED {phase} B={B} T={T} s={s} G={G} {split}: {type(e).__name__}: "
                               f"{str(e).splitlines()[0] if str(e) else ''}", flush=True)
                         torch.cuda.empty_cache()
-            if not a.no_trace and s == 0.5 and G == 128 and split == "paper" and not ctx.over():
-                for phase, B, T in (("prefill", 1, 16384), ("decode", 1, 2048)):
+            if not a.no_trace and s in a.trace_sparsity and G == 128 and split == "paper" and not ctx.over():
+                for phase, B, T in a.trace_points:
+                    key = f"{phase}_B{B}_T{T}" + ("" if s == 0.5 else f"_s{s:g}")
                     try:
                         tw = trace_layer(wide_eng, B, T, phase)
                         td = trace_layer(dense_eng, B, T, phase)
                         ta = trace_layer(wide_eng.auto, B, T, phase)
-                        traces[f"{phase}_B{B}_T{T}"] = {"wide": tw, "dense": td, "amdahl": amdahl(tw, td),
+                        traces[key] = {"wide": tw, "dense": td, "amdahl": amdahl(tw, td),
                                                         "wide_auto": ta, "amdahl_auto": amdahl(ta, td),
                                                         "sparsity": s, "G_ffn": G, "split": split,
                                                         "gpu": ctx.gpu, "date": ctx.date, "command": ctx.command}
                         with open(os.path.join(a.out_dir, f"e2e_{a.tag}_trace.json"), "w") as f:
                             json.dump(traces, f, indent=1)
-                        print(f"trace {phase}: {json.dumps(traces[f'{phase}_B{B}_T{T}']['amdahl'])}", flush=True)
+                        print(f"trace {key}: {json.dumps(traces[key]['amdahl'])}", flush=True)
                     except Exception as e:  # keep the sweep's results
                         print(f"trace {phase} failed: {type(e).__name__}: {e}", flush=True)
             del wm, wide_eng, dense_eng
