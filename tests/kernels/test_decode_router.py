@@ -33,6 +33,16 @@ def _logits64(R, x):
 @pytest.mark.parametrize("D,N,r", [(64, 8, 16), (200, 112, 16), (4096, 8, 16), (96, 3, 4), (128, 20, 32)])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
 def test_router_kernel_matches_reference(rows, D, N, r, dtype):
+    _check_router(rows, D, N, r, dtype)
+
+
+@pytest.mark.parametrize("rows", [3, 32])
+def test_router_kernel_many_groups(rows):
+    """896 groups (G = 16 on Llama-3.1-8B's FFN): the last program finishes one row at a time."""
+    _check_router(rows, 64, 896, 16, torch.bfloat16)
+
+
+def _check_router(rows, D, N, r, dtype):
     gen = seed_for("router", rows, D, N, r, dtype)
     R = _router(D, N, r, gen)
     x = torch.randn((rows, D), generator=gen).to(dtype).to(DEVICE)

@@ -30,10 +30,9 @@ from torch import nn
 from ..errors import WideError
 from ..kernels import Reordered, gemm_k, gemm_mn, gemv_mn, reorder, routed_attention, swiglu
 from ..kernels._common import use_triton
-from ..kernels.reference import head_route
 from ..modeling import check_architecture, decoder_layers, dims_of
 from .cache import StaticKVCache
-from .fused import add_rmsnorm, masked_swiglu_act, rope_cache, router_mask
+from .fused import add_rmsnorm, masked_swiglu_act, rope_cache, router_mask, zero_skipped_heads_
 
 OPS = ("routed", "dense")
 KAXIS = ("kernel", "auto", "dense")
@@ -154,10 +153,10 @@ class Engine:
         naxis: how the N-axis ops (Q projection, gate + up) run: ``"kernel"`` (``gemm_mn`` / fused ``swiglu``,
             Algorithm 2), ``"dense"`` (cuBLAS GEMMs; the routed attention ignores the Q rows of
             skipped head groups and :func:`~wide.inference.fused.masked_swiglu_act` zeroes the skipped FFN
-            groups, so the function is the same), or ``"auto"`` (default): cuBLAS for many rows (prefill) in the layers
-            whose executed fraction, measured by :meth:`measure_activity`, is above what the routed kernel
-            needs to beat cuBLAS (:func:`naxis_dense_above`); the kernels otherwise (and before any
-            measurement).  A host-side choice per layer, so prefill stays free of host syncs.
+            groups, so the function is the same), or ``"auto"`` (default): cuBLAS for more than 4 rows (prefill,
+            decode at batch > 4) in the layers whose executed fraction, measured by :meth:`measure_activity`, is
+            above what the routed kernel needs to beat cuBLAS (:func:`naxis_dense_above`); the kernels
+            otherwise (and before any measurement).  A host-side choice per layer, so no step syncs the host.
         attn: how the prefill attention runs: ``"kernel"`` (routed attention, Algorithm 4), ``"dense"``
             (SDPA's flash attention for every head, then the skipped head groups' outputs set to 0: the same
             function), or ``"auto"`` (default): SDPA in the layers whose measured attention activity is above
@@ -478,8 +477,7 @@ class Engine:
                 st["a"] = _dense_prefill_attention(q, k, v, st.get("padded", True) and lp, L.scaling)
             elif st["am"] is not None and self.attn_dense(i, phase):
                 a = _dense_prefill_attention(q, k, v, st.get("padded", True) and lp, L.scaling)
-                keep = head_route(st["am"], Hq).unsqueeze(-1)
-                st["a"] = a.masked_fill_(~keep, 0)  # skipped head groups output 0, as in Algorithm 4
+                st["a"] = zero_skipped_heads_(a, st["am"])  # skipped head groups output 0, as in Algorithm 4
             else:
                 route = st["am"]
                 if route is None:
@@ -586,10 +584,8 @@ class Engine:
             return False
         if self.naxis == "dense":
             return True
-        from ..kernels.gemm_mn import DIRECT_MAX_M
-
         p = self.expected_active.get((kind, i))
-        if M <= DIRECT_MAX_M or p is None:  # few rows: the route-reading tiles / GEMVs match cuBLAS at p = 1
+        if M <= 4 or p is None:  # the decode GEMVs match cuBLAS with every group executed
             return False
         G = self.g_attn if kind == "attn" else self.g_ffn
         return p > naxis_dense_above("gemm_mn" if kind == "attn" else "swiglu", G)

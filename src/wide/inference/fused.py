@@ -22,7 +22,7 @@ import weakref
 import torch
 import torch.nn.functional as F
 
-from ..kernels._common import HAS_TRITON, interpret_mode, next_pow2, use_triton
+from ..kernels._common import HAS_TRITON, interpret_mode, next_pow2, pow2_part, use_triton
 
 if HAS_TRITON:
     import triton
@@ -120,7 +120,8 @@ if HAS_TRITON:
     def _router_kernel(x_ptr, add_ptr, w1_ptr, b1_ptr, w2_ptr, b2_ptr, out_ptr, part_ptr, cnt_ptr, logit_ptr,
                        rows, D, N, stride_xm, stride_am,
                        R: tl.constexpr, RP: tl.constexpr, BDP: tl.constexpr, BDI: tl.constexpr,
-                       NP: tl.constexpr, PP: tl.constexpr, WRITE_LOGITS: tl.constexpr, HAS_ADD: tl.constexpr):
+                       NP: tl.constexpr, PP: tl.constexpr, RB: tl.constexpr, WRITE_LOGITS: tl.constexpr,
+                       HAS_ADD: tl.constexpr):
         # HAS_ADD: the router reads x + add rounded to x's dtype (the residual add of add_rmsnorm, so the
         # router can run concurrently with that norm on another stream and still see the same input)
         # Stage 1 (every program): partial h_p = x[:, D_p] @ W1[:, D_p]^T over this program's BDP columns of D,
@@ -160,16 +161,23 @@ if HAS_TRITON:
             w_s = tl.load(w2_ptr + (2 * offs_n + 1)[:, None] * R + offs_r[None, :], mask=nm[:, None], other=0.0)
             b_e = tl.load(b2_ptr + 2 * offs_n, mask=nm, other=0.0)
             b_s = tl.load(b2_ptr + 2 * offs_n + 1, mask=nm, other=0.0)
-            for m in range(0, rows):
-                hp = tl.load(part_ptr + offs_p[:, None] * (RP * R) + m * R + offs_r[None, :], mask=pm[:, None],
-                             other=0.0, cache_modifier=".cg")  # [PP, R], L2 (written by the other CTAs)
-                h = tl.sum(hp, axis=0) + b1
-                le = tl.sum(w_e * h[None, :], axis=1) + b_e
-                ls = tl.sum(w_s * h[None, :], axis=1) + b_s
-                tl.store(out_ptr + m * N + offs_n, le >= ls, mask=nm)
+            # RB rows at once (all of them when the [RB, NP, R] product is small): h [RB, R] = the sum over the
+            # programs' partials (fixed order), then both class logits of every group
+            for m0 in tl.static_range(0, RP, RB):
+                offs_b = m0 + tl.arange(0, RB)
+                bm = offs_b < rows
+                hp = tl.load(part_ptr + offs_p[:, None, None] * (RP * R) + offs_b[None, :, None] * R
+                             + offs_r[None, None, :], mask=pm[:, None, None], other=0.0,
+                             cache_modifier=".cg")  # [PP, RB, R], L2 (written by the other CTAs)
+                h = tl.sum(hp, axis=0) + b1[None, :]  # [RB, R]
+                le = tl.sum(h[:, None, :] * w_e[None, :, :], axis=2) + b_e[None, :]  # [RB, NP]
+                ls = tl.sum(h[:, None, :] * w_s[None, :, :], axis=2) + b_s[None, :]
+                om = bm[:, None] & nm[None, :]
+                tl.store(out_ptr + offs_b[:, None] * N + offs_n[None, :], le >= ls, mask=om)
                 if WRITE_LOGITS:
-                    tl.store(logit_ptr + (m * N + offs_n) * 2, le, mask=nm)
-                    tl.store(logit_ptr + (m * N + offs_n) * 2 + 1, ls, mask=nm)
+                    lp = logit_ptr + (offs_b[:, None] * N + offs_n[None, :]) * 2
+                    tl.store(lp, le, mask=om)
+                    tl.store(lp + 1, ls, mask=om)
             tl.atomic_xchg(cnt_ptr, 0, sem="relaxed", scope="gpu")  # ready for the next launch (graph replay)
 
 
@@ -210,20 +218,41 @@ if HAS_TRITON:
 
 
     @triton.jit
+    def _zero_skipped_heads_kernel(y_ptr, route_ptr, T, NG, sb, sh, st, sd,
+                                   HPG: tl.constexpr, DH: tl.constexpr, BC: tl.constexpr, BT: tl.constexpr):
+        # [BT] tokens of sequence b: for each head group, zero its HPG heads x DH channels where the route skips
+        # it.  Stores are masked by "skipped", so a kept group moves no bytes (at s = 0 the pass only reads routes).
+        b = tl.program_id(1).to(tl.int64)
+        offs_t = tl.program_id(0) * BT + tl.arange(0, BT)
+        tm = offs_t < T
+        offs_c = tl.arange(0, BC)  # channel c of the group: head c // DH, dim c % DH
+        cm = offs_c < HPG * DH
+        col = (offs_c // DH).to(tl.int64) * sh + (offs_c % DH).to(tl.int64) * sd
+        row = b * sb + offs_t.to(tl.int64) * st
+        for g in range(0, NG):
+            keep = tl.load(route_ptr + (b * T + offs_t) * NG + g, mask=tm, other=1) != 0
+            skip = tm & (keep == 0)
+            ptr = y_ptr + row[:, None] + g * HPG * sh + col[None, :]
+            tl.store(ptr, tl.zeros((BT, BC), dtype=y_ptr.dtype.element_ty), mask=skip[:, None] & cm[None, :])
+
+    @triton.jit
     def _masked_swiglu_kernel(g_ptr, u_ptr, route_ptr, out_ptr, M, N, NG, G,
                               BN: tl.constexpr, BM: tl.constexpr):
-        # one [BM, BN] tile: silu(g) * u with the MLP's rounding points, 0 where the route skips the group
+        # one [BM, BN] tile inside one group (BN divides G): silu(g) * u with the MLP's rounding points, 0 where
+        # the route skips the group.  The route is one byte per row, broadcast over the tile's columns.
         offs_m = (tl.program_id(0) * BM + tl.arange(0, BM)).to(tl.int64)
-        offs_n = tl.program_id(1) * BN + tl.arange(0, BN)
-        inb = (offs_m < M)[:, None] & (offs_n < N)[None, :]
+        n0 = tl.program_id(1) * BN
+        offs_n = n0 + tl.arange(0, BN)
+        mm_ = offs_m < M
+        keep = tl.load(route_ptr + offs_m * NG + n0 // G, mask=mm_, other=0) != 0  # [BM]
         ptr = offs_m[:, None] * N + offs_n[None, :]
-        keep = tl.load(route_ptr + offs_m[:, None] * NG + (offs_n // G)[None, :], mask=inb, other=0) != 0
-        g = tl.load(g_ptr + ptr, mask=keep, other=0.0).to(tl.float32)
-        u = tl.load(u_ptr + ptr, mask=keep, other=0.0).to(tl.float32)
+        lm = (keep & mm_)[:, None]
+        g = tl.load(g_ptr + ptr, mask=lm, other=0.0).to(tl.float32)
+        u = tl.load(u_ptr + ptr, mask=lm, other=0.0).to(tl.float32)
         DT = out_ptr.dtype.element_ty
         a = round_to(g / (1.0 + tl.exp(-g)), DT)
         y = round_to(a * u, DT)
-        tl.store(out_ptr + ptr, tl.where(keep, y, 0.0).to(DT), mask=inb)
+        tl.store(out_ptr + ptr, tl.where(keep[:, None], y, 0.0).to(DT), mask=mm_[:, None])
 
 
 # ----------------------------------------------------------------------------------------------
@@ -366,6 +395,7 @@ def _router_launch(router, x2: torch.Tensor, logits: torch.Tensor | None = None,
     R = router.w1.out_features
     N = router.n_groups
     RP, BDP, BDI, P = _router_plan(rows, D, R)
+    NP = max(16, next_pow2(N))
     part, cnt = _router_workspace(x2.device, P, RP, R)
     out = torch.empty((rows, N), dtype=torch.bool, device=x2.device)
     w1, b1 = router.w1.weight.contiguous(), router.w1.bias.contiguous()
@@ -373,7 +403,8 @@ def _router_launch(router, x2: torch.Tensor, logits: torch.Tensor | None = None,
     _router_kernel[(P,)](x2, add2 if add2 is not None else x2, w1, b1, w2, b2, out, part, cnt,
                          logits if logits is not None else part, rows, D, N, x2.stride(0),
                          (add2 if add2 is not None else x2).stride(0), R=R, RP=RP, BDP=BDP, BDI=BDI,
-                         NP=max(16, next_pow2(N)), PP=max(2, next_pow2(P)), WRITE_LOGITS=logits is not None,
+                         NP=NP, PP=max(2, next_pow2(P)), RB=max(1, min(RP, 16384 // (NP * R))),
+                         WRITE_LOGITS=logits is not None,
                          HAS_ADD=add2 is not None,
                          **({} if interpret_mode() else {"num_warps": 4}))
     return out
@@ -445,13 +476,16 @@ def _router_split3(router, x2: torch.Tensor) -> torch.Tensor:
 
 
 def _router_many(router, x2: torch.Tensor) -> torch.Tensor:
-    """Many-row (prefill) router: the fastest of the tile kernel (two tile shapes), the split-W1 tensor-core
-    GEMM (bf16 input) and the module itself, timed once per shape on the GPU (:func:`pick_config`, cached)."""
+    """Many-row (prefill) router: the fastest of the tile kernel (two tile shapes, four up to 8192 rows), the
+    split-W1 tensor-core GEMM (bf16 input) and the module itself, timed once per shape on the GPU
+    (:func:`pick_config`, cached)."""
     from ..kernels._common import m_bucket, pick_config
     from ..routing import argmax_mask
 
     rows, D = x2.shape
     cands = [dict(impl="tile", BM=64, num_warps=4), dict(impl="tile", BM=128, num_warps=8)]
+    if rows <= 8192:  # a few thousand rows: 64-row tiles leave most of the GPU's SMs idle
+        cands += [dict(impl="tile", BM=16, num_warps=4), dict(impl="tile", BM=32, num_warps=4)]
     if x2.dtype == torch.bfloat16 and x2.is_cuda:
         cands.append(dict(impl="split3"))
     cands.append(dict(impl="module"))
@@ -556,6 +590,58 @@ def _router_mask_rowwise(router, x: torch.Tensor) -> torch.Tensor:
 # ----------------------------------------------------------------------------------------------
 
 
+def zero_skipped_heads_ref(a: torch.Tensor, route: torch.Tensor) -> torch.Tensor:
+    """Reference of :func:`zero_skipped_heads_`: ``a.masked_fill_(~head_route(route), 0)``, in place."""
+    from ..kernels.reference import head_route
+
+    return a.masked_fill_(~head_route(route, a.shape[1]).unsqueeze(-1), 0)
+
+
+def zero_skipped_heads_(a: torch.Tensor, route: torch.Tensor) -> torch.Tensor:
+    """Zero, in place, the attention output of every (token, head group) the route skips (Algorithm 4's output
+    for a skipped group): the engine's ``attn="dense"`` / ``"auto"`` form, where SDPA computed every head and
+    the O projection then runs as a dense GEMM on this output.
+
+    One kernel that writes only the skipped groups' bytes (a kept group's stores are masked off), instead of
+    expanding the route to heads and a full read-modify-write of ``a``: with everything executed (s = 0) it
+    reads only the routes.
+
+    Args:
+        a: ``[B, H_q, T, d]`` attention output, bf16/fp16/fp32, any strides (SDPA returns a transposed view).
+        route: bool ``[B, T, N_G]``, True = execute; ``N_G`` divides ``H_q`` (``H_q / N_G`` consecutive query
+            heads per group, Eq. 2).
+
+    Returns:
+        ``a`` itself.
+
+    Raises:
+        ValueError: ``a`` not 4-D float, ``route`` not bool ``[B, T, N_G]`` with ``N_G`` dividing ``H_q``, or
+            the two on different devices.
+    """
+    if not isinstance(a, torch.Tensor) or a.dim() != 4 or a.dtype not in (torch.bfloat16, torch.float16,
+                                                                         torch.float32):
+        raise ValueError("zero_skipped_heads_: a must be a 4-D [B, H_q, T, d] bf16/fp16/fp32 tensor; got "
+                         f"{getattr(a, 'dtype', type(a).__name__)} {tuple(getattr(a, 'shape', ()))}")
+    B, H, T, D = a.shape
+    if (not isinstance(route, torch.Tensor) or route.dtype != torch.bool or route.dim() != 3
+            or tuple(route.shape[:2]) != (B, T) or route.shape[2] < 1 or H % route.shape[2]):
+        raise ValueError(f"zero_skipped_heads_: route must be bool [B, T, N_G] = [{B}, {T}, N_G] with N_G dividing "
+                         f"H_q={H}; got {getattr(route, 'dtype', type(route).__name__)} "
+                         f"{tuple(getattr(route, 'shape', ()))}")
+    if route.device != a.device:
+        raise ValueError(f"zero_skipped_heads_: a is on {a.device}, route on {route.device}")
+    if not use_triton(a):
+        return zero_skipped_heads_ref(a, route)
+    NG = route.shape[2]
+    route = route.contiguous()
+    BC = next_pow2(H // NG * D)
+    BT = max(1, min(16, 8192 // BC)) if not interpret_mode() else 2
+    _zero_skipped_heads_kernel[(triton.cdiv(T, BT), B)](
+        a, route, T, NG, a.stride(0), a.stride(1), a.stride(2), a.stride(3), HPG=H // NG, DH=D, BC=BC, BT=BT,
+        **({} if interpret_mode() else {"num_warps": 4}))
+    return a
+
+
 def masked_swiglu_act_ref(g: torch.Tensor, u: torch.Tensor, route: torch.Tensor, G: int) -> torch.Tensor:
     """Reference of :func:`masked_swiglu_act`: ``(silu(g) * u)`` in the model dtype (the MLP's own ops), times
     the route expanded to channels."""
@@ -602,7 +688,8 @@ def masked_swiglu_act(g: torch.Tensor, u: torch.Tensor, route: torch.Tensor, G: 
         return masked_swiglu_act_ref(g, u, route, G)
     g, u, route = g.contiguous(), u.contiguous(), route.contiguous()
     out = torch.empty_like(g)
-    BM, BN = (16, 32) if interpret_mode() else (8, 512)
-    _masked_swiglu_kernel[(triton.cdiv(M, BM), triton.cdiv(N, BN))](
+    BN = min(pow2_part(G), 16 if interpret_mode() else 256)  # divides G: each tile lies in one group
+    BM = max(1, (256 if interpret_mode() else 4096) // BN)
+    _masked_swiglu_kernel[(triton.cdiv(M, BM), N // BN)](
         g, u, route, out, M, N, N // G, G, BN=BN, BM=BM, **({} if interpret_mode() else {"num_warps": 4}))
     return out
