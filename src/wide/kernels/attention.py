@@ -185,8 +185,10 @@ def routed_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, route: t
         out: optional preallocated contiguous ``[B, Hq, Tq, d]`` output (q's dtype).
 
     Returns:
-        ``[B, Hq, Tq, d]`` in q's dtype.  Inactive (token, head group) rows are 0; a query row that
-        sees no key (e.g. inside the left padding) is 0.
+        ``[B, Hq, Tq, d]`` in q's dtype (without ``out``: a transposed view of a contiguous ``[B, Tq, Hq, d]``,
+        as SDPA's flash backend returns, so ``.transpose(1, 2).reshape(B * Tq, Hq * d)`` copies nothing).
+        Inactive (token, head group) rows are 0; a query row that sees no key (e.g. inside the left padding)
+        is 0.
 
     ``Tq == 1`` uses the split-KV decode kernel.  CPU without ``TRITON_INTERPRET=1`` falls back to
     :func:`reference.attention_ref`.
@@ -201,8 +203,8 @@ def routed_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, route: t
     if not use_triton(q):
         res = reference.attention_ref(q, k, v, route, causal, left_pad, scale)
         return out.copy_(res) if out is not None else res
-    if out is None:
-        out = torch.empty((B, Hq, Tq, D), dtype=q.dtype, device=q.device)
+    if out is None:  # [B, Tq, Hq, d] in memory, like SDPA's flash output: the O projection reads a free view
+        out = torch.empty((B, Tq, Hq, D), dtype=q.dtype, device=q.device).transpose(1, 2)
     if B * Tq == 0:
         return out
     if Tq == 1:
