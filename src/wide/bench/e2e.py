@@ -79,7 +79,7 @@ def _trace_points(s):
 def add_arguments(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
     """Options of ``wide bench e2e``."""
     p.add_argument("--quick", action="store_true",
-                   help="subset: prefill B=1 x {512,2048,16384}, decode B={1,16} x {512,2048} (+16384 at B=1), "
+                   help="subset: prefill B=1 x {512,2048,16384}, decode B={1,16} x {512,2048} (+16384 at B=1, 2048 at B=4), "
                         "s={0,0.5}, G=128, paper split (+ uniform at prefill 16384 / 2048 and decode 2048), "
                         "trace, SmolLM2")
     p.add_argument("--batch", default="1,8,16,32", type=_ints)
@@ -675,7 +675,7 @@ def run(args) -> int:
     a = args
     if a.quick:
         prefill_pts = [(1, T) for T in (16384, 2048, 512)]  # goal point first
-        decode_pts = [(1, 2048), (1, 512), (1, 16384), (16, 2048), (16, 512)]
+        decode_pts = [(1, 2048), (4, 2048), (1, 512), (1, 16384), (16, 2048), (16, 512)]
         grid = [(0.5, 128, "paper"), (0.0, 128, "paper"), (0.5, 128, "uniform")]  # goal points first
         uniform_pts = {("prefill", 1, 16384), ("prefill", 1, 2048), ("decode", 1, 2048)}
     else:
