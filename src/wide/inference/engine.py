@@ -47,19 +47,28 @@ ATTN = ("kernel", "auto", "dense")
 ATTN_DENSE_ABOVE = 0.69
 
 
-def naxis_dense_above(op: str, G: int) -> float:
-    """Executed fraction above which ``naxis="auto"`` runs an N-axis op as dense cuBLAS GEMMs (many rows).
+def naxis_dense_above(op: str, G: int, M: int = 1 << 20) -> float:
+    """Executed fraction above which ``naxis="auto"`` runs an N-axis op of ``M > 4`` rows as dense cuBLAS GEMMs.
 
-    From the H200 tile probe (benchmarks/kernels/tile_probe.json, M = 16384, s = 0, best config): the routed
-    tile kernel at full activity reaches 0.82 of cuBLAS's speed for ``gemm_mn`` at G = 128, 0.95 at G = 512,
-    and 1.00 (G = 128) / 0.95 (G = 512) for the fused SwiGLU against two cuBLAS GEMMs plus the activation;
-    its time scales with the executed fraction p, so it wins while p is below that ratio (taken a little
-    lower here: the reorder is not in those times).
+    Many rows (M > 64), from the H200 tile probe (benchmarks/kernels/tile_probe.json, M = 16384, s = 0, best
+    config): the routed tile kernel at full activity reaches 0.82 of cuBLAS's speed for ``gemm_mn`` at
+    G = 128, 0.95 at G = 512, and 1.00 (G = 128) / 0.95 (G = 512) for the fused SwiGLU against two cuBLAS
+    GEMMs plus the activation; its time scales with the executed fraction p, so it wins while p is below
+    that ratio (taken a little lower here: the reorder is not in those times).
+
+    Few rows (5-64, decode at batch 16), from the H200 decode trace at batch 16 (Llama-3.1-8B shapes,
+    benchmarks/e2e/e2e_h200-quick8_trace.json): the Q projection (N = K = 4096, G = 512) through ``gemm_mn``
+    took 22.0 us at p = 0.30 against cuBLAS's 9.9 us at p = 1 (its N / BN tiles are too few programs to
+    stream the weight), so it runs dense unless almost nothing executes; the fused SwiGLU took 61.4 us at
+    p = 0.70 against 64.6 us, so it wins below p ~ 0.73.
 
     Args:
         op: ``"gemm_mn"`` (the Q projection) or ``"swiglu"`` (gate + up).
         G: the op's group size (channels).
+        M: rows of the op.
     """
+    if M <= 64:
+        return 0.73 if op == "swiglu" else 0.1
     if op == "swiglu":
         return 0.93
     return 0.92 if G >= 256 else 0.80
@@ -588,7 +597,7 @@ class Engine:
         if M <= 4 or p is None:  # the decode GEMVs match cuBLAS with every group executed
             return False
         G = self.g_attn if kind == "attn" else self.g_ffn
-        return p > naxis_dense_above("gemm_mn" if kind == "attn" else "swiglu", G)
+        return p > naxis_dense_above("gemm_mn" if kind == "attn" else "swiglu", G, M)
 
     def attn_dense(self, i: int, phase: str) -> bool:
         """Whether layer ``i``'s attention runs as SDPA + zeroed skipped head groups (prefill only; see ``attn`` in
