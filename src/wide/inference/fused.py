@@ -161,9 +161,10 @@ if HAS_TRITON:
             w_s = tl.load(w2_ptr + (2 * offs_n + 1)[:, None] * R + offs_r[None, :], mask=nm[:, None], other=0.0)
             b_e = tl.load(b2_ptr + 2 * offs_n, mask=nm, other=0.0)
             b_s = tl.load(b2_ptr + 2 * offs_n + 1, mask=nm, other=0.0)
-            # RB rows at once (RB * NP * R <= 4096, 32 fp32 values a thread per product; with 4x that, the FFN
-            # router took 14 us at 16 rows on the H200, e2e_h200-quick8_trace.json): h [RB, R] = the sum over the
-            # programs' partials (fixed order), then both class logits of every group
+            # RB rows at a time, RB * NP * R <= 16384: h [RB, R] = the sum over the programs' partials (fixed
+            # order), then both class logits of every group.  Each step waits on its L2 loads, so fewer steps win:
+            # the FFN router (N_G = 112) at 16 rows took 16.3 us with this cap (2 steps) and 25.5 us with 4096
+            # (8 steps) on the H200 (benchmarks/e2e/e2e_h200-quick8_trace.json, e2e_h200-decode8_trace.json)
             for m0 in tl.static_range(0, RP, RB):
                 offs_b = m0 + tl.arange(0, RB)
                 bm = offs_b < rows
@@ -404,7 +405,7 @@ def _router_launch(router, x2: torch.Tensor, logits: torch.Tensor | None = None,
     _router_kernel[(P,)](x2, add2 if add2 is not None else x2, w1, b1, w2, b2, out, part, cnt,
                          logits if logits is not None else part, rows, D, N, x2.stride(0),
                          (add2 if add2 is not None else x2).stride(0), R=R, RP=RP, BDP=BDP, BDI=BDI,
-                         NP=NP, PP=max(2, next_pow2(P)), RB=max(1, min(RP, 4096 // (NP * R))),
+                         NP=NP, PP=max(2, next_pow2(P)), RB=max(1, min(RP, 16384 // (NP * R))),
                          WRITE_LOGITS=logits is not None,
                          HAS_ADD=add2 is not None,
                          **({} if interpret_mode() else {"num_warps": 4}))
