@@ -200,11 +200,13 @@ def test_naxis_variants_same_function_and_measured_activity():
         assert v == pytest.approx(float((masks[k].double().mean(-1) * w).sum() / w.sum()), abs=1e-12)
     assert auto.expected_active == act and auto.masks == {} and not auto.record_masks
     plain = Engine(wm.base)  # no routers: every group executes, so the auto dispatch needs no measurement
-    assert plain.naxis_dense("ffn", 0, 140) and plain.attn_dense(0, "prefill") and plain.naxis_dense("ffn", 0, 9)
+    assert plain.naxis_dense("ffn", 0, 140) and plain.attn_dense(0, "prefill") and plain.naxis_dense("attn", 0, 9)
     assert not plain.naxis_dense("ffn", 0, 4)  # <= 4 rows: the decode GEMVs, as fast as cuBLAS at p = 1
     auto.expected_active = {k: 1.0 for k in act}  # above every threshold: cuBLAS for the N-axis ops
-    assert all(auto.naxis_dense(k, i, 140) for k, i in act) and auto.naxis_dense("ffn", 0, 16)
-    assert not auto.naxis_dense("ffn", 0, 4)
+    assert all(auto.naxis_dense(k, i, 140) for k, i in act)
+    # 5-64 rows (decode at batch 16): Q as cuBLAS, the fused SwiGLU routed at any activity; <= 4 rows: GEMVs
+    assert auto.naxis_dense("attn", 0, 16) and not auto.naxis_dense("ffn", 0, 16)
+    assert not auto.naxis_dense("ffn", 0, 4) and not auto.naxis_dense("attn", 0, 4)
     assert auto.attn_dense(0, "prefill") and not auto.attn_dense(0, "decode")
     out_auto = auto.prefill(ids, am, cache, all_logits=True)
     valid = am.bool()

@@ -56,11 +56,14 @@ def naxis_dense_above(op: str, G: int, M: int = 1 << 20) -> float:
     GEMMs plus the activation; its time scales with the executed fraction p, so it wins while p is below
     that ratio (taken a little lower here: the reorder is not in those times).
 
-    Few rows (5-64, decode at batch 16), from the H200 decode trace at batch 16 (Llama-3.1-8B shapes,
-    benchmarks/e2e/e2e_h200-quick8_trace.json): the Q projection (N = K = 4096, G = 512) through ``gemm_mn``
-    took 22.0 us at p = 0.30 against cuBLAS's 9.9 us at p = 1 (its N / BN tiles are too few programs to
-    stream the weight), so it runs dense unless almost nothing executes; the fused SwiGLU took 61.4 us at
-    p = 0.70 against 64.6 us, so it wins below p ~ 0.73.
+    Few rows (5-64, decode at batch 16), from the H200 decode traces at batch 16 (Llama-3.1-8B shapes,
+    benchmarks/e2e/e2e_h200-quick8_trace.json, e2e_h200-decode8_trace.json): the Q projection (N = K = 4096,
+    G = 512) through ``gemm_mn`` took 22.0 us at p = 0.30 against cuBLAS's 9.9 us at p = 1 (its N / BN tiles
+    are too few programs to stream the weight), so it always runs dense there.  The fused SwiGLU took 61.4-62.1
+    us at p = 0.70 against 64.6-65.8 us for cuBLAS + the masked activation, and 1.11-1.15x cuBLAS's speed at
+    p = 1 in the kernel sweep (M = 16 and 64, G >= 64; 0.86-0.92x at G = 32;
+    benchmarks/kernels/kernels_h200-sweep7.md): with 16 rows some row
+    executes nearly every group, so its time hardly depends on p, and it always runs routed.
 
     Args:
         op: ``"gemm_mn"`` (the Q projection) or ``"swiglu"`` (gate + up).
@@ -68,7 +71,7 @@ def naxis_dense_above(op: str, G: int, M: int = 1 << 20) -> float:
         M: rows of the op.
     """
     if M <= 64:
-        return 0.73 if op == "swiglu" else 0.1
+        return 1.0 if op == "swiglu" else 0.0
     if op == "swiglu":
         return 0.93
     return 0.92 if G >= 256 else 0.80

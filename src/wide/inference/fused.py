@@ -120,7 +120,7 @@ if HAS_TRITON:
     def _router_kernel(x_ptr, add_ptr, w1_ptr, b1_ptr, w2_ptr, b2_ptr, out_ptr, part_ptr, cnt_ptr, logit_ptr,
                        rows, D, N, stride_xm, stride_am,
                        R: tl.constexpr, RP: tl.constexpr, BDP: tl.constexpr, BDI: tl.constexpr,
-                       NP: tl.constexpr, PP: tl.constexpr, RB: tl.constexpr, WRITE_LOGITS: tl.constexpr,
+                       NP: tl.constexpr, PP: tl.constexpr, ONE_STEP: tl.constexpr, WRITE_LOGITS: tl.constexpr,
                        HAS_ADD: tl.constexpr):
         # HAS_ADD: the router reads x + add rounded to x's dtype (the residual add of add_rmsnorm, so the
         # router can run concurrently with that norm on another stream and still see the same input)
@@ -161,25 +161,32 @@ if HAS_TRITON:
             w_s = tl.load(w2_ptr + (2 * offs_n + 1)[:, None] * R + offs_r[None, :], mask=nm[:, None], other=0.0)
             b_e = tl.load(b2_ptr + 2 * offs_n, mask=nm, other=0.0)
             b_s = tl.load(b2_ptr + 2 * offs_n + 1, mask=nm, other=0.0)
-            # RB rows at a time, RB * NP * R <= 16384: h [RB, R] = the sum over the programs' partials (fixed
-            # order), then both class logits of every group.  Each step waits on its L2 loads, so fewer steps win:
-            # the FFN router (N_G = 112) at 16 rows took 16.3 us with this cap (2 steps) and 25.5 us with 4096
-            # (8 steps) on the H200 (benchmarks/e2e/e2e_h200-quick8_trace.json, e2e_h200-decode8_trace.json)
-            for m0 in tl.static_range(0, RP, RB):
-                offs_b = m0 + tl.arange(0, RB)
-                bm = offs_b < rows
-                hp = tl.load(part_ptr + offs_p[:, None, None] * (RP * R) + offs_b[None, :, None] * R
+            if ONE_STEP:
+                # every row at once (up to 4 rows): h [RP, R] = the sum over the programs' partials (fixed order),
+                # then both class logits of every group
+                hp = tl.load(part_ptr + offs_p[:, None, None] * (RP * R) + offs_m[None, :, None] * R
                              + offs_r[None, None, :], mask=pm[:, None, None], other=0.0,
-                             cache_modifier=".cg")  # [PP, RB, R], L2 (written by the other CTAs)
-                h = tl.sum(hp, axis=0) + b1[None, :]  # [RB, R]
-                le = tl.sum(h[:, None, :] * w_e[None, :, :], axis=2) + b_e[None, :]  # [RB, NP]
+                             cache_modifier=".cg")  # [PP, RP, R], L2 (written by the other CTAs)
+                h = tl.sum(hp, axis=0) + b1[None, :]  # [RP, R]
+                le = tl.sum(h[:, None, :] * w_e[None, :, :], axis=2) + b_e[None, :]  # [RP, NP]
                 ls = tl.sum(h[:, None, :] * w_s[None, :, :], axis=2) + b_s[None, :]
-                om = bm[:, None] & nm[None, :]
-                tl.store(out_ptr + offs_b[:, None] * N + offs_n[None, :], le >= ls, mask=om)
+                om = mrow[:, None] & nm[None, :]
+                tl.store(out_ptr + offs_m[:, None] * N + offs_n[None, :], le >= ls, mask=om)
                 if WRITE_LOGITS:
-                    lp = logit_ptr + (offs_b[:, None] * N + offs_n[None, :]) * 2
+                    lp = logit_ptr + (offs_m[:, None] * N + offs_n[None, :]) * 2
                     tl.store(lp, le, mask=om)
                     tl.store(lp + 1, ls, mask=om)
+            else:
+                for m in range(0, rows):  # one row at a time
+                    hp = tl.load(part_ptr + offs_p[:, None] * (RP * R) + m * R + offs_r[None, :], mask=pm[:, None],
+                                 other=0.0, cache_modifier=".cg")  # [PP, R], L2 (written by the other CTAs)
+                    h = tl.sum(hp, axis=0) + b1
+                    le = tl.sum(w_e * h[None, :], axis=1) + b_e
+                    ls = tl.sum(w_s * h[None, :], axis=1) + b_s
+                    tl.store(out_ptr + m * N + offs_n, le >= ls, mask=nm)
+                    if WRITE_LOGITS:
+                        tl.store(logit_ptr + (m * N + offs_n) * 2, le, mask=nm)
+                        tl.store(logit_ptr + (m * N + offs_n) * 2 + 1, ls, mask=nm)
             tl.atomic_xchg(cnt_ptr, 0, sem="relaxed", scope="gpu")  # ready for the next launch (graph replay)
 
 
@@ -391,6 +398,16 @@ def _router_plan(rows: int, D: int, R: int):
     return RP, BDP, BDI, -(-D // BDP)
 
 
+def _router_one_step(RP: int, NP: int, R: int) -> bool:
+    """Whether the few-row router's last program finishes all ``RP`` (padded) rows in one vectorised step, else
+    one row at a time.  From the H200 decode traces of Llama-3.1-8B shapes (norm + router beside it, us;
+    ``e2e_h200-quick7_trace.json``: row loop, ``e2e_h200-quick8_trace.json``: one step for up to 4 rows):
+    attention router (N_G = 8) 4.2 -> 4.6 at 1 row, 7.2 -> 5.1 at 4 rows; FFN router (N_G = 112) 4.1 -> 5.2 at
+    1 row, 6.8 -> 6.8 at 4 rows; at 16 rows vectorised steps of 8 rows made the whole decode step 0.55 ms slower
+    (``e2e_h200-quick8``, batch 16).  So one step only for 3-4 rows with a small ``[RP, NP, R]`` product."""
+    return RP == 4 and RP * NP * R <= 4096
+
+
 def _router_launch(router, x2: torch.Tensor, logits: torch.Tensor | None = None,
                    add2: torch.Tensor | None = None) -> torch.Tensor:
     rows, D = x2.shape
@@ -405,7 +422,7 @@ def _router_launch(router, x2: torch.Tensor, logits: torch.Tensor | None = None,
     _router_kernel[(P,)](x2, add2 if add2 is not None else x2, w1, b1, w2, b2, out, part, cnt,
                          logits if logits is not None else part, rows, D, N, x2.stride(0),
                          (add2 if add2 is not None else x2).stride(0), R=R, RP=RP, BDP=BDP, BDI=BDI,
-                         NP=NP, PP=max(2, next_pow2(P)), RB=max(1, min(RP, 16384 // (NP * R))),
+                         NP=NP, PP=max(2, next_pow2(P)), ONE_STEP=_router_one_step(RP, NP, R),
                          WRITE_LOGITS=logits is not None,
                          HAS_ADD=add2 is not None,
                          **({} if interpret_mode() else {"num_warps": 4}))
