@@ -131,28 +131,26 @@ def main(argv=None) -> int:
                 json.dump(summary, f, indent=1)
             os.replace(tmp, args.out)
 
+    def greedy(model, ids):
+        """``args.steps`` free-running greedy tokens of a masking-path model, with its own KV cache."""
+        cache = DynamicCache(config=model.base.config)
+        out = model(ids, past_key_values=cache, use_cache=True)
+        tokens = []
+        for _ in range(args.steps):
+            t = int(out.logits[0, -1].argmax())
+            tokens.append(t)
+            out = model(torch.tensor([[t]], device=dev), past_key_values=cache, use_cache=True)
+        return tokens
+
     with torch.no_grad():
         for b, p in enumerate(prompts):
             ids = torch.tensor([tok(p)["input_ids"]], device=dev)
             n_prompt = ids.shape[1]
-            # free-running greedy of the masking path, with its own KV cache
-            cache = DynamicCache(config=wm.base.config)
-            out = wm(ids, past_key_values=cache, use_cache=True)
-            ref_tokens = []
-            for _ in range(args.steps):
-                t = int(out.logits[0, -1].argmax())
-                ref_tokens.append(t)
-                out = wm(torch.tensor([[t]], device=dev), past_key_values=cache, use_cache=True)
+            ref_tokens = greedy(wm, ids)  # free-running greedy of the masking path, with its own KV cache
             eng_tokens = res.tokens[b] if res is not None else ref_tokens
             truth = {}
             if wm32 is not None:  # the fp32 masking path: free-running greedy
-                cache = DynamicCache(config=wm32.base.config)
-                out = wm32(ids, past_key_values=cache, use_cache=True)
-                t32 = []
-                for _ in range(args.steps):
-                    t = int(out.logits[0, -1].argmax())
-                    t32.append(t)
-                    out = wm32(torch.tensor([[t]], device=dev), past_key_values=cache, use_cache=True)
+                t32 = greedy(wm32, ids)
                 truth["reference_greedy_positions_equal_fp32"] = sum(int(x == y) for x, y in zip(ref_tokens, t32)) / args.steps
                 if res is not None:
                     truth["engine_greedy_positions_equal_fp32"] = sum(int(x == y) for x, y in zip(eng_tokens, t32)) / args.steps
