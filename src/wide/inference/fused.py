@@ -12,6 +12,10 @@ non-accelerated part is 29.1 % of decode latency).  Three kernels replace them:
 * :func:`router_mask` — a WIDE router (Eq. 4, two fp32 GEMMs) and its argmax (Eq. 5), for a few rows
   (decode) or many (prefill).
 
+Two more serve the engine's dense forms of routed ops (cuBLAS / SDPA where the routed kernel would be slower):
+:func:`masked_swiglu_act` (the SwiGLU activation with skipped FFN groups written as zeros) and
+:func:`zero_skipped_heads_` (skipped head groups of an SDPA output set to zero in place).
+
 Each has a PyTorch reference (``*_ref``) with the same semantics, used on CPU without ``TRITON_INTERPRET=1``.
 """
 
