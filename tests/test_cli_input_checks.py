@@ -388,6 +388,47 @@ def test_bench_e2e_trace_points_parse_and_reject():
     a = p.parse_args(["--trace-points", "prefill:1:2048,decode:4:2048", "--trace-sparsity", "0,0.5"])
     assert a.trace_points == [("prefill", 1, 2048), ("decode", 4, 2048)] and a.trace_sparsity == [0.0, 0.5]
     assert p.parse_args([]).trace_points == [("prefill", 1, 16384), ("decode", 1, 2048)]
-    for bad in ("prefill:1", "train:1:2048", "decode:0:2048", "decode:x:2048"):
+    for bad in ("prefill:1", "train:1:2048", "decode:0:2048", "decode:x:2048", ""):
         with pytest.raises(SystemExit):
             p.parse_args(["--trace-points", bad])
+
+
+@pytest.mark.parametrize("bench", ["e2e", "kernels"])
+@pytest.mark.parametrize("opt,bad,msg", [
+    ("--sparsity", "0.5,1.5", "sparsity 1.5 is outside [0, 1)"), ("--sparsity", "nan", "sparsity nan is outside"),
+    ("--sparsity", "0.5,x", "'x' is not a number"), ("--G", "1.5", "'1.5' is not an integer"),
+    ("--G", "8", "8 is below 16"), ("--sparsity", ",", "empty list"),
+])
+def test_bench_list_options_rejected_with_one_clear_error(bench, opt, bad, msg, capsys):
+    pytest.importorskip(f"wide.bench.{bench}")
+    with pytest.raises(SystemExit):
+        _subparser("bench", bench).parse_args([opt, bad])
+    err = capsys.readouterr().err
+    assert msg in err and "_floats" not in err and "_ints" not in err, err
+
+
+def test_bench_e2e_choice_and_count_options(capsys):
+    pytest.importorskip("wide.bench.e2e")
+    p = _subparser("bench", "e2e")
+    a = p.parse_args(["--split", "uniform", "--models", "llama8b", "--trace-sparsity", "0", "--runs", "7"])
+    assert a.split == ["uniform"] and a.models == ["llama8b"] and a.trace_sparsity == [0.0] and a.runs == 7
+    for opt, bad, msg in (("--split", "foo", "'foo' not allowed; choose from paper, uniform"),
+                          ("--models", "gpt2", "choose from llama8b, smollm2"), ("--batch", "0", "0 is below 1"),
+                          ("--runs", "2", "2 is below 5"), ("--trace-sparsity", "-0.1", "outside [0, 1)")):
+        with pytest.raises(SystemExit):
+            p.parse_args([opt, bad])
+        assert msg in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("bench", ["e2e", "kernels"])
+def test_bench_report_only_missing_or_bad_file_is_one_line(bench, tmp_path, capsys):
+    pytest.importorskip(f"wide.bench.{bench}")
+    from wide.cli import main
+
+    assert main(["bench", bench, "--report-only", "--out-dir", str(tmp_path / "none"), "--tag", "x"]) == 2
+    err = capsys.readouterr().err
+    assert "no results at" in err and "--tag" in err and "Traceback" not in err
+    assert not (tmp_path / "none").exists()  # nothing created for a report of nothing
+    (tmp_path / f"{bench}_y.json").write_text("{not json")
+    assert main(["bench", bench, "--report-only", "--out-dir", str(tmp_path), "--tag", "y"]) == 2
+    assert "is not a readable JSON file" in capsys.readouterr().err

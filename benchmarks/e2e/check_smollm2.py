@@ -35,6 +35,8 @@ import os
 import sys
 import time
 
+from wide.errors import WideError
+
 PROMPTS = [
     "The capital of France is", "Water boils at a temperature of", "The largest planet in the solar system is",
     "In 1492, Christopher Columbus", "The chemical symbol for gold is", "A healthy breakfast usually includes",
@@ -48,26 +50,44 @@ PROMPTS = [
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--ckpt", default="benchmarks/quality/checkpoints/smollm2-global-s50-g128")
+    p = argparse.ArgumentParser(description="Check the inference engine against WideModel's masking path on the "
+                                "bundled SmolLM2-135M with its calibrated routers (greedy tokens, router decisions, "
+                                "logits).")
+    p.add_argument("--ckpt", default="benchmarks/quality/checkpoints/smollm2-global-s50-g128",
+                   help="WIDE checkpoint (default: the committed S = 0.5 routers)")
     p.add_argument("--model", default=None,
                    help="base model (path or --model string) instead of the one recorded in the checkpoint")
-    p.add_argument("--steps", type=int, default=64)
-    p.add_argument("--prompts", type=int, default=20)
-    p.add_argument("--device", default=None)
+    p.add_argument("--steps", type=int, default=64, help="greedy decode steps per prompt (default: 64)")
+    p.add_argument("--prompts", type=int, default=20, help=f"how many of the {len(PROMPTS)} prompts (default: 20)")
+    p.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available)")
     p.add_argument("--dtype", default=None, choices=["float32", "bfloat16", "float16"],
                    help="model dtype (default: bf16 on a GPU, fp32 on the CPU)")
     p.add_argument("--reference-only", action="store_true",
                    help="skip the engine; measure only the masking path against itself (noise floor)")
     p.add_argument("--truth", action="store_true",
                    help="also compare the engine and the masking path with the masking path in float32")
-    p.add_argument("--out", default=None)
+    p.add_argument("--out", default=None, help="JSON file for the summary (written after every prompt)")
     args = p.parse_args(argv)
+    if not 1 <= args.prompts <= len(PROMPTS):
+        p.error(f"--prompts {args.prompts}: choose 1 to {len(PROMPTS)}")
+    if args.steps < 1:
+        p.error(f"--steps {args.steps}: at least 1")
+    try:
+        return _check(args)
+    except WideError as e:
+        print(f"check_smollm2: error: {e}", file=sys.stderr)
+        return 2
+
+
+def _check(args) -> int:
     os.environ.setdefault("TRITON_INTERPRET", "0")
     import torch
     from transformers import DynamicCache
 
     import wide
+
+    if args.device is not None and args.device.startswith("cuda") and not torch.cuda.is_available():
+        raise WideError(f"--device {args.device}: no CUDA GPU is available")
     from wide.bench.e2e import _fixed_mask_logits
     from wide.inference import Engine, generate
 

@@ -45,3 +45,7 @@ def test_masked_swiglu_act_bad_input():
         masked_swiglu_act(g, g, torch.ones((3, 6), dtype=torch.bool, device=DEVICE), 5)
     with pytest.raises(ValueError, match="equal"):
         masked_swiglu_act(g, g[:, :16], torch.ones((3, 2), dtype=torch.bool, device=DEVICE), 16)
+    with pytest.raises(ValueError, match="g must be a torch.Tensor, got list"):
+        masked_swiglu_act([[0.0] * 32] * 3, g, torch.ones((3, 2), dtype=torch.bool, device=DEVICE), 16)
+    with pytest.raises(ValueError, match="route must be a torch.Tensor, got NoneType"):
+        masked_swiglu_act(g, g, None, 16)

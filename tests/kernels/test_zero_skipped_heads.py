@@ -41,3 +41,9 @@ def test_zero_skipped_heads_bad_input():
         zero_skipped_heads_(a[0], torch.ones((1, 3, 2), dtype=torch.bool, device=DEVICE))
     with pytest.raises(ValueError, match="4-D"):
         zero_skipped_heads_(a.to(torch.int32), torch.ones((1, 3, 2), dtype=torch.bool, device=DEVICE))
+    with pytest.raises(ValueError, match="a must be a torch.Tensor, got ndarray"):
+        zero_skipped_heads_(a.cpu().numpy(), torch.ones((1, 3, 2), dtype=torch.bool, device=DEVICE))
+    with pytest.raises(ValueError, match="route must be a torch.Tensor, got list"):
+        zero_skipped_heads_(a, [[True]])
+    with pytest.raises(ValueError, match="requires grad"):
+        zero_skipped_heads_(a.clone().requires_grad_(), torch.ones((1, 3, 2), dtype=torch.bool, device=DEVICE))

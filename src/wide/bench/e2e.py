@@ -38,6 +38,8 @@ import statistics
 import sys
 import time
 
+from ._args import choice_list, int_at_least, int_list, read_records, sparsity_list
+
 PAPER_SPLIT = (0.66, 0.285)  # attention / FFN sparsity at overall 0.4725 (§4.4)
 LLAMA8B = dict(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
                num_key_value_heads=8, head_dim=128, vocab_size=128256, max_position_embeddings=131072,
@@ -49,20 +51,14 @@ ROUTING_OPS = ("attn_router", "attn_reorder", "ffn_router", "ffn_reorder")
 DEVICE = "cuda"  # the CPU self-test of this module swaps it (with _capture / _median_ms / _decode_runner)
 
 
-def _ints(s):
-    return [int(v) for v in str(s).split(",") if v]
-
-
-def _floats(s):
-    return [float(v) for v in str(s).split(",") if v]
-
-
 def _strs(s):
     return [v for v in str(s).split(",") if v]
 
 
 def _trace_points(s):
     out = []
+    if not _strs(s):
+        raise argparse.ArgumentTypeError("empty list; give phase:batch:tokens points, e.g. prefill:1:2048")
     for item in _strs(s):
         try:
             phase, B, T = item.split(":")
@@ -82,32 +78,42 @@ def add_arguments(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
                    help="subset: prefill B=1 x {512,2048,16384}, decode B={1,16} x {512,2048} (+16384 at B=1, 2048 at B=4), "
                         "s={0,0.5}, G=128, paper split (+ uniform at prefill 16384 / 2048 and decode 2048), "
                         "trace, SmolLM2")
-    p.add_argument("--batch", default="1,8,16,32", type=_ints)
-    p.add_argument("--prompt", default="512,2048,16384", type=_ints, help="prompt lengths (tokens)")
-    p.add_argument("--sparsity", default="0,0.25,0.5", type=_floats, help="overall target sparsity s")
-    p.add_argument("--G", default="64,128,256", type=_ints, help="FFN group sizes")
-    p.add_argument("--split", default="paper,uniform", type=_strs, help="attention/FFN split of s: paper, uniform")
-    p.add_argument("--phases", default="prefill,decode", type=_strs)
-    p.add_argument("--models", default="llama8b,smollm2", type=_strs)
-    p.add_argument("--runs", default=50, type=int, help="timed replays per point; the median is reported "
+    p.add_argument("--batch", default="1,8,16,32", type=int_list(1), help="batch sizes (default: 1,8,16,32)")
+    p.add_argument("--prompt", default="512,2048,16384", type=int_list(1),
+                   help="prompt lengths in tokens (default: 512,2048,16384)")
+    p.add_argument("--sparsity", default="0,0.25,0.5", type=sparsity_list,
+                   help="overall target sparsities s in [0, 1) (default: 0,0.25,0.5)")
+    p.add_argument("--G", default="64,128,256", type=int_list(16), help="FFN group sizes (default: 64,128,256)")
+    p.add_argument("--split", default="paper,uniform", type=choice_list("paper", "uniform"),
+                   help="attention/FFN split of s: paper, uniform (default: both)")
+    p.add_argument("--phases", default="prefill,decode", type=choice_list("prefill", "decode"),
+                   help="prefill, decode (default: both)")
+    p.add_argument("--models", default="llama8b,smollm2", type=choice_list("llama8b", "smollm2"),
+                   help="llama8b (Llama-3.1-8B shapes, random weights), smollm2 (the bundled model with its "
+                        "calibrated routers) (default: both)")
+    p.add_argument("--runs", default=50, type=int_at_least(5), help="timed replays per point; the median is reported "
                    "(default: 50; fewer, at least 5, where that many would take over ~6 s)")
-    p.add_argument("--max-prefill-tokens", default=65536, type=int, help="skip prefills with batch*prompt above")
-    p.add_argument("--max-kv-gb", default=40.0, type=float, help="skip decode points whose KV cache is larger")
+    p.add_argument("--max-prefill-tokens", default=65536, type=int,
+                   help="skip prefills with batch*prompt above (default: 65536)")
+    p.add_argument("--max-kv-gb", default=40.0, type=float,
+                   help="skip decode points whose KV cache is larger (default: 40)")
     p.add_argument("--no-hf", action="store_true", help="skip the dense HF eager baseline")
-    p.add_argument("--no-trace", action="store_true")
-    p.add_argument("--trace-sparsity", default="0.5", type=_floats,
-                   help="sparsities (paper split, G_ffn 128) at which one layer is traced op by op")
+    p.add_argument("--no-trace", action="store_true", help="skip the per-op trace of one layer")
+    p.add_argument("--trace-sparsity", default="0.5", type=sparsity_list,
+                   help="sparsities at which one layer is traced op by op; only points of the sweep with the paper "
+                        "split and G_ffn 128 are traced (default: 0.5)")
     p.add_argument("--trace-points", default="prefill:1:16384,decode:1:2048", type=_trace_points,
-                   help="phase:batch:tokens points of the per-op trace")
-    p.add_argument("--smollm2-ckpt", default="benchmarks/quality/checkpoints/smollm2-global-s50-g128")
+                   help="phase:batch:tokens points of the per-op trace (default: prefill:1:16384,decode:1:2048)")
+    p.add_argument("--smollm2-ckpt", default="benchmarks/quality/checkpoints/smollm2-global-s50-g128",
+                   help="WIDE checkpoint of the SmolLM2 points (default: the committed S = 0.5 routers)")
     p.add_argument("--smollm2-model", default=None,
                    help="base model of that checkpoint (a GGUF file or HF directory) when its bundled package is "
                         "not installed, e.g. on a GPU machine")
     p.add_argument("--smollm2-text", default=None,
                    help="text the auto engine measures SmolLM2's per-layer activity on (a --text spec of wide "
                         "calibrate, e.g. a .jsonl/.txt file; default: the bundled text)")
-    p.add_argument("--out-dir", default="benchmarks/e2e")
-    p.add_argument("--tag", default="h200")
+    p.add_argument("--out-dir", default="benchmarks/e2e", help="where results go (default: benchmarks/e2e)")
+    p.add_argument("--tag", default="h200", help="result file stem e2e_<tag> (default: h200)")
     p.add_argument("--time-budget", default=1e9, type=float, help="seconds; stop starting new points past this")
     p.add_argument("--report-only", action="store_true", help="rebuild table and plot from the JSON")
     return p
@@ -659,8 +665,7 @@ def run(args) -> int:
     from wide.errors import WideError
 
     if args.report_only:
-        with open(os.path.join(args.out_dir, f"e2e_{args.tag}.json")) as f:
-            write_report(json.load(f), args.out_dir, args.tag)
+        write_report(read_records(os.path.join(args.out_dir, f"e2e_{args.tag}.json")), args.out_dir, args.tag)
         return 0
     import torch
 
@@ -684,6 +689,10 @@ def run(args) -> int:
         grid = [(s, G, sp) for sp in a.split for s in a.sparsity for G in a.G if not (s == 0 and sp != a.split[0])]
         uniform_pts = None
     traces = {}
+    if not a.no_trace and not ("llama8b" in a.models and any(
+            s in a.trace_sparsity and G == 128 and sp == "paper" for s, G, sp in grid)):
+        print(f"note: no per-op trace in this run: it traces Llama-3.1-8B-shaped points of the sweep with the paper "
+              f"split, G_ffn 128 and a sparsity in --trace-sparsity {a.trace_sparsity}", flush=True)
     if "llama8b" in a.models:
         base = build_llama8b()
         kv_per_tok = 2 * base.config.num_hidden_layers * base.config.num_key_value_heads * 128 * 2

@@ -25,26 +25,25 @@ import sys
 import time
 import zlib
 
+from ._args import choice_list, int_list, read_records, sparsity_list
+
 OPS = ("gemm_mn", "gemm_k", "swiglu", "attention_prefill", "attention_decode")
 LLAMA = dict(hidden=4096, ffn=14336, hq=32, hk=8, d=128)
-
-
-def _ints(s):
-    return [int(v) for v in s.split(",") if v]
-
-
-def _floats(s):
-    return [float(v) for v in s.split(",") if v]
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     """Add the benchmark's options to ``parser`` (used by ``wide bench kernels``)."""
     parser.add_argument("--quick", action="store_true", help="small subset (a few minutes)")
-    parser.add_argument("--ops", default=",".join(OPS), help=f"comma list from {OPS}")
-    parser.add_argument("--M", default="1,2,4,16,64,256,1024,4096,16384", type=_ints, help="row counts")
-    parser.add_argument("--G", default="32,64,128,256,512", type=_ints, help="FFN group sizes")
-    parser.add_argument("--sparsity", default="0,0.25,0.5,0.75", type=_floats, help="skip ratios s")
-    parser.add_argument("--T", default="1024,4096,16384", type=_ints, help="attention lengths")
+    parser.add_argument("--ops", default=",".join(OPS), type=choice_list(*OPS),
+                        help=f"comma-separated ops from {', '.join(OPS)} (default: all)")
+    parser.add_argument("--M", default="1,2,4,16,64,256,1024,4096,16384", type=int_list(1),
+                        help="row counts (default: 1,2,4,16,64,256,1024,4096,16384)")
+    parser.add_argument("--G", default="32,64,128,256,512", type=int_list(16),
+                        help="FFN group sizes (default: 32,64,128,256,512)")
+    parser.add_argument("--sparsity", default="0,0.25,0.5,0.75", type=sparsity_list,
+                        help="skip ratios s in [0, 1) (default: 0,0.25,0.5,0.75)")
+    parser.add_argument("--T", default="1024,4096,16384", type=int_list(1),
+                        help="attention lengths (default: 1024,4096,16384)")
     parser.add_argument("--decode-batch", default=16, type=int, help="batch for decode attention")
     parser.add_argument("--tokens", default=16384, type=int, help="B*T for prefill attention")
     parser.add_argument("--out-dir", default="benchmarks/kernels")
@@ -394,12 +393,11 @@ def write_report(records, out_dir, tag):
 
 def run(args) -> int:
     """Run the sweep described by ``args`` (see :func:`add_arguments`); returns an exit code."""
-    os.makedirs(args.out_dir, exist_ok=True)
     out_json = os.path.join(args.out_dir, f"kernels_{args.tag}.json")
     if args.report_only:
-        with open(out_json) as f:
-            write_report(json.load(f), args.out_dir, args.tag)
+        write_report(read_records(out_json), args.out_dir, args.tag)
         return 0
+    os.makedirs(args.out_dir, exist_ok=True)
     import torch
 
     if not torch.cuda.is_available():
@@ -408,7 +406,7 @@ def run(args) -> int:
     torch.backends.cuda.matmul.allow_tf32 = False
     ctx = _Ctx(args)
     ctx.out_json = out_json
-    ops = [o for o in args.ops.split(",") if o]
+    ops = list(args.ops)
     Ms, Gs, Ss, Ts = args.M, args.G, args.sparsity, args.T
     if args.quick:
         Ms, Gs, Ss, Ts = [1, 4, 64, 4096], [128], [0.0, 0.5], [4096]

@@ -727,7 +727,8 @@ class Engine:
         if cache.batch < B:
             raise WideError(f"batch of {B} prompts does not fit a KV cache of {cache.batch} rows")
         if T > cache.max_len:
-            raise WideError(f"prompt of {T} tokens is longer than the KV cache ({cache.max_len} tokens)")
+            raise WideError(f"prompt of {T} token{'s' if T != 1 else ''} is longer than the KV cache "
+                            f"({cache.max_len} token{'s' if cache.max_len != 1 else ''})")
         if attention_mask is None:
             valid = None
             pad = torch.zeros(B, dtype=torch.int64, device=self.device)

@@ -638,11 +638,16 @@ def zero_skipped_heads_(a: torch.Tensor, route: torch.Tensor) -> torch.Tensor:
         ``a`` itself.
 
     Raises:
-        ValueError: ``a`` not 4-D float, ``route`` not bool ``[B, T, N_G]`` with ``N_G`` dividing ``H_q``, or
-            the two on different devices.
+        ValueError: ``a`` or ``route`` not a tensor, ``a`` not 4-D float or requiring grad, ``route`` not bool
+            ``[B, T, N_G]`` with ``N_G`` dividing ``H_q``, or the two on different devices.
     """
-    if not isinstance(a, torch.Tensor) or a.dim() != 4 or a.dtype not in (torch.bfloat16, torch.float16,
-                                                                         torch.float32):
+    for name, t in (("a", a), ("route", route)):
+        if not isinstance(t, torch.Tensor):
+            raise ValueError(f"zero_skipped_heads_: {name} must be a torch.Tensor, got {type(t).__name__}")
+    if a.requires_grad:
+        raise ValueError("zero_skipped_heads_: a requires grad; it is written in place (inference only: call it "
+                         "under torch.no_grad() on a tensor that does not require grad)")
+    if a.dim() != 4 or a.dtype not in (torch.bfloat16, torch.float16, torch.float32):
         raise ValueError("zero_skipped_heads_: a must be a 4-D [B, H_q, T, d] bf16/fp16/fp32 tensor; got "
                          f"{getattr(a, 'dtype', type(a).__name__)} {tuple(getattr(a, 'shape', ()))}")
     B, H, T, D = a.shape
@@ -691,8 +696,11 @@ def masked_swiglu_act(g: torch.Tensor, u: torch.Tensor, route: torch.Tensor, G: 
         ``[M, N]`` in g's dtype.
 
     Raises:
-        ValueError: shapes, dtypes or G that do not fit together.
+        ValueError: inputs that are not tensors, or shapes, dtypes or G that do not fit together.
     """
+    for name, t in (("g", g), ("u", u), ("route", route)):
+        if not isinstance(t, torch.Tensor):
+            raise ValueError(f"masked_swiglu_act: {name} must be a torch.Tensor, got {type(t).__name__}")
     if g.shape != u.shape or g.dim() != 2 or g.dtype != u.dtype:
         raise ValueError(f"masked_swiglu_act: g {tuple(g.shape)} {g.dtype} and u {tuple(u.shape)} {u.dtype} must be "
                          f"equal 2-D shapes and dtypes")

@@ -129,10 +129,10 @@ def generate(engine, tokenizer, prompts, max_new_tokens: int = 32, *, max_len: i
     if max_len is None:
         max_len = need
     if longest > max_len:
-        raise WideError(f"prompt of {longest} tokens is longer than the KV cache ({max_len} tokens)")
+        raise WideError(f"prompt of {_tokens(longest)} is longer than the KV cache ({_tokens(max_len)})")
     if need > max_len:
-        raise WideError(f"prompt of {longest} tokens + {max_new_tokens} new tokens does not fit the KV cache "
-                        f"({max_len} tokens)")
+        raise WideError(f"prompt of {_tokens(longest)} + {max_new_tokens} new does not fit the KV cache "
+                        f"({_tokens(max_len)})")
     ctx = getattr(engine.base.config, "max_position_embeddings", None)
     if ctx is not None and max_len > ctx:
         raise WideError(f"a KV cache of {max_len} tokens (prompt of {longest} + {max_new_tokens} new, or "
@@ -192,3 +192,7 @@ def generate(engine, tokenizer, prompts, max_new_tokens: int = 32, *, max_len: i
         engine.attn_routers is not None or engine.ffn_routers is not None) else {}
     res.texts = [tokenizer.decode(t, skip_special_tokens=True) if tokenizer else "" for t in res.tokens]
     return res
+
+
+def _tokens(n: int) -> str:
+    return f"{n} token" if n == 1 else f"{n} tokens"

@@ -1,0 +1,98 @@
+"""Comma-separated list options of the ``wide bench`` commands, checked when parsed (one clear error each)."""
+
+from __future__ import annotations
+
+import argparse
+import math
+
+
+def _items(s: str, what: str) -> list[str]:
+    items = [v.strip() for v in str(s).split(",") if v.strip()]
+    if not items:
+        raise argparse.ArgumentTypeError(f"empty list; give one or more comma-separated {what}, e.g. 1,2")
+    return items
+
+
+def int_list(lo: int = 1):
+    """Parser of a comma-separated list of integers >= ``lo``."""
+    def parse(s):
+        out = []
+        for v in _items(s, "integers"):
+            try:
+                x = int(v)
+            except ValueError:
+                raise argparse.ArgumentTypeError(f"{v!r} is not an integer (comma-separated integers >= {lo})") \
+                    from None
+            if x < lo:
+                raise argparse.ArgumentTypeError(f"{x} is below {lo} (comma-separated integers >= {lo})")
+            out.append(x)
+        return out
+
+    parse.__name__ = "integer list"
+    return parse
+
+
+def sparsity_list(s):
+    """Comma-separated sparsities ``s`` in [0, 1)."""
+    out = []
+    for v in _items(s, "sparsities in [0, 1)"):
+        try:
+            x = float(v)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{v!r} is not a number (comma-separated sparsities in [0, 1))") \
+                from None
+        if not (math.isfinite(x) and 0.0 <= x < 1.0):
+            raise argparse.ArgumentTypeError(f"sparsity {v} is outside [0, 1)")
+        out.append(x)
+    return out
+
+
+def choice_list(*choices: str):
+    """Parser of a comma-separated list of names from ``choices``."""
+    def parse(s):
+        out = _items(s, "names from " + ", ".join(choices))
+        bad = [v for v in out if v not in choices]
+        if bad:
+            raise argparse.ArgumentTypeError(f"{', '.join(map(repr, bad))} not allowed; choose from {', '.join(choices)}")
+        return out
+
+    parse.__name__ = "list"
+    return parse
+
+
+def int_at_least(lo: int):
+    """Parser of one integer >= ``lo``."""
+    def parse(v):
+        try:
+            x = int(v)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{v!r} is not an integer (an integer >= {lo})") from None
+        if x < lo:
+            raise argparse.ArgumentTypeError(f"{x} is below {lo}")
+        return x
+
+    parse.__name__ = "integer"
+    return parse
+
+
+def read_records(path: str) -> list:
+    """The JSON record list of an earlier run, for ``--report-only``.
+
+    Raises:
+        WideError: the file is missing or is not a JSON list (names the file and the options that choose it).
+    """
+    import json
+    import os
+
+    from ..errors import WideError
+
+    if not os.path.isfile(path):
+        raise WideError(f"--report-only: no results at {path}; --out-dir and --tag choose the file of an earlier run")
+    try:
+        with open(path) as f:
+            recs = json.load(f)
+    except (OSError, ValueError) as e:
+        raise WideError(f"--report-only: {path} is not a readable JSON file ({e})") from None
+    if not isinstance(recs, list):
+        raise WideError(f"--report-only: {path} holds a {type(recs).__name__}, not a list of records")
+    return recs
