@@ -13,19 +13,21 @@ def _items(s: str, what: str) -> list[str]:
     return items
 
 
+def _number(v: str, conv, what: str):
+    try:
+        return conv(v)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{v!r} is not {what}") from None
+
+
 def int_list(lo: int = 1):
     """Parser of a comma-separated list of integers >= ``lo``."""
     def parse(s):
-        out = []
-        for v in _items(s, "integers"):
-            try:
-                x = int(v)
-            except ValueError:
-                raise argparse.ArgumentTypeError(f"{v!r} is not an integer (comma-separated integers >= {lo})") \
-                    from None
-            if x < lo:
-                raise argparse.ArgumentTypeError(f"{x} is below {lo} (comma-separated integers >= {lo})")
-            out.append(x)
+        out = [_number(v, int, f"an integer (comma-separated integers >= {lo})")
+               for v in _items(s, "integers")]
+        low = [x for x in out if x < lo]
+        if low:
+            raise argparse.ArgumentTypeError(f"{low[0]} is below {lo} (comma-separated integers >= {lo})")
         return out
 
     parse.__name__ = "integer list"
@@ -34,16 +36,11 @@ def int_list(lo: int = 1):
 
 def sparsity_list(s):
     """Comma-separated sparsities ``s`` in [0, 1)."""
-    out = []
-    for v in _items(s, "sparsities in [0, 1)"):
-        try:
-            x = float(v)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"{v!r} is not a number (comma-separated sparsities in [0, 1))") \
-                from None
+    out = [_number(v, float, "a number (comma-separated sparsities in [0, 1))")
+           for v in _items(s, "sparsities in [0, 1)")]
+    for x in out:
         if not (math.isfinite(x) and 0.0 <= x < 1.0):
-            raise argparse.ArgumentTypeError(f"sparsity {v} is outside [0, 1)")
-        out.append(x)
+            raise argparse.ArgumentTypeError(f"sparsity {x} is outside [0, 1)")
     return out
 
 
@@ -63,10 +60,7 @@ def choice_list(*choices: str):
 def int_at_least(lo: int):
     """Parser of one integer >= ``lo``."""
     def parse(v):
-        try:
-            x = int(v)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"{v!r} is not an integer (an integer >= {lo})") from None
+        x = _number(v, int, f"an integer (an integer >= {lo})")
         if x < lo:
             raise argparse.ArgumentTypeError(f"{x} is below {lo}")
         return x
