@@ -727,8 +727,7 @@ class Engine:
         if cache.batch < B:
             raise WideError(f"batch of {B} prompts does not fit a KV cache of {cache.batch} rows")
         if T > cache.max_len:
-            raise WideError(f"prompt of {T} token{'s' if T != 1 else ''} is longer than the KV cache "
-                            f"({cache.max_len} token{'s' if cache.max_len != 1 else ''})")
+            raise WideError(f"prompt of {_tokens(T)} is longer than the KV cache ({_tokens(cache.max_len)})")
         if attention_mask is None:
             valid = None
             pad = torch.zeros(B, dtype=torch.int64, device=self.device)
@@ -788,3 +787,8 @@ def _dense_prefill_attention(q, k, v, pad, scale):
     allowed = causal.view(1, 1, T, T) & ((j.view(1, 1, 1, T) >= pad.view(B, 1, 1, 1)) | torch.eye(
         T, dtype=torch.bool, device=q.device).view(1, 1, T, T))
     return F.scaled_dot_product_attention(q, k, v, attn_mask=allowed, scale=scale, enable_gqa=rep > 1)
+
+
+def _tokens(n: int) -> str:
+    """``"1 token"`` / ``"n tokens"`` for error messages."""
+    return f"{n} token" if n == 1 else f"{n} tokens"

@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 import torch
 
 from ..errors import WideError
+from .engine import _tokens
 from .graphs import runner_for
 
 
@@ -192,7 +193,3 @@ def generate(engine, tokenizer, prompts, max_new_tokens: int = 32, *, max_len: i
         engine.attn_routers is not None or engine.ffn_routers is not None) else {}
     res.texts = [tokenizer.decode(t, skip_special_tokens=True) if tokenizer else "" for t in res.tokens]
     return res
-
-
-def _tokens(n: int) -> str:
-    return f"{n} token" if n == 1 else f"{n} tokens"
