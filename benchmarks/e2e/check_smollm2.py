@@ -162,6 +162,11 @@ def _check(args) -> int:
             out = model(torch.tensor([[t]], device=dev), past_key_values=cache, use_cache=True)
         return tokens
 
+    def mask_agreement(masks, truth_masks, n):
+        """Fraction of equal router decisions over the first ``n`` positions of every routed module."""
+        return (sum(int((masks[k][0, :n] == m[0, :n]).sum()) for k, m in truth_masks.items())
+                / sum(m[0, :n].numel() for m in truth_masks.values()))
+
     with torch.no_grad():
         for b, p in enumerate(prompts):
             ids = torch.tensor([tok(p)["input_ids"]], device=dev)
@@ -192,6 +197,7 @@ def _check(args) -> int:
                     inc_n += m[0].numel()
             wm.record_masks = False
             span = slice(n_prompt - 1, n_prompt - 1 + args.steps)
+            n_seen = n_prompt + args.steps - 1  # positions with a decision: the prompt and all but the last token
             if wm32 is not None:  # fp32 full pass on the same tokens: next token and decisions at every position
                 wm32.record_masks = True
                 truth_next = wm32(full).logits[0, span].float().argmax(-1)
@@ -201,10 +207,7 @@ def _check(args) -> int:
                     (ref_logits[span].argmax(-1) == truth_next).float().mean())
                 truth["reference_incremental_next_token_agreement_fp32"] = float(
                     (torch.stack(inc_logits).argmax(-1) == truth_next).float().mean())
-                n_seen = n_prompt + args.steps - 1
-                truth["reference_mask_agreement_fp32"] = (
-                    sum(int((ref_masks[k][0, :n_seen] == m[0, :n_seen]).sum()) for k, m in truth_masks.items())
-                    / sum(m[0, :n_seen].numel() for m in truth_masks.values()))
+                truth["reference_mask_agreement_fp32"] = mask_agreement(ref_masks, truth_masks, n_seen)
             self_err = max(((x - ref_logits[n_prompt - 1 + s]).abs().max() / ref_logits[n_prompt - 1 + s].abs().max()).item()
                            for s, x in enumerate(inc_logits))
             ref_next = ref_logits[n_prompt - 1:n_prompt - 1 + args.steps].argmax(-1)
@@ -244,12 +247,8 @@ def _check(args) -> int:
                 rec["engine_next_token_agreement_fp32"] = float(
                     (torch.stack(eng_logits).argmax(-1) == truth_next).float().mean())
                 em = {k: torch.cat([x.view(1, -1, x.shape[-1]) for x in v], 1) for k, v in eng_masks.items()}
-                n_seen = n_prompt + args.steps - 1
-                rec["engine_mask_agreement_fp32"] = (
-                    sum(int((em[k][0, :n_seen] == m[0, :n_seen]).sum()) for k, m in truth_masks.items())
-                    / sum(m[0, :n_seen].numel() for m in truth_masks.values()))
+                rec["engine_mask_agreement_fp32"] = mask_agreement(em, truth_masks, n_seen)
             # the masking path given the engine's decisions: the kernels' own error, without decision flips
-            n_seen = n_prompt + args.steps - 1
             fixed = _fixed_mask_logits(wm, eng_masks, full[:, :n_seen], torch.ones_like(full[:, :n_seen]))[0]
             fixed_err = max(((x - fixed[n_prompt - 1 + s]).abs().max() / fixed[n_prompt - 1 + s].abs().max()).item()
                             for s, x in enumerate(eng_logits))

@@ -56,10 +56,10 @@ def _strs(s):
 
 
 def _trace_points(s):
-    out = []
-    if not _strs(s):
+    out, items = [], _strs(s)
+    if not items:
         raise argparse.ArgumentTypeError("empty list; give phase:batch:tokens points, e.g. prefill:1:2048")
-    for item in _strs(s):
+    for item in items:
         try:
             phase, B, T = item.split(":")
             B, T = int(B), int(T)
@@ -768,14 +768,14 @@ def run(args) -> int:
                         td = trace_layer(dense_eng, B, T, phase)
                         ta = trace_layer(wide_eng.auto, B, T, phase)
                         traces[key] = {"wide": tw, "dense": td, "amdahl": amdahl(tw, td),
-                                                        "wide_auto": ta, "amdahl_auto": amdahl(ta, td),
-                                                        "sparsity": s, "G_ffn": G, "split": split,
-                                                        "gpu": ctx.gpu, "date": ctx.date, "command": ctx.command}
+                                       "wide_auto": ta, "amdahl_auto": amdahl(ta, td),
+                                       "sparsity": s, "G_ffn": G, "split": split,
+                                       "gpu": ctx.gpu, "date": ctx.date, "command": ctx.command}
                         with open(os.path.join(a.out_dir, f"e2e_{a.tag}_trace.json"), "w") as f:
                             json.dump(traces, f, indent=1)
                         print(f"trace {key}: {json.dumps(traces[key]['amdahl'])}", flush=True)
                     except Exception as e:  # keep the sweep's results
-                        print(f"trace {phase} failed: {type(e).__name__}: {e}", flush=True)
+                        print(f"trace {key} failed: {type(e).__name__}: {e}", flush=True)
             del wm, wide_eng, dense_eng
             torch.cuda.empty_cache()
         del base

@@ -26,7 +26,7 @@ import weakref
 import torch
 import torch.nn.functional as F
 
-from ..kernels._common import HAS_TRITON, interpret_mode, next_pow2, pow2_part, use_triton
+from ..kernels._common import HAS_TRITON, check_tensor, interpret_mode, next_pow2, pow2_part, use_triton
 
 if HAS_TRITON:
     import triton
@@ -641,21 +641,19 @@ def zero_skipped_heads_(a: torch.Tensor, route: torch.Tensor) -> torch.Tensor:
         ValueError: ``a`` or ``route`` not a tensor, ``a`` not 4-D float or requiring grad, ``route`` not bool
             ``[B, T, N_G]`` with ``N_G`` dividing ``H_q``, or the two on different devices.
     """
-    for name, t in (("a", a), ("route", route)):
-        if not isinstance(t, torch.Tensor):
-            raise ValueError(f"zero_skipped_heads_: {name} must be a torch.Tensor, got {type(t).__name__}")
+    check_tensor("a", a)
+    check_tensor("route", route)
     if a.requires_grad:
         raise ValueError("zero_skipped_heads_: a requires grad; it is written in place (inference only: call it "
                          "under torch.no_grad() on a tensor that does not require grad)")
     if a.dim() != 4 or a.dtype not in (torch.bfloat16, torch.float16, torch.float32):
         raise ValueError("zero_skipped_heads_: a must be a 4-D [B, H_q, T, d] bf16/fp16/fp32 tensor; got "
-                         f"{getattr(a, 'dtype', type(a).__name__)} {tuple(getattr(a, 'shape', ()))}")
+                         f"{a.dtype} {tuple(a.shape)}")
     B, H, T, D = a.shape
-    if (not isinstance(route, torch.Tensor) or route.dtype != torch.bool or route.dim() != 3
-            or tuple(route.shape[:2]) != (B, T) or route.shape[2] < 1 or H % route.shape[2]):
+    if (route.dtype != torch.bool or route.dim() != 3 or tuple(route.shape[:2]) != (B, T) or route.shape[2] < 1
+            or H % route.shape[2]):
         raise ValueError(f"zero_skipped_heads_: route must be bool [B, T, N_G] = [{B}, {T}, N_G] with N_G dividing "
-                         f"H_q={H}; got {getattr(route, 'dtype', type(route).__name__)} "
-                         f"{tuple(getattr(route, 'shape', ()))}")
+                         f"H_q={H}; got {route.dtype} {tuple(route.shape)}")
     if route.device != a.device:
         raise ValueError(f"zero_skipped_heads_: a is on {a.device}, route on {route.device}")
     if not use_triton(a):
@@ -699,8 +697,7 @@ def masked_swiglu_act(g: torch.Tensor, u: torch.Tensor, route: torch.Tensor, G: 
         ValueError: inputs that are not tensors, or shapes, dtypes or G that do not fit together.
     """
     for name, t in (("g", g), ("u", u), ("route", route)):
-        if not isinstance(t, torch.Tensor):
-            raise ValueError(f"masked_swiglu_act: {name} must be a torch.Tensor, got {type(t).__name__}")
+        check_tensor(name, t)
     if g.shape != u.shape or g.dim() != 2 or g.dtype != u.dtype:
         raise ValueError(f"masked_swiglu_act: g {tuple(g.shape)} {g.dtype} and u {tuple(u.shape)} {u.dtype} must be "
                          f"equal 2-D shapes and dtypes")
