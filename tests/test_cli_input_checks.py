@@ -397,7 +397,8 @@ def test_bench_e2e_trace_points_parse_and_reject():
 @pytest.mark.parametrize("opt,bad,msg", [
     ("--sparsity", "0.5,1.5", "sparsity 1.5 is outside [0, 1)"), ("--sparsity", "nan", "sparsity nan is outside"),
     ("--sparsity", "0.5,x", "'x' is not a number"), ("--G", "1.5", "'1.5' is not an integer"),
-    ("--G", "8", "8 is below 16"), ("--sparsity", ",", "empty list"),
+    ("--G", "8", "8 is below 16"), ("--G", "128,100", "group size 100 is not a power of two"),
+    ("--sparsity", ",", "empty list"),
 ])
 def test_bench_list_options_rejected_with_one_clear_error(bench, opt, bad, msg, capsys):
     pytest.importorskip(f"wide.bench.{bench}")

@@ -108,7 +108,9 @@ def _check(args) -> int:
         """Write the summary of the prompts done so far (after each prompt: a killed run keeps its part)."""
         total = len(per_prompt) * args.steps
         summary = {
-            "checkpoint": args.ckpt, "device": str(dev), "dtype": str(next(wm.base.parameters()).dtype),
+            "checkpoint": args.ckpt, "device": str(dev),
+            "gpu": torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu",
+            "dtype": str(next(wm.base.parameters()).dtype),
             "path": res.path if res is not None else "reference only", "prompts": len(per_prompt),
             "prompts_planned": len(prompts), "steps": args.steps,
             "reference_incremental_max_rel_logit_err": max(r["reference_incremental_max_rel_logit_err"]

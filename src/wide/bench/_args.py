@@ -34,6 +34,16 @@ def int_list(lo: int = 1):
     return parse
 
 
+def group_list(s):
+    """Comma-separated FFN group sizes: powers of two >= 16, as :class:`wide.WideConfig` requires (they divide
+    Llama-3.1-8B's FFN width 14336 = 2^11 * 7 up to 2048)."""
+    out = int_list(16)(s)
+    bad = [g for g in out if g & (g - 1) or g > 2048]
+    if bad:
+        raise argparse.ArgumentTypeError(f"group size {bad[0]} is not a power of two from 16 to 2048 (16, 32, 64, ...)")
+    return out
+
+
 def sparsity_list(s):
     """Comma-separated sparsities ``s`` in [0, 1)."""
     out = [_number(v, float, "a number (comma-separated sparsities in [0, 1))")

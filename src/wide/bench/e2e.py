@@ -38,7 +38,7 @@ import statistics
 import sys
 import time
 
-from ._args import choice_list, int_at_least, int_list, read_records, sparsity_list
+from ._args import choice_list, group_list, int_at_least, int_list, read_records, sparsity_list
 
 PAPER_SPLIT = (0.66, 0.285)  # attention / FFN sparsity at overall 0.4725 (§4.4)
 LLAMA8B = dict(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
@@ -83,7 +83,7 @@ def add_arguments(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
                    help="prompt lengths in tokens (default: 512,2048,16384)")
     p.add_argument("--sparsity", default="0,0.25,0.5", type=sparsity_list,
                    help="overall target sparsities s in [0, 1) (default: 0,0.25,0.5)")
-    p.add_argument("--G", default="64,128,256", type=int_list(16), help="FFN group sizes (default: 64,128,256)")
+    p.add_argument("--G", default="64,128,256", type=group_list, help="FFN group sizes (default: 64,128,256)")
     p.add_argument("--split", default="paper,uniform", type=choice_list("paper", "uniform"),
                    help="attention/FFN split of s: paper, uniform (default: both)")
     p.add_argument("--phases", default="prefill,decode", type=choice_list("prefill", "decode"),

@@ -25,7 +25,7 @@ import sys
 import time
 import zlib
 
-from ._args import choice_list, int_list, read_records, sparsity_list
+from ._args import choice_list, group_list, int_list, read_records, sparsity_list
 
 OPS = ("gemm_mn", "gemm_k", "swiglu", "attention_prefill", "attention_decode")
 LLAMA = dict(hidden=4096, ffn=14336, hq=32, hk=8, d=128)
@@ -38,7 +38,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                         help=f"comma-separated ops from {', '.join(OPS)} (default: all)")
     parser.add_argument("--M", default="1,2,4,16,64,256,1024,4096,16384", type=int_list(1),
                         help="row counts (default: 1,2,4,16,64,256,1024,4096,16384)")
-    parser.add_argument("--G", default="32,64,128,256,512", type=int_list(16),
+    parser.add_argument("--G", default="32,64,128,256,512", type=group_list,
                         help="FFN group sizes (default: 32,64,128,256,512)")
     parser.add_argument("--sparsity", default="0,0.25,0.5,0.75", type=sparsity_list,
                         help="skip ratios s in [0, 1) (default: 0,0.25,0.5,0.75)")
