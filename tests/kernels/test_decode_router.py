@@ -113,6 +113,26 @@ def test_router_split3_many_rows():
     assert torch.equal(router_mask(R, x)[clear], got[clear])  # the path router_mask picks on this device
 
 
+@pytest.mark.parametrize("rows", [33, 70])
+@pytest.mark.parametrize("D,N", [(64, 8), (200, 112)])
+def test_router_tile_split3(rows, D, N):
+    """The many-row tile kernel with ``x W1^T`` on tensor cores against W1's three bf16 pieces (bf16 rows):
+    logits within fp32 rounding of float64, decisions equal away from near-ties; fp16 rows are refused."""
+    gen = seed_for("router_tile3", rows, D, N)
+    R = _router(D, N, 16, gen)
+    x = torch.randn((rows, D), generator=gen).to(torch.bfloat16).to(DEVICE)
+    ref = _logits64(R, x)
+    scale = ref.abs().max().item()
+    clear = (ref[..., 0] - ref[..., 1]).abs() > 1e-4 * scale
+    assert clear.float().mean().item() > 0.9
+    logits = torch.full((rows, N, 2), float("nan"), dtype=torch.float32, device=DEVICE)
+    mask = fused._router_tile_launch(R, x, logits, split3=True)
+    assert (logits.double() - ref).abs().max().item() <= 1e-5 * scale + 1e-6
+    assert torch.equal(mask[clear], (ref[..., 0] >= ref[..., 1])[clear])
+    with pytest.raises(ValueError, match="bf16"):
+        fused._router_tile_launch(R, x.half(), split3=True)
+
+
 @pytest.mark.parametrize("rows", [1, 3, 40])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 def test_router_reads_residual_add(rows, dtype):

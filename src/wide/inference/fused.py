@@ -54,24 +54,28 @@ if HAS_TRITON:
 
     @triton.jit
     def _rope_cache_kernel(q_ptr, k_ptr, v_ptr, cos_ptr, sin_ptr, qo_ptr, ko_ptr, ck_ptr, cv_ptr, slot_ptr,
-                           T, Hq, Hk, sqm, skm, svm, sck_b, sck_h, sck_t, scv_b, scv_h, scv_t,
-                           HALF: tl.constexpr, WRITE_K: tl.constexpr):
-        bt = tl.program_id(0).to(tl.int64)  # token b*T + t
+                           NT, T, Hq, Hk, sqm, skm, svm, sck_b, sck_h, sck_t, scv_b, scv_h, scv_t,
+                           HALF: tl.constexpr, BT: tl.constexpr, WRITE_K: tl.constexpr):
+        # grid (token blocks of BT, Hq + 2 Hk heads): a program moves one head of BT tokens as [BT, HALF] tiles
+        bt = tl.program_id(0).to(tl.int64) * BT + tl.arange(0, BT)  # tokens b*T + t
+        tm = bt < NT
         head = tl.program_id(1)
         b = bt // T
-        offs = tl.arange(0, HALF)
-        slot = tl.load(slot_ptr + bt)
+        offs = tl.arange(0, HALF)[None, :]
+        m2 = tm[:, None]
+        slot = tl.load(slot_ptr + bt, mask=tm, other=0)[:, None]
         if head < Hq + Hk:
             if head < Hq:
-                src = q_ptr + bt * sqm + head * (2 * HALF)
+                src = q_ptr + bt[:, None] * sqm + head * (2 * HALF)
             else:
-                src = k_ptr + bt * skm + (head - Hq) * (2 * HALF)
-            x1 = tl.load(src + offs)
-            x2 = tl.load(src + HALF + offs)
-            c1 = tl.load(cos_ptr + bt * (2 * HALF) + offs)
-            c2 = tl.load(cos_ptr + bt * (2 * HALF) + HALF + offs)
-            s1 = tl.load(sin_ptr + bt * (2 * HALF) + offs)
-            s2 = tl.load(sin_ptr + bt * (2 * HALF) + HALF + offs)
+                src = k_ptr + bt[:, None] * skm + (head - Hq) * (2 * HALF)
+            x1 = tl.load(src + offs, mask=m2)
+            x2 = tl.load(src + HALF + offs, mask=m2)
+            cs = bt[:, None] * (2 * HALF) + offs
+            c1 = tl.load(cos_ptr + cs, mask=m2)
+            c2 = tl.load(cos_ptr + cs + HALF, mask=m2)
+            s1 = tl.load(sin_ptr + cs, mask=m2)
+            s2 = tl.load(sin_ptr + cs + HALF, mask=m2)
             dt = x1.dtype
             # apply_rotary_pos_emb: (x * cos) + (rotate_half(x) * sin), each op rounded to the model dtype
             o1 = ((x1.to(tl.float32) * c1.to(tl.float32)).to(dt).to(tl.float32)
@@ -79,24 +83,24 @@ if HAS_TRITON:
             o2 = ((x2.to(tl.float32) * c2.to(tl.float32)).to(dt).to(tl.float32)
                   + (x1.to(tl.float32) * s2.to(tl.float32)).to(dt).to(tl.float32)).to(dt)
             if head < Hq:
-                dst = qo_ptr + bt * (Hq * 2 * HALF) + head * (2 * HALF)
-                tl.store(dst + offs, o1)
-                tl.store(dst + HALF + offs, o2)
+                dst = qo_ptr + bt[:, None] * (Hq * 2 * HALF) + head * (2 * HALF) + offs
+                tl.store(dst, o1, mask=m2)
+                tl.store(dst + HALF, o2, mask=m2)
             else:
                 hk = head - Hq
-                dst = ck_ptr + b * sck_b + hk * sck_h + slot * sck_t
-                tl.store(dst + offs, o1)
-                tl.store(dst + HALF + offs, o2)
+                dst = ck_ptr + b[:, None] * sck_b + hk * sck_h + slot * sck_t + offs
+                tl.store(dst, o1, mask=m2)
+                tl.store(dst + HALF, o2, mask=m2)
                 if WRITE_K:
-                    dk = ko_ptr + bt * (Hk * 2 * HALF) + hk * (2 * HALF)
-                    tl.store(dk + offs, o1)
-                    tl.store(dk + HALF + offs, o2)
+                    dk = ko_ptr + bt[:, None] * (Hk * 2 * HALF) + hk * (2 * HALF) + offs
+                    tl.store(dk, o1, mask=m2)
+                    tl.store(dk + HALF, o2, mask=m2)
         else:
             hv = head - Hq - Hk
-            src = v_ptr + bt * svm + hv * (2 * HALF)
-            dst = cv_ptr + b * scv_b + hv * scv_h + slot * scv_t
-            tl.store(dst + offs, tl.load(src + offs))
-            tl.store(dst + HALF + offs, tl.load(src + HALF + offs))
+            src = v_ptr + bt[:, None] * svm + hv * (2 * HALF) + offs
+            dst = cv_ptr + b[:, None] * scv_b + hv * scv_h + slot * scv_t + offs
+            tl.store(dst, tl.load(src, mask=m2), mask=m2)
+            tl.store(dst + HALF, tl.load(src + HALF, mask=m2), mask=m2)
 
     @triton.jit
     def _router_rows_kernel(x_ptr, w1_ptr, b1_ptr, w2_ptr, b2_ptr, out_ptr, D, N, stride_xm,
@@ -197,9 +201,12 @@ if HAS_TRITON:
     @triton.jit
     def _router_tile_kernel(x_ptr, w1_ptr, b1_ptr, w2_ptr, b2_ptr, out_ptr, logit_ptr, rows, D, N, stride_xm,
                             R: tl.constexpr, BM: tl.constexpr, BD: tl.constexpr, NP: tl.constexpr,
-                            WRITE_LOGITS: tl.constexpr):
-        # Many rows (prefill): each program owns BM rows and streams all of W1 (r x D fp32, L2-resident);
-        # h = x W1^T + b1 and the two class logits h W2^T + b2 are fp32 dots (``ieee``: no TF32), then argmax.
+                            WRITE_LOGITS: tl.constexpr, SPLIT3: tl.constexpr):
+        # Many rows (prefill): each program owns BM rows and streams all of W1 (L2-resident);
+        # h = x W1^T + b1 and the two class logits h W2^T + b2, then argmax.  W1 is either fp32 [r, D] (fp32
+        # dots, ``ieee``: no TF32) or, with SPLIT3 (bf16 x), its three bf16 pieces [hi; mid; lo] ([3r, D],
+        # :func:`_w1_split3`) on tensor cores: products of bf16 values are exact in fp32, the three fp32
+        # accumulators are summed (hi + mid) + lo as :func:`_router_split3` does.
         pid = tl.program_id(0)
         offs_m = pid * BM + tl.arange(0, BM)
         mrow = offs_m < rows
@@ -207,13 +214,22 @@ if HAS_TRITON:
         offs_r = tl.arange(0, R)
         offs_d = tl.arange(0, BD)
         acc = tl.zeros((BM, R), dtype=tl.float32)
+        acc_mid = tl.zeros((BM, R), dtype=tl.float32)
+        acc_lo = tl.zeros((BM, R), dtype=tl.float32)
         for d0 in range(0, D, BD):
             dd = d0 + offs_d
             dm = dd < D
             x = tl.load(x_ptr + offs_m64[:, None] * stride_xm + dd[None, :], mask=mrow[:, None] & dm[None, :],
-                        other=0.0).to(tl.float32)  # [BM, BD]
-            w = tl.load(w1_ptr + offs_r[None, :] * D + dd[:, None], mask=dm[:, None], other=0.0)  # [BD, R]
-            acc = mma(x, w, acc)
+                        other=0.0)  # [BM, BD]
+            w_ptrs = w1_ptr + offs_r[None, :] * D + dd[:, None]  # [BD, R]
+            if SPLIT3:
+                acc = mma(x, tl.load(w_ptrs, mask=dm[:, None], other=0.0), acc)
+                acc_mid = mma(x, tl.load(w_ptrs + R * D, mask=dm[:, None], other=0.0), acc_mid)
+                acc_lo = mma(x, tl.load(w_ptrs + 2 * R * D, mask=dm[:, None], other=0.0), acc_lo)
+            else:
+                acc = mma(x.to(tl.float32), tl.load(w_ptrs, mask=dm[:, None], other=0.0), acc)
+        if SPLIT3:
+            acc = (acc + acc_mid) + acc_lo
         h = acc + tl.load(b1_ptr + offs_r)[None, :]
         offs_n = tl.arange(0, NP)
         nm = offs_n < N
@@ -361,10 +377,16 @@ def rope_cache(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.Ten
     qo = torch.empty((B, T, Hq, d), dtype=q.dtype, device=q.device)
     ko = torch.empty((B, T, Hk, d), dtype=q.dtype, device=q.device) if want_k else qo
     slots = slots.contiguous()
-    _rope_cache_kernel[(B * T, Hq + 2 * Hk)](
-        q, k, v, cos, sin, qo, ko, cache_k, cache_v, slots, T, Hq, Hk, token_stride(q), token_stride(k), token_stride(v),
-        cache_k.stride(0), cache_k.stride(1), cache_k.stride(2), cache_v.stride(0), cache_v.stride(1),
-        cache_v.stride(2), HALF=d // 2, WRITE_K=want_k, **({} if interpret_mode() else {"num_warps": 1}))
+    NT = B * T
+    # a block of tokens per program: one token per program (the former kernel) ran prefill at 16k tokens at
+    # about a quarter of the H200's bandwidth (786k programs of 256 bytes each)
+    BT = max(2, min(8 if interpret_mode() else 32, next_pow2(NT)))
+    warps = max(1, min(4, BT * d // 512))
+    _rope_cache_kernel[(triton.cdiv(NT, BT), Hq + 2 * Hk)](
+        q, k, v, cos, sin, qo, ko, cache_k, cache_v, slots, NT, T, Hq, Hk, token_stride(q), token_stride(k),
+        token_stride(v), cache_k.stride(0), cache_k.stride(1), cache_k.stride(2), cache_v.stride(0),
+        cache_v.stride(1), cache_v.stride(2), HALF=d // 2, BT=BT, WRITE_K=want_k,
+        **({} if interpret_mode() else {"num_warps": warps}))
     return qo, (ko if want_k else None)
 
 
@@ -444,17 +466,22 @@ def _router_ok(router, x: torch.Tensor) -> bool:
 
 
 def _router_tile_launch(router, x2: torch.Tensor, logits: torch.Tensor | None = None, BM: int = 64,
-                        num_warps: int = 4) -> torch.Tensor:
+                        num_warps: int = 4, split3: bool = False) -> torch.Tensor:
+    """The many-row tile kernel: ``BM`` rows per program; ``split3`` (bf16 x only) runs ``x W1^T`` on tensor
+    cores against the three bf16 pieces of W1 (:func:`_w1_split3`) instead of as an fp32 dot."""
     rows, D = x2.shape
     N = router.n_groups
     out = torch.empty((rows, N), dtype=torch.bool, device=x2.device)
     BM = 16 if interpret_mode() else BM
-    w1, b1 = router.w1.weight.contiguous(), router.w1.bias.contiguous()
+    if split3 and x2.dtype != torch.bfloat16:
+        raise ValueError(f"router tile kernel: split3 needs bf16 rows, got {x2.dtype}")
+    w1 = _w1_split3(router) if split3 else router.w1.weight.contiguous()
+    b1 = router.w1.bias.contiguous()
     w2, b2 = router.w2.weight.contiguous(), router.w2.bias.contiguous()
     _router_tile_kernel[(triton.cdiv(rows, BM),)](
         x2, w1, b1, w2, b2, out, logits if logits is not None else b2, rows, D, N, x2.stride(0),
         R=router.w1.out_features, BM=BM, BD=32 if interpret_mode() else 64, NP=max(16, next_pow2(N)),
-        WRITE_LOGITS=logits is not None, **({} if interpret_mode() else {"num_warps": num_warps}))
+        WRITE_LOGITS=logits is not None, SPLIT3=split3, **({} if interpret_mode() else {"num_warps": num_warps}))
     return out
 
 
@@ -499,24 +526,27 @@ def _router_split3(router, x2: torch.Tensor) -> torch.Tensor:
 
 
 def _router_many(router, x2: torch.Tensor) -> torch.Tensor:
-    """Many-row (prefill) router: the fastest of the tile kernel (two tile shapes, four up to 8192 rows), the
-    split-W1 tensor-core GEMM (bf16 input) and the module itself, timed once per shape on the GPU
-    (:func:`pick_config`, cached)."""
+    """Many-row (prefill) router: the fastest of the tile kernel (fp32 dots, or for bf16 input tensor-core dots
+    against the split W1; two tile shapes, four up to 8192 rows), the split-W1 cuBLAS GEMM (bf16 input) and the
+    module itself, timed once per shape on the GPU (:func:`pick_config`, cached)."""
     from ..kernels._common import m_bucket, pick_config
     from ..routing import argmax_mask
 
     rows, D = x2.shape
-    cands = [dict(impl="tile", BM=64, num_warps=4), dict(impl="tile", BM=128, num_warps=8)]
-    if rows <= 8192:  # a few thousand rows: 64-row tiles leave most of the GPU's SMs idle
-        cands += [dict(impl="tile", BM=16, num_warps=4), dict(impl="tile", BM=32, num_warps=4)]
+    bms = [(64, 4), (128, 8)] + ([(16, 4), (32, 4)] if rows <= 8192 else [])  # a few thousand rows: 64-row
+    cands = []                                                                   # tiles leave most SMs idle
+    if x2.dtype == torch.bfloat16 and x2.is_cuda:
+        cands += [dict(impl="tile3", BM=bm, num_warps=w) for bm, w in bms]
+    cands += [dict(impl="tile", BM=bm, num_warps=w) for bm, w in bms]
     if x2.dtype == torch.bfloat16 and x2.is_cuda:
         cands.append(dict(impl="split3"))
     cands.append(dict(impl="module"))
     res = {}
 
     def run(cfg):
-        if cfg["impl"] == "tile":
-            res["out"] = _router_tile_launch(router, x2, BM=cfg["BM"], num_warps=cfg["num_warps"])
+        if cfg["impl"] in ("tile", "tile3"):
+            res["out"] = _router_tile_launch(router, x2, BM=cfg["BM"], num_warps=cfg["num_warps"],
+                                             split3=cfg["impl"] == "tile3")
         elif cfg["impl"] == "split3":
             res["out"] = _router_split3(router, x2)
         else:
@@ -553,10 +583,11 @@ def router_mask(router, x: torch.Tensor, add: torch.Tensor | None = None) -> tor
     many SMs at once), and the program that arrives last (atomic counter, reset by that program) sums the
     partials in a fixed order, adds ``b1``, computes the two fp32 class logits per group with ``W2, b2``
     and writes the argmax.  With more rows (prefill) and a power-of-two rank >= 16 it is the fastest on this
-    GPU (timed once per shape, cached like the kernels' tile configs) of: a tile kernel whose programs own 64
-    or 128 rows, read them once in the model dtype (no fp32 copy of ``x``) and compute both GEMMs as fp32
-    dots and the argmax; for bf16 ``x``, one tensor-core GEMM against W1 split into three bf16 pieces that
-    sum to it exactly (fp32 accumulation of exact products); and the module itself.  Otherwise the router
+    GPU (timed once per shape, cached like the kernels' tile configs) of: a tile kernel whose programs own 16
+    to 128 rows, read them once in the model dtype (no fp32 copy of ``x``) and compute both GEMMs and the
+    argmax in one launch, ``x W1^T`` either as an fp32 dot or, for bf16 ``x``, on tensor cores against W1
+    split into three bf16 pieces that sum to it exactly (fp32 accumulation of exact products); the same
+    split as one cuBLAS GEMM followed by PyTorch ops; and the module itself.  Otherwise the router
     module and :func:`wide.routing.argmax_mask` run (the reference).  All compute in fp32; the summation order
     differs, so a decision can differ only where the two logits tie to fp32 rounding.  Concurrent calls on
     different CUDA streams use separate workspaces; calls on one stream are serialised by the stream.
