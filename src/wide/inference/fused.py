@@ -97,10 +97,10 @@ if HAS_TRITON:
                     tl.store(dk + HALF, o2, mask=m2)
         else:
             hv = head - Hq - Hk
-            src = v_ptr + bt[:, None] * svm + hv * (2 * HALF) + offs
-            dst = cv_ptr + b[:, None] * scv_b + hv * scv_h + slot * scv_t + offs
-            tl.store(dst, tl.load(src, mask=m2), mask=m2)
-            tl.store(dst + HALF, tl.load(src + HALF, mask=m2), mask=m2)
+            vsrc = v_ptr + bt[:, None] * svm + hv * (2 * HALF) + offs
+            vdst = cv_ptr + b[:, None] * scv_b + hv * scv_h + slot * scv_t + offs
+            tl.store(vdst, tl.load(vsrc, mask=m2), mask=m2)
+            tl.store(vdst + HALF, tl.load(vsrc + HALF, mask=m2), mask=m2)
 
     @triton.jit
     def _router_rows_kernel(x_ptr, w1_ptr, b1_ptr, w2_ptr, b2_ptr, out_ptr, D, N, stride_xm,
