@@ -5,8 +5,8 @@ Times, under CUDA-graph replay (median; ``wide.bench.kernels._graph_time_ms``), 
 * ``reorder`` (Eq. 7, Algorithm 1) of an FFN mask ``[M, 112]`` and of an attention mask ``[1, M, 8]``,
   Bernoulli(0.5), checked equal to ``reference.reorder_ref``;
 * every many-row router implementation ``router_mask`` chooses from (``fused._router_many``; D = 4096, rank 16,
-  N_G = 112 and 8): the tile kernel with tensor-core dots against W1's three bf16 pieces (``tile3``), with fp32
-  dots (``tile``), the split-W1 cuBLAS GEMM (``split3``) and the module + argmax (``module``); the fraction of
+  N_G = 112 and 8): the tile kernel with tensor-core dots against W1's three bf16 pieces (``tile3``; also with D
+  split over 4-8 programs per row tile, ``splitD``), with fp32 dots (``tile``), the split-W1 cuBLAS GEMM (``split3``) and the module + argmax (``module``); the fraction of
   decisions equal to the module's is recorded;
 * the fused RoPE + K/V cache write (``fused.rope_cache``; 32 / 8 heads of 128) against its PyTorch reference
   (``rope_cache_ref``), checked equal.
@@ -77,6 +77,9 @@ def main(argv=None) -> None:
                 impls[f"tile3 BM{bm}"] = lambda r=r, bm=bm, w=w: fused._router_tile_launch(r, x, BM=bm, num_warps=w,
                                                                                         split3=True)
                 impls[f"tile BM{bm}"] = lambda r=r, bm=bm, w=w: fused._router_tile_launch(r, x, BM=bm, num_warps=w)
+            for bm, sd in ((64, 4), (64, 8), (32, 8)):
+                impls[f"tile3 BM{bm} splitD{sd}"] = lambda r=r, bm=bm, sd=sd: fused._router_tile_launch(
+                    r, x, BM=bm, num_warps=4, split3=True, splitd=sd)
             base = _graph_time_ms([impls["module"]])
             for name, fn in impls.items():
                 eq = (fn() == want).float().mean().item()

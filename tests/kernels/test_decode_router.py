@@ -115,20 +115,28 @@ def test_router_split3_many_rows():
 
 @pytest.mark.parametrize("rows", [33, 70])
 @pytest.mark.parametrize("D,N", [(64, 8), (200, 112)])
-def test_router_tile_split3(rows, D, N):
-    """The many-row tile kernel with ``x W1^T`` on tensor cores against W1's three bf16 pieces (bf16 rows):
-    logits within fp32 rounding of float64, decisions equal away from near-ties; fp16 rows are refused."""
-    gen = seed_for("router_tile3", rows, D, N)
+@pytest.mark.parametrize("split3,splitd", [(True, 1), (True, 3), (False, 4)])
+def test_router_tile_split3(rows, D, N, split3, splitd):
+    """The many-row tile kernel with ``x W1^T`` on tensor cores against W1's three bf16 pieces (bf16 rows) or as an
+    fp32 dot, with D unsplit or split over ``splitd`` programs per row tile (partials summed by the last to arrive):
+    logits within fp32 rounding of float64, decisions equal away from near-ties, the same on a second launch (the
+    arrival counters reset themselves); fp16 rows are refused by the tensor-core form."""
+    gen = seed_for("router_tile3", rows, D, N, split3, splitd)
     R = _router(D, N, 16, gen)
     x = torch.randn((rows, D), generator=gen).to(torch.bfloat16).to(DEVICE)
     ref = _logits64(R, x)
     scale = ref.abs().max().item()
     clear = (ref[..., 0] - ref[..., 1]).abs() > 1e-4 * scale
     assert clear.float().mean().item() > 0.9
-    logits = torch.full((rows, N, 2), float("nan"), dtype=torch.float32, device=DEVICE)
-    mask = fused._router_tile_launch(R, x, logits, split3=True)
-    assert (logits.double() - ref).abs().max().item() <= 1e-5 * scale + 1e-6
-    assert torch.equal(mask[clear], (ref[..., 0] >= ref[..., 1])[clear])
+    for _ in range(2):
+        logits = torch.full((rows, N, 2), float("nan"), dtype=torch.float32, device=DEVICE)
+        mask = fused._router_tile_launch(R, x, logits, split3=split3, splitd=splitd)
+        assert (logits.double() - ref).abs().max().item() <= 1e-5 * scale + 1e-6
+        assert torch.equal(mask[clear], (ref[..., 0] >= ref[..., 1])[clear])
+    for (_dev, _s), cnt in fused._ROUTER_TILE_CNT.items():
+        assert int(cnt.abs().sum()) == 0
+    with pytest.raises(ValueError, match="bf16"):
+        fused._router_tile_launch(R, x.half(), split3=True)
     with pytest.raises(ValueError, match="bf16"):
         fused._router_tile_launch(R, x.half(), split3=True)
 

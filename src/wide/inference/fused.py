@@ -199,15 +199,19 @@ if HAS_TRITON:
 
 
     @triton.jit
-    def _router_tile_kernel(x_ptr, w1_ptr, b1_ptr, w2_ptr, b2_ptr, out_ptr, logit_ptr, rows, D, N, stride_xm,
-                            R: tl.constexpr, BM: tl.constexpr, BD: tl.constexpr, NP: tl.constexpr,
-                            WRITE_LOGITS: tl.constexpr, SPLIT3: tl.constexpr):
-        # Many rows (prefill): each program owns BM rows and streams all of W1 (L2-resident);
-        # h = x W1^T + b1 and the two class logits h W2^T + b2, then argmax.  W1 is either fp32 [r, D] (fp32
-        # dots, ``ieee``: no TF32) or, with SPLIT3 (bf16 x), its three bf16 pieces [hi; mid; lo] ([3r, D],
-        # :func:`_w1_split3`) on tensor cores: products of bf16 values are exact in fp32, the three fp32
-        # accumulators are summed (hi + mid) + lo as :func:`_router_split3` does.
+    def _router_tile_kernel(x_ptr, w1_ptr, b1_ptr, w2_ptr, b2_ptr, out_ptr, logit_ptr, part_ptr, cnt_ptr, rows, D, N,
+                            stride_xm, DS, R: tl.constexpr, BM: tl.constexpr, BD: tl.constexpr, NP: tl.constexpr,
+                            WRITE_LOGITS: tl.constexpr, SPLIT3: tl.constexpr, SPLITD: tl.constexpr):
+        # Many rows (prefill): program (i, p) owns BM rows and D columns [p * DS, (p + 1) * DS) of x W1^T; with
+        # SPLITD = 1 it streams all of W1 (L2-resident).  h = x W1^T + b1 and the two class logits h W2^T + b2,
+        # then argmax.  W1 is either fp32 [r, D] (fp32 dots, ``ieee``: no TF32) or, with SPLIT3 (bf16 x), its
+        # three bf16 pieces [hi; mid; lo] ([3r, D], :func:`_w1_split3`) on tensor cores: products of bf16 values
+        # are exact in fp32, the three fp32 accumulators are summed (hi + mid) + lo as :func:`_router_split3`
+        # does.  With SPLITD > 1 (a few hundred rows: BM-row tiles alone leave most SMs idle) each program
+        # stores its fp32 partial [BM, r] and the program of a row tile that arrives last (atomic counter per
+        # tile, reset by that program) sums the SPLITD partials in split order and finishes the tile.
         pid = tl.program_id(0)
+        sp = tl.program_id(1)
         offs_m = pid * BM + tl.arange(0, BM)
         mrow = offs_m < rows
         offs_m64 = offs_m.to(tl.int64)
@@ -216,7 +220,7 @@ if HAS_TRITON:
         acc = tl.zeros((BM, R), dtype=tl.float32)
         acc_mid = tl.zeros((BM, R), dtype=tl.float32)
         acc_lo = tl.zeros((BM, R), dtype=tl.float32)
-        for d0 in range(0, D, BD):
+        for d0 in range(sp * DS, tl.minimum(D, sp * DS + DS), BD):
             dd = d0 + offs_d
             dm = dd < D
             x = tl.load(x_ptr + offs_m64[:, None] * stride_xm + dd[None, :], mask=mrow[:, None] & dm[None, :],
@@ -230,6 +234,29 @@ if HAS_TRITON:
                 acc = mma(x.to(tl.float32), tl.load(w_ptrs, mask=dm[:, None], other=0.0), acc)
         if SPLIT3:
             acc = (acc + acc_mid) + acc_lo
+        if SPLITD == 1:
+            _router_tile_finish(acc, offs_m64, mrow, b1_ptr, w2_ptr, b2_ptr, out_ptr, logit_ptr, N, R, NP,
+                                WRITE_LOGITS)
+        else:
+            slot = offs_m64[:, None] * R + offs_r[None, :]  # part [SPLITD, tiles * BM, R]
+            size = tl.num_programs(0).to(tl.int64) * (BM * R)
+            tl.store(part_ptr + sp * size + slot, acc)
+            # all threads' partial stores happen-before the (gpu-scope, release) arrival of this CTA
+            tl.debug_barrier()
+            arrived = tl.atomic_add(cnt_ptr + pid, 1, sem="acq_rel", scope="gpu")
+            if arrived == SPLITD - 1:
+                tot = tl.zeros((BM, R), dtype=tl.float32)
+                for q in tl.static_range(SPLITD):
+                    tot += tl.load(part_ptr + q * size + slot, cache_modifier=".cg")  # L2: other CTAs wrote it
+                _router_tile_finish(tot, offs_m64, mrow, b1_ptr, w2_ptr, b2_ptr, out_ptr, logit_ptr, N, R, NP,
+                                    WRITE_LOGITS)
+                tl.atomic_xchg(cnt_ptr + pid, 0, sem="relaxed", scope="gpu")  # ready for the next launch
+
+    @triton.jit
+    def _router_tile_finish(acc, offs_m64, mrow, b1_ptr, w2_ptr, b2_ptr, out_ptr, logit_ptr, N, R: tl.constexpr,
+                            NP: tl.constexpr, WRITE_LOGITS: tl.constexpr):
+        # h = acc + b1 ([BM, R] fp32), the two class logits per group (fp32 dots) and the argmax of a row tile
+        offs_r = tl.arange(0, R)
         h = acc + tl.load(b1_ptr + offs_r)[None, :]
         offs_n = tl.arange(0, NP)
         nm = offs_n < N
@@ -244,7 +271,6 @@ if HAS_TRITON:
             lp = logit_ptr + (offs_m64[:, None] * N + offs_n[None, :]) * 2
             tl.store(lp, le, mask=om)
             tl.store(lp + 1, ls, mask=om)
-
 
     @triton.jit
     def _zero_skipped_heads_kernel(y_ptr, route_ptr, T, NG, sb, sh, st, sd,
@@ -465,23 +491,51 @@ def _router_ok(router, x: torch.Tensor) -> bool:
     return ok and (rows <= ROUTER_MAX_ROWS or r >= 16)
 
 
+_ROUTER_TILE_CNT: dict = {}  # (device, stream) -> int32 arrival counters of the split-D tile router, self-resetting
+
+
+def _router_tile_counters(device: torch.device, n: int) -> torch.Tensor:
+    """Per-row-tile arrival counters of the split-D tile router, one buffer per (device, stream): zeroed once,
+    and every launch's last program of a tile resets its counter, so no memset runs per call (graph replays)."""
+    stream = torch.cuda.current_stream(device).cuda_stream if device.type == "cuda" else 0
+    key = (str(device), stream)
+    buf = _ROUTER_TILE_CNT.get(key)
+    if buf is None or buf.numel() < n:
+        buf = torch.zeros((max(n, 1024),), dtype=torch.int32, device=device)
+        _ROUTER_TILE_CNT[key] = buf
+    return buf
+
+
 def _router_tile_launch(router, x2: torch.Tensor, logits: torch.Tensor | None = None, BM: int = 64,
-                        num_warps: int = 4, split3: bool = False) -> torch.Tensor:
+                        num_warps: int = 4, split3: bool = False, splitd: int = 1) -> torch.Tensor:
     """The many-row tile kernel: ``BM`` rows per program; ``split3`` (bf16 x only) runs ``x W1^T`` on tensor
-    cores against the three bf16 pieces of W1 (:func:`_w1_split3`) instead of as an fp32 dot."""
+    cores against the three bf16 pieces of W1 (:func:`_w1_split3`) instead of as an fp32 dot; ``splitd > 1``
+    also splits D over that many programs per row tile (fp32 partials summed in split order by the tile's last
+    program)."""
     rows, D = x2.shape
     N = router.n_groups
+    R = router.w1.out_features
     out = torch.empty((rows, N), dtype=torch.bool, device=x2.device)
     BM = 16 if interpret_mode() else BM
+    BD = 32 if interpret_mode() else 64
     if split3 and x2.dtype != torch.bfloat16:
         raise ValueError(f"router tile kernel: split3 needs bf16 rows, got {x2.dtype}")
+    splitd = max(1, min(int(splitd), triton.cdiv(D, BD)))
+    DS = triton.cdiv(triton.cdiv(D, splitd), BD) * BD  # D columns per split, a multiple of BD
+    splitd = triton.cdiv(D, DS)  # every split has columns
+    tiles = triton.cdiv(rows, BM)
     w1 = _w1_split3(router) if split3 else router.w1.weight.contiguous()
     b1 = router.w1.bias.contiguous()
     w2, b2 = router.w2.weight.contiguous(), router.w2.bias.contiguous()
-    _router_tile_kernel[(triton.cdiv(rows, BM),)](
-        x2, w1, b1, w2, b2, out, logits if logits is not None else b2, rows, D, N, x2.stride(0),
-        R=router.w1.out_features, BM=BM, BD=32 if interpret_mode() else 64, NP=max(16, next_pow2(N)),
-        WRITE_LOGITS=logits is not None, SPLIT3=split3, **({} if interpret_mode() else {"num_warps": num_warps}))
+    if splitd > 1:
+        part = torch.empty((splitd, tiles * BM, R), dtype=torch.float32, device=x2.device)
+        cnt = _router_tile_counters(x2.device, tiles)
+    else:
+        part = cnt = b2  # unused
+    _router_tile_kernel[(tiles, splitd)](
+        x2, w1, b1, w2, b2, out, logits if logits is not None else b2, part, cnt, rows, D, N, x2.stride(0), DS,
+        R=R, BM=BM, BD=BD, NP=max(16, next_pow2(N)), WRITE_LOGITS=logits is not None, SPLIT3=split3,
+        SPLITD=splitd, **({} if interpret_mode() else {"num_warps": num_warps}))
     return out
 
 
@@ -538,6 +592,8 @@ def _router_many(router, x2: torch.Tensor) -> torch.Tensor:
         # the fp32-dot tile kernel is left out for bf16 rows: on the H200 it ran 2-8x slower than the tensor-core
         # one at every tile shape and row count probed (benchmarks/e2e/prefill_probe_h200.md)
         cands = [dict(impl="tile3", BM=bm, num_warps=w) for bm, w in bms] + [dict(impl="split3")]
+        if rows <= 4096:  # 8-32 row tiles of 64 rows at 512-2048 rows: split D too (~20 us a router unsplit)
+            cands += [dict(impl="tile3", BM=bm, num_warps=4, splitd=sd) for bm, sd in ((64, 4), (64, 8), (32, 8))]
     else:
         cands = [dict(impl="tile", BM=bm, num_warps=w) for bm, w in bms]
     cands.append(dict(impl="module"))
@@ -546,7 +602,7 @@ def _router_many(router, x2: torch.Tensor) -> torch.Tensor:
     def run(cfg):
         if cfg["impl"] in ("tile", "tile3"):
             res["out"] = _router_tile_launch(router, x2, BM=cfg["BM"], num_warps=cfg["num_warps"],
-                                             split3=cfg["impl"] == "tile3")
+                                             split3=cfg["impl"] == "tile3", splitd=cfg.get("splitd", 1))
         elif cfg["impl"] == "split3":
             res["out"] = _router_split3(router, x2)
         else:
