@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from kernel_testutil import check_close, make_mask, poisoned, randn, seed_for
-from wide.kernels import decode, gemm_mn, gemv_mn, gemv_swiglu, swiglu
+from wide.kernels import _common, decode, gemm_mn, gemv_mn, gemv_swiglu, swiglu
 from wide.kernels.reference import expand_route, gemm_mn_ref, swiglu_ref
 
 OLD = dict(BN=16, BK=32)
@@ -91,7 +91,7 @@ def test_gemv_mn_split_shapes(monkeypatch, split, smax, bn):
         out = poisoned((M, N), torch.bfloat16)
         gemv_mn(x, w, r, G, out=out)
         check_close(out, gemm_mn_ref(x.double(), w.double(), r, G))
-    assert all(int(c.abs().sum()) == 0 for c in decode._TILE_COUNTERS.values())
+    assert all(int(c.abs().sum()) == 0 for c in _common.TILE_COUNTERS.values())
 
 
 @pytest.mark.parametrize("M,G,K", [(2, 48, 144), (1, 192, 576), (4, 16, 80)])

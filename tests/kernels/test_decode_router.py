@@ -9,6 +9,7 @@ import torch
 
 from kernel_testutil import DEVICE, seed_for
 from wide.inference import fused
+from wide.kernels import _common
 from wide.inference.fused import ROUTER_MAX_ROWS, _router_logits, _router_mask_rowwise, router_mask
 from wide.routing import Router, argmax_mask
 
@@ -133,8 +134,7 @@ def test_router_tile_split3(rows, D, N, split3, splitd):
         mask = fused._router_tile_launch(R, x, logits, split3=split3, splitd=splitd)
         assert (logits.double() - ref).abs().max().item() <= 1e-5 * scale + 1e-6
         assert torch.equal(mask[clear], (ref[..., 0] >= ref[..., 1])[clear])
-    for (_dev, _s), cnt in fused._ROUTER_TILE_CNT.items():
-        assert int(cnt.abs().sum()) == 0
+    assert all(int(c.abs().sum()) == 0 for c in _common.TILE_COUNTERS.values())
     with pytest.raises(ValueError, match="bf16"):
         fused._router_tile_launch(R, x.half(), split3=True)
     with pytest.raises(ValueError, match="bf16"):

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from kernel_testutil import check_close, make_mask, poisoned, randn, seed_for
-from wide.kernels import decode, gemm_k, gemv_k
+from wide.kernels import _common, decode, gemm_k, gemv_k
 from wide.kernels.reference import gemm_k_ref
 
 
@@ -55,7 +55,7 @@ def test_gemv_k_split_shapes(monkeypatch, split, bn, bk, fuse):
         gemv_k(a, w, r, G, out=out)
         check_close(out, gemm_k_ref(a.double(), w.double(), r, G))
     if fuse:
-        assert all(int(c.abs().sum()) == 0 for c in decode._TILE_COUNTERS.values())
+        assert all(int(c.abs().sum()) == 0 for c in _common.TILE_COUNTERS.values())
 
 
 def test_gemv_k_default_config_and_gemm_k_front():

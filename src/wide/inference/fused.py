@@ -26,7 +26,8 @@ import weakref
 import torch
 import torch.nn.functional as F
 
-from ..kernels._common import HAS_TRITON, check_tensor, interpret_mode, next_pow2, pow2_part, use_triton
+from ..kernels._common import (HAS_TRITON, check_tensor, interpret_mode, next_pow2, pow2_part, tile_counters,
+                               use_triton)
 
 if HAS_TRITON:
     import triton
@@ -491,21 +492,6 @@ def _router_ok(router, x: torch.Tensor) -> bool:
     return ok and (rows <= ROUTER_MAX_ROWS or r >= 16)
 
 
-_ROUTER_TILE_CNT: dict = {}  # (device, stream) -> int32 arrival counters of the split-D tile router, self-resetting
-
-
-def _router_tile_counters(device: torch.device, n: int) -> torch.Tensor:
-    """Per-row-tile arrival counters of the split-D tile router, one buffer per (device, stream): zeroed once,
-    and every launch's last program of a tile resets its counter, so no memset runs per call (graph replays)."""
-    stream = torch.cuda.current_stream(device).cuda_stream if device.type == "cuda" else 0
-    key = (str(device), stream)
-    buf = _ROUTER_TILE_CNT.get(key)
-    if buf is None or buf.numel() < n:
-        buf = torch.zeros((max(n, 1024),), dtype=torch.int32, device=device)
-        _ROUTER_TILE_CNT[key] = buf
-    return buf
-
-
 def _router_tile_launch(router, x2: torch.Tensor, logits: torch.Tensor | None = None, BM: int = 64,
                         num_warps: int = 4, split3: bool = False, splitd: int = 1) -> torch.Tensor:
     """The many-row tile kernel: ``BM`` rows per program; ``split3`` (bf16 x only) runs ``x W1^T`` on tensor
@@ -529,7 +515,7 @@ def _router_tile_launch(router, x2: torch.Tensor, logits: torch.Tensor | None = 
     w2, b2 = router.w2.weight.contiguous(), router.w2.bias.contiguous()
     if splitd > 1:
         part = torch.empty((splitd, tiles * BM, R), dtype=torch.float32, device=x2.device)
-        cnt = _router_tile_counters(x2.device, tiles)
+        cnt = tile_counters(x2.device, tiles)
     else:
         part = cnt = b2  # unused
     _router_tile_kernel[(tiles, splitd)](

@@ -164,6 +164,24 @@ def pow2_part(G: int) -> int:
     return G & -G
 
 
+TILE_COUNTERS: dict = {}  # (device, stream) -> int32 arrival counters, see tile_counters()
+
+
+def tile_counters(device: torch.device, n: int) -> torch.Tensor:
+    """int32 arrival counters (at least ``n``, one per output tile) of the kernels whose last-arriving program
+    finishes a tile (the split decode GEMVs, the split-D prefill router), one buffer per (device, stream).
+
+    Zeroed once; the last program of each tile resets its counter, so no memset runs per call (CUDA-graph replays
+    included).  Kernels on one stream run one after another, so they can share the buffer."""
+    stream = torch.cuda.current_stream(device).cuda_stream if device.type == "cuda" else 0
+    key = (str(device), stream)
+    buf = TILE_COUNTERS.get(key)
+    if buf is None or buf.numel() < n:
+        buf = torch.zeros((max(n, 1024),), dtype=torch.int32, device=device)
+        TILE_COUNTERS[key] = buf
+    return buf
+
+
 def next_pow2(x: int) -> int:
     return 1 if x <= 1 else 1 << (int(x) - 1).bit_length()
 

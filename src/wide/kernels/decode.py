@@ -17,7 +17,8 @@ import torch
 
 from . import reference
 from ._common import (
-    HAS_TRITON, check_out, fail, interpret_mode, launch_opts, next_pow2, pick_config, pow2_part, use_triton,
+    HAS_TRITON, check_out, fail, interpret_mode, launch_opts, next_pow2, pick_config, pow2_part, tile_counters,
+    use_triton,
 )
 
 if HAS_TRITON:
@@ -530,7 +531,7 @@ def gemv_mn(x: torch.Tensor, w: torch.Tensor, route: torch.Tensor, G: int, *,
             # fp32 partial slots, one per program (unused, 1 element, when a tile never splits)
             part = torch.empty((progs * nw * M * bn if cfg["SMAX"] > 1 else 1,), dtype=torch.float32,
                                device=x.device)
-            cnt = _tile_counters(x.device, tiles)
+            cnt = tile_counters(x.device, tiles)
             _gemv_mn_split_kernel[(progs,)](x, w, w2c, out, part, cnt, route, M, K, NG, progs, x.stride(0),
                                             w.stride(0), out.stride(0), NR, N1, N2, offs[0], offs[1],
                                             G=G, BN=bn, BK=cfg["BK"],
@@ -583,21 +584,6 @@ def _dense_tuner(run, route: torch.Tensor):
         run(cfg, dense["route"])
 
     return tune
-
-
-_TILE_COUNTERS: dict = {}
-
-
-def _tile_counters(device: torch.device, n: int) -> torch.Tensor:
-    """int32 arrival counters (one per N tile) of the fused split-K sum of :func:`gemv_k`, one buffer per
-    (device, stream).  Zeroed once; the last split of each tile resets its counter, so no memset per call."""
-    stream = torch.cuda.current_stream(device).cuda_stream if device.type == "cuda" else 0
-    key = (str(device), stream)
-    buf = _TILE_COUNTERS.get(key)
-    if buf is None or buf.numel() < n:
-        buf = torch.zeros((max(n, 1024),), dtype=torch.int32, device=device)
-        _TILE_COUNTERS[key] = buf
-    return buf
 
 
 def gemv_k(a: torch.Tensor, w: torch.Tensor, route: torch.Tensor, G: int, *,
@@ -660,7 +646,7 @@ def gemv_k(a: torch.Tensor, w: torch.Tensor, route: torch.Tensor, G: int, *,
         fuse = split > 1 and cfg.get("FUSE", False)
         part = torch.empty((split, M, N), dtype=torch.float32, device=a.device) if split > 1 else out
         tiles = triton.cdiv(N, cfg["BN"])
-        cnt = _tile_counters(a.device, tiles) if fuse else route
+        cnt = tile_counters(a.device, tiles) if fuse else route
         _gemv_k_kernel[(tiles, split)](a, w, out, part, cnt, route, M, N, NG, a.stride(0), w.stride(0),
                                        out.stride(0), G=G, BN=cfg["BN"], BK=cfg["BK"], NGP=ngp, SPLITS=split,
                                        EVEN_N=(N % cfg["BN"] == 0), FUSE_SUM=fuse, **launch_opts(cfg))
