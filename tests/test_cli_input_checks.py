@@ -433,3 +433,20 @@ def test_bench_report_only_missing_or_bad_file_is_one_line(bench, tmp_path, caps
     (tmp_path / f"{bench}_y.json").write_text("{not json")
     assert main(["bench", bench, "--report-only", "--out-dir", str(tmp_path), "--tag", "y"]) == 2
     assert "is not a readable JSON file" in capsys.readouterr().err
+
+
+def test_library_load_checks_the_device(monkeypatch, tmp_path):
+    """``wide.load`` / ``load_base_model`` with a GPU device on a machine without one: a WideError naming it (the
+    same check as the CLI's ``--device``), before any file is read."""
+    import torch
+
+    import wide
+    from wide.modeling import load_base_model
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    with pytest.raises(WideError, match=r"device cuda: no CUDA GPU on this machine \(use device='cpu'\)"):
+        load_base_model(str(tmp_path / "nowhere"), device="cuda")
+    with pytest.raises(WideError, match="device 'tpu': use cpu, cuda or cuda:N"):
+        load_base_model(str(tmp_path / "nowhere"), device="tpu")
+    with pytest.raises(WideError, match="no CUDA GPU"):
+        wide.load(tmp_path, model=str(tmp_path / "nowhere"), device=torch.device("cuda"))

@@ -21,7 +21,7 @@ import torch
 
 from .config import CONFIG_NAME, ModelDims, WideConfig, atomic_write, atomic_write_text
 from .errors import WideError
-from .modeling import WideModel, check_architecture, dims_of, fingerprint, load_base_model
+from .modeling import WideModel, check_architecture, check_device, dims_of, fingerprint, load_base_model
 
 ROUTERS_NAME = "routers.safetensors"
 BASE_NAME = "base_model.json"
@@ -153,13 +153,14 @@ def load(path: str | os.PathLike, model: str | torch.nn.Module | None = None, de
     Raises:
         WideError: missing directory or files, corrupt files (a bad value in ``wide_config.json``, including
             group sizes that do not fit the model, names the file; router weights that are not finite), a
-            checkpoint made for another base model, router shapes that do not fit, or a missing / corrupt LoRA
-            adapter.
+            checkpoint made for another base model, router shapes that do not fit, a missing / corrupt LoRA
+            adapter, or a device this machine does not have (:func:`wide.modeling.check_device`).
 
     Warns:
         UserWarning: the checkpoint is an intermediate save of a run that did not finish (``base_model.json``
             records ``step < steps``).
     """
+    check_device(device)
     path = Path(path)
     if not path.is_dir():
         raise WideError(f"WIDE checkpoint {str(path)!r} not found (expected a directory with {CONFIG_NAME})")

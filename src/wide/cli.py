@@ -134,28 +134,15 @@ def _at_least(option: str, value, low: int) -> None:
 def check_device(device) -> None:
     """``--device`` must be ``cpu``, ``cuda`` or ``cuda:N`` naming a GPU of this machine (None = automatic).
 
-    Shared by every subcommand that takes ``--device`` (:func:`main` runs it before the command).
+    Shared by every subcommand that takes ``--device`` (:func:`main` runs it before the command); the check
+    itself is :func:`wide.modeling.check_device`, which :func:`wide.load` runs too.
 
     Raises:
         WideError: an unknown device string, CUDA without a CUDA GPU, or ``cuda:N`` past the last GPU.
     """
-    import re
+    from .modeling import check_device as check
 
-    if device is None:
-        return
-    dev = str(device)
-    m = re.fullmatch(r"cpu|cuda(?::(\d+))?", dev)
-    if m is None:
-        raise WideError(f"--device {dev!r}: use cpu, cuda or cuda:N")
-    if dev == "cpu":
-        return
-    import torch
-
-    if not torch.cuda.is_available():
-        raise WideError(f"--device {dev}: no CUDA GPU on this machine (use --device cpu)")
-    n = torch.cuda.device_count()
-    if m.group(1) is not None and int(m.group(1)) >= n:
-        raise WideError(f"--device {dev}: this machine has {n} CUDA GPU(s): use cuda:0 to cuda:{n - 1} or cpu")
+    check(device, "--device")
 
 
 def _check_ancestors(option: str, path) -> None:

@@ -128,6 +128,34 @@ def default_device() -> torch.device:
     return torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
 
 
+def check_device(device, name: str = "device") -> None:
+    """``device`` must be ``cpu``, ``cuda`` or ``cuda:N`` naming a GPU of this machine (``None`` = automatic).
+
+    Args:
+        device: a string or ``torch.device``, or ``None``.
+        name: how the error names it (the CLI passes ``"--device"``).
+
+    Raises:
+        WideError: an unknown device string, CUDA without a CUDA GPU, or ``cuda:N`` past the last GPU.
+    """
+    import re
+
+    if device is None:
+        return
+    dev = str(device)
+    m = re.fullmatch(r"cpu|cuda(?::(\d+))?", dev)
+    if m is None:
+        raise WideError(f"{name} {dev!r}: use cpu, cuda or cuda:N")
+    if dev == "cpu":
+        return
+    if not torch.cuda.is_available():
+        hint = f"{name} cpu" if name.startswith("--") else f"{name}='cpu'"
+        raise WideError(f"{name} {dev}: no CUDA GPU on this machine (use {hint})")
+    n = torch.cuda.device_count()
+    if m.group(1) is not None and int(m.group(1)) >= n:
+        raise WideError(f"{name} {dev}: this machine has {n} CUDA GPU(s): use cuda:0 to cuda:{n - 1} or cpu")
+
+
 def load_base_model(spec: str | None = None, device: str | torch.device | None = None,
                     dtype: torch.dtype | None = None, check=None):
     """Load a frozen base model and its tokenizer, offline.
@@ -143,8 +171,10 @@ def load_base_model(spec: str | None = None, device: str | torch.device | None =
         ``(model, tokenizer, source)``; the model is in eval mode with ``requires_grad=False``.
 
     Raises:
-        WideError: bad path, unsupported architecture, or files that cannot be read.
+        WideError: bad path, unsupported architecture, files that cannot be read, or a device this machine does
+            not have (:func:`check_device`).
     """
+    check_device(device)
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
