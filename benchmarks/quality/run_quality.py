@@ -327,9 +327,17 @@ def main() -> None:
                    help="comma-separated run keys: do only these runs of the plan (run_parallel.py's jobs)")
     p.add_argument("--record-command", default=None, help="command line to record instead of this one")
     a = p.parse_args()
-    if a.speed_only and (not a.speed or set(a.methods) - {"dense", "static"} or a.stages != ["router"]):
-        p.error("--speed-only times the dense and sliced static models: it needs --speed, --methods dense static "
-                f"(got {' '.join(a.methods)}) and --stages router (got {' '.join(a.stages)})")
+    bad = [s for s in a.sparsity if not 0.0 <= s < 1.0]
+    if bad:
+        p.error(f"--sparsity {' '.join(map(str, bad))}: target sparsity must be in [0, 1)")
+    if a.speed_only:
+        if not a.speed:
+            p.error("--speed-only needs --speed")
+        if set(a.methods) - {"dense", "static"}:
+            p.error(f"--speed-only times the dense and sliced static models: --methods {' '.join(a.methods)} "
+                    "must be among: dense static")
+        if a.stages != ["router"]:
+            p.error(f"--speed-only times the models before LoRA: --stages {' '.join(a.stages)} must be: router")
     tag = a.tag or a.plan
     out = Path(a.out)
     command = a.record_command or "PYTHONPATH=src python3 " + " ".join(shlex.quote(x) for x in sys.argv)
@@ -447,4 +455,14 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    from wide.errors import WideError
+
+    try:
+        main()
+    except WideError as e:  # bad input (a missing file, ...): one line, as the wide CLI prints it
+        raise SystemExit(f"run_quality.py: error: {e}")
+    except ModuleNotFoundError as e:
+        if e.name not in ("lm_eval", "peft"):
+            raise
+        raise SystemExit(f"run_quality.py: error: {e.name} is not installed; zero-shot evaluation and LoRA need the "
+                         "quality extra: pip install -e '.[quality]'")
