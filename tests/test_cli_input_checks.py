@@ -398,7 +398,8 @@ def test_bench_e2e_trace_points_parse_and_reject():
     ("--sparsity", "0.5,1.5", "sparsity 1.5 is outside [0, 1)"), ("--sparsity", "nan", "sparsity nan is outside"),
     ("--sparsity", "0.5,x", "'x' is not a number"), ("--G", "1.5", "'1.5' is not an integer"),
     ("--G", "8", "8 is below 16"), ("--G", "128,100", "group size 100 is not a power of two"),
-    ("--sparsity", ",", "empty list"),
+    ("--sparsity", ",", "empty list"), ("--G", "64,,128", "'64,,128' has an empty item"),
+    ("--sparsity", "0.5,", "'0.5,' has an empty item"), ("--time-budget", "-5", "-5 must be a finite number > 0"),
 ])
 def test_bench_list_options_rejected_with_one_clear_error(bench, opt, bad, msg, capsys):
     pytest.importorskip(f"wide.bench.{bench}")
@@ -415,7 +416,9 @@ def test_bench_e2e_choice_and_count_options(capsys):
     assert a.split == ["uniform"] and a.models == ["llama8b"] and a.trace_sparsity == [0.0] and a.runs == 7
     for opt, bad, msg in (("--split", "foo", "'foo' not allowed; choose from paper, uniform"),
                           ("--models", "gpt2", "choose from llama8b, smollm2"), ("--batch", "0", "0 is below 1"),
-                          ("--runs", "2", "2 is below 5"), ("--trace-sparsity", "-0.1", "outside [0, 1)")):
+                          ("--runs", "2", "2 is below 5"), ("--trace-sparsity", "-0.1", "outside [0, 1)"),
+                          ("--max-prefill-tokens", "0", "0 is below 1"), ("--max-kv-gb", "-1", "-1 must be a finite"),
+                          ("--max-kv-gb", "inf", "inf must be a finite")):
         with pytest.raises(SystemExit):
             p.parse_args([opt, bad])
         assert msg in capsys.readouterr().err
@@ -450,3 +453,14 @@ def test_library_load_checks_the_device(monkeypatch, tmp_path):
         load_base_model(str(tmp_path / "nowhere"), device="tpu")
     with pytest.raises(WideError, match="no CUDA GPU"):
         wide.load(tmp_path, model=str(tmp_path / "nowhere"), device=torch.device("cuda"))
+
+
+def test_bench_kernels_counts_rejected(capsys):
+    pytest.importorskip("wide.bench.kernels")
+    p = _subparser("bench", "kernels")
+    assert p.parse_args(["--tokens", "4096", "--decode-batch", "4"]).tokens == 4096
+    for opt, bad, msg in (("--tokens", "-1", "-1 is below 1"), ("--decode-batch", "0", "0 is below 1"),
+                          ("--M", "1,2,", "has an empty item")):
+        with pytest.raises(SystemExit):
+            p.parse_args([opt, bad])
+        assert msg in capsys.readouterr().err

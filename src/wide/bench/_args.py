@@ -7,9 +7,11 @@ import math
 
 
 def _items(s: str, what: str) -> list[str]:
-    items = [v.strip() for v in str(s).split(",") if v.strip()]
-    if not items:
+    items = [v.strip() for v in str(s).split(",")]
+    if not any(items):
         raise argparse.ArgumentTypeError(f"empty list; give one or more comma-separated {what}, e.g. 1,2")
+    if not all(items):
+        raise argparse.ArgumentTypeError(f"{s!r} has an empty item; give comma-separated {what}, e.g. 1,2")
     return items
 
 
@@ -100,3 +102,15 @@ def read_records(path: str) -> list:
     if not isinstance(recs, list):
         raise WideError(f"--report-only: {path} holds a {type(recs).__name__}, not a list of records")
     return recs
+
+
+def float_above(lo: float):
+    """Parser of one finite number > ``lo``."""
+    def parse(v):
+        x = _number(v, float, f"a number (a number > {lo:g})")
+        if not (math.isfinite(x) and x > lo):
+            raise argparse.ArgumentTypeError(f"{x:g} must be a finite number > {lo:g}")
+        return x
+
+    parse.__name__ = "number"
+    return parse

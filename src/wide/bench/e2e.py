@@ -38,7 +38,7 @@ import statistics
 import sys
 import time
 
-from ._args import choice_list, group_list, int_at_least, int_list, read_records, sparsity_list
+from ._args import choice_list, float_above, group_list, int_at_least, int_list, read_records, sparsity_list
 
 PAPER_SPLIT = (0.66, 0.285)  # attention / FFN sparsity at overall 0.4725 (§4.4)
 LLAMA8B = dict(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
@@ -93,9 +93,9 @@ def add_arguments(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
                         "calibrated routers) (default: both)")
     p.add_argument("--runs", default=50, type=int_at_least(5), help="timed replays per point; the median is reported "
                    "(default: 50; fewer, at least 5, where that many would take over ~6 s)")
-    p.add_argument("--max-prefill-tokens", default=65536, type=int,
+    p.add_argument("--max-prefill-tokens", default=65536, type=int_at_least(1),
                    help="skip prefills with batch*prompt above (default: 65536)")
-    p.add_argument("--max-kv-gb", default=40.0, type=float,
+    p.add_argument("--max-kv-gb", default=40.0, type=float_above(0),
                    help="skip decode points whose KV cache is larger (default: 40)")
     p.add_argument("--no-hf", action="store_true", help="skip the dense HF eager baseline")
     p.add_argument("--no-trace", action="store_true", help="skip the per-op trace of one layer")
@@ -114,7 +114,7 @@ def add_arguments(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
                         "calibrate, e.g. a .jsonl/.txt file; default: the bundled text)")
     p.add_argument("--out-dir", default="benchmarks/e2e", help="where results go (default: benchmarks/e2e)")
     p.add_argument("--tag", default="h200", help="result file stem e2e_<tag> (default: h200)")
-    p.add_argument("--time-budget", default=1e9, type=float, help="seconds; stop starting new points past this")
+    p.add_argument("--time-budget", default=1e9, type=float_above(0), help="seconds; stop starting new points past this")
     p.add_argument("--report-only", action="store_true", help="rebuild table and plot from the JSON")
     return p
 
