@@ -300,6 +300,20 @@ def wide_ckpt(tmp_path, model_dir):
     return save_wide(wm, tmp_path / "ckpt", src.ref)
 
 
+def test_cli_generate_says_triton_is_missing(wide_ckpt, capsys, monkeypatch):
+    """TRITON_INTERPRET=1 on a machine without Triton: the one-line notice says why the reference path runs."""
+    from wide.cli import main
+    from wide.kernels import _common
+
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    monkeypatch.setattr(_common, "HAS_TRITON", False)
+    rc = main(["generate", "--wide", str(wide_ckpt), "--prompt", "w1 w2", "--max-new-tokens", "1", "--device", "cpu"])
+    err = capsys.readouterr().err
+    assert rc == 0, err
+    ours = [line for line in err.splitlines() if line.startswith("wide generate:")]
+    assert len(ours) == 1 and "PyTorch reference" in ours[0] and "Triton is not installed" in ours[0], ours
+
+
 def test_cli_generate(wide_ckpt, model_dir, capsys, reference_path):
     from wide.cli import main
 

@@ -4,6 +4,7 @@ then print TTFT, TPOT, tokens/s and the realized sparsity.  This module imports 
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 
 from ..errors import WideError
@@ -60,6 +61,10 @@ def run(args) -> int:
             path = "dense PyTorch ops"
         else:
             path = "Triton interpreter" if engine.uses_kernels else "PyTorch reference of every kernel"
+            from ..kernels._common import HAS_TRITON
+
+            if not engine.uses_kernels and os.environ.get("TRITON_INTERPRET") == "1" and not HAS_TRITON:
+                path += " (TRITON_INTERPRET=1, but Triton is not installed: pip install -e '.[kernels]')"
         print(f"wide generate: no CUDA device: running the {path} on {engine.device} (no CUDA graphs; slow)",
               file=sys.stderr)
     prompts = list(args.prompt)
