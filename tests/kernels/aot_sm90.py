@@ -1,0 +1,62 @@
+"""Compile Triton kernels for an H100 / H200 (sm_90) on a machine without a GPU (run by test_compile_sm90.py).
+
+Triton's CPU interpreter runs kernel bodies as NumPy and does not type-check them as the GPU compiler does: a
+variable given tensors of different shapes in the two branches of an ``if`` runs fine there and fails to compile
+for the GPU.  ``triton.compile`` for an explicit target needs no GPU (Triton ships ptxas), so this script compiles
+each kernel at the constexpr values the library launches it with, prints one ``ok`` line per kernel and exits
+non-zero on the first failure.  Run it without ``TRITON_INTERPRET`` (the kernels must be JIT functions).
+"""
+
+import importlib
+import os
+import sys
+
+os.environ.pop("TRITON_INTERPRET", None)
+
+import triton  # noqa: E402
+from triton.backends.compiler import GPUTarget  # noqa: E402
+from triton.compiler import ASTSource  # noqa: E402
+
+TARGET = GPUTarget("cuda", 90, 32)
+
+
+def compile_sm90(fn, types: dict, consts: dict, num_warps: int = 4) -> None:
+    """Compile ``fn`` for sm_90: ``types`` maps every runtime argument to a Triton type string ("*bf16", "i32")."""
+    sig = {n: ("constexpr" if n in consts else types[n]) for n in fn.arg_names}
+    triton.compile(ASTSource(fn=fn, signature=sig, constexprs=consts), target=TARGET,
+                   options={"num_warps": num_warps})
+    print(f"ok {fn.__name__} {consts}", flush=True)
+
+
+def main() -> None:
+    fused = importlib.import_module("wide.inference.fused")
+    reorder = importlib.import_module("wide.kernels.reorder")
+
+    # prefill router: fp32 or three-piece bf16 W1, D unsplit or split over programs
+    t = dict(x_ptr="*bf16", b1_ptr="*fp32", w2_ptr="*fp32", b2_ptr="*fp32", out_ptr="*i1", logit_ptr="*fp32",
+             part_ptr="*fp32", cnt_ptr="*i32", rows="i32", D="i32", N="i32", stride_xm="i32", DS="i32")
+    for split3, splitd in ((True, 1), (True, 4), (False, 1), (False, 8)):
+        compile_sm90(fused._router_tile_kernel, {**t, "w1_ptr": "*bf16" if split3 else "*fp32"},
+                     dict(R=16, BM=64, BD=64, NP=128, WRITE_LOGITS=splitd == 4, SPLIT3=split3, SPLITD=splitd))
+    # fused RoPE + K/V cache write (prefill tile and decode's 2-token tile)
+    t = {n: "i32" for n in fused._rope_cache_kernel.arg_names}
+    t.update({n: "*bf16" for n in ("q_ptr", "k_ptr", "v_ptr", "cos_ptr", "sin_ptr", "qo_ptr", "ko_ptr", "ck_ptr",
+                                   "cv_ptr")}, slot_ptr="*i64")
+    compile_sm90(fused._rope_cache_kernel, t, dict(HALF=64, BT=32, WRITE_K=True))
+    compile_sm90(fused._rope_cache_kernel, t, dict(HALF=32, BT=2, WRITE_K=False), num_warps=1)
+    # reorder: the one-launch plan and the three phases, at the plans the H200 uses
+    t = dict(mask_ptr="*i1", index_ptr="*i32", smask_ptr="*i1", count_ptr="*i32", blk_ptr="*i32", out_ptr="*i32",
+             tmp_ptr="*i32", M="i32", NG="i32", NBLK="i32", W="i32")
+    compile_sm90(reorder._columns_kernel, t, dict(MP=512, NGC=2))
+    compile_sm90(reorder._block_counts_kernel, t, dict(BM=128, NGC=16))
+    for direct in (True, False):
+        compile_sm90(reorder._scatter_kernel, t, dict(BM=128, NGC=16, CB=64, DIRECT=direct))
+    compile_sm90(reorder._transpose_kernel, t, dict(BJ=64, NGC=128))
+
+
+if __name__ == "__main__":
+    try:
+        main()
+    except Exception as e:  # one line naming the failure, for the test's message
+        print(f"FAILED: {type(e).__name__}: {e}", file=sys.stderr)
+        raise SystemExit(1)
