@@ -20,12 +20,14 @@ from triton.compiler import ASTSource  # noqa: E402
 TARGET = GPUTarget("cuda", 90, 32)
 
 
-def compile_sm90(fn, types: dict, consts: dict, num_warps: int = 4) -> None:
-    """Compile ``fn`` for sm_90: ``types`` maps every runtime argument to a Triton type string ("*bf16", "i32")."""
+def compile_sm90(fn, types: dict, consts: dict, num_warps: int = 4, **options):
+    """Compile ``fn`` for sm_90: ``types`` maps every runtime argument to a Triton type string ("*bf16", "i32").
+    Returns the compiled kernel (``.asm["ptx"]`` holds its PTX)."""
     sig = {n: ("constexpr" if n in consts else types[n]) for n in fn.arg_names}
-    triton.compile(ASTSource(fn=fn, signature=sig, constexprs=consts), target=TARGET,
-                   options={"num_warps": num_warps})
+    k = triton.compile(ASTSource(fn=fn, signature=sig, constexprs=consts), target=TARGET,
+                       options={"num_warps": num_warps, **options})
     print(f"ok {fn.__name__} {consts}", flush=True)
+    return k
 
 
 def main() -> None:
@@ -42,8 +44,12 @@ def main() -> None:
     t = {n: "i32" for n in fused._rope_cache_kernel.arg_names}
     t.update({n: "*bf16" for n in ("q_ptr", "k_ptr", "v_ptr", "cos_ptr", "sin_ptr", "qo_ptr", "ko_ptr", "ck_ptr",
                                    "cv_ptr")}, slot_ptr="*i64")
-    compile_sm90(fused._rope_cache_kernel, t, dict(HALF=64, BT=32, WRITE_K=True))
-    compile_sm90(fused._rope_cache_kernel, t, dict(HALF=32, BT=2, WRITE_K=False), num_warps=1)
+    k = compile_sm90(fused._rope_cache_kernel, t, dict(HALF=64, BT=32, WRITE_K=True), enable_fp_fusion=False)
+    # launched without FMA contraction (rope_cache): each bf16 product and sum rounded on its own, as the model's
+    # apply_rotary_pos_emb does; with contraction the compiler emits fma.rn.bf16 (one rounding)
+    if "fma.rn.bf16" in k.asm["ptx"] or "mul.rn.bf16" not in k.asm["ptx"]:
+        raise RuntimeError("rope_cache kernel: expected separately rounded bf16 products and sums in its PTX")
+    compile_sm90(fused._rope_cache_kernel, t, dict(HALF=32, BT=2, WRITE_K=False), num_warps=1, enable_fp_fusion=False)
     # reorder: the one-launch plan and the three phases, at the plans the H200 uses
     t = dict(mask_ptr="*i1", index_ptr="*i32", smask_ptr="*i1", count_ptr="*i32", blk_ptr="*i32", out_ptr="*i32",
              tmp_ptr="*i32", M="i32", NG="i32", NBLK="i32", W="i32")

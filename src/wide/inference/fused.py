@@ -413,7 +413,9 @@ def rope_cache(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.Ten
         q, k, v, cos, sin, qo, ko, cache_k, cache_v, slots, NT, T, Hq, Hk, token_stride(q), token_stride(k),
         token_stride(v), cache_k.stride(0), cache_k.stride(1), cache_k.stride(2), cache_v.stride(0),
         cache_v.stride(1), cache_v.stride(2), HALF=d // 2, BT=BT, WRITE_K=want_k,
-        **({} if interpret_mode() else {"num_warps": warps}))
+        # no FMA contraction: with it the GPU compiler fuses the bf16 product and sum into one fma.rn.bf16 (one
+        # rounding instead of apply_rotary_pos_emb's two), so the kernel was not bitwise the model's RoPE
+        **({} if interpret_mode() else {"num_warps": warps, "enable_fp_fusion": False}))
     return qo, (ko if want_k else None)
 
 
