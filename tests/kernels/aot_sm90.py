@@ -3,7 +3,7 @@
 Triton's CPU interpreter runs kernel bodies as NumPy and does not type-check them as the GPU compiler does: a
 variable given tensors of different shapes in the two branches of an ``if`` runs fine there and fails to compile
 for the GPU.  ``triton.compile`` for an explicit target needs no GPU (Triton ships ptxas), so this script compiles
-each kernel at the constexpr values the library launches it with, prints one ``ok`` line per kernel and exits
+each kernel at constexpr values the library launches it with, prints one ``ok`` line per kernel and exits
 non-zero on the first failure.  Run it without ``TRITON_INTERPRET`` (the kernels must be JIT functions).
 """
 
@@ -30,9 +30,19 @@ def compile_sm90(fn, types: dict, consts: dict, num_warps: int = 4, **options):
     return k
 
 
+def types_of(fn, **ptrs) -> dict:
+    """Argument types of ``fn``: ``*_ptr`` arguments bf16 pointers unless given in ``ptrs``, ``scale`` / ``eps``
+    fp32, everything else i32."""
+    return {n: ptrs.get(n, "*bf16") if n.endswith("_ptr") else "fp32" if n in ("scale", "eps") else "i32"
+            for n in fn.arg_names}
+
+
 def main() -> None:
     fused = importlib.import_module("wide.inference.fused")
     reorder = importlib.import_module("wide.kernels.reorder")
+    decode = importlib.import_module("wide.kernels.decode")
+    attention = importlib.import_module("wide.kernels.attention")
+    f32, i32, b = "*fp32", "*i32", "*i1"
 
     # prefill router: fp32 or three-piece bf16 W1, D unsplit or split over programs
     t = dict(x_ptr="*bf16", b1_ptr="*fp32", w2_ptr="*fp32", b2_ptr="*fp32", out_ptr="*i1", logit_ptr="*fp32",
@@ -58,6 +68,32 @@ def main() -> None:
     for direct in (True, False):
         compile_sm90(reorder._scatter_kernel, t, dict(BM=128, NGC=16, CB=64, DIRECT=direct))
     compile_sm90(reorder._transpose_kernel, t, dict(BJ=64, NGC=128))
+    # the other engine kernels at one launch configuration each (Llama-3.1-8B shapes)
+    compile_sm90(fused._add_rmsnorm_kernel, types_of(fused._add_rmsnorm_kernel), dict(HAS_ADD=True, BLOCK=4096),
+                 num_warps=8)
+    rt = types_of(fused._router_kernel, w1_ptr=f32, b1_ptr=f32, w2_ptr=f32, b2_ptr=f32, out_ptr=b, part_ptr=f32,
+                  cnt_ptr=i32, logit_ptr=f32)
+    for one_step in (True, False):
+        compile_sm90(fused._router_kernel, rt, dict(R=16, RP=4, BDP=64, BDI=64, NP=16 if one_step else 128, PP=64,
+                                                    ONE_STEP=one_step, WRITE_LOGITS=False, HAS_ADD=True))
+    compile_sm90(fused._zero_skipped_heads_kernel, types_of(fused._zero_skipped_heads_kernel, route_ptr=b),
+                 dict(HPG=4, DH=128, BC=64, BT=32))
+    compile_sm90(fused._masked_swiglu_kernel, types_of(fused._masked_swiglu_kernel, route_ptr=b), dict(BN=64, BM=32))
+    kt = types_of(decode._gemv_k_kernel, part_ptr=f32, cnt_ptr=i32, route_ptr=b)
+    for fuse in (True, False):
+        compile_sm90(decode._gemv_k_kernel, kt, dict(G=128, BN=64, BK=128, NGP=128, SPLITS=8, EVEN_N=True,
+                                                     FUSE_SUM=fuse), num_stages=3)
+    compile_sm90(decode._splitk_sum_kernel, types_of(decode._splitk_sum_kernel, part_ptr=f32), dict(SPLITS=8,
+                                                                                                     BLOCK=1024))
+    compile_sm90(decode._decode_attn_split_kernel,
+                 types_of(decode._decode_attn_split_kernel, route_ptr=b, lp_ptr=i32, mpart_ptr=f32, lpart_ptr=f32,
+                          opart_ptr=f32), dict(D=128, RP=4, BN=64, HAS_LP=True))
+    compile_sm90(decode._decode_attn_combine_kernel,
+                 types_of(decode._decode_attn_combine_kernel, route_ptr=b, mpart_ptr=f32, lpart_ptr=f32,
+                          opart_ptr=f32), dict(D=128, SP=16), num_warps=1)
+    compile_sm90(attention._attn_fwd_kernel, types_of(attention._attn_fwd_kernel, idx_ptr=i32, cnt_ptr=i32,
+                                                      lp_ptr=i32), dict(D=128, BM=128, BN=64, CAUSAL=True,
+                                                                         HAS_LP=False), num_warps=8, num_stages=3)
 
 
 if __name__ == "__main__":
