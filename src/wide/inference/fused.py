@@ -575,8 +575,9 @@ def _router_many(router, x2: torch.Tensor) -> torch.Tensor:
     from ..routing import argmax_mask
 
     rows, D = x2.shape
-    bms = [(64, 4), (128, 8)] + ([(16, 4), (32, 4)] if rows <= 8192 else [])  # a few thousand rows: 64-row
-    if x2.dtype == torch.bfloat16 and x2.is_cuda:                                # tiles leave most SMs idle
+    # (BM, num_warps); up to a few thousand rows, 64-row tiles alone leave most SMs idle
+    bms = [(64, 4), (128, 8)] + ([(16, 4), (32, 4)] if rows <= 8192 else [])
+    if x2.dtype == torch.bfloat16 and x2.is_cuda:
         # the fp32-dot tile kernel is left out for bf16 rows: on the H200 it ran 2-8x slower than the tensor-core
         # one at every tile shape and row count probed (benchmarks/e2e/prefill_probe_h200.md)
         cands = [dict(impl="tile3", BM=bm, num_warps=w) for bm, w in bms] + [dict(impl="split3")]
