@@ -82,7 +82,12 @@ def main() -> None:
     kt = types_of(decode._gemv_k_kernel, part_ptr=f32, cnt_ptr=i32, route_ptr=b)
     for fuse in (True, False):
         compile_sm90(decode._gemv_k_kernel, kt, dict(G=128, BN=64, BK=128, NGP=128, SPLITS=8, EVEN_N=True,
-                                                     FUSE_SUM=fuse), num_stages=3)
+                                                     FUSE_SUM=fuse, BM=16), num_stages=3)
+    # gemm_k's split-K path for 4 < M < 512 rows (row tiles of 64 and 128)
+    compile_sm90(decode._gemv_k_kernel, kt, dict(G=128, BN=64, BK=128, NGP=128, SPLITS=2, EVEN_N=True,
+                                                 FUSE_SUM=True, BM=64), num_stages=3)
+    compile_sm90(decode._gemv_k_kernel, kt, dict(G=512, BN=64, BK=64, NGP=32, SPLITS=1, EVEN_N=True,
+                                                 FUSE_SUM=False, BM=128), num_warps=8, num_stages=3)
     compile_sm90(decode._splitk_sum_kernel, types_of(decode._splitk_sum_kernel, part_ptr=f32), dict(SPLITS=8,
                                                                                                      BLOCK=1024))
     compile_sm90(decode._decode_attn_split_kernel,

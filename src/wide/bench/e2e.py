@@ -159,6 +159,63 @@ def _runs_for(one_ms: float, runs: int, cap_s: float = 6.0) -> int:
     return int(max(5, min(runs, cap_s * 1e3 / max(one_ms, 1e-3))))
 
 
+def prefill_ms(engine, ids, runs: int = 50) -> tuple[float, int]:
+    """TTFT of one prefill of ``ids`` through ``engine``: CUDA-graph replay, median, after 2 warm-up calls.
+
+    Args:
+        engine: a :class:`~wide.inference.engine.Engine` on CUDA.
+        ids: int64 ``[B, T]`` token ids on the engine's device (no padding).
+        runs: replays to time (fewer, at least 5, when they would take more than 6 s).
+
+    Returns:
+        ``(milliseconds, replays timed)``.
+
+    Raises:
+        WideError: no CUDA device (from :func:`wide.inference.graphs.capture`).
+    """
+    import torch
+
+    cache = engine.new_cache(ids.shape[0], ids.shape[1])
+    graph = _capture(lambda: engine.prefill(ids, None, cache), warmup=2)
+    n = _runs_for(_median_ms(graph.replay, 1), runs)
+    ms = _median_ms(graph.replay, n)
+    del graph, cache
+    torch.cuda.empty_cache()
+    return ms, n
+
+
+def decode_ms(engine, cache, context: int, vocab: int, runs: int = 50) -> float:
+    """TPOT of one greedy decode step of every row of ``cache`` at ``context`` tokens of context.
+
+    The step is a CUDA graph (:class:`~wide.inference.graphs.DecodeRunner`); before each timed replay the
+    cache lengths are reset to ``context`` (untimed), so every step sees the same context.  Median of
+    ``max(50, runs)`` replays.
+
+    Args:
+        engine: a :class:`~wide.inference.engine.Engine` on CUDA.
+        cache: its :class:`~wide.inference.cache.StaticKVCache` with capacity > ``context``; its K/V
+            content is what the step attends to.
+        context: tokens already in the cache for every row.
+        vocab: the vocabulary size (random first tokens).
+        runs: replays to time (at least 50).
+
+    Returns:
+        Milliseconds per step.
+
+    Raises:
+        WideError: no CUDA device.
+    """
+    import torch
+
+    ctxlen = torch.full((cache.batch,), context, dtype=torch.int64, device=cache.device)
+    cache.lengths.copy_(ctxlen)
+    runner = _decode_runner(engine, cache)
+    runner.tokens.random_(0, vocab)
+    ms = _median_ms(runner.step, max(50, runs), before=lambda: cache.lengths.copy_(ctxlen))
+    del runner
+    return ms
+
+
 # ----------------------------------------------------------------------------------------------
 # models
 # ----------------------------------------------------------------------------------------------
@@ -316,13 +373,7 @@ def bench_prefill(ctx, model_name, base, wide_eng, dense_eng, B, T, extra):
     ids = torch.randint(0, base.config.vocab_size, (B, T), device=DEVICE, generator=g)
     out = {}
     for name, eng in _variants(wide_eng, dense_eng):
-        cache = eng.new_cache(B, T)
-        graph = _capture(lambda: eng.prefill(ids, None, cache), warmup=2)
-        one = _median_ms(graph.replay, 1)
-        out[name] = _median_ms(graph.replay, _runs_for(one, ctx.args.runs))
-        out[name + "_runs"] = _runs_for(one, ctx.args.runs)
-        del graph, cache
-        torch.cuda.empty_cache()
+        out[name], out[name + "_runs"] = prefill_ms(eng, ids, ctx.args.runs)
     rec = dict(phase="prefill", model=model_name, batch=B, prompt_len=T, dense_ms=round(out["dense"], 4),
                wide_ms=round(out["wide"], 4), speedup=round(out["dense"] / out["wide"], 4),
                runs=min(out["wide_runs"], out["dense_runs"]), **extra)
@@ -348,12 +399,7 @@ def bench_decode(ctx, model_name, base, wide_eng, dense_eng, B, T, extra):
     ctxlen = torch.full((B,), T, dtype=torch.int64, device=DEVICE)
     out = {}
     for name, eng in _variants(wide_eng, dense_eng):
-        cache.lengths.copy_(ctxlen)
-        runner = _decode_runner(eng, cache)
-        runner.tokens.random_(0, base.config.vocab_size)
-        reset = lambda: cache.lengths.copy_(ctxlen)  # noqa: E731
-        out[name] = _median_ms(runner.step, max(50, ctx.args.runs), before=reset)
-        del runner
+        out[name] = decode_ms(eng, cache, T, base.config.vocab_size, ctx.args.runs)
     rec = dict(phase="decode", model=model_name, batch=B, prompt_len=T, dense_ms=round(out["dense"], 4),
                wide_ms=round(out["wide"], 4), speedup=round(out["dense"] / out["wide"], 4),
                runs=max(50, ctx.args.runs), **extra)

@@ -208,31 +208,37 @@ if HAS_TRITON:
     @triton.jit
     def _gemv_k_kernel(x_ptr, w_ptr, out_ptr, part_ptr, cnt_ptr, route_ptr, M, N, NG, stride_xm, stride_wn,
                        stride_om, G: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, NGP: tl.constexpr,
-                       SPLITS: tl.constexpr, EVEN_N: tl.constexpr, FUSE_SUM: tl.constexpr):
-        # Grid (N tiles, K splits).  Every program compacts the active groups (union over the M rows) on
-        # the device: rank = cumsum(active).  The active K chunks (G // BK per group, BK divides G) are
-        # numbered 0..total-1 in K order and split evenly over the SPLITS programs of an N tile, so every
-        # loop iteration loads one full weight tile [BN, BK] of an active group: no predicated-off
-        # iterations, no load whose address or predicate depends on another load, balanced splits.
+                       SPLITS: tl.constexpr, EVEN_N: tl.constexpr, FUSE_SUM: tl.constexpr, BM: tl.constexpr):
+        # Grid (N tiles x row tiles of BM rows, K splits); the row tile varies fastest, so the programs that
+        # read the same weight tile run together (L2 reuse when M > BM).  Every program compacts the active
+        # groups (union over the rows of its row tile) on the device: rank = cumsum(active).  The active K
+        # chunks (G // BK per group, BK divides G) are numbered 0..total-1 in K order and split evenly over
+        # the SPLITS programs of a tile, so every loop iteration loads one full weight tile [BN, BK] of an
+        # active group: no predicated-off iterations, no load whose address or predicate depends on another
+        # load, balanced splits.  Rows are padded to BM (>= 16) for the tensor-core dot; padded rows load nothing.
         pid = tl.program_id(0)
         sp = tl.program_id(1)
+        num_m = tl.cdiv(M, BM)
+        pid_m = pid % num_m
+        pid_n = pid // num_m
+        m0 = pid_m * BM
         offs_g = tl.arange(0, NGP)
         gmask = offs_g < NG
-        act = _route_union(route_ptr, M, NG, offs_g, gmask, NGP)
+        act = _route_union(route_ptr + m0 * NG, tl.minimum(M - m0, BM), NG, offs_g, gmask, NGP)
         rank = tl.where(act != 0, tl.cumsum(act, axis=0), 0)  # 1-based rank of each active group, 0 if inactive
         CPG: tl.constexpr = G // BK
         total = tl.sum(act, axis=0) * CPG
         per = (total + SPLITS - 1) // SPLITS
         t0 = sp * per
         t1 = tl.minimum(t0 + per, total)
-        offs_n = pid * BN + tl.arange(0, BN)
+        offs_n = pid_n * BN + tl.arange(0, BN)
         nmask = offs_n < N
-        offs_m = tl.arange(0, 16)  # rows padded to 16 for the tensor-core dot; padded rows load nothing
+        offs_m = m0 + tl.arange(0, BM)
         mmask = offs_m < M
         offs_k = tl.arange(0, BK)
         w_rows = w_ptr + offs_n[:, None].to(tl.int64) * stride_wn + offs_k[None, :]
-        x_rows = x_ptr + offs_m[:, None] * stride_xm + offs_k[None, :]
-        acc = tl.zeros((16, BN), dtype=tl.float32)
+        x_rows = x_ptr + offs_m[:, None].to(tl.int64) * stride_xm + offs_k[None, :]
+        acc = tl.zeros((BM, BN), dtype=tl.float32)
         for t in range(t0, t1):
             q = t // CPG
             g = tl.sum(tl.where(rank == q + 1, offs_g, 0), axis=0)  # the q-th active group
@@ -245,23 +251,23 @@ if HAS_TRITON:
             else:
                 wt = tl.load(w_rows + k0, mask=nmask[:, None], other=0.0)
             acc = mma(xt, tl.trans(wt), acc)
+        omask = mmask[:, None] & nmask[None, :]
         if SPLITS == 1:
-            tl.store(out_ptr + offs_m[:, None] * stride_om + offs_n[None, :], acc.to(out_ptr.dtype.element_ty),
-                     mask=mmask[:, None] & nmask[None, :])
+            tl.store(out_ptr + offs_m[:, None].to(tl.int64) * stride_om + offs_n[None, :],
+                     acc.to(out_ptr.dtype.element_ty), mask=omask)
         else:
-            omask = mmask[:, None] & nmask[None, :]
-            tl.store(part_ptr + sp * (M * N) + offs_m[:, None] * N + offs_n[None, :], acc, mask=omask)
+            p_ptrs = part_ptr + offs_m[:, None].to(tl.int64) * N + offs_n[None, :]
+            tl.store(p_ptrs + sp.to(tl.int64) * M * N, acc, mask=omask)
             if FUSE_SUM:
-                # the split of this N tile that arrives last sums the SPLITS partials in split order
+                # the split of this tile that arrives last sums the SPLITS partials in split order
                 # (deterministic) and writes out; it resets the tile's counter for the next launch
                 tl.debug_barrier()
                 arrived = tl.atomic_add(cnt_ptr + pid, 1, sem="acq_rel", scope="gpu")
                 if arrived == SPLITS - 1:
-                    tot = tl.zeros((16, BN), dtype=tl.float32)
+                    tot = tl.zeros((BM, BN), dtype=tl.float32)
                     for s in tl.static_range(SPLITS):
-                        tot += tl.load(part_ptr + s * (M * N) + offs_m[:, None] * N + offs_n[None, :], mask=omask,
-                                       other=0.0, cache_modifier=".cg")
-                    tl.store(out_ptr + offs_m[:, None] * stride_om + offs_n[None, :],
+                        tot += tl.load(p_ptrs + s * M * N, mask=omask, other=0.0, cache_modifier=".cg")
+                    tl.store(out_ptr + offs_m[:, None].to(tl.int64) * stride_om + offs_n[None, :],
                              tot.to(out_ptr.dtype.element_ty), mask=omask)
                     tl.atomic_xchg(cnt_ptr + pid, 0, sem="relaxed", scope="gpu")
 
@@ -420,6 +426,76 @@ def _gemv_k_cands(G, K, N, M):
         cfg = dict(BN=bn, BK=bk, SPLIT=sp, FUSE=bool(fuse and sp > 1), num_warps=w, num_stages=st)
         if cfg not in out:
             out.append(cfg)
+    return out
+
+
+def splitk_cands(G, K, N, M):
+    """Configs of the split-K GEMM-K kernel for ``M > 4`` rows (``BM`` rows per tile; see :func:`splitk_k`).
+
+    Rows are tiled by ``BM`` in {16, ..., 128}; the grid is N tiles x row tiles x K splits, aiming at 2-4
+    programs per SM of an H200 (132 SMs) so that enough weight bytes are in flight, with fewer splits as the
+    row tiles multiply.  The first entry is used untuned."""
+    bkmax = pow2_part(G)
+    if interpret_mode():
+        bm = 16 if M <= 16 else 32
+        return [dict(BM=bm, BN=16, BK=min(32, bkmax), SPLIT=max(1, min(2, K // min(32, bkmax))), FUSE=True)]
+    bm0 = min(64, max(16, next_pow2(M)))
+    c = [(bm0, 64, 128, 8, 1, 4, 3), (bm0, 64, 128, 4, 1, 4, 3), (bm0, 64, 128, 2, 1, 4, 3),
+         (bm0, 128, 64, 4, 1, 8, 3), (bm0, 32, 128, 8, 1, 4, 3), (bm0, 64, 64, 8, 1, 4, 4),
+         (bm0, 64, 128, 1, 0, 4, 3)]
+    if M > 64:
+        c += [(128, 64, 64, 2, 1, 8, 3), (128, 64, 64, 1, 0, 8, 3), (128, 128, 64, 1, 0, 8, 3),
+              (64, 128, 64, 2, 1, 4, 3)]
+    out = []
+    for bm, bn, bk, sp, fuse, w, st in c:
+        bk = min(bk, bkmax)
+        sp = max(1, min(sp, K // bk))
+        cfg = dict(BM=bm, BN=bn, BK=bk, SPLIT=sp, FUSE=bool(fuse and sp > 1), num_warps=w, num_stages=st)
+        if cfg not in out:
+            out.append(cfg)
+    return out
+
+
+def _splitk_launch(a, w, out, route, G, cfg):
+    """Launch :func:`_gemv_k_kernel` (and, unfused, the split sum) with ``cfg``; ``a``, ``w``, ``route`` contiguous."""
+    M, K = a.shape
+    N = w.shape[0]
+    NG = K // G
+    bm = cfg.get("BM", 16)
+    split = cfg["SPLIT"]
+    fuse = split > 1 and cfg.get("FUSE", False)
+    part = torch.empty((split, M, N), dtype=torch.float32, device=a.device) if split > 1 else out
+    tiles = triton.cdiv(N, cfg["BN"]) * triton.cdiv(M, bm)
+    cnt = tile_counters(a.device, tiles) if fuse else route
+    _gemv_k_kernel[(tiles, split)](a, w, out, part, cnt, route, M, N, NG, a.stride(0), w.stride(0),
+                                   out.stride(0), G=G, BN=cfg["BN"], BK=cfg["BK"], NGP=max(2, next_pow2(NG)),
+                                   SPLITS=split, EVEN_N=(N % cfg["BN"] == 0), FUSE_SUM=fuse, BM=bm,
+                                   **launch_opts(cfg))
+    if split > 1 and not fuse:
+        blk = 1024 if not interpret_mode() else 256
+        _splitk_sum_kernel[(triton.cdiv(M * N, blk),)](part, out, M * N, SPLITS=split, BLOCK=blk,
+                                                     **({} if interpret_mode() else {"num_warps": 4}))
+
+
+def splitk_k(a: torch.Tensor, w: torch.Tensor, route: torch.Tensor, G: int, out: torch.Tensor,
+             cfg: dict) -> torch.Tensor:
+    """GEMM-K for a few rows (Eq. 21, no reorder): the kernel of :func:`gemv_k` with rows tiled by ``cfg["BM"]``.
+
+    ``out[m] = sum_{g: route[m, g]} a[m, K_g] @ w[:, K_g].T``.  Each program compacts the groups that some row
+    of its row tile executes (on the device) and streams only their ``[BN, BK]`` weight tiles, split over
+    ``cfg["SPLIT"]`` programs; row tiles of one weight tile run next to each other, so the weight is read from
+    HBM about once.  :func:`wide.kernels.gemm_k` uses it for ``4 < M < 512`` rows (autotuned against its
+    route-predicated dense kernel), where a dense-order GEMM has too few output tiles to fill the GPU.
+
+    Args:
+        a: contiguous ``[M, K]`` (bf16/fp16/fp32); w: contiguous ``[N, K]``, same dtype; route: contiguous bool
+            ``[M, K // G]``; G: group size along K; out: contiguous ``[M, N]`` in a's dtype (every element
+            written); cfg: one entry of :func:`splitk_cands`.
+
+    Returns:
+        ``out``.  Inputs are not validated here (the public ops do it).
+    """
+    _splitk_launch(a, w, out, route, G, cfg)
     return out
 
 
@@ -638,22 +714,8 @@ def gemv_k(a: torch.Tensor, w: torch.Tensor, route: torch.Tensor, G: int, *,
     if w.stride(1) != 1:
         w = w.contiguous()
     route = route.contiguous()
-    NG = K // G
-    ngp = max(2, next_pow2(NG))
-
     def run(cfg, route=route):
-        split = cfg["SPLIT"]
-        fuse = split > 1 and cfg.get("FUSE", False)
-        part = torch.empty((split, M, N), dtype=torch.float32, device=a.device) if split > 1 else out
-        tiles = triton.cdiv(N, cfg["BN"])
-        cnt = tile_counters(a.device, tiles) if fuse else route
-        _gemv_k_kernel[(tiles, split)](a, w, out, part, cnt, route, M, N, NG, a.stride(0), w.stride(0),
-                                       out.stride(0), G=G, BN=cfg["BN"], BK=cfg["BK"], NGP=ngp, SPLITS=split,
-                                       EVEN_N=(N % cfg["BN"] == 0), FUSE_SUM=fuse, **launch_opts(cfg))
-        if split > 1 and not fuse:
-            blk = 1024 if not interpret_mode() else 256
-            _splitk_sum_kernel[(triton.cdiv(M * N, blk),)](part, out, M * N, SPLITS=split, BLOCK=blk,
-                                                         **({} if interpret_mode() else {"num_warps": 4}))
+        _splitk_launch(a, w, out, route, G, cfg)
 
     cfg = pick_config("gemv_k4", (M, N, K, G, str(a.dtype)), a.device, _gemv_k_cands(G, K, N, M),
                       _dense_tuner(run, route), graph=True)

@@ -180,9 +180,11 @@ def gemm_k(a: torch.Tensor, w: torch.Tensor, route: torch.Tensor, G: int, *,
         reordered: optional shared :func:`wide.kernels.reorder` result of ``route``.  Ignored for
             M <= 4.
         out: optional preallocated contiguous ``[M, N]`` output (a's dtype); every element written.
-        path: ``"auto"`` (default: ``dense`` for M < ``SPARSE_MIN_M``, else chosen on the device
-            from the active fraction, see ``DENSE_ABOVE``), ``"sparse"`` (atomic scatter-add, Algorithm 3) or ``"dense"``
-            (route-predicated dense pipeline).  All paths give the same function.
+        path: ``"auto"`` (default: for M < ``SPARSE_MIN_M`` the faster of ``splitk`` and ``dense`` for this
+            shape, autotuned once; else chosen on the device from the active fraction, see ``DENSE_ABOVE``),
+            ``"sparse"`` (atomic scatter-add, Algorithm 3), ``"dense"`` (route-predicated dense pipeline) or
+            ``"splitk"`` (:func:`wide.kernels.decode.splitk_k`: per row tile, only the groups some row executes
+            are read, split over K; no reorder).  All paths give the same function.
 
     Returns:
         ``[M, N]`` in a's dtype, accumulated in fp32 (the result does not depend on the order of the
@@ -207,8 +209,8 @@ def gemm_k(a: torch.Tensor, w: torch.Tensor, route: torch.Tensor, G: int, *,
     check_route(route, M, NG)
     check_same_device(a=a, w=w, route=route)
     check_out(out, (M, N), a.dtype, a.device)
-    if path not in ("auto", "sparse", "dense"):
-        fail(f"path={path!r}; allowed: 'auto', 'sparse', 'dense'")
+    if path not in ("auto", "sparse", "dense", "splitk"):
+        fail(f"path={path!r}; allowed: 'auto', 'sparse', 'dense', 'splitk'")
     from .decode import gemv_k
 
     done = small_or_fallback(a, M, N, out, lambda: reference.gemm_k_ref(a, w, route, G),
@@ -222,8 +224,25 @@ def gemm_k(a: torch.Tensor, w: torch.Tensor, route: torch.Tensor, G: int, *,
     route = route.contiguous()
     if out is None:
         out = torch.empty((M, N), dtype=a.dtype, device=a.device)
-    if path == "auto" and not uses_reorder(M):
-        path = "dense"
+    if path == "splitk" or (path == "auto" and not uses_reorder(M)):
+        from .decode import _dense_tuner, splitk_cands, splitk_k
+
+        def run_small(cfg, route=route):
+            if cfg.pop("KIND", "splitk") == "splitk":
+                splitk_k(a, w, route, G, out, cfg)
+            else:
+                _gemm_k_dense_kernel[(triton.cdiv(M, cfg["BM"]) * triton.cdiv(N, cfg["BN"]),)](
+                    a, w, out, route, route, M, N, K, NG, -1, a.stride(0), w.stride(0), out.stride(0), G,
+                    BM=cfg["BM"], BN=cfg["BN"], BK=cfg["BK"], GROUP_M=cfg["GROUP_M"], NG_P2=16, FORCE=True,
+                    **launch_opts(cfg))
+
+        cands = [dict(c, KIND="splitk") for c in splitk_cands(G, K, N, M)]
+        if path == "auto":  # the split-K kernel against the dense-order one, tuned with every group executed
+            cands += [dict(c, KIND="dense") for c in _dense_candidates(G, M)]
+        cfg = pick_config("gemm_k_small" if path == "auto" else "gemm_k_splitk", (m_bucket(M), N, K, G, str(a.dtype)),
+                          a.device, cands, _dense_tuner(lambda c, r: run_small(dict(c), r), route), graph=True)
+        run_small(cfg)
+        return out
     thr = DENSE_ABOVE.get(G, 0.8) if path == "auto" else (2.0 if path == "sparse" else -1.0)
     thr_ppm = int(round(thr * 1_000_000))
     ng_p2 = max(16, next_pow2(NG))
