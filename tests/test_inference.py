@@ -431,7 +431,8 @@ def test_cuda_graph_decode_and_fixed_mask_check():
 
 
 def test_router_overlap_logic_on_cpu(monkeypatch):
-    """The overlap path's logic (router reading h + add inside its kernel, the router steps left out) on the CPU
+    """The overlap paths' logic (decode: router reading h + add inside its kernel, the router steps left out;
+    prefill: the attention router and reorder inside the K / V step, before the Q projection) on the CPU
     interpreter, with CUDA's stream calls stubbed: the same masks and logits as the plain path, batch 1 and 3."""
     import contextlib
     import types
@@ -451,14 +452,19 @@ def test_router_overlap_logic_on_cpu(monkeypatch):
         for overlap in (True, False):
             eng = Engine(wm, overlap=overlap)
             eng.overlaps_router = (lambda kind, phase, on=overlap: on and phase == "decode")
+            eng.overlaps_prefill_router = (lambda phase, on=overlap: on and phase == "prefill")
             names = [n for n, _ in eng.layer_steps(0, {"h": torch.zeros(B, 1, 8)}, "decode")]
             assert ("attn_router" in names) != overlap and ("ffn_router" in names) != overlap
+            names = [n for n, _ in eng.layer_steps(0, {"h": torch.zeros(B, 9, 8)}, "prefill")]
+            assert ("attn_router" in names) != overlap and ("attn_reorder" in names) != overlap
+            assert names.index("kv_proj") < names.index("q_proj") if overlap else "kv_proj" in names
             cache = eng.new_cache(B, 12)
-            tok = eng.prefill(ids, None, cache).argmax(-1)
             eng.record_masks = True
-            logits = [eng.decode(tok, cache)]
-            masks = dict(eng.masks)
+            logits = [eng.prefill(ids, None, cache)]
+            masks = {("prefill",) + k: v for k, v in eng.masks.items()}
             logits.append(eng.decode(logits[0].argmax(-1), cache))
+            masks.update(eng.masks)
+            logits.append(eng.decode(logits[1].argmax(-1), cache))
             outs.append((logits, masks))
         (la, ma), (lb, mb) = outs
         assert all(torch.equal(a, b) for a, b in zip(la, lb))
@@ -468,7 +474,8 @@ def test_router_overlap_logic_on_cpu(monkeypatch):
 @cuda
 def test_cuda_router_overlap_and_one_launch_qkv_change_nothing():
     """bf16 on the GPU, batch 1 and 3: decode steps with the routers on a second stream (reading h + add in
-    their kernel) and the one-launch [Q | K | V] GEMV give the same masks and logits as the plain engine
+    their kernel), the prefill's attention router beside its K / V projections, and the one-launch [Q | K | V]
+    GEMV give the same masks and logits as the plain engine
     (the same values reach the same kernels), eagerly and replayed from a CUDA graph."""
     from wide.inference import Engine
     from wide.inference.graphs import capture
@@ -484,11 +491,14 @@ def test_cuda_router_overlap_and_one_launch_qkv_change_nothing():
             assert eng.overlaps_router("attn", "decode") == overlap and eng.qkv_one_launch("decode", B)
             names = [n for n, _ in eng.layer_steps(0, {"h": torch.zeros(B, 1, 8)}, "decode")]
             assert ("attn_router" in names) != overlap and "qkv_proj" in names and "kv_proj" not in names
+            assert eng.overlaps_prefill_router("prefill") == overlap
             cache = eng.new_cache(B, 20)
-            tok = eng.prefill(ids, None, cache).argmax(-1)
             eng.record_masks = True
+            pre = eng.prefill(ids, None, cache)
+            masks = {("prefill",) + k: v.clone() for k, v in eng.masks.items()}
+            tok = pre.argmax(-1)
             eager = eng.decode(tok, cache)
-            masks = {k: v.clone() for k, v in eng.masks.items()}
+            masks.update({k: v.clone() for k, v in eng.masks.items()})
             eng.record_masks = False
             res = {}
             g = capture(lambda: res.__setitem__("logits", eng.decode(tok, cache)))
@@ -496,9 +506,9 @@ def test_cuda_router_overlap_and_one_launch_qkv_change_nothing():
             g.replay()
             torch.cuda.synchronize()
             assert (res["logits"].float() - eager.float()).abs().max().item() < 5e-2
-            outs.append((eager.float(), masks, res["logits"].float().clone()))
-        (a, ma, ga), (b, mb, gb) = outs
-        assert torch.equal(a, b) and torch.equal(ga, gb)
+            outs.append((eager.float(), masks, res["logits"].float().clone(), pre.float()))
+        (a, ma, ga, pa), (b, mb, gb, pb) = outs
+        assert torch.equal(a, b) and torch.equal(ga, gb) and torch.equal(pa, pb)
         assert ma.keys() == mb.keys() and all(torch.equal(ma[k], mb[k]) for k in ma)
 
 

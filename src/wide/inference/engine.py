@@ -14,7 +14,8 @@ Per decoder layer (prefill of a left-padded batch, or one decode step over a :cl
 Decode steps need no reorder (M = batch <= 128: the GEMMs read the route directly, GEMV for M <= 4) and
 no host synchronisation; :mod:`wide.inference.graphs` captures them in CUDA graphs.  With M <= 4 the Q, K and
 V projections are one GEMV launch (:meth:`Engine.qkv_one_launch`), and on CUDA each router runs on a second
-stream beside the RMSNorm before it (:meth:`Engine.overlaps_router`).
+stream beside the RMSNorm before it (:meth:`Engine.overlaps_router`); at prefill the attention router and its
+reorder run beside the K / V projections (:meth:`Engine.overlaps_prefill_router`).
 
 ``ops="dense"`` runs the same structure with cuBLAS linears and SDPA (the dense baseline of the
 benchmarks); routers are then ignored.  On CPU without ``TRITON_INTERPRET=1`` every kernel falls back to
@@ -173,8 +174,9 @@ class Engine:
             (SDPA's flash attention for every head, then the skipped head groups' outputs set to 0: the same
             function), or ``"auto"`` (default): SDPA in the layers whose measured attention activity is above
             ``ATTN_DENSE_ABOVE``.  Decode always runs the project's split-KV decode attention.
-        overlap: at decode on CUDA, run each router on a second stream concurrently with the RMSNorm before it
-            (see :meth:`overlaps_router`; default True).
+        overlap: on CUDA, run each decode router on a second stream concurrently with the RMSNorm before it
+            (:meth:`overlaps_router`), and the prefill attention router and its reorder concurrently with the
+            K / V projections (:meth:`overlaps_prefill_router`); default True.
 
     At decode with up to 4 rows (batch <= 4) both engines run Q, K and V as one GEMV launch
     (:meth:`qkv_one_launch`): the project's ``gemv_mn`` with K and V as an always-executed tail, every group
@@ -356,6 +358,23 @@ class Engine:
         return (self.overlap and phase == "decode" and self.fast and self.ops != "dense" and routers is not None
                 and self.device.type == "cuda")
 
+    def overlaps_prefill_router(self, phase: str) -> bool:
+        """Whether a prefill runs the attention router and its reorder concurrently with the K / V projections.
+
+        The K and V projections do not depend on the routing; at a few hundred to a few thousand tokens neither
+        they (a few dozen output tiles) nor the router (one program per row tile and D split) fill an H200, so
+        the router and the reorder run on a second CUDA stream while K and V are projected on the current one,
+        which then waits for both before the Q projection.  Prefill on CUDA with the fused kernels and attention
+        routers, and :attr:`overlap`; CUDA-graph capturable like the decode overlap."""
+        return (self.overlap and phase == "prefill" and self.fast and self.ops != "dense"
+                and self.attn_routers is not None and self.device.type == "cuda")
+
+    def _side_stream(self):
+        side = self.__dict__.get("_side")
+        if side is None:
+            side = self._side = torch.cuda.Stream(self.device)
+        return side
+
     def _norm_route(self, module, h, add, kind: str, i: int, st: dict, overlap: bool):
         """``(h + add, norm(h + add), mask)``: :meth:`_norm`, and with ``overlap`` layer ``i``'s ``kind`` router
         reading ``h + add`` on a second stream meanwhile (else ``mask`` is None); the current stream then waits
@@ -363,9 +382,7 @@ class Engine:
         after every use issued so far on the current stream."""
         if not overlap:
             return (*self._norm(module, h, add), None)
-        side = self.__dict__.get("_side")
-        if side is None:
-            side = self._side = torch.cuda.Stream(self.device)
+        side = self._side_stream()
         cur = torch.cuda.current_stream(self.device)
         side.wait_stream(cur)
         with torch.cuda.stream(side):
@@ -400,6 +417,7 @@ class Engine:
         qkv = self.qkv_one_launch(phase, st["h"].shape[0] * st["h"].shape[1], i)
 
         ov_attn, ov_ffn = self.overlaps_router("attn", phase), self.overlaps_router("ffn", phase)
+        ov_prefill = self.overlaps_prefill_router(phase) and not qkv
 
         def input_norm(st):  # with ov_attn also the attention router (its own step is then left out)
             st["h_attn"], st["x"], m = self._norm_route(L.ln1, st["h"], st.get("pending"), "attn", i, st, ov_attn)
@@ -433,6 +451,16 @@ class Engine:
             B, T, _ = x.shape
             st["k_raw"] = F.linear(x, L.wk, L.bk).view(B, T, d.num_kv_heads, d.head_dim)
             st["v_raw"] = F.linear(x, L.wv, L.bv).view(B, T, d.num_kv_heads, d.head_dim)
+
+        def kv_proj_route(st):  # prefill with ov_prefill: K / V here, the attention router + reorder beside them
+            side = self._side_stream()
+            cur = torch.cuda.current_stream(self.device)
+            side.wait_stream(cur)
+            with torch.cuda.stream(side):
+                attn_router(st)
+                attn_reorder(st)
+            kv_proj(st)
+            cur.wait_stream(side)
 
         def qkv_proj(st):  # decode, <= 4 rows: [Q routed | K | V] as one GEMV launch (see qkv_one_launch)
             x = st["x"]
@@ -545,10 +573,14 @@ class Engine:
             st["h"] = st["h_ffn"]
             st["pending"] = y.view(B, T, D)  # added to h by the next norm (fused add)
 
-        steps = [("input_norm", input_norm)] + ([] if ov_attn else [("attn_router", attn_router)])
-        if not dense:
-            steps.append(("attn_reorder", attn_reorder))
-        steps += [("qkv_proj", qkv_proj)] if qkv else [("q_proj", q_proj), ("kv_proj", kv_proj)]
+        steps = [("input_norm", input_norm)]
+        if ov_prefill:  # the trace's "kv_proj" then includes the router and reorder that run beside it
+            steps += [("kv_proj", kv_proj_route), ("q_proj", q_proj)]
+        else:
+            steps += [] if ov_attn else [("attn_router", attn_router)]
+            if not dense:
+                steps.append(("attn_reorder", attn_reorder))
+            steps += [("qkv_proj", qkv_proj)] if qkv else [("q_proj", q_proj), ("kv_proj", kv_proj)]
         if fused_rope:
             steps.append(("rope_kv_cache", rope_kv_cache))
         else:
