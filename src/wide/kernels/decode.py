@@ -432,27 +432,26 @@ def _gemv_k_cands(G, K, N, M):
 def splitk_cands(G, K, N, M):
     """Configs of the split-K GEMM-K kernel for ``M > 4`` rows (``BM`` rows per tile; see :func:`splitk_k`).
 
-    Rows are tiled by ``BM`` in {16, ..., 128}; the grid is N tiles x row tiles x K splits, aiming at 2-4
-    programs per SM of an H200 (132 SMs) so that enough weight bytes are in flight, with fewer splits as the
-    row tiles multiply.  The first entry is used untuned."""
+    Rows are tiled by ``BM`` in {16, 32, 64} (at most the padded row count); the grid is N tiles x row tiles x K
+    splits, with the splits chosen so that about 512 programs run (2-4 per SM of an H200, 132 SMs; or half as
+    many splits), enough
+    weight bytes in flight to stream HBM; the row tiles of one weight tile run next to each other and share it
+    through L2.  The first entry is used untuned."""
     bkmax = pow2_part(G)
     if interpret_mode():
         bm = 16 if M <= 16 else 32
         return [dict(BM=bm, BN=16, BK=min(32, bkmax), SPLIT=max(1, min(2, K // min(32, bkmax))), FUSE=True)]
-    bm0 = min(64, max(16, next_pow2(M)))
-    c = [(bm0, 64, 128, 8, 1, 4, 3), (bm0, 64, 128, 4, 1, 4, 3), (bm0, 64, 128, 2, 1, 4, 3),
-         (bm0, 128, 64, 4, 1, 8, 3), (bm0, 32, 128, 8, 1, 4, 3), (bm0, 64, 64, 8, 1, 4, 4),
-         (bm0, 64, 128, 1, 0, 4, 3)]
-    if M > 64:
-        c += [(128, 64, 64, 2, 1, 8, 3), (128, 64, 64, 1, 0, 8, 3), (128, 128, 64, 1, 0, 8, 3),
-              (64, 128, 64, 2, 1, 4, 3)]
+    top = min(64, max(16, next_pow2(M)))
     out = []
-    for bm, bn, bk, sp, fuse, w, st in c:
-        bk = min(bk, bkmax)
-        sp = max(1, min(sp, K // bk))
-        cfg = dict(BM=bm, BN=bn, BK=bk, SPLIT=sp, FUSE=bool(fuse and sp > 1), num_warps=w, num_stages=st)
-        if cfg not in out:
-            out.append(cfg)
+    for bm in [top] + [b for b in (32, 16) if b < top]:
+        for bn, bk, w in ((64, 128, 4), (128, 64, 8), (32, 128, 4)):
+            bk = min(bk, bkmax)
+            progs = -(-N // bn) * -(-M // bm)
+            sp = max(1, min(8, 512 // progs, K // bk))
+            for split in (sp, max(1, sp // 2)):  # and half as many splits (fewer partials to sum)
+                cfg = dict(BM=bm, BN=bn, BK=bk, SPLIT=split, FUSE=split > 1, num_warps=w, num_stages=3)
+                if cfg not in out:
+                    out.append(cfg)
     return out
 
 
