@@ -371,26 +371,28 @@ class Engine:
         return (self.overlap and phase == "prefill" and self.fast and self.ops != "dense"
                 and self.attn_routers is not None and self.device.type == "cuda")
 
-    def _side_stream(self):
+    def _beside(self, side_fn, main_fn):
+        """``(side_fn(), main_fn())`` with ``side_fn`` on a second CUDA stream forked from the current one and
+        ``main_fn`` on the current one, which then waits for both.  Memory allocated on the second stream is only
+        reused after a later fork, which orders it after every use issued so far on the current stream."""
         side = self.__dict__.get("_side")
         if side is None:
             side = self._side = torch.cuda.Stream(self.device)
-        return side
-
-    def _norm_route(self, module, h, add, kind: str, i: int, st: dict, overlap: bool):
-        """``(h + add, norm(h + add), mask)``: :meth:`_norm`, and with ``overlap`` layer ``i``'s ``kind`` router
-        reading ``h + add`` on a second stream meanwhile (else ``mask`` is None); the current stream then waits
-        for both.  Memory allocated on the second stream is only reused after a later fork, which orders it
-        after every use issued so far on the current stream."""
-        if not overlap:
-            return (*self._norm(module, h, add), None)
-        side = self._side_stream()
         cur = torch.cuda.current_stream(self.device)
         side.wait_stream(cur)
         with torch.cuda.stream(side):
-            mask = self._route(kind, i, h, st.get("valid"), add=add)
-        hn, x = self._norm(module, h, add)
+            res = side_fn()
+        out = main_fn()
         cur.wait_stream(side)
+        return res, out
+
+    def _norm_route(self, module, h, add, kind: str, i: int, st: dict, overlap: bool):
+        """``(h + add, norm(h + add), mask)``: :meth:`_norm`, and with ``overlap`` layer ``i``'s ``kind`` router
+        reading ``h + add`` on a second stream meanwhile (else ``mask`` is None; see :meth:`_beside`)."""
+        if not overlap:
+            return (*self._norm(module, h, add), None)
+        mask, (hn, x) = self._beside(lambda: self._route(kind, i, h, st.get("valid"), add=add),
+                                     lambda: self._norm(module, h, add))
         return hn, x, mask
 
     def _norm(self, module, h, add):
@@ -455,14 +457,7 @@ class Engine:
             st["v_raw"] = F.linear(x, L.wv, L.bv).view(B, T, d.num_kv_heads, d.head_dim)
 
         def kv_proj_route(st):  # prefill with ov_prefill: K / V here, the attention router + reorder beside them
-            side = self._side_stream()
-            cur = torch.cuda.current_stream(self.device)
-            side.wait_stream(cur)
-            with torch.cuda.stream(side):
-                attn_router(st)
-                attn_reorder(st)
-            kv_proj(st)
-            cur.wait_stream(side)
+            self._beside(lambda: (attn_router(st), attn_reorder(st)), lambda: kv_proj(st))
 
         def qkv_proj(st):  # decode, <= 4 rows: [Q routed | K | V] as one GEMV launch (see qkv_one_launch)
             x = st["x"]

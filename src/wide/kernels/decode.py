@@ -434,9 +434,8 @@ def splitk_cands(G, K, N, M):
 
     Rows are tiled by ``BM`` in {16, 32, 64} (at most the padded row count); the grid is N tiles x row tiles x K
     splits, with the splits chosen so that about 512 programs run (2-4 per SM of an H200, 132 SMs; or half as
-    many splits), enough
-    weight bytes in flight to stream HBM; the row tiles of one weight tile run next to each other and share it
-    through L2.  The first entry is used untuned."""
+    many splits), enough weight bytes in flight to stream HBM; the row tiles of one weight tile run next to each
+    other and share it through L2.  The first entry is used untuned."""
     bkmax = pow2_part(G)
     if interpret_mode():
         bm = 16 if M <= 16 else 32
@@ -453,27 +452,6 @@ def splitk_cands(G, K, N, M):
                 if cfg not in out:
                     out.append(cfg)
     return out
-
-
-def _splitk_launch(a, w, out, route, G, cfg):
-    """Launch :func:`_gemv_k_kernel` (and, unfused, the split sum) with ``cfg``; ``a``, ``w``, ``route`` contiguous."""
-    M, K = a.shape
-    N = w.shape[0]
-    NG = K // G
-    bm = cfg.get("BM", 16)
-    split = cfg["SPLIT"]
-    fuse = split > 1 and cfg.get("FUSE", False)
-    part = torch.empty((split, M, N), dtype=torch.float32, device=a.device) if split > 1 else out
-    tiles = triton.cdiv(N, cfg["BN"]) * triton.cdiv(M, bm)
-    cnt = tile_counters(a.device, tiles) if fuse else route
-    _gemv_k_kernel[(tiles, split)](a, w, out, part, cnt, route, M, N, NG, a.stride(0), w.stride(0),
-                                   out.stride(0), G=G, BN=cfg["BN"], BK=cfg["BK"], NGP=max(2, next_pow2(NG)),
-                                   SPLITS=split, EVEN_N=(N % cfg["BN"] == 0), FUSE_SUM=fuse, BM=bm,
-                                   **launch_opts(cfg))
-    if split > 1 and not fuse:
-        blk = 1024 if not interpret_mode() else 256
-        _splitk_sum_kernel[(triton.cdiv(M * N, blk),)](part, out, M * N, SPLITS=split, BLOCK=blk,
-                                                     **({} if interpret_mode() else {"num_warps": 4}))
 
 
 def splitk_k(a: torch.Tensor, w: torch.Tensor, route: torch.Tensor, G: int, out: torch.Tensor,
@@ -494,7 +472,23 @@ def splitk_k(a: torch.Tensor, w: torch.Tensor, route: torch.Tensor, G: int, out:
     Returns:
         ``out``.  Inputs are not validated here (the public ops do it).
     """
-    _splitk_launch(a, w, out, route, G, cfg)
+    M, K = a.shape
+    N = w.shape[0]
+    NG = K // G
+    bm = cfg.get("BM", 16)
+    split = cfg["SPLIT"]
+    fuse = split > 1 and cfg.get("FUSE", False)
+    part = torch.empty((split, M, N), dtype=torch.float32, device=a.device) if split > 1 else out
+    tiles = triton.cdiv(N, cfg["BN"]) * triton.cdiv(M, bm)
+    cnt = tile_counters(a.device, tiles) if fuse else route
+    _gemv_k_kernel[(tiles, split)](a, w, out, part, cnt, route, M, N, NG, a.stride(0), w.stride(0),
+                                   out.stride(0), G=G, BN=cfg["BN"], BK=cfg["BK"], NGP=max(2, next_pow2(NG)),
+                                   SPLITS=split, EVEN_N=(N % cfg["BN"] == 0), FUSE_SUM=fuse, BM=bm,
+                                   **launch_opts(cfg))
+    if split > 1 and not fuse:
+        blk = 1024 if not interpret_mode() else 256
+        _splitk_sum_kernel[(triton.cdiv(M * N, blk),)](part, out, M * N, SPLITS=split, BLOCK=blk,
+                                                     **({} if interpret_mode() else {"num_warps": 4}))
     return out
 
 
@@ -714,7 +708,7 @@ def gemv_k(a: torch.Tensor, w: torch.Tensor, route: torch.Tensor, G: int, *,
         w = w.contiguous()
     route = route.contiguous()
     def run(cfg, route=route):
-        _splitk_launch(a, w, out, route, G, cfg)
+        splitk_k(a, w, route, G, out, cfg)
 
     cfg = pick_config("gemv_k4", (M, N, K, G, str(a.dtype)), a.device, _gemv_k_cands(G, K, N, M),
                       _dense_tuner(run, route), graph=True)

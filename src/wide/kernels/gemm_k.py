@@ -166,6 +166,17 @@ def _dense_candidates(G, M):
     return [dict(BM=bm, BN=bn, BK=min(bk, pow2_part(G)), GROUP_M=8, num_warps=w, num_stages=s) for bm, bn, bk, w, s in base]
 
 
+def _launch_dense(a, w, out, route, cnt, G, thr_ppm, ng_p2, force, cfg):
+    """One launch of ``_gemm_k_dense_kernel`` (route-predicated, original row order) with tile config ``cfg``;
+    ``force`` runs it unconditionally, else it exits unless the device-side counts ``cnt`` choose it."""
+    M, K = a.shape
+    N = w.shape[0]
+    grid = (triton.cdiv(M, cfg["BM"]) * triton.cdiv(N, cfg["BN"]),)
+    _gemm_k_dense_kernel[grid](a, w, out, route, cnt, M, N, K, K // G, thr_ppm, a.stride(0), w.stride(0),
+                               out.stride(0), G, BM=cfg["BM"], BN=cfg["BN"], BK=cfg["BK"], GROUP_M=cfg["GROUP_M"],
+                               NG_P2=ng_p2, FORCE=force, **launch_opts(cfg))
+
+
 def gemm_k(a: torch.Tensor, w: torch.Tensor, route: torch.Tensor, G: int, *,
            reordered: Reordered | None = None, out: torch.Tensor | None = None,
            path: str = "auto") -> torch.Tensor:
@@ -231,10 +242,7 @@ def gemm_k(a: torch.Tensor, w: torch.Tensor, route: torch.Tensor, G: int, *,
             if cfg.pop("KIND", "splitk") == "splitk":
                 splitk_k(a, w, route, G, out, cfg)
             else:
-                _gemm_k_dense_kernel[(triton.cdiv(M, cfg["BM"]) * triton.cdiv(N, cfg["BN"]),)](
-                    a, w, out, route, route, M, N, K, NG, -1, a.stride(0), w.stride(0), out.stride(0), G,
-                    BM=cfg["BM"], BN=cfg["BN"], BK=cfg["BK"], GROUP_M=cfg["GROUP_M"], NG_P2=16, FORCE=True,
-                    **launch_opts(cfg))
+                _launch_dense(a, w, out, route, route, G, -1, 16, True, cfg)
 
         cands = [dict(c, KIND="splitk") for c in splitk_cands(G, K, N, M)]
         if path == "auto":  # the split-K kernel against the dense-order one, tuned with every group executed
@@ -251,11 +259,7 @@ def gemm_k(a: torch.Tensor, w: torch.Tensor, route: torch.Tensor, G: int, *,
         # no reorder needed at all
         cnt = torch.zeros(1, dtype=torch.int32, device=a.device)
         def run_dense(cfg):
-            grid = (triton.cdiv(M, cfg["BM"]) * triton.cdiv(N, cfg["BN"]),)
-            _gemm_k_dense_kernel[grid](a, w, out, route, cnt, M, N, K, NG, thr_ppm,
-                                       a.stride(0), w.stride(0), out.stride(0), G, BM=cfg["BM"],
-                                       BN=cfg["BN"], BK=cfg["BK"], GROUP_M=cfg["GROUP_M"], NG_P2=16,
-                                       FORCE=True, **launch_opts(cfg))
+            _launch_dense(a, w, out, route, cnt, G, thr_ppm, 16, True, cfg)
         cfg = pick_config("gemm_k_dense", (m_bucket(M), N, K, G, str(a.dtype)), a.device,
                           _dense_candidates(G, M), run_dense)
         run_dense(cfg)
@@ -282,21 +286,13 @@ def gemm_k(a: torch.Tensor, w: torch.Tensor, route: torch.Tensor, G: int, *,
                                     NG_P2=ng_p2, **launch_opts(cfg))
 
     def run_dense_auto(cfg):
-        grid = (triton.cdiv(M, cfg["BM"]) * triton.cdiv(N, cfg["BN"]),)
-        _gemm_k_dense_kernel[grid](a, w, out, route, cnt, M, N, K, NG, thr_ppm,
-                                   a.stride(0), w.stride(0), out.stride(0), G, BM=cfg["BM"],
-                                   BN=cfg["BN"], BK=cfg["BK"], GROUP_M=cfg["GROUP_M"], NG_P2=ng_p2,
-                                   FORCE=False, **launch_opts(cfg))
+        _launch_dense(a, w, out, route, cnt, G, thr_ppm, ng_p2, False, cfg)
 
     key = (m_bucket(M), N, K, G, str(a.dtype))
     if thr < 1.0:
         # tune the dense kernel with the path forced on (the auto kernel may exit early)
         def run_dense_forced(cfg):
-            grid = (triton.cdiv(M, cfg["BM"]) * triton.cdiv(N, cfg["BN"]),)
-            _gemm_k_dense_kernel[grid](a, w, out, route, cnt, M, N, K, NG, thr_ppm,
-                                       a.stride(0), w.stride(0), out.stride(0), G, BM=cfg["BM"],
-                                       BN=cfg["BN"], BK=cfg["BK"], GROUP_M=cfg["GROUP_M"], NG_P2=ng_p2,
-                                       FORCE=True, **launch_opts(cfg))
+            _launch_dense(a, w, out, route, cnt, G, thr_ppm, ng_p2, True, cfg)
         dcfg = pick_config("gemm_k_dense", key, a.device, _dense_candidates(G, M), run_dense_forced)
     if thr >= 0.0:
         scfg = pick_config("gemm_k_sparse", key, a.device, _sparse_candidates(G),
