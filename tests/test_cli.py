@@ -53,6 +53,7 @@ BAD = [
     (["--text", "/no/such/file.txt"], "text '/no/such/file.txt' not found"),
     (["--resume"], "--resume: no train_state.pt"),
     (["-o", "AFILE"], "is a file; give a directory"),
+    (["-o", ""], "-o '' is empty; give a directory"),  # once wrote into the current directory
 ]
 
 

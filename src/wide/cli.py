@@ -175,7 +175,9 @@ def _check_output_file(option: str, path) -> None:
 
 
 def _check_output_dir(option: str, path) -> None:
-    """An output directory must be a directory or not exist yet, and not lie below a file."""
+    """An output directory must be a non-empty path, a directory or not exist yet, and not lie below a file."""
+    if not str(path).strip():
+        raise WideError(f"{option} {str(path)!r} is empty; give a directory for the checkpoint")
     if os.path.exists(path) and not os.path.isdir(path):
         raise WideError(f"{option} {str(path)!r} is a file; give a directory for the checkpoint")
     _check_ancestors(option, path)
