@@ -83,18 +83,20 @@ def _worker(spec: dict) -> int:
     from wide import distributed as D
 
     env = D.init("cpu", timeout_s=60)
+    ok = False
     try:
         if spec["mode"] == "fail":  # rank 1 fails on bad input while rank 0 waits in a collective
             if env.rank == 1:
                 raise __import__("wide.errors", fromlist=["WideError"]).WideError("boom on rank 1")
             D.barrier(env)
-            return 0
-        _calibrate(spec["out"], spec["batch_size"], spec.get("stop_after"), spec.get("resume", False))
+        else:
+            _calibrate(spec["out"], spec["batch_size"], spec.get("stop_after"), spec.get("resume", False))
+        ok = True
         return 0
     except Exception as e:  # noqa: BLE001 - same handling as the CLI's workers
         return D.report_error("test", e, env)
     finally:
-        D.shutdown()
+        D.shutdown(synchronize=ok)  # as the CLI: a barrier before teardown on success only
 
 
 def _log(path):

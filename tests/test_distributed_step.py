@@ -136,9 +136,11 @@ def _worker(what: str) -> int:
     try:
         mesh = init_device_mesh("cpu", (env.world_size,))
         {"clip": _check_clip, "mixed": _check_mixed_clip, "optim": _check_optimizer}[what](mesh, env.rank)
-        return 0
-    finally:
+    except BaseException:
         D.shutdown()
+        raise
+    D.shutdown(synchronize=True)
+    return 0
 
 
 @pytest.mark.parametrize("what", ["clip", "mixed", "optim"])

@@ -750,13 +750,16 @@ def main(argv: list[str] | None = None) -> int:
     if launched_by_torchrun():  # a torchrun worker: any rank's error ends the job with one line, no hang
         from . import distributed as D
 
+        ok = False
         try:
             check_device(getattr(args, "device", None))
-            return args.func(args)
+            rc = args.func(args)
+            ok = True
+            return rc
         except (Exception, KeyboardInterrupt) as e:  # noqa: BLE001
             return D.report_error(args.command, e)
         finally:
-            D.shutdown()
+            D.shutdown(synchronize=ok)
     try:
         check_device(getattr(args, "device", None))  # every command with --device, before any work
         return args.func(args)

@@ -119,11 +119,20 @@ def init(device: str | None = None, timeout_s: float = DEFAULT_TIMEOUT_S) -> Dis
     return DistEnv(dist.get_rank(), dist.get_world_size(), local, dev, True)
 
 
-def shutdown() -> None:
-    """Close the process group if one is open (idempotent)."""
+def shutdown(synchronize: bool = False) -> None:
+    """Close the process group if one is open (idempotent).
+
+    Args:
+        synchronize: wait for every rank first (a barrier). Pass True on the success path: a gloo rank that
+            tears its group down while a peer still has traffic in flight to it can abort the process
+            (``terminate called without an active exception``, seen in CI). Leave False after an error,
+            where a peer may never reach the barrier.
+    """
     import torch.distributed as dist
 
     if dist.is_available() and dist.is_initialized():
+        if synchronize and dist.get_world_size() > 1:
+            dist.barrier()
         dist.destroy_process_group()
 
 
