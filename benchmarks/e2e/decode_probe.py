@@ -50,6 +50,9 @@ def _parse(argv):
     p.add_argument("--budget", type=float, default=90.0, help="seconds after which pending parts are skipped")
     p.add_argument("--reps", type=int, default=20, help="minimum copies of an op inside one graph")
     p.add_argument("--replays", type=int, default=15, help="timed graph replays (median)")
+    p.add_argument("--B", default="1,4", help="comma-separated decode batch sizes (rows; default: 1,4)")
+    p.add_argument("--parts", default="router,gemv",
+                   help="comma-separated parts to run: router, gemv (the GEMV ops and their configs); default both")
     return p.parse_args(argv)
 
 
@@ -187,8 +190,13 @@ class Probe:
 
         want = [torch_ref(routers[i % ncopy]) for i in range(n)]
         res = {}
-        for name, f in (("split-D kernel", fused.router_mask), ("row kernel (old)", fused._router_mask_rowwise),
-                        ("torch", lambda R, x: torch_ref(R))):
+        impls = [("split-D kernel", fused.router_mask), ("row kernel (old)", fused._router_mask_rowwise),
+                 ("torch", lambda R, x: torch_ref(R))]
+        if r >= 16:  # the two ways the split-D kernel's last program can finish the rows, forced
+            impls += [(f"split-D, finish {'dot' if d else 'rows'}",
+                       lambda R, x, d=d: fused._router_launch(R, x.view(-1, D), dot=d).view(*x.shape[:-1], N))
+                      for d in (True, False)]
+        for name, f in impls:
             outs = [None] * n
 
             def mk(i, f=f, outs=outs):
@@ -203,7 +211,7 @@ class Probe:
             self.add(op=f"router {kind} (N_G={N})", B=B, s=None, impl=name, us=res[name] * 1e6,
                      baseline_us=None, check=f"decisions equal {agree:.4f}", bytes=nbytes)
         new = res["split-D kernel"]
-        for row in self.rows[-3:]:
+        for row in self.rows[-len(impls):]:
             row["baseline_us"] = res["torch"] * 1e6
             row["speedup"] = res["torch"] / (row["us"] * 1e-6)
         self.add(op=f"router {kind} (N_G={N})", B=B, s=None, impl="new vs old", us=new * 1e6,
@@ -344,10 +352,14 @@ class Probe:
         S = SMOKE if self.smoke else FULL
         D, FF, GF, GA = S["D"], S["FF"], S["G_FFN"], S["G_ATT"]
         sp = (0.0, 0.3, 0.5)
-        Bs = (1, 4)
-        for B in Bs:
-            self.part(f"router B={B}", lambda B=B: (self.router("attn", S["NG_ATT"], B),
-                                                    self.router("ffn", FF // GF, B)))
+        Bs = tuple(int(b) for b in self.args.B.split(","))
+        want = set(self.args.parts.split(","))
+        if "router" in want:
+            for B in Bs:
+                self.part(f"router B={B}", lambda B=B: (self.router("attn", S["NG_ATT"], B),
+                                                        self.router("ffn", FF // GF, B)))
+        if "gemv" not in want:
+            return
         for B in Bs:
             self.part(f"gemv_k down B={B}", lambda B=B: self.gemv_k("down", D, FF, GF, B, sp))
             self.part(f"gemv_k o_proj G={GA} B={B}", lambda B=B: self.gemv_k("o_proj", D, D, GA, B, sp))

@@ -130,7 +130,8 @@ if HAS_TRITON:
                        rows, D, N, stride_xm, stride_am,
                        R: tl.constexpr, RP: tl.constexpr, BDP: tl.constexpr, BDI: tl.constexpr,
                        NP: tl.constexpr, PP: tl.constexpr, ONE_STEP: tl.constexpr, WRITE_LOGITS: tl.constexpr,
-                       HAS_ADD: tl.constexpr):
+                       HAS_ADD: tl.constexpr, DOT: tl.constexpr = False, PC: tl.constexpr = 8,
+                       NC: tl.constexpr = 16):
         # HAS_ADD: the router reads x + add rounded to x's dtype (the residual add of add_rmsnorm, so the
         # router can run concurrently with that norm on another stream and still see the same input)
         # Stage 1 (every program): partial h_p = x[:, D_p] @ W1[:, D_p]^T over this program's BDP columns of D,
@@ -165,37 +166,66 @@ if HAS_TRITON:
             offs_n = tl.arange(0, NP)
             nm = offs_n < N
             b1 = tl.load(b1_ptr + offs_r)
-            # class 0 (execute) and class 1 (skip) logits of group n are rows 2n and 2n+1 of W2
-            w_e = tl.load(w2_ptr + (2 * offs_n)[:, None] * R + offs_r[None, :], mask=nm[:, None], other=0.0)
-            w_s = tl.load(w2_ptr + (2 * offs_n + 1)[:, None] * R + offs_r[None, :], mask=nm[:, None], other=0.0)
-            b_e = tl.load(b2_ptr + 2 * offs_n, mask=nm, other=0.0)
-            b_s = tl.load(b2_ptr + 2 * offs_n + 1, mask=nm, other=0.0)
-            if ONE_STEP:
-                # every row at once (up to 4 rows): h [RP, R] = the sum over the programs' partials (fixed order),
-                # then both class logits of every group
-                hp = tl.load(part_ptr + offs_p[:, None, None] * (RP * R) + offs_m[None, :, None] * R
-                             + offs_r[None, None, :], mask=pm[:, None, None], other=0.0,
-                             cache_modifier=".cg")  # [PP, RP, R], L2 (written by the other CTAs)
-                h = tl.sum(hp, axis=0) + b1[None, :]  # [RP, R]
-                le = tl.sum(h[:, None, :] * w_e[None, :, :], axis=2) + b_e[None, :]  # [RP, NP]
-                ls = tl.sum(h[:, None, :] * w_s[None, :, :], axis=2) + b_s[None, :]
-                om = mrow[:, None] & nm[None, :]
-                tl.store(out_ptr + offs_m[:, None] * N + offs_n[None, :], le >= ls, mask=om)
-                if WRITE_LOGITS:
-                    lp = logit_ptr + (offs_m[:, None] * N + offs_n[None, :]) * 2
-                    tl.store(lp, le, mask=om)
-                    tl.store(lp + 1, ls, mask=om)
-            else:
-                for m in range(0, rows):  # one row at a time
-                    hp = tl.load(part_ptr + offs_p[:, None] * (RP * R) + m * R + offs_r[None, :], mask=pm[:, None],
-                                 other=0.0, cache_modifier=".cg")  # [PP, R], L2 (written by the other CTAs)
-                    h = tl.sum(hp, axis=0) + b1
-                    le = tl.sum(w_e * h[None, :], axis=1) + b_e
-                    ls = tl.sum(w_s * h[None, :], axis=1) + b_s
-                    tl.store(out_ptr + m * N + offs_n, le >= ls, mask=nm)
+            if DOT:
+                # every row at once with fp32 dots (ieee: no TF32), RP >= 16 and R >= 16: h [RP, R] = the sum of
+                # the programs' partials in chunks of PC programs (a fixed order), then the class logits of NC
+                # groups at a time as [RP, R] x [R, NC] dots, so no [RP, NP, R] product lives in registers
+                h = tl.zeros((RP, R), dtype=tl.float32)
+                for c in tl.static_range(PP // PC):
+                    offs_c = c * PC + tl.arange(0, PC)
+                    hp = tl.load(part_ptr + offs_c[:, None, None] * (RP * R) + offs_m[None, :, None] * R
+                                 + offs_r[None, None, :], mask=(offs_c < nprog)[:, None, None], other=0.0,
+                                 cache_modifier=".cg")  # [PC, RP, R], L2 (written by the other CTAs)
+                    h += tl.sum(hp, axis=0)
+                h = h + b1[None, :]
+                for c in tl.static_range(NP // NC):
+                    offs_g = c * NC + tl.arange(0, NC)
+                    gm = offs_g < N
+                    w_e = tl.load(w2_ptr + (2 * offs_g)[None, :] * R + offs_r[:, None], mask=gm[None, :], other=0.0)
+                    w_s = tl.load(w2_ptr + (2 * offs_g + 1)[None, :] * R + offs_r[:, None], mask=gm[None, :],
+                                  other=0.0)  # [R, NC]
+                    le = tl.dot(h, w_e, input_precision="ieee") + tl.load(b2_ptr + 2 * offs_g, mask=gm,
+                                                                          other=0.0)[None, :]
+                    ls = tl.dot(h, w_s, input_precision="ieee") + tl.load(b2_ptr + 2 * offs_g + 1, mask=gm,
+                                                                          other=0.0)[None, :]
+                    om = mrow[:, None] & gm[None, :]
+                    tl.store(out_ptr + offs_m[:, None] * N + offs_g[None, :], le >= ls, mask=om)
                     if WRITE_LOGITS:
-                        tl.store(logit_ptr + (m * N + offs_n) * 2, le, mask=nm)
-                        tl.store(logit_ptr + (m * N + offs_n) * 2 + 1, ls, mask=nm)
+                        lp = logit_ptr + (offs_m[:, None] * N + offs_g[None, :]) * 2
+                        tl.store(lp, le, mask=om)
+                        tl.store(lp + 1, ls, mask=om)
+            else:
+                # class 0 (execute) and class 1 (skip) logits of group n are rows 2n and 2n+1 of W2
+                w_e = tl.load(w2_ptr + (2 * offs_n)[:, None] * R + offs_r[None, :], mask=nm[:, None], other=0.0)
+                w_s = tl.load(w2_ptr + (2 * offs_n + 1)[:, None] * R + offs_r[None, :], mask=nm[:, None], other=0.0)
+                b_e = tl.load(b2_ptr + 2 * offs_n, mask=nm, other=0.0)
+                b_s = tl.load(b2_ptr + 2 * offs_n + 1, mask=nm, other=0.0)
+                if ONE_STEP:
+                    # every row at once (up to 4 rows): h [RP, R] = the sum over the programs' partials (fixed order),
+                    # then both class logits of every group
+                    hp = tl.load(part_ptr + offs_p[:, None, None] * (RP * R) + offs_m[None, :, None] * R
+                                 + offs_r[None, None, :], mask=pm[:, None, None], other=0.0,
+                                 cache_modifier=".cg")  # [PP, RP, R], L2 (written by the other CTAs)
+                    h = tl.sum(hp, axis=0) + b1[None, :]  # [RP, R]
+                    le = tl.sum(h[:, None, :] * w_e[None, :, :], axis=2) + b_e[None, :]  # [RP, NP]
+                    ls = tl.sum(h[:, None, :] * w_s[None, :, :], axis=2) + b_s[None, :]
+                    om = mrow[:, None] & nm[None, :]
+                    tl.store(out_ptr + offs_m[:, None] * N + offs_n[None, :], le >= ls, mask=om)
+                    if WRITE_LOGITS:
+                        lp = logit_ptr + (offs_m[:, None] * N + offs_n[None, :]) * 2
+                        tl.store(lp, le, mask=om)
+                        tl.store(lp + 1, ls, mask=om)
+                else:
+                    for m in range(0, rows):  # one row at a time
+                        hp = tl.load(part_ptr + offs_p[:, None] * (RP * R) + m * R + offs_r[None, :], mask=pm[:, None],
+                                     other=0.0, cache_modifier=".cg")  # [PP, R], L2 (written by the other CTAs)
+                        h = tl.sum(hp, axis=0) + b1
+                        le = tl.sum(w_e * h[None, :], axis=1) + b_e
+                        ls = tl.sum(w_s * h[None, :], axis=1) + b_s
+                        tl.store(out_ptr + m * N + offs_n, le >= ls, mask=nm)
+                        if WRITE_LOGITS:
+                            tl.store(logit_ptr + (m * N + offs_n) * 2, le, mask=nm)
+                            tl.store(logit_ptr + (m * N + offs_n) * 2 + 1, ls, mask=nm)
             tl.atomic_xchg(cnt_ptr, 0, sem="relaxed", scope="gpu")  # ready for the next launch (graph replay)
 
 
@@ -444,9 +474,17 @@ def _router_workspace(device: torch.device, P: int, RP: int, R: int):
     return ws
 
 
-def _router_plan(rows: int, D: int, R: int):
+def _router_dot(rows: int, R: int) -> bool:
+    """Whether the few-row router's last program finishes the rows with fp32 dots (``DOT``; rows padded to
+    16): from 5 rows up with a rank of at least 16 (a dot's smallest size).  The row loop it replaces costs a
+    dependent L2 round trip per row (decode at batch 16, Llama-3.1-8B shapes, ``e2e_h200-quick8_trace.json``:
+    9.5 and 16 us for the norm with the attention / FFN router beside it, against 2 us for the norm alone)."""
+    return rows > 4 and R >= 16
+
+
+def _router_plan(rows: int, D: int, R: int, dot: bool = False):
     """(RP, BDP, BDI, P): padded rows, D columns per program, D columns per inner step, programs."""
-    RP = max(2, next_pow2(rows))
+    RP = max(16 if dot else 2, next_pow2(rows))
     target = 4 if interpret_mode() else 64  # programs sharing W1's D axis (~4 KB of fp32 W1 each at D=4096, r=16)
     BDP = max(16, next_pow2(-(-D // target)))
     BDI = max(1, min(BDP, 4096 // (R * RP)))  # keeps the [RP, R, BDI] product at <= 4096 fp32 values
@@ -464,11 +502,14 @@ def _router_one_step(RP: int, NP: int, R: int) -> bool:
 
 
 def _router_launch(router, x2: torch.Tensor, logits: torch.Tensor | None = None,
-                   add2: torch.Tensor | None = None) -> torch.Tensor:
+                   add2: torch.Tensor | None = None, dot: bool | None = None) -> torch.Tensor:
     rows, D = x2.shape
     R = router.w1.out_features
     N = router.n_groups
-    RP, BDP, BDI, P = _router_plan(rows, D, R)
+    dot = _router_dot(rows, R) if dot is None else bool(dot)
+    if dot and R < 16:
+        raise ValueError(f"router kernel: the dot variant needs a rank >= 16, got {R}")
+    RP, BDP, BDI, P = _router_plan(rows, D, R, dot)
     NP = max(16, next_pow2(N))
     part, cnt = _router_workspace(x2.device, P, RP, R)
     out = torch.empty((rows, N), dtype=torch.bool, device=x2.device)
@@ -479,7 +520,7 @@ def _router_launch(router, x2: torch.Tensor, logits: torch.Tensor | None = None,
                          (add2 if add2 is not None else x2).stride(0), R=R, RP=RP, BDP=BDP, BDI=BDI,
                          NP=NP, PP=max(2, next_pow2(P)), ONE_STEP=_router_one_step(RP, NP, R),
                          WRITE_LOGITS=logits is not None,
-                         HAS_ADD=add2 is not None,
+                         HAS_ADD=add2 is not None, DOT=dot, PC=min(8, max(2, next_pow2(P))), NC=min(NP, 64),
                          **({} if interpret_mode() else {"num_warps": 4}))
     return out
 
