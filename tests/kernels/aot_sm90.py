@@ -77,7 +77,7 @@ def main() -> None:
         compile_sm90(fused._router_kernel, rt, dict(R=16, RP=4, BDP=64, BDI=64, NP=16 if one_step else 128, PP=64,
                                                     ONE_STEP=one_step, WRITE_LOGITS=False, HAS_ADD=True,
                                                     DOT=False, PC=8, NC=16))
-    # 5-32 rows: the last program finishes them with fp32 dots (rows padded to 16; NP in chunks of NC)
+    # 9-32 rows: the last program finishes them with fp32 dots (rows padded to 16; NP in chunks of NC)
     compile_sm90(fused._router_kernel, rt, dict(R=16, RP=16, BDP=64, BDI=16, NP=128, PP=64, ONE_STEP=False,
                                                 WRITE_LOGITS=True, HAS_ADD=True, DOT=True, PC=8, NC=64))
     compile_sm90(fused._zero_skipped_heads_kernel, types_of(fused._zero_skipped_heads_kernel, route_ptr=b),

@@ -167,7 +167,7 @@ def test_router_reads_residual_add(rows, dtype):
 @pytest.mark.parametrize("dot", [True, False])
 def test_router_dot_and_row_loop_agree(rows, dot):
     """The two ways the few-row kernel's last program finishes 5-32 rows: fp32 dots over rows padded to 16
-    (``DOT``, the default from 5 rows at rank >= 16) and the row loop; both against float64."""
+    (``DOT``, the default from 9 rows at rank >= 16) and the row loop; both against float64."""
     gen = seed_for("router_dot", rows, dot)
     R = _router(256, 112, 16, gen)
     x = torch.randn((rows, 256), generator=gen).to(torch.bfloat16).to(DEVICE)
@@ -178,6 +178,7 @@ def test_router_dot_and_row_loop_agree(rows, dot):
     mask = fused._router_launch(R, x, logits, dot=dot)
     assert (logits.double() - ref).abs().max().item() <= 1e-5 * scale + 1e-6
     assert torch.equal(mask[clear], (ref[..., 0] >= ref[..., 1])[clear])
-    assert fused._router_dot(rows, 16) and not fused._router_dot(4, 16) and not fused._router_dot(rows, 8)
+    assert fused._router_dot(9, 16) and fused._router_dot(32, 32)
+    assert not fused._router_dot(8, 16) and not fused._router_dot(16, 8)
     with pytest.raises(ValueError, match="rank"):
         fused._router_launch(_router(64, 6, 4, gen), x[:, :64].contiguous(), dot=True)

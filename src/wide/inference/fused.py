@@ -476,10 +476,13 @@ def _router_workspace(device: torch.device, P: int, RP: int, R: int):
 
 def _router_dot(rows: int, R: int) -> bool:
     """Whether the few-row router's last program finishes the rows with fp32 dots (``DOT``; rows padded to
-    16): from 5 rows up with a rank of at least 16 (a dot's smallest size).  The row loop it replaces costs a
-    dependent L2 round trip per row (decode at batch 16, Llama-3.1-8B shapes, ``e2e_h200-quick8_trace.json``:
-    9.5 and 16 us for the norm with the attention / FFN router beside it, against 2 us for the norm alone)."""
-    return rows > 4 and R >= 16
+    16) instead of one row at a time: from 9 rows up with a rank of at least 16 (a dot's smallest size).
+
+    Measured on the H200 (``benchmarks/e2e/decode_probe_h200-router.md``, D = 4096, rank 16, graph replays,
+    us, row loop -> dots): attention router (N_G = 8) 10.0 -> 16.2 at 8 rows, 16.9 -> 16.3 at 16, 29.4 -> 29.8
+    at 32; FFN router (N_G = 112) 10.6 -> 13.1, 18.4 -> 13.2, 29.2 -> 19.5.  Decode at batch 16 with dots
+    (``e2e_h200-quick11``): 0.897x -> 0.943x of dense at s = 0, 0.993x -> 1.049x at s = 0.5."""
+    return rows > 8 and R >= 16
 
 
 def _router_plan(rows: int, D: int, R: int, dot: bool = False):
@@ -668,6 +671,7 @@ def router_mask(router, x: torch.Tensor, add: torch.Tensor | None = None) -> tor
     about 64 programs each compute ``x[:, D_p] W1[:, D_p]^T`` over their slice of D (so W1 is read by
     many SMs at once), and the program that arrives last (atomic counter, reset by that program) sums the
     partials in a fixed order, adds ``b1``, computes the two fp32 class logits per group with ``W2, b2``
+    (one row at a time, or from 9 rows with fp32 dots over all rows, see :func:`_router_dot`)
     and writes the argmax.  With more rows (prefill) and a power-of-two rank >= 16 it is the fastest on this
     GPU (timed once per shape, cached like the kernels' tile configs) of: a tile kernel whose programs own 16
     to 128 rows, read them once in the model dtype (no fp32 copy of ``x``) and compute both GEMMs and the
