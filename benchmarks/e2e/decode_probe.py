@@ -193,9 +193,10 @@ class Probe:
         impls = [("split-D kernel", fused.router_mask), ("row kernel (old)", fused._router_mask_rowwise),
                  ("torch", lambda R, x: torch_ref(R))]
         if r >= 16:  # the two ways the split-D kernel's last program can finish the rows, forced
-            impls += [(f"split-D, finish {'dot' if d else 'rows'}",
-                       lambda R, x, d=d: fused._router_launch(R, x.view(-1, D), dot=d).view(*x.shape[:-1], N))
-                      for d in (True, False)]
+            impls += [(f"split-D, finish {'dot' if d else 'rows'}{f', {p} programs' if p else ''}",
+                       lambda R, x, d=d, p=p: fused._router_launch(R, x.view(-1, D), dot=d, programs=p).view(
+                           *x.shape[:-1], N))
+                      for d in (True, False) for p in (None, 16)]
         for name, f in impls:
             outs = [None] * n
 

@@ -485,10 +485,14 @@ def _router_dot(rows: int, R: int) -> bool:
     return rows > 8 and R >= 16
 
 
-def _router_plan(rows: int, D: int, R: int, dot: bool = False):
-    """(RP, BDP, BDI, P): padded rows, D columns per program, D columns per inner step, programs."""
+def _router_plan(rows: int, D: int, R: int, dot: bool = False, programs: int | None = None):
+    """(RP, BDP, BDI, P): padded rows, D columns per program, D columns per inner step, programs.
+
+    ``programs``: about how many programs share W1's D axis (default 64: ~4 KB of fp32 W1 each at D = 4096,
+    r = 16).  The last program reads ``P x RP x r`` fp32 partials, 4x more at 16 padded rows than at 4; fewer
+    programs there is the next thing to time (``benchmarks/NEXT_GPU_RUNS.md``)."""
     RP = max(16 if dot else 2, next_pow2(rows))
-    target = 4 if interpret_mode() else 64  # programs sharing W1's D axis (~4 KB of fp32 W1 each at D=4096, r=16)
+    target = 4 if interpret_mode() else (programs or 64)
     BDP = max(16, next_pow2(-(-D // target)))
     BDI = max(1, min(BDP, 4096 // (R * RP)))  # keeps the [RP, R, BDI] product at <= 4096 fp32 values
     return RP, BDP, BDI, -(-D // BDP)
@@ -505,14 +509,15 @@ def _router_one_step(RP: int, NP: int, R: int) -> bool:
 
 
 def _router_launch(router, x2: torch.Tensor, logits: torch.Tensor | None = None,
-                   add2: torch.Tensor | None = None, dot: bool | None = None) -> torch.Tensor:
+                   add2: torch.Tensor | None = None, dot: bool | None = None,
+                   programs: int | None = None) -> torch.Tensor:
     rows, D = x2.shape
     R = router.w1.out_features
     N = router.n_groups
     dot = _router_dot(rows, R) if dot is None else bool(dot)
     if dot and R < 16:
         raise ValueError(f"router kernel: the dot variant needs a rank >= 16, got {R}")
-    RP, BDP, BDI, P = _router_plan(rows, D, R, dot)
+    RP, BDP, BDI, P = _router_plan(rows, D, R, dot, programs)
     NP = max(16, next_pow2(N))
     part, cnt = _router_workspace(x2.device, P, RP, R)
     out = torch.empty((rows, N), dtype=torch.bool, device=x2.device)
