@@ -30,49 +30,159 @@ def add_arguments(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
     return p
 
 
-def run(args) -> int:
-    """Run ``wide generate`` (see :func:`add_arguments`).
+def check_sizes(args, hf_config=None, longest: int | None = None) -> None:
+    """Refuse ``--max-new-tokens`` / ``--max-cache-len`` values that cannot work, with what is known so far.
+
+    :func:`run` calls it before anything loads (the sizes against each other: every prompt has at least one
+    token), then as soon as the base model's config is read (against its context ``max_position_embeddings``
+    and its sliding attention window) and the prompts are tokenized (the longest prompt's token count): before
+    the weights load, except that with ``--wide`` the tokenizer, and for a GGUF base also the config, only come
+    with the loaded checkpoint.
+
+    Args:
+        args: the parsed ``wide generate`` options.
+        hf_config: the base model's Hugging Face config, or None (not read yet).
+        longest: tokens of the longest (chat-wrapped) prompt, or None (not tokenized yet: at least 1).
 
     Raises:
-        WideError: empty prompt, prompt longer than the cache, a checkpoint made for another base model, bad
-            sizes.  (A bad ``--device`` is refused earlier, by :func:`wide.cli.main`'s
-            :func:`wide.cli.check_device`.)
+        WideError: ``--max-new-tokens`` below 1, ``--max-cache-len`` below 1 or too small for the prompt and the
+            new tokens, or a KV cache (``--max-cache-len``, default prompt + ``--max-new-tokens``) longer than the
+            model's context or sliding window.
     """
-    from ..modeling import load_base_model
-    from .engine import Engine
-    from .generation import generate
+    from .engine import _tokens
 
-    if args.max_new_tokens < 1:
-        raise WideError(f"--max-new-tokens {args.max_new_tokens} must be >= 1")
-    if args.max_cache_len is not None and args.max_cache_len < 1:
-        raise WideError(f"--max-cache-len {args.max_cache_len} must be >= 1")
-    if any(p.strip() == "" for p in args.prompt):
-        raise WideError("empty prompt: every --prompt needs some text")
-    dev = args.device  # already checked by wide.cli.main (check_device), before any command runs
-    if args.wide:
-        from ..checkpoint import load
+    n, cap = args.max_new_tokens, args.max_cache_len
+    if n < 1:
+        raise WideError(f"--max-new-tokens {n} must be >= 1")
+    if cap is not None and cap < 1:
+        raise WideError(f"--max-cache-len {cap} must be >= 1")
+    lo = longest if longest is not None else 1
+    prompt = f"prompt of {_tokens(longest)}" if longest is not None else "a prompt of at least 1 token"
+    if cap is not None:
+        if lo > cap:
+            raise WideError(f"{prompt} is longer than the KV cache (--max-cache-len {cap})")
+        if lo + n > cap:
+            raise WideError(f"{prompt} + --max-new-tokens {n} does not fit the KV cache (--max-cache-len {cap}); "
+                            f"use --max-cache-len >= {lo + n} or fewer new tokens")
+    if hf_config is None:
+        return
+    from .engine import sliding_window
 
-        model, tok = load(args.wide, model=args.model, device=dev, tokenizer=True, merge_lora=True)
-    else:
-        model, tok, _ = load_base_model(args.model, device=dev)
-    engine = Engine(model, ops="dense" if args.dense_ops else "routed")
-    if engine.device.type != "cuda":
-        if args.dense_ops:
-            path = "dense PyTorch ops"
-        else:
-            path = "Triton interpreter" if engine.uses_kernels else "PyTorch reference of every kernel"
-            from ..kernels._common import HAS_TRITON
+    need = cap if cap is not None else lo + n
+    what = f"--max-cache-len {cap}" if cap is not None else f"{prompt} + --max-new-tokens {n}"
+    ctx = getattr(hf_config, "max_position_embeddings", None)
+    if ctx is not None and need > ctx:
+        raise WideError(f"a KV cache of {need} tokens ({what}) exceeds the model's context of {ctx} tokens "
+                        f"(max_position_embeddings)")
+    win = sliding_window(hf_config)
+    if win is not None and need > win:
+        raise WideError(f"a KV cache of {need} tokens ({what}) exceeds the model's sliding attention window "
+                        f"({win}); sliding-window attention is not supported by the inference engine")
 
-            if not engine.uses_kernels and os.environ.get("TRITON_INTERPRET") == "1" and not HAS_TRITON:
-                path += " (TRITON_INTERPRET=1, but Triton is not installed: pip install -e '.[kernels]')"
-        print(f"wide generate: no CUDA device: running the {path} on {engine.device} (no CUDA graphs; slow)",
-              file=sys.stderr)
+
+def _chat_prompts(args, tok) -> list[str]:
+    """The ``--prompt`` texts, wrapped in the tokenizer's chat template with ``--chat``."""
     prompts = list(args.prompt)
     if args.chat:
         if getattr(tok, "chat_template", None) is None:
             raise WideError("--chat: this tokenizer has no chat template")
         prompts = [tok.apply_chat_template([{"role": "user", "content": p}], tokenize=False,
                                            add_generation_prompt=True) for p in prompts]
+    return prompts
+
+
+def _longest(tok, prompts) -> int:
+    """Tokens of the longest prompt, counted as :func:`wide.inference.generation.encode_prompts` does."""
+    return max(len(tok(p, add_special_tokens=True)["input_ids"]) for p in prompts)
+
+
+def _wide_base_config(args):
+    """The Hugging Face config of the base model ``--wide`` will load, when it is cheap to read first.
+
+    That is a Hugging Face directory's ``config.json`` (milliseconds).  None when the base is a GGUF file
+    (transformers parses the whole file for its config, seconds, and :func:`wide.checkpoint.load` offers no hook
+    to check it before the weights, so the context is checked after loading) or when the checkpoint or model
+    cannot be resolved (:func:`wide.checkpoint.load` then reports that, with its own message)."""
+    from ..checkpoint import read_base_info
+    from ..modeling import resolve_model
+
+    try:
+        spec = args.model if args.model is not None else read_base_info(args.wide)["model"]
+        src = resolve_model(spec)
+    except (WideError, OSError, TypeError):
+        return None
+    if src.gguf_file:
+        return None
+    from transformers import AutoConfig
+
+    try:
+        return AutoConfig.from_pretrained(src.directory, **src.hf_kwargs())
+    except Exception:  # noqa: BLE001 - the real load reports an unreadable config
+        return None
+
+
+def _cpu_notice(engine, args) -> str:
+    """The one stderr line of a run off CUDA: which path the engine takes on the CPU, and why."""
+    import torch
+
+    from ..kernels._common import HAS_TRITON
+
+    why = "no CUDA device" if not torch.cuda.is_available() else f"--device {args.device}"
+    if engine.ops == "dense":
+        how = ("runs dense PyTorch ops on the CPU, its few Triton kernels (fused norm / RoPE, decode attention, "
+               "Q/K/V GEMV) in the Triton interpreter (TRITON_INTERPRET=1)"
+               if engine.uses_kernels else "runs dense PyTorch ops on the CPU")
+    elif engine.uses_kernels:
+        how = "runs the routed Triton kernels in the Triton interpreter on the CPU (TRITON_INTERPRET=1)"
+    else:
+        how = "falls back to the reference path on the CPU (the PyTorch reference of every kernel)"
+        if os.environ.get("TRITON_INTERPRET") == "1" and not HAS_TRITON:
+            how += " (TRITON_INTERPRET=1, but Triton is not installed: pip install -e '.[kernels]')"
+    return f"wide generate: {why}: the engine {how}; no CUDA graphs, slow"
+
+
+def run(args) -> int:
+    """Run ``wide generate`` (see :func:`add_arguments`).
+
+    Bad sizes are refused as early as the information allows: before anything loads, then right after the base
+    model's config and tokenizer are read (before its weights; with ``--wide``, before the checkpoint loads when
+    its base model is a Hugging Face directory, else after loading), see :func:`check_sizes`.
+
+    Raises:
+        WideError: empty prompt, prompt longer than the cache, a cache longer than the model's context, a
+            checkpoint made for another base model, bad sizes, ``--chat`` without a chat template.  (A bad
+            ``--device`` is refused earlier, by :func:`wide.cli.main`'s :func:`wide.cli.check_device`.)
+    """
+    from ..modeling import load_base_model
+    from .engine import Engine
+    from .generation import generate
+
+    check_sizes(args)
+    if any(p.strip() == "" for p in args.prompt):
+        raise WideError("empty prompt: every --prompt needs some text")
+    dev = args.device  # already checked by wide.cli.main (check_device), before any command runs
+    early: dict = {}
+
+    def check(hf_config, tok):  # run by load_base_model before any weight is read
+        early["prompts"] = _chat_prompts(args, tok)
+        check_sizes(args, hf_config, _longest(tok, early["prompts"]))
+
+    if args.wide:
+        from ..checkpoint import load
+
+        cfg = _wide_base_config(args)
+        if cfg is not None:
+            check_sizes(args, cfg)
+        model, tok = load(args.wide, model=args.model, device=dev, tokenizer=True, merge_lora=True)
+    else:
+        model, tok, _ = load_base_model(args.model, device=dev, check=check)
+    prompts = early.get("prompts")
+    if prompts is None:  # --wide: the tokenizer came with the weights
+        prompts = _chat_prompts(args, tok)
+        check_sizes(args, model.base.config, _longest(tok, prompts))
+    engine = Engine(model, ops="dense" if args.dense_ops else "routed")
+    if engine.device.type != "cuda":
+        print(_cpu_notice(engine, args), file=sys.stderr)
     stream = len(prompts) == 1 and not args.no_stream
     shown = [""]
 

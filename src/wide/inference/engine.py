@@ -80,6 +80,19 @@ def naxis_dense_above(op: str, G: int, M: int = 1 << 20) -> float:
     return 0.92 if G >= 256 else 0.80
 
 
+def sliding_window(hf_config) -> int | None:
+    """The sliding attention window (tokens) a Hugging Face config really uses, or None for full attention.
+
+    Mistral uses ``sliding_window`` whenever it is set; Qwen2 / Qwen3 only with ``use_sliding_window``.  The
+    engine runs full attention, which equals sliding-window attention while a sequence fits the window, so a
+    KV cache longer than this is refused (:meth:`Engine.new_cache`; ``wide generate`` checks it from the config
+    before loading the weights).
+    """
+    win = getattr(hf_config, "sliding_window", None)
+    on = getattr(hf_config, "use_sliding_window", getattr(hf_config, "model_type", None) == "mistral")
+    return win if win and on else None
+
+
 def _gemm_mn_uses_reorder(M: int) -> bool:
     from ..kernels.gemm_mn import uses_reorder
 
@@ -219,9 +232,8 @@ class Engine:
         act = getattr(cfg, "hidden_act", "silu")
         if act not in ("silu", "swish"):
             raise WideError(f"activation {act!r} is not supported by the inference engine (SwiGLU with SiLU only)")
-        win = getattr(cfg, "sliding_window", None)
         # sliding-window attention equals full attention while a sequence fits the window (checked per cache)
-        self.window = win if win and getattr(cfg, "use_sliding_window", cfg.model_type == "mistral") else None
+        self.window = sliding_window(cfg)
         self.base, self.ops, self.track_sparsity = base, ops, track_sparsity
         self.dims = dims_of(cfg)
         inner = base
@@ -260,11 +272,22 @@ class Engine:
         return HAS_TRITON and (self.device.type == "cuda" or (self.device.type == "cpu" and interpret_mode()))
 
     def new_cache(self, batch: int, max_len: int) -> StaticKVCache:
-        """A :class:`StaticKVCache` for this model (``batch`` rows, ``max_len`` tokens each).
+        """A zeroed :class:`StaticKVCache` for this model, on its device and in its dtype.
+
+        Args:
+            batch: rows ``B`` (sequences), an int ``>= 1``; :meth:`decode` takes exactly ``batch`` tokens a step,
+                :meth:`prefill` at most ``batch`` prompts.
+            max_len: capacity ``T_max`` in tokens per sequence (prompt + generated), an int ``>= 1``.
+
+        Returns:
+            a :class:`StaticKVCache` with K/V buffers ``[L, batch, H_k, max_len, d]`` and all lengths 0.
 
         Raises:
-            WideError: ``max_len`` beyond the model's sliding attention window (not supported).
+            WideError: ``batch`` or ``max_len`` not an int or below 1, or ``max_len`` beyond the model's sliding
+                attention window (not supported).  (Buffers too large for the device's memory raise PyTorch's
+                ``torch.OutOfMemoryError`` on a GPU, ``RuntimeError`` on the CPU.)
         """
+        batch, max_len = _positive_int("batch", batch), _positive_int("max_len", max_len)
         if self.window is not None and max_len > self.window:
             raise WideError(f"a KV cache of {max_len} tokens exceeds the model's sliding attention window "
                             f"({self.window}); sliding-window attention is not supported by the inference engine")
@@ -760,10 +783,12 @@ class Engine:
 
         Raises:
             WideError: empty prompt, non-integer ids or ids outside the vocabulary, a mask that is not left-padded
-                0/1 with a real token in every row, wrong device, or a cache too small.  (Checking the values is
-                one host sync; it is skipped during CUDA-graph capture.)
+                0/1 with a real token in every row, wrong device, a cache too small or made for another model
+                (layers, KV heads, head_dim, dtype or device).  (Checking the values is one host sync; it is
+                skipped during CUDA-graph capture.)
         """
         self._check_ids(input_ids)
+        self._check_cache(cache, "prefill")
         B, T = input_ids.shape
         if cache.batch < B:
             raise WideError(f"batch of {B} prompts does not fit a KV cache of {cache.batch} rows")
@@ -798,14 +823,52 @@ class Engine:
 
     @torch.no_grad()
     def decode(self, tokens: torch.Tensor, cache: StaticKVCache, valid: torch.Tensor | None = None) -> torch.Tensor:
-        """One decode step: append ``tokens`` (int64 ``[B]``, ``B == cache.batch``) and return logits ``[B, V]``.
+        """One decode step: append one token to every sequence of ``cache`` and return the next-token logits.
 
         Each row's token takes position ``cache.lengths[b]`` and is written to slot ``T_max - 1 - lengths[b]``;
-        the lengths are then incremented on the device.  No host synchronisation (CUDA-graph capturable).
-        ``valid`` (bool ``[B]``, optional) only weights the sparsity statistics (e.g. bucket padding rows).
-        The caller guarantees ``lengths < T_max`` (:func:`wide.inference.generate.generate` checks it).
+        the lengths are then incremented on the device.  No host synchronisation on a GPU (CUDA-graph
+        capturable).
+
+        Args:
+            tokens: int64 ``[B]`` token ids in ``[0, vocab)``, on the engine's device, with ``B == cache.batch``
+                (one token per cache row; idle rows of a bucket take any valid id, e.g. 0).
+            cache: the :class:`StaticKVCache` of this engine (:meth:`new_cache`) after :meth:`prefill`, with a
+                free slot left in every row (``lengths < T_max``).
+            valid: optional bool ``[B]`` on the same device; only weights the sparsity statistics (e.g. False for
+                the idle padding rows of a CUDA-graph bucket).
+
+        Returns:
+            logits ``[B, V]`` in the model dtype; ``cache.lengths`` has grown by 1 in every row.
+
+        Raises:
+            WideError: ``tokens`` not an int64 ``[B]`` tensor, a batch that is not ``cache.batch``, tokens or
+                ``valid`` on another device than the model, ``valid`` not bool ``[B]``, or a cache of another
+                model, device or dtype (shape, dtype and device checks: host metadata, free).  On the CPU also
+                token ids outside ``[0, vocab)`` and a full cache row (no slot left for the new token).  On a GPU
+                those two value checks would need a device read (a host sync per step, impossible inside a CUDA
+                graph), so they are the caller's job there (unchecked, the result is undefined):
+                :func:`wide.inference.generate` sizes the cache on the host from the prompt length and
+                ``max_new_tokens`` and feeds back the model's own argmax.
         """
+        if not isinstance(tokens, torch.Tensor) or tokens.dim() != 1 or tokens.dtype != torch.int64:
+            got = (f"{tokens.dtype} {list(tokens.shape)}" if isinstance(tokens, torch.Tensor)
+                   else type(tokens).__name__)
+            raise WideError(f"decode: tokens must be an int64 tensor [B] (one token id per cache row), got {got}")
+        self._check_cache(cache, "decode")
         B = tokens.shape[0]
+        if B != cache.batch:
+            raise WideError(f"decode: {_tokens(B)} for a KV cache of {cache.batch} rows; pass one token per cache "
+                            f"row (batch {cache.batch})")
+        if tokens.device != self.device:
+            raise WideError(f"decode: tokens are on {tokens.device}, the engine's model is on {self.device}")
+        if valid is not None:
+            if (not isinstance(valid, torch.Tensor) or valid.dtype != torch.bool or tuple(valid.shape) != (B,)
+                    or valid.device != self.device):
+                got = (f"{valid.dtype} {list(valid.shape)} on {valid.device}" if isinstance(valid, torch.Tensor)
+                       else type(valid).__name__)
+                raise WideError(f"decode: valid must be a bool tensor [{B}] on {self.device} or None, got {got}")
+        if self.device.type == "cpu":  # value checks: a device read is free on the CPU (never on a GPU: no sync)
+            self._check_decode_values(tokens, cache)
         slot = cache.max_len - 1 - cache.lengths[:B]
         st = self.begin({"h": self.embed(tokens.view(B, 1)), "pos": cache.lengths[:B].view(B, 1),
                          "valid": None if valid is None else valid.view(B, 1), "cache": cache, "slot": slot})
@@ -815,6 +878,32 @@ class Engine:
                 fn(st)
         cache.lengths[:B] += 1
         return self.finish(st, False)
+
+    def _check_decode_values(self, tokens: torch.Tensor, cache: StaticKVCache) -> None:
+        """Token ids inside the vocabulary and a free slot in every cache row (CPU tensors only)."""
+        vocab = self.embed.num_embeddings
+        lo, hi = int(tokens.min()), int(tokens.max())
+        if lo < 0 or hi >= vocab:
+            raise WideError(f"decode: tokens hold ids from {lo} to {hi}; the model's vocabulary is 0..{vocab - 1}")
+        full = (cache.lengths >= cache.max_len).nonzero().view(-1).tolist()
+        if full:
+            b = full[0]
+            raise WideError(f"decode: the KV cache is full (row {b} holds {_tokens(int(cache.lengths[b]))} of "
+                            f"{cache.max_len}); no slot is left for the new token: make a larger cache "
+                            f"(new_cache max_len >= prompt + new tokens)")
+
+    def _check_cache(self, cache, where: str) -> None:
+        """``cache`` is a :class:`StaticKVCache` shaped for this model, on its device and in its dtype (metadata
+        only: no device read)."""
+        if not isinstance(cache, StaticKVCache):
+            raise WideError(f"{where}: cache must be a StaticKVCache (Engine.new_cache), got {type(cache).__name__}")
+        d = self.dims
+        want = (d.num_layers, d.num_kv_heads, d.head_dim)
+        got = (cache.k.shape[0], cache.k.shape[2], cache.k.shape[4])
+        if got != want or cache.device != self.device or cache.k.dtype != self.dtype:
+            raise WideError(f"{where}: the KV cache (layers, KV heads, head_dim) = {got}, {cache.k.dtype} on "
+                            f"{cache.device} does not fit this model: {want}, {self.dtype} on {self.device}; "
+                            f"make it with this engine's new_cache")
 
 
 def _dense_prefill_attention(q, k, v, pad, scale):
@@ -828,6 +917,21 @@ def _dense_prefill_attention(q, k, v, pad, scale):
     allowed = causal.view(1, 1, T, T) & ((j.view(1, 1, 1, T) >= pad.view(B, 1, 1, 1)) | torch.eye(
         T, dtype=torch.bool, device=q.device).view(1, 1, T, T))
     return F.scaled_dot_product_attention(q, k, v, attn_mask=allowed, scale=scale, enable_gqa=rep > 1)
+
+
+def _positive_int(name: str, v) -> int:
+    """``v`` as an int ``>= 1`` (Python or NumPy integers, not bools) for :meth:`Engine.new_cache`."""
+    import operator
+
+    try:
+        if isinstance(v, bool):
+            raise TypeError
+        n = operator.index(v)
+    except TypeError:
+        raise WideError(f"new_cache: {name}={v!r} must be an int >= 1") from None
+    if n < 1:
+        raise WideError(f"new_cache: {name}={n} must be >= 1")
+    return n
 
 
 def _tokens(n: int) -> str:

@@ -25,8 +25,9 @@ class GenerationResult:
         tokens_per_s: generated tokens of all prompts / (TTFT + decode time).
         sparsity: realized skipped fractions over valid tokens, ``{"attn", "ffn", "overall"}`` (empty when
             nothing is routed).
-        path: ``"kernels+cuda-graphs"``, ``"kernels"`` (Triton, eager) or ``"reference"`` (PyTorch
-            fallback of every kernel).
+        path: what ran, see :func:`path_of`: ``"kernels+cuda-graphs"``, ``"kernels"`` (Triton, eager) or
+            ``"reference"`` (PyTorch fallback of every kernel) for the routed engine;
+            ``"dense+kernels+cuda-graphs"``, ``"dense+kernels"`` or ``"dense"`` for ``ops="dense"``.
     """
 
     tokens: list = field(default_factory=list)
@@ -37,6 +38,22 @@ class GenerationResult:
     sparsity: dict = field(default_factory=dict)
     path: str = "reference"
     steps: int = 0
+
+
+def path_of(engine, graphs: bool) -> str:
+    """The execution path of ``engine`` as :attr:`GenerationResult.path` names it.
+
+    Routed engine (``ops="routed"``): ``"kernels"`` when the project's Triton kernels run (CUDA, or the CPU under
+    ``TRITON_INTERPRET=1``), else ``"reference"`` (each kernel's PyTorch reference).  Dense engine
+    (``ops="dense"``): ``"dense"`` (cuBLAS / PyTorch linears and SDPA; with Triton also the decode attention, the
+    one-launch Q/K/V GEMV and the fused norm / RoPE kernels, then ``"dense+kernels"``).  ``"+cuda-graphs"`` is
+    appended when the decode steps replay a CUDA graph.
+    """
+    if engine.ops == "dense":
+        path = "dense+kernels" if engine.uses_kernels else "dense"
+    else:
+        path = "kernels" if engine.uses_kernels else "reference"
+    return path + ("+cuda-graphs" if graphs else "")
 
 
 def _sync(device: torch.device) -> None:
@@ -155,8 +172,7 @@ def generate(engine, tokenizer, prompts, max_new_tokens: int = 32, *, max_len: i
     runner.valid.zero_()
     runner.valid[:B] = True
     engine.reset_stats()
-    res = GenerationResult(path=("kernels+cuda-graphs" if runner.graph is not None else
-                                 "kernels" if engine.uses_kernels else "reference"))
+    res = GenerationResult(path=path_of(engine, runner.graph is not None))
     res.tokens = [[] for _ in range(B)]
     done = [False] * B
 

@@ -622,16 +622,42 @@ def gemv_mn(x: torch.Tensor, w: torch.Tensor, route: torch.Tensor, G: int, *,
 
 
 def gemv_swiglu(x, w_gate, w_up, route, G, *, out=None):
-    """Decode fused routed SwiGLU, ``M <= 4`` (Eq. 3): ``silu(x Wg^T) * (x Wu^T)`` on active groups, else 0.
+    """Decode fused routed SwiGLU, ``M <= 4`` (Eq. 3; Algorithm 2, GEMV variant; no reorder).
 
-    x ``[M, K]`` (M <= 4, bf16/fp16/fp32), w_gate/w_up ``[N, K]`` of x's dtype, route bool
-    ``[M, N // G]``, out optional contiguous ``[M, N]`` of x's dtype; returns ``out`` (or a new tensor),
-    fp32-accumulated, exactly 0 where ``route[m, n // G]`` is False.  Reads each executed weight group of
-    both matrices once and x once per K tile; the gate and up partials of a split tile are summed before
-    the SiLU (same two kernels and autotuning as :func:`gemv_mn`, tuned separately).
+    ``out[m, n] = silu((x @ w_gate.T)[m, n]) * (x @ w_up.T)[m, n] if route[m, n // G] else 0``: the gated
+    activation of Eq. 3, ``(phi(X W_gate^T) ⊙ (X W_up^T)) ⊙_G M_ffn`` with ``phi`` = SiLU, whose zeros for the
+    skipped groups then feed ``down_proj`` (:func:`gemv_k`, the same ``M_ffn``).
+
+    Args:
+        x: ``[M, K]`` with ``1 <= M <= 4`` (the decode rows), bf16/fp16/fp32.
+        w_gate: ``gate_proj`` weight ``[N, K]``, x's dtype and device.
+        w_up: ``up_proj`` weight, the same shape ``[N, K]``, x's dtype and device.
+        route: bool ``[M, N // G]`` on x's device, True = row m executes FFN group g (``M_ffn``, Eq. 5).
+        G: group size along N (an int, a multiple of 16 dividing N; for the FFN 16, 32, ..., 512).
+        out: optional contiguous ``[M, N]`` output in x's dtype on x's device.
+
+    Returns:
+        ``out`` (or a new ``[M, N]`` tensor in x's dtype).  Both products are accumulated in fp32; the gate and
+        up sums, the SiLU and the product are rounded to x's dtype as the model's own MLP rounds them
+        (``act_fn(gate_proj(x)) * up_proj(x)``; nothing is rounded for fp32).  Every column of a group that row
+        m does not execute is exactly 0 in row m.
+
+    As in the paper's decode path (Appendix B: GEMV variants dispatched for M <= 4; mask reordering is
+    bypassed and routing is checked directly at the block level), the level-0 predicate of an N tile (Eq. 9
+    with the block of rows = all M rows) is "some row executes its group": a tile no row executes reads
+    neither weight and writes zeros.  Weight bytes read: ``2 * (fraction of groups executed by some row) * N *
+    K * itemsize``; x is read once per K tile for both weights.  The same two kernels and autotuning as
+    :func:`gemv_mn` (tile kernel, or the split kernel mapping a dense-sized grid onto the active N tiles x K
+    splits on the device: no host sync, CUDA-graph capturable), tuned separately; the fp32 gate and up
+    partials of a split tile are summed in split order before the SiLU.  CPU without ``TRITON_INTERPRET=1``
+    (or without Triton) falls back to :func:`wide.kernels.reference.swiglu_ref`.
 
     Raises:
-        ValueError: as :func:`gemv_mn`.
+        ValueError: (:class:`~wide.kernels.KernelArgumentError`, a :class:`wide.errors.WideError`) M > 4; x
+            not a 2-D bf16/fp16/fp32 tensor; ``w_gate`` / ``w_up`` not ``[N, K]`` in x's dtype, or shaped
+            differently from each other; G not an int multiple of 16 dividing N; route not bool
+            ``[M, N // G]``; tensors on different devices; ``out`` of the wrong shape, dtype or device, or
+            not contiguous.
     """
     return gemv_mn(x, w_gate, route, G, out=out, w2=w_up)
 
@@ -719,26 +745,56 @@ def gemv_k(a: torch.Tensor, w: torch.Tensor, route: torch.Tensor, G: int, *,
 def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, route: torch.Tensor, *,
                      left_pad: torch.Tensor | None = None, scale: float | None = None,
                      out: torch.Tensor | None = None, splits: int | None = None) -> torch.Tensor:
-    """Split-KV routed decode attention (``Tq == 1``) with GQA packing (Algorithm 4, decode variant).
+    """Split-KV routed decode attention (``Tq == 1``) with GQA packing (Eq. 2; Algorithm 4, decode variant).
+
+    For each batch row b and query head h of head group ``g = h // (Hq / N_G)``::
+
+        out[b, h, 0] = softmax(scale * q[b, h, 0] @ k[b, h // (Hq / Hk), j].T) @ v[b, h // (Hq / Hk), j]
+                       over the visible keys j in [left_pad[b], Tk)        if route[b, 0, g]
+        out[b, h, 0] = 0                                                   otherwise
+
+    i.e. the attention output of Eq. 2 gated per head group, ``Attn(Q, K, V) ⊙_G M_attn`` (K and V are never
+    skipped).  The query is the newest token, at key position ``Tk - 1``, so it sees every key: no causal mask.
 
     Args:
-        q: ``[B, Hq, 1, d]`` bf16/fp16/fp32 (d a power of two in [16, 256]).
-        k, v: ``[B, Hk, Tk, d]`` KV cache (SDPA layout, last dim contiguous), ``Hq % Hk == 0``.
-        route: bool ``[B, 1, N_G]``; head group g = query heads ``[g*Hq/N_G, (g+1)*Hq/N_G)``
-            (``G = Hq * d / N_G``, a multiple of d).
-        left_pad: optional int ``[B]``: keys ``j < left_pad[b]`` are masked.
+        q: ``[B, Hq, 1, d]`` bf16/fp16/fp32, last dim contiguous; d a power of two in [16, 256].
+        k, v: ``[B, Hk, Tk, d]`` KV cache in q's dtype (SDPA layout, last dim contiguous; any other strides,
+            e.g. one layer's view of :class:`wide.inference.StaticKVCache`), ``Hq % Hk == 0`` (GQA: query
+            head h reads KV head ``h // (Hq / Hk)``), ``Tk >= 1``.
+        route: bool ``[B, 1, N_G]``, True = execute; head group g = query heads ``[g*Hq/N_G, (g+1)*Hq/N_G)``
+            (``N_G`` divides Hq, so ``G = Hq * d / N_G`` is a multiple of d; the paper's GQA choice is
+            ``N_G = Hk``).
+        left_pad: optional int32/int64 ``[B]``: keys ``j < left_pad[b]`` are masked (padding, or the empty
+            slots of the engine's reversed-slot cache).
         scale: softmax scale (default ``1/sqrt(d)``).
-        out: optional contiguous ``[B, Hq, 1, d]`` output.
-        splits: number of KV splits (default: enough programs to fill the GPU).
+        out: optional contiguous ``[B, Hq, 1, d]`` output in q's dtype on q's device.
+        splits: number of KV splits, an int ``>= 1`` (default: enough programs to fill the GPU, 2 under the
+            interpreter); rounded so that every split covers a whole number of key tiles.
 
-    One program handles the ``Hq / Hk`` query heads sharing a KV head over one KV split (GQA
-    packing: the KV tile is read once for all of them); when none of them is active it reads no
-    K/V at all.  The query sits at position ``Tk - 1`` and sees every key, so causal masking is
-    irrelevant.  A second kernel merges the splits (log-sum-exp) and writes 0 for inactive heads
-    and for rows without a visible key.
+    Returns:
+        ``out`` (or a new tensor shaped and typed like q), fp32-accumulated: 0 for an inactive (row, head group)
+        and for a row with no visible key (``left_pad[b] >= Tk``).
+
+    The ``Hq / Hk`` query heads sharing a KV head are packed into one program per KV split (GQA packing:
+    the K/V tile is read once for all of them); the level-0 predicate (Eq. 9, block = that head pack) is
+    "some head of the pack is active" -- no reorder, routing is checked at the block level (Appendix B: "For
+    decoding (Tq = 1), mask reordering is bypassed ..."), and a pack with no active head reads no K/V at all.
+    Inactive heads of an admitted pack load no Q (level 1).  Each program runs the online softmax of
+    FlashAttention (running max m, sum z, fp32 accumulator) over the key tiles of its split from
+    ``max(split start, left_pad[b])``; a second kernel merges the splits by log-sum-exp
+    (``out = sum_s exp(m_s - M) O_s / sum_s exp(m_s - M) z_s``) and writes 0 for inactive heads and for rows
+    without a visible key.  Grid sizes come from shapes only: no host sync, CUDA-graph capturable.  CPU
+    without ``TRITON_INTERPRET=1`` (or without Triton) falls back to
+    :func:`wide.kernels.reference.attention_ref`.
 
     Raises:
-        ValueError: Tq != 1, or bad shapes/dtypes/devices (as :func:`wide.kernels.routed_attention`).
+        ValueError: (:class:`~wide.kernels.KernelArgumentError`, a :class:`wide.errors.WideError`) Tq != 1, or
+            bad shapes/dtypes/devices as :func:`wide.kernels.routed_attention`: q/k/v not 4-D, k or v not in
+            q's dtype or shaped differently from each other or not ``[B, Hk, Tk, d]``, Hq not a multiple of
+            Hk, d not a power of two in [16, 256], a last dim that is not contiguous, route not bool
+            ``[B, 1, N_G]`` with N_G dividing Hq, left_pad not int32/int64 ``[B]``, tensors on different
+            devices, or ``out`` of the wrong shape, dtype or device, or not contiguous.  (``splits`` is not
+            checked: it must be a positive int.)
     """
     from .attention import _validate as _validate_attention
 

@@ -1,0 +1,262 @@
+"""Fresh-user input checks of the inference engine: ``Engine.decode`` / ``Engine.new_cache`` arguments, the
+truthful ``path`` of generation, and ``wide generate`` refusing bad sizes before the weights load.  CPU only
+(the PyTorch reference path: fast)."""
+
+from __future__ import annotations
+
+import types
+
+import pytest
+import torch
+
+from wide import WideConfig, WideError
+from wide.modeling import WideModel
+from wide_testutil import tiny_model, tiny_tokenizer
+
+
+@pytest.fixture
+def reference_path(monkeypatch):
+    """Kernels fall back to their PyTorch references (fast on CPU)."""
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+
+
+@pytest.fixture
+def engine(reference_path):
+    from wide.inference import Engine
+
+    torch.manual_seed(0)
+    return Engine(WideModel(tiny_model(), WideConfig(ffn_group_size=32), init_keep=0.5).eval())
+
+
+def _prefilled(eng, B=2, T=3, max_len=6):
+    cache = eng.new_cache(B, max_len)
+    eng.prefill(torch.randint(2, 100, (B, T), generator=torch.Generator().manual_seed(1)), None, cache)
+    return cache
+
+
+def test_decode_refuses_bad_tokens_batch_device_valid_and_cache(engine):
+    eng = engine
+    vocab = eng.embed.num_embeddings
+    cache = _prefilled(eng)
+    ok = torch.tensor([5, 6])
+    bad = [
+        (ok.float(), "int64 tensor \\[B\\].*got torch.float32 \\[2\\]"),
+        (ok.to(torch.int32), "int64 tensor \\[B\\].*got torch.int32"),
+        (ok.view(2, 1), "int64 tensor \\[B\\].*\\[2, 1\\]"),
+        ([5, 6], "int64 tensor \\[B\\].*got list"),
+        (torch.tensor([5, 6, 7]), "3 tokens for a KV cache of 2 rows"),
+        (torch.tensor([5]), "1 token for a KV cache of 2 rows"),
+        (torch.tensor([5, vocab]), f"ids from 5 to {vocab}; the model's vocabulary is 0..{vocab - 1}"),
+        (torch.tensor([-1, 6]), "ids from -1 to 6"),
+        (ok.to("meta"), "tokens are on meta, the engine's model is on cpu"),
+    ]
+    for toks, msg in bad:
+        with pytest.raises(WideError, match=msg):
+            eng.decode(toks, cache)
+    for valid, msg in [(torch.ones(2), "valid must be a bool tensor \\[2\\].*float32"),
+                       (torch.ones(3, dtype=torch.bool), "valid must be a bool tensor \\[2\\]"),
+                       ("yes", "got str")]:
+        with pytest.raises(WideError, match=msg):
+            eng.decode(ok, cache, valid=valid)
+    with pytest.raises(WideError, match="cache must be a StaticKVCache"):
+        eng.decode(ok, object())
+    from wide.inference import StaticKVCache
+
+    d = eng.dims
+    for other in (StaticKVCache(d.num_layers, 2, d.num_kv_heads, d.head_dim, 6, torch.float64, "cpu"),
+                  StaticKVCache(d.num_layers + 1, 2, d.num_kv_heads, d.head_dim, 6, torch.float32, "cpu")):
+        with pytest.raises(WideError, match="does not fit this model"):
+            eng.decode(ok, other)
+        with pytest.raises(WideError, match="does not fit this model"):
+            eng.prefill(ok.view(2, 1), None, other)
+    assert cache.lengths.tolist() == [3, 3]  # nothing was written by a refused step
+    eng.decode(ok, cache, valid=torch.tensor([True, False]))
+    assert cache.lengths.tolist() == [4, 4]
+
+
+def test_decode_refuses_a_full_cache(engine):
+    eng = engine
+    cache = _prefilled(eng, B=2, T=3, max_len=4)
+    eng.decode(torch.tensor([5, 6]), cache)  # fills the last slot
+    with pytest.raises(WideError, match="KV cache is full \\(row 0 holds 4 tokens of 4\\); no slot is left"):
+        eng.decode(torch.tensor([5, 6]), cache)
+    assert cache.lengths.tolist() == [4, 4]
+    cache.lengths[0] = 1  # one full row is enough
+    with pytest.raises(WideError, match="row 1 holds 4 tokens of 4"):
+        eng.decode(torch.tensor([5, 6]), cache)
+
+
+def test_decode_reads_no_value_off_the_cpu(engine, monkeypatch):
+    """On a GPU the value checks (ids in range, a free slot) would be a host sync per step, impossible under
+    CUDA-graph capture: off the CPU decode only checks metadata.  Meta tensors stand in for GPU ones (reading a
+    value of one raises), and the step stops right after the checks."""
+    eng = engine
+    eng.device = torch.device("meta")
+    cache = eng.new_cache(2, 4)
+    cache.lengths = torch.full((2,), 4, dtype=torch.int64, device="meta")  # "full", out-of-range: not read
+
+    class Reached(Exception):
+        pass
+
+    def embed(tokens):  # the first op of the step
+        raise Reached
+
+    monkeypatch.setattr(eng, "embed", embed)
+    with pytest.raises(Reached):
+        eng.decode(torch.zeros(2, dtype=torch.int64, device="meta"), cache,
+                   valid=torch.ones(2, dtype=torch.bool, device="meta"))
+    with pytest.raises(WideError, match="int64"):  # the metadata checks still run
+        eng.decode(torch.zeros(2, dtype=torch.int32, device="meta"), cache)
+
+
+def test_new_cache_refuses_bad_sizes(engine):
+    import numpy as np
+
+    for kw, msg in [(dict(batch=0, max_len=4), "batch=0 must be >= 1"),
+                    (dict(batch=1, max_len=-3), "max_len=-3 must be >= 1"),
+                    (dict(batch=1, max_len=2.5), "max_len=2.5 must be an int >= 1"),
+                    (dict(batch=True, max_len=4), "batch=True must be an int >= 1"),
+                    (dict(batch="2", max_len=4), "batch='2' must be an int >= 1")]:
+        with pytest.raises(WideError, match=msg):
+            engine.new_cache(**kw)
+    c = engine.new_cache(np.int64(2), 5)
+    assert c.batch == 2 and c.max_len == 5 and c.lengths.tolist() == [0, 0]
+
+
+def test_new_cache_refuses_a_cache_beyond_the_sliding_window(reference_path):
+    from wide.inference import Engine
+
+    eng = Engine(tiny_model("mistral", sliding_window=8))
+    assert eng.new_cache(1, 8).max_len == 8
+    with pytest.raises(WideError, match="exceeds the model's sliding attention window \\(8\\)"):
+        eng.new_cache(1, 9)
+
+
+def test_generation_path_names_what_runs(reference_path):
+    from wide.inference import Engine, generate
+    from wide.inference.generation import path_of
+
+    for ops, kernels, graphs, want in [("routed", True, True, "kernels+cuda-graphs"), ("routed", True, False, "kernels"),
+                                       ("routed", False, False, "reference"),
+                                       ("dense", True, True, "dense+kernels+cuda-graphs"),
+                                       ("dense", True, False, "dense+kernels"), ("dense", False, False, "dense")]:
+        assert path_of(types.SimpleNamespace(ops=ops, uses_kernels=kernels), graphs) == want
+    base = tiny_model()
+    for ops, want in (("dense", "dense"), ("routed", "reference")):
+        res = generate(Engine(base, ops=ops), tiny_tokenizer(), ["w1 w2"], max_new_tokens=2)
+        assert res.path == want
+
+
+# --- wide generate ------------------------------------------------------------------------------------------
+
+
+@pytest.fixture
+def no_weights(monkeypatch):
+    """Loading any weights (the base model's or a WIDE checkpoint) fails the test."""
+    import transformers
+
+    import wide.checkpoint
+
+    def boom(*a, **k):
+        raise AssertionError("weights were loaded before the size check")
+
+    monkeypatch.setattr(transformers.AutoModelForCausalLM, "from_pretrained", boom)
+    monkeypatch.setattr(wide.checkpoint, "load", boom)
+
+
+def _generate(capsys, *argv):
+    from wide.cli import main
+
+    rc = main(["generate", "--device", "cpu", *map(str, argv)])
+    out, err = capsys.readouterr()
+    return rc, out, err
+
+
+def test_cli_generate_checks_sizes_before_loading(model_dir, tmp_path, capsys, monkeypatch, no_weights):
+    m = ["--model", model_dir]
+    cases = [  # the tiny model: 256 tokens of context (max_position_embeddings); "w1 w2 w3 w4" is 4 tokens
+        (m + ["--prompt", "w1", "--max-new-tokens", "300"],
+         "a KV cache of 301 tokens (prompt of 1 token + --max-new-tokens 300) exceeds the model's context of 256"),
+        (m + ["--prompt", "w1 w2 w3 w4", "--max-new-tokens", "253"],
+         "a KV cache of 257 tokens (prompt of 4 tokens + --max-new-tokens 253) exceeds the model's context of 256"),
+        (m + ["--prompt", "w1", "--max-cache-len", "1000"],
+         "a KV cache of 1000 tokens (--max-cache-len 1000) exceeds the model's context of 256 tokens"),
+        (m + ["--prompt", "w1 w2 w3 w4", "--max-cache-len", "3", "--max-new-tokens", "1"],
+         "prompt of 4 tokens is longer than the KV cache (--max-cache-len 3)"),
+        (m + ["--prompt", "w1 w2 w3 w4", "--max-cache-len", "6", "--max-new-tokens", "3"],
+         "prompt of 4 tokens + --max-new-tokens 3 does not fit the KV cache (--max-cache-len 6); use "
+         "--max-cache-len >= 7"),
+        (m + ["--prompt", "w1", "--chat"], "--chat: this tokenizer has no chat template"),
+    ]
+    for argv, msg in cases:
+        rc, _, err = _generate(capsys, *argv)
+        last = err.strip().splitlines()[-1]
+        assert rc == 2 and last.startswith(f"wide generate: error: {msg}"), (argv, err)
+    # sizes that need no model are refused before even the config is read
+    import transformers
+
+    monkeypatch.setattr(transformers.AutoConfig, "from_pretrained",
+                        lambda *a, **k: (_ for _ in ()).throw(AssertionError("config read")))
+    for argv, msg in [(["--max-new-tokens", "5", "--max-cache-len", "3"],
+                       "a prompt of at least 1 token + --max-new-tokens 5 does not fit the KV cache "
+                       "(--max-cache-len 3)"),
+                      (["--max-new-tokens", "0"], "--max-new-tokens 0 must be >= 1"),
+                      (["--max-cache-len", "0"], "--max-cache-len 0 must be >= 1")]:
+        rc, _, err = _generate(capsys, *m, "--prompt", "w1", *argv)
+        assert rc == 2 and err.strip().splitlines()[-1].startswith(f"wide generate: error: {msg}"), (argv, err)
+
+
+def test_cli_generate_checks_the_sliding_window_before_loading(tmp_path, capsys, no_weights):
+    d = tmp_path / "mistral"
+    tiny_model("mistral", sliding_window=16).save_pretrained(d)
+    tiny_tokenizer().save_pretrained(d)
+    rc, _, err = _generate(capsys, "--model", d, "--prompt", "w1 w2", "--max-new-tokens", "15")
+    assert rc == 2 and "a KV cache of 17 tokens (prompt of 2 tokens + --max-new-tokens 15) exceeds the model's " \
+                      "sliding attention window (16)" in err.strip().splitlines()[-1], err
+
+
+def test_cli_generate_wide_checks_the_context_before_loading(tmp_path, model_dir, capsys, monkeypatch):
+    """--wide with a Hugging Face directory as base: the base config is read before the checkpoint loads."""
+    from wide.checkpoint import save_wide
+    from wide.modeling import load_base_model
+
+    base, _, src = load_base_model(str(model_dir), device="cpu")
+    ckpt = save_wide(WideModel(base, WideConfig(ffn_group_size=32)), tmp_path / "ckpt", src.ref)
+    import wide.checkpoint
+
+    monkeypatch.setattr(wide.checkpoint, "load",
+                        lambda *a, **k: (_ for _ in ()).throw(AssertionError("checkpoint loaded")))
+    rc, _, err = _generate(capsys, "--wide", ckpt, "--prompt", "w1", "--max-cache-len", "300")
+    assert rc == 2 and err.strip().splitlines()[-1] == ("wide generate: error: a KV cache of 300 tokens "
+                                                        "(--max-cache-len 300) exceeds the model's context of 256 "
+                                                        "tokens (max_position_embeddings)"), err
+
+
+def test_cli_generate_one_cpu_line_and_a_truthful_path(model_dir, capsys, reference_path):
+    rc, out, err = _generate(capsys, "--model", model_dir, "--prompt", "w1 w2", "--max-new-tokens", "2")
+    assert rc == 0, err
+    about = [ln for ln in err.splitlines() if "fall" in ln or "reference" in ln or "CPU" in ln or "CUDA" in ln]
+    assert about == ["wide generate: no CUDA device: the engine falls back to the reference path on the CPU (the "
+                     "PyTorch reference of every kernel); no CUDA graphs, slow"], err
+    assert out.strip().splitlines()[-1].endswith("| path: reference")
+    rc, out, err = _generate(capsys, "--model", model_dir, "--prompt", "w1 w2", "--max-new-tokens", "2",
+                             "--dense-ops")
+    assert rc == 0, err
+    about = [ln for ln in err.splitlines() if "fall" in ln or "reference" in ln or "CPU" in ln or "CUDA" in ln]
+    assert about == ["wide generate: no CUDA device: the engine runs dense PyTorch ops on the CPU; no CUDA graphs, "
+                     "slow"], err
+    assert out.strip().splitlines()[-1].endswith("| path: dense")
+
+
+def test_cli_cpu_notice_names_the_path_and_why(monkeypatch):
+    from wide.inference.cli import _cpu_notice
+
+    args = types.SimpleNamespace(device="cpu")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    eng = types.SimpleNamespace(ops="routed", uses_kernels=False)
+    assert _cpu_notice(eng, args).startswith("wide generate: --device cpu: the engine falls back to the reference "
+                                             "path on the CPU")
+    eng = types.SimpleNamespace(ops="routed", uses_kernels=True)
+    assert "routed Triton kernels in the Triton interpreter on the CPU" in _cpu_notice(eng, args)
+    eng = types.SimpleNamespace(ops="dense", uses_kernels=True)
+    assert "dense PyTorch ops on the CPU, its few Triton kernels" in _cpu_notice(eng, args)
