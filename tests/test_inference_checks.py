@@ -216,16 +216,17 @@ def test_cli_generate_checks_the_sliding_window_before_loading(tmp_path, capsys,
 
 
 def test_cli_generate_wide_checks_the_context_before_loading(tmp_path, model_dir, capsys, monkeypatch):
-    """--wide with a Hugging Face directory as base: the base config is read before the checkpoint loads."""
+    """--wide: the sizes are checked against the base config (wide.checkpoint.load's ``check`` hook) before any
+    base weight is read, whatever the base (a Hugging Face directory here; the bundled GGUF the same way)."""
+    import transformers
+
     from wide.checkpoint import save_wide
     from wide.modeling import load_base_model
 
     base, _, src = load_base_model(str(model_dir), device="cpu")
     ckpt = save_wide(WideModel(base, WideConfig(ffn_group_size=32)), tmp_path / "ckpt", src.ref)
-    import wide.checkpoint
-
-    monkeypatch.setattr(wide.checkpoint, "load",
-                        lambda *a, **k: (_ for _ in ()).throw(AssertionError("checkpoint loaded")))
+    monkeypatch.setattr(transformers.AutoModelForCausalLM, "from_pretrained",
+                        lambda *a, **k: (_ for _ in ()).throw(AssertionError("base weights loaded")))
     rc, _, err = _generate(capsys, "--wide", ckpt, "--prompt", "w1", "--max-cache-len", "300")
     assert rc == 2 and err.strip().splitlines()[-1] == ("wide generate: error: a KV cache of 300 tokens "
                                                         "(--max-cache-len 300) exceeds the model's context of 256 "

@@ -129,7 +129,7 @@ def _check_fits(config: WideConfig, dims, directory: str | os.PathLike) -> None:
 
 
 def load(path: str | os.PathLike, model: str | torch.nn.Module | None = None, device=None, dtype=None,
-         tokenizer: bool = False, merge_lora: bool = False):
+         tokenizer: bool = False, merge_lora: bool = False, check=None):
     """Load a saved WIDE model, ready for evaluation (argmax routing).
 
     Args:
@@ -143,6 +143,9 @@ def load(path: str | os.PathLike, model: str | torch.nn.Module | None = None, de
         merge_lora: if the directory holds a stage-2 LoRA adapter (``adapter/``, peft format), fold it into
             the base weights with peft's own merge and scale (``lora_alpha / r``); otherwise (default) keep
             it as separate peft LoRA layers. Either way the routing hooks gate the adapted projections.
+        check: optional callable ``f(hf_config, tokenizer)`` run after the checkpoint's own files are checked
+            and before any base weight is read (:func:`wide.modeling.load_base_model`'s hook), e.g. to validate
+            sizes against the model's context; not called when ``model`` is an already loaded module.
 
     Returns:
         :class:`WideModel` (or ``(WideModel, tokenizer)``) in eval mode. Calling it as a Hugging Face
@@ -184,7 +187,8 @@ def load(path: str | os.PathLike, model: str | torch.nn.Module | None = None, de
     if isinstance(model, torch.nn.Module):
         base = model
     else:
-        base, tok, _ = load_base_model(model if model is not None else info["model"], device=device, dtype=dtype)
+        base, tok, _ = load_base_model(model if model is not None else info["model"], device=device, dtype=dtype,
+                                       check=check)
     dims = dims_of(base.config)
     if info.get("dims") and info["dims"] != dims.__dict__:
         raise WideError(f"checkpoint {str(path)!r} was made for a model with dims {info['dims']}, "

@@ -96,31 +96,6 @@ def _longest(tok, prompts) -> int:
     return max(len(tok(p, add_special_tokens=True)["input_ids"]) for p in prompts)
 
 
-def _wide_base_config(args):
-    """The Hugging Face config of the base model ``--wide`` will load, when it is cheap to read first.
-
-    That is a Hugging Face directory's ``config.json`` (milliseconds).  None when the base is a GGUF file
-    (transformers parses the whole file for its config, seconds, and :func:`wide.checkpoint.load` offers no hook
-    to check it before the weights, so the context is checked after loading) or when the checkpoint or model
-    cannot be resolved (:func:`wide.checkpoint.load` then reports that, with its own message)."""
-    from ..checkpoint import read_base_info
-    from ..modeling import resolve_model
-
-    try:
-        spec = args.model if args.model is not None else read_base_info(args.wide)["model"]
-        src = resolve_model(spec)
-    except (WideError, OSError, TypeError):
-        return None
-    if src.gguf_file:
-        return None
-    from transformers import AutoConfig
-
-    try:
-        return AutoConfig.from_pretrained(src.directory, **src.hf_kwargs())
-    except Exception:  # noqa: BLE001 - the real load reports an unreadable config
-        return None
-
-
 def _cpu_notice(engine, args) -> str:
     """The one stderr line of a run off CUDA: which path the engine takes on the CPU, and why."""
     import torch
@@ -170,16 +145,10 @@ def run(args) -> int:
     if args.wide:
         from ..checkpoint import load
 
-        cfg = _wide_base_config(args)
-        if cfg is not None:
-            check_sizes(args, cfg)
-        model, tok = load(args.wide, model=args.model, device=dev, tokenizer=True, merge_lora=True)
+        model, tok = load(args.wide, model=args.model, device=dev, tokenizer=True, merge_lora=True, check=check)
     else:
         model, tok, _ = load_base_model(args.model, device=dev, check=check)
-    prompts = early.get("prompts")
-    if prompts is None:  # --wide: the tokenizer came with the weights
-        prompts = _chat_prompts(args, tok)
-        check_sizes(args, model.base.config, _longest(tok, prompts))
+    prompts = early["prompts"]  # set by check(), which both loaders run before reading any weight
     engine = Engine(model, ops="dense" if args.dense_ops else "routed")
     if engine.device.type != "cuda":
         print(_cpu_notice(engine, args), file=sys.stderr)
