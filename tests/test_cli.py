@@ -143,8 +143,9 @@ def test_eval_ppl_config_of_wrong_type(tmp_path, model_dir, text_file, capsys, f
 EARLY = [
     ("eval-ppl", ["--batch-size", "0"], "--batch-size 0 must be >= 1"),
     ("eval-ppl", ["--batch-size", "-2"], "--batch-size -2 must be >= 1"),
-    ("eval-ppl", ["--max-tokens", "0"], "--max-tokens 0 must be >= 1"),
-    ("eval-ppl", ["--max-tokens", "-5"], "--max-tokens -5 must be >= 1"),
+    ("eval-ppl", ["--max-tokens", "0"], "--max-tokens 0 must be >= 2"),
+    ("eval-ppl", ["--max-tokens", "-5"], "--max-tokens -5 must be >= 2"),
+    ("eval-ppl", ["--max-tokens", "1"], "--max-tokens 1 must be >= 2"),  # a window needs 2 tokens
     ("eval-ppl", ["--ctx", "0"], "--ctx 0 must be >= 2"),
     ("eval-ppl", ["--ctx", "-1"], "--ctx -1 must be >= 2"),
     ("calibrate", ["-o", "OUT", "--max-blocks", "0", "--seq-len", "64"], "--max-blocks 0 must be >= 1"),
@@ -154,7 +155,8 @@ EARLY = [
     ("demo", ["-o", "OUT", "--steps", "-3"], "--steps -3 must be >= 1"),
     ("demo", ["-o", "OUT", "--seq-len", "0"], "--seq-len 0 must be >= 2"),
     ("demo", ["-o", "OUT", "--ctx", "0"], "--ctx 0 must be >= 2"),
-    ("demo", ["-o", "OUT", "--eval-tokens", "0"], "--eval-tokens 0 must be >= 1"),
+    ("demo", ["-o", "OUT", "--eval-tokens", "0"], "--eval-tokens 0 must be >= 2"),
+    ("demo", ["-o", "OUT", "--eval-tokens", "1"], "--eval-tokens 1 must be >= 2"),
 ]
 
 

@@ -464,3 +464,192 @@ def test_bench_kernels_counts_rejected(capsys):
         with pytest.raises(SystemExit):
             p.parse_args([opt, bad])
         assert msg in capsys.readouterr().err
+
+
+# --- third fresh-user round: training memory, eval-ppl --ctx / --max-tokens, run_quality's text paths, wide info,
+# one-line usage errors ----------------------------------------------------------------------------------------
+def _fake_memory(monkeypatch, available: int) -> None:
+    import wide.memory as M
+
+    monkeypatch.setattr(M, "available_memory", lambda device: (available, "MemAvailable of this machine"))
+
+
+def _tiny_train_memory(model_dir):
+    from wide.config import WideConfig
+    from wide.memory import train_memory_of
+    from wide.modeling import WideModel, load_base_model
+
+    model, _, _ = load_base_model(str(model_dir), device="cpu")  # as the CLI loads it (SDPA attention)
+    return train_memory_of(WideModel(model, WideConfig(ffn_group_size=32)), "cpu")
+
+
+def test_calibrate_refuses_a_batch_too_large_for_memory(tmp_path, model_dir, text_file, capsys, monkeypatch):
+    """Default options used to be OOM-killed without a word on a 24 GB CPU machine: now one line before the first
+    step names the estimate, the memory available and a --batch-size / --grad-accum split that fits."""
+    from wide.memory import GIB, HEADROOM
+
+    mem = _tiny_train_memory(model_dir)
+    avail = int(mem.estimate(3, 32, False) / HEADROOM)  # 2 sequences of 32 tokens fit, 4 do not
+    _fake_memory(monkeypatch, avail)
+    out = tmp_path / "o"
+    args = [*calibrate_args(model_dir, text_file, out), "--batch-size", "8"]
+    rc, _, err = run(args, capsys)
+    error_after_loading(rc, err, "calibrate", "one micro-batch of --batch-size 8 x --seq-len 32 tokens needs about "
+                        f"{mem.estimate(8, 32, False) / GIB:.1f} GiB", f"{avail / GIB:.1f} GiB is available",
+                        "use --batch-size 2 --grad-accum 4 (about", "the same 8 sequences per step",
+                        "--no-memory-check")
+    assert not out.exists()  # refused before anything was written
+    rc, _, err = run([*args, "--batch-size", "2", "--grad-accum", "4"], capsys)  # the suggestion runs
+    assert rc == 0, err
+    rc, _, err = run([*args, "--no-memory-check", "--overwrite"], capsys)  # and the check can be skipped
+    assert rc == 0, err
+
+
+def test_demo_checks_memory_before_its_dense_evaluation(tmp_path, model_dir, text_file, capsys, monkeypatch):
+    _fake_memory(monkeypatch, 2 ** 20)
+    out = tmp_path / "demo"
+    rc, stdout, err = run(["demo", "--model", model_dir, "--text", text_file, "-o", out, "--device", "cpu",
+                           "--steps", "1", "--seq-len", "32", "--ctx", "32", "--eval-tokens", "64",
+                           "--ffn-group-size", "32"], capsys)
+    error_after_loading(rc, err, "demo", "--batch-size 4 x --seq-len 32 tokens needs about", "--no-memory-check")
+    assert "[2/5]" not in stdout and not out.exists()
+
+
+def test_make_demo_settings_fit_in_memory():
+    """`make demo` (CPU defaults: 4 x 256 tokens on the bundled SmolLM2-135M) must pass the check on a 24 GB
+    machine: its estimate fits in 8 GiB with the headroom."""
+    from pathlib import Path
+
+    from wide.cli import _demo_settings, _hf_config, build_parser
+    from wide.memory import GIB, HEADROOM, estimate_train_memory
+    from wide.modeling import dims_of
+
+    makefile = (Path(__file__).resolve().parents[1] / "Makefile").read_text()
+    line = next(ln for ln in makefile.splitlines() if "bin/wide demo" in ln)
+    argv = line.split("bin/wide ", 1)[1].split("#")[0].split()
+    args = build_parser().parse_args(argv)
+    _, seq_len, _, _ = _demo_settings(args, gpu=False)
+    try:
+        _, hf = _hf_config(args.model)
+    except WideError as e:
+        pytest.skip(f"bundled model not installed: {e}")
+    est = estimate_train_memory(dims_of(hf), hf.vocab_size, args.batch_size, seq_len,
+                                grad_checkpoint=bool(getattr(args, "grad_checkpoint", False)),
+                                extra_layer_values=1000, trainable_params=10**6)  # routers: a generous bound
+    assert args.memory_check and est <= HEADROOM * 8 * GIB, est / GIB
+
+
+@pytest.mark.parametrize("wide", [False, True])
+def test_eval_ppl_ctx_longer_than_the_model_context(tmp_path, model_dir, text_file, capsys, wide):
+    """The tiny model's max_position_embeddings is 256: --ctx 512 fails in one line naming both, before any
+    weight is read (no loading progress on stderr)."""
+    args = ["eval-ppl", "--model", model_dir, "--text", text_file, "--ctx", "512", "--device", "cpu"]
+    if wide:
+        ckpt = tmp_path / "ckpt"
+        rc, _, err = run(calibrate_args(model_dir, text_file, ckpt), capsys)
+        assert rc == 0, err
+        args += ["--wide", ckpt]
+    rc, _, err = run(args, capsys)
+    one_line_error(rc, err, "eval-ppl", "--ctx 512 is longer than the model's context of 256 tokens",
+                   "max_position_embeddings", "use --ctx 256 or less")
+    rc, stdout, err = run([*args[:-4], "--ctx", "256", "--device", "cpu"], capsys)  # the limit itself is fine
+    assert rc == 0, err
+    assert "windows of 256 tokens" in stdout
+
+
+@pytest.mark.parametrize("ctx,max_tokens,line,tokens", [
+    (64, 100, "1 window of 64 tokens (64 tokens)", 63),  # at most --max-tokens: 64 of the first 100
+    (64, 200, "3 windows of 64 tokens (192 tokens)", 189),
+    (256, 40, "1 window of 40 tokens (40 tokens; --max-tokens 40 is below --ctx 256)", 39),  # not a full window
+    (256, None, "4 windows of 256 tokens (1,024 tokens)", 1020),
+])
+def test_eval_ppl_max_tokens_is_an_upper_bound(tmp_path, model_dir, text_file, capsys, ctx, max_tokens, line, tokens):
+    target = tmp_path / "r.json"
+    args = ["eval-ppl", "--model", model_dir, "--text", text_file, "--ctx", ctx, "--device", "cpu", "--json", target]
+    rc, stdout, err = run([*args, *([] if max_tokens is None else ["--max-tokens", max_tokens])], capsys)
+    assert rc == 0, err
+    assert line in stdout.splitlines()
+    r = json.loads(target.read_text())["dense"]
+    assert r["tokens"] == tokens and r["ctx"] == min(ctx, max_tokens or ctx)  # tokens predicted: width - 1 each
+
+
+def test_run_quality_checks_text_paths_before_loading(tmp_path, monkeypatch):
+    """benchmarks/quality/run_quality.py used to read --calib / --wikitext only after loading the model: one
+    error now names every missing path, before anything loads."""
+    import importlib.util
+    import sys
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[1] / "benchmarks" / "quality" / "run_quality.py"
+    spec = importlib.util.spec_from_file_location("run_quality_under_test", path)
+    rq = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(rq)
+
+    def no_loading(*a, **k):
+        raise AssertionError("the model loaded before the text paths were checked")
+
+    monkeypatch.setattr(rq, "load_base_model", no_loading)
+    calib, wiki = tmp_path / "calib.jsonl", tmp_path / "wiki.test.raw"
+    base = ["run_quality.py", "--out", str(tmp_path / "out"), "--runs", str(tmp_path / "runs")]
+    monkeypatch.setattr(sys, "argv", [*base, "--calib", str(calib), "--wikitext", str(wiki)])
+    with pytest.raises(WideError) as e:
+        rq.main()
+    assert f"--calib {str(calib)!r} and --wikitext {str(wiki)!r} not found" in str(e.value)
+    calib.write_text(json.dumps({"text": "w1 w2"}) + "\n")
+    with pytest.raises(WideError, match=f"^--wikitext {str(wiki)!r} not found"):
+        rq.main()
+    assert not (tmp_path / "out").exists() and not (tmp_path / "runs").exists()
+
+
+def test_info_help_shows_only_its_options(capsys):
+    with pytest.raises(SystemExit) as e:
+        main(["info", "--help"])
+    assert e.value.code == 0
+    import re
+
+    out = capsys.readouterr().out
+    shown = set(re.findall(r"(?<![\w-])--[a-z][\w-]*", out))
+    assert shown == {"--help", "--model", "--attn-group-size", "--ffn-group-size", "--rank", "--routed", "--method",
+                     "--skipgpt-rank"}, shown  # no --sparsity, --alpha, --tau-*, --mode, --device
+
+
+def test_info_points_to_a_real_next_step(model_dir, capsys):
+    from wide.cli import build_parser
+
+    rc, _, err = run(["info", "--model", model_dir, "--ffn-group-size", "48"], capsys)
+    one_line_error(rc, err, "info", "FFN group size G=48 must be a power of two >= 16",
+                   "intermediate size 128", "--ffn-group-size with one of [16, 32, 64, 128]")
+    assert "wide info" not in err.split(": error: ", 1)[1]  # the old hint sent the user back to wide info
+    rc, out, err = run(["info", "--model", model_dir, "--ffn-group-size", "32"], capsys)
+    assert rc == 0, err
+    assert "max context        256" in out
+    nxt = next(ln for ln in out.splitlines() if ln.startswith("next step"))
+    cmd = nxt.split("next step", 1)[1].split("(")[0].split()
+    assert cmd[:2] == ["wide", "calibrate"] and "--ffn-group-size" in cmd
+    build_parser().parse_args(cmd[1:])  # a command that parses
+    with pytest.raises(SystemExit) as e:  # a training option: a usage error now
+        main(["info", "--model", str(model_dir), "--sparsity", "0.5"])
+    one_line_error(e.value.code, capsys.readouterr().err, "info", "unrecognized arguments: --sparsity 0.5",
+                   "(see wide info --help)")
+
+
+@pytest.mark.parametrize("argv,prog,msg", [
+    (["calibrate", "-o", "x", "--steps", "x"], "wide calibrate", "argument --steps: invalid int value: 'x'"),
+    (["calibrate"], "wide calibrate", "the following arguments are required: --output/-o"),
+    (["eval-ppl", "--ctx"], "wide eval-ppl", "argument --ctx: expected one argument"),
+    (["info", "--bogus"], "wide info", "unrecognized arguments: --bogus"),
+    (["eval-ppl", "--sparsity", "0.5"], "wide eval-ppl", "unrecognized arguments: --sparsity 0.5"),
+    (["demo", "--mode", "x"], "wide demo", "argument --mode: invalid choice: 'x'"),
+    (["generate", "--prompt", "hi", "--bogus"], "wide generate", "unrecognized arguments: --bogus"),
+    (["bench", "kernels", "--bogus"], "wide bench kernels", "unrecognized arguments: --bogus"),
+    (["nosuch"], "wide", "argument command: invalid choice: 'nosuch'"),
+    ([], "wide", "the following arguments are required: command"),
+])
+def test_usage_errors_are_one_line(capsys, argv, prog, msg):
+    with pytest.raises(SystemExit) as e:
+        main(argv)
+    assert e.value.code == 2
+    out, err = capsys.readouterr()
+    lines = err.strip().splitlines()
+    assert len(lines) == 1 and "usage:" not in err and not out, err
+    assert lines[0].startswith(f"{prog}: error: {msg}") and lines[0].endswith(f" (see {prog} --help)"), lines[0]

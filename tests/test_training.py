@@ -128,3 +128,172 @@ def test_interrupted_checkpoint_is_flagged_on_load(tmp_path):
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         load(tmp_path / "a", model=tiny_model())
+
+
+# --- the memory check before training (wide.memory) -------------------------------------------------------------
+# A model big enough that a step's activations dwarf the process's noise: one step of 4 x 512 tokens needs
+# about 0.3 GB (stage 1) to 0.65 GB (LoRA); SDPA attention, as the CLI loads models.
+MEASURED_MODEL = dict(hidden_size=256, intermediate_size=1024, num_attention_heads=8, num_key_value_heads=4,
+                      head_dim=32, num_hidden_layers=4, vocab_size=2048, max_position_embeddings=1024)
+
+_MEASURE = r"""
+import json, os, resource, sys, tempfile
+import torch
+from wide_testutil import tiny_model
+from wide.config import WideConfig
+from wide.memory import train_memory_of
+from wide.modeling import WideModel
+from wide.training import CalibrationArgs, calibrate
+
+kw, B, T, ckpt, lora = json.loads(sys.argv[1])
+torch.set_num_threads(2)
+
+
+def status(key):  # bytes
+    return next(int(ln.split()[1]) * 1024 for ln in open("/proc/self/status") if ln.startswith(key + ":"))
+
+
+def step(batch, seq, measure):
+    m = tiny_model(**kw)
+    m.config._attn_implementation = "sdpa"
+    wm = WideModel(m, WideConfig(ffn_group_size=64))
+    blocks = torch.randint(0, kw["vocab_size"], (batch, seq), generator=torch.Generator().manual_seed(0))
+    args = CalibrationArgs(steps=1, batch_size=batch, save_every=1, grad_checkpoint=ckpt, memory_check=False)
+    with tempfile.TemporaryDirectory() as out:
+        if lora:
+            from wide.lora import LoraSettings, attach_lora, recover, use_keyed_dropout
+            torch.manual_seed(0)
+            attach_lora(wm, LoraSettings())
+            use_keyed_dropout(wm)
+            for n, p in wm.base.named_parameters():
+                p.requires_grad_(".lora_" in n)
+        est = train_memory_of(wm, "cpu").estimate(batch, seq, ckpt)
+        if measure:
+            try:  # reset the high-water mark (Linux >= 4.0); else ru_maxrss, the process's peak so far
+                with open("/proc/self/clear_refs", "w") as f:
+                    f.write("5")
+                hwm = lambda: status("VmHWM")
+            except OSError:
+                hwm = lambda: resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+            before, files = status("VmRSS"), status("RssFile")
+        if lora:
+            recover(wm, blocks, args, out, "tiny", progress=False)
+        else:
+            calibrate(wm, blocks, args, out, "tiny", progress=False)
+    if measure:  # library pages faulted back in during the step are not the step's memory
+        return est, hwm() - before - max(0, status("RssFile") - files)
+
+
+step(1, 16, False)  # a warm-up step: lazy imports and first-call allocations are not the step's memory
+est, measured = step(B, T, True)
+print(json.dumps({"estimate": est, "measured": measured}))
+"""
+
+
+def test_memory_estimate_bounds_measured_steps():
+    """The estimate against the peak RSS of one real training step, for stage 1, stage 1 with activation
+    checkpointing and stage 2 (LoRA, when peft is installed): each in a fresh process (so that memory freed by
+    earlier tests cannot hide the growth), after a warm-up step, as the growth of VmHWM over the step less the
+    library pages read back in (the three run side by side, about 15 s on 2 cores). The estimate must never be
+    below what the check relies on (measured <= estimate / HEADROOM) nor wildly above (<= 2x); measured
+    here: 1.3-1.4x."""
+    import importlib.util
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from wide.memory import HEADROOM
+
+    if not os.path.exists("/proc/self/statm"):
+        pytest.skip("needs Linux /proc")
+    here = Path(__file__).resolve().parent
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(here), str(here.parent / "src")]),
+           "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "2"}
+    cases = {"stage1": (False, False), "stage1-grad-checkpoint": (True, False)}
+    if importlib.util.find_spec("peft") is not None:
+        cases["lora"] = (False, True)
+    procs = {name: subprocess.Popen([sys.executable, "-c", _MEASURE, json.dumps([MEASURED_MODEL, 4, 512, ckpt, lora])],
+                                    stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+             for name, (ckpt, lora) in cases.items()}
+    for name, proc in procs.items():
+        out, err = proc.communicate(timeout=300)
+        assert proc.returncode == 0, (name, err[-2000:])
+        got = json.loads(out.strip().splitlines()[-1])
+        est, measured = got["estimate"], got["measured"]
+        assert measured > 100 * 2 ** 20, (name, got)  # the step itself, not noise, dominates
+        assert measured <= est / HEADROOM, (name, got)
+        assert est <= 2 * measured, (name, got)
+
+
+def _wm(**kw):
+    return WideModel(tiny_model(**kw), WideConfig(ffn_group_size=32))
+
+
+def _fake_memory(monkeypatch, available: int) -> None:
+    import wide.memory as M
+
+    monkeypatch.setattr(M, "available_memory", lambda device: (available, "MemAvailable of this machine"))
+
+
+def test_check_train_memory_suggests_a_split_that_fits(monkeypatch):
+    from wide.memory import GIB, HEADROOM, check_train_memory, train_memory_of
+
+    wm = _wm()
+    mem = train_memory_of(wm, "cpu")
+    est8, est2 = mem.estimate(8, 256, False), mem.estimate(2, 256, False)
+    avail = int(mem.estimate(3, 256, False) / HEADROOM)  # 2 sequences fit, 4 do not
+    _fake_memory(monkeypatch, avail)
+    with pytest.raises(WideError) as e:
+        check_train_memory(wm, 8, 256, grad_accum=1)
+    msg = str(e.value)
+    assert "--batch-size 8 x --seq-len 256" in msg and f"about {est8 / GIB:.1f} GiB" in msg
+    assert f"{avail / GIB:.1f} GiB is available (MemAvailable of this machine" in msg
+    assert f"use --batch-size 2 --grad-accum 4 (about {est2 / GIB:.1f} GiB, the same 8 sequences per step)" in msg
+    assert "--no-memory-check" in msg
+    # the step's sequences are kept with accumulation too: 8 x 3 = 24 = 2 x 12
+    with pytest.raises(WideError, match="use --batch-size 2 --grad-accum 12 "):
+        check_train_memory(wm, 8, 256, grad_accum=3)
+    assert check_train_memory(wm, 2, 256) == est2  # a batch that fits passes and returns its estimate
+
+
+def test_check_train_memory_falls_back_to_checkpointing_then_shorter_sequences(monkeypatch):
+    from wide.memory import HEADROOM, check_train_memory, train_memory_of
+
+    wm = _wm(num_hidden_layers=6)  # enough layers for checkpointing to pay
+    mem = train_memory_of(wm, "cpu")
+    assert mem.estimate(1, 256, True) < mem.estimate(1, 256, False)
+    _fake_memory(monkeypatch, int(mem.estimate(1, 256, True) / HEADROOM) + 1)  # only checkpointing fits
+    with pytest.raises(WideError, match=r"use --grad-checkpoint --batch-size 1 --grad-accum 4 \("):
+        check_train_memory(wm, 4, 256)
+    with pytest.raises(WideError, match=r"use --seq-len 128 --batch-size 1 --grad-accum 4 \("):  # demo: no option
+        check_train_memory(wm, 4, 256, checkpoint_option=None)
+    _fake_memory(monkeypatch, 1)
+    with pytest.raises(WideError, match="not even one sequence of 2 tokens fits"):
+        check_train_memory(wm, 4, 256)
+
+
+def test_train_checks_memory_before_the_first_step(tmp_path, monkeypatch):
+    _fake_memory(monkeypatch, 2 ** 20)
+    wm = _wm()
+    with pytest.raises(WideError, match="--batch-size 8 x --seq-len 16 tokens needs about"):
+        calibrate(wm, blocks(8, 16), CalibrationArgs(steps=1, batch_size=8), tmp_path / "o", "tiny", progress=False)
+    assert not (tmp_path / "o").exists()  # refused before anything was written
+    recs = calibrate(wm, blocks(8, 16), CalibrationArgs(steps=1, batch_size=8, memory_check=False), tmp_path / "o",
+                     "tiny", progress=False)
+    assert len(recs) == 1
+    # memory_check is not part of the resume key: a run saved without it resumes with it
+    monkeypatch.undo()
+    recs = calibrate(_wm(), blocks(8, 16), CalibrationArgs(steps=1, batch_size=8), tmp_path / "o", "tiny",
+                     progress=False, resume=True)
+    assert recs == []  # the saved run is complete: nothing left to do, and no "other settings" error
+
+
+def test_available_memory_reads_meminfo():
+    from wide.memory import available_memory
+
+    got = available_memory("cpu")
+    if got is None:
+        pytest.skip("no /proc/meminfo")
+    n, where = got
+    assert n > 0 and where in ("MemAvailable of this machine", "this cgroup's memory limit minus its usage")

@@ -350,6 +350,23 @@ def write(records: list[dict], out: Path, tag: str, ctx: int = 2048) -> None:
 
 
 # --- main -----------------------------------------------------------------------------------------
+def text_paths(a) -> dict[str, str | None]:
+    """``{"calib": --calib, "wikitext": --wikitext}``, checked to exist (``--wikitext`` is None with
+    ``--speed-only``, which evaluates nothing); called before any model loads.
+
+    Raises:
+        WideError: one message naming every missing path.
+    """
+    from wide.errors import WideError
+
+    wanted = {"calib": a.calib, "wikitext": None if a.speed_only else a.wikitext}
+    missing = [f"--{k} {v!r}" for k, v in wanted.items() if v is not None and not Path(v).expanduser().exists()]
+    if missing:
+        raise WideError(f"{' and '.join(missing)} not found: --calib takes the calibration text (.jsonl with "
+                        f"'text', .txt, or a datasets folder), --wikitext WikiText-2's wiki.test.raw")
+    return wanted
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--plan", choices=["table", "group", "sparsity", "uniform"], default="table")
@@ -414,6 +431,7 @@ def main() -> None:
         missing = [c for c in a.speed_wide if not Path(c, "wide_config.json").is_file()]
         if missing:
             p.error(f"--speed-wide {' '.join(missing)}: not a WIDE checkpoint directory (no wide_config.json)")
+    wanted = text_paths(a)  # before any other work: one error naming every missing text file
     tag = a.tag or a.plan
     out = Path(a.out)
     command = a.record_command or "PYTHONPATH=src python3 " + " ".join(shlex.quote(x) for x in sys.argv)
@@ -441,9 +459,10 @@ def main() -> None:
     if not a.speed_only:
         from wide.lm_eval_adapter import WideLM
 
+    texts = {k: None if v is None else load_texts(v) for k, v in wanted.items()}  # read before the model loads
     base, tok, src = load_base_model(a.model)
-    windows = None if a.speed_only else ppl_windows(load_texts(a.wikitext), tok, a.ctx)
-    blocks = pack(load_texts(a.calib), tok, a.seq_len, max_blocks=a.max_blocks)
+    windows = None if a.speed_only else ppl_windows(texts["wikitext"], tok, a.ctx)
+    blocks = pack(texts["calib"], tok, a.seq_len, max_blocks=a.max_blocks)
     print(f"WikiText-2 windows {None if windows is None else tuple(windows.shape)}, calibration blocks "
           f"{tuple(blocks.shape)}", flush=True)
     model_name = "SmolLM2-135M-Instruct (Q4_1 GGUF, dequantized)" if src.ref == "smollm2-135m" else src.ref

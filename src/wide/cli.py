@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shlex
 import sys
 import time
 from pathlib import Path
@@ -16,27 +17,74 @@ from pathlib import Path
 from .errors import WideError
 
 
+class WideArgumentParser(argparse.ArgumentParser):
+    """An ``ArgumentParser`` whose usage errors are one line on stderr and exit code 2:
+    ``<prog>: error: <message> (see <prog> --help)``, e.g. ``wide calibrate: error: argument --steps: invalid
+    int value: 'x' (see wide calibrate --help)``, instead of the whole usage block.
+
+    Subcommand parsers made through :meth:`add_subparsers` are of this class too, and an unrecognized argument
+    is reported by the (innermost) subcommand it was given to.
+    """
+
+    def error(self, message: str):
+        """Print ``<prog>: error: <message> (see <prog> --help)`` to stderr and exit with code 2.
+
+        Raises:
+            SystemExit: always, with code 2.
+        """
+        self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
+
+    def parse_args(self, args=None, namespace=None):
+        """As ``ArgumentParser.parse_args``; unrecognized arguments are reported by the subcommand's parser.
+
+        Raises:
+            SystemExit: code 2 on a usage error (one line, see :meth:`error`), code 0 after ``--help``.
+        """
+        ns, extra = self.parse_known_args(args, namespace)
+        if extra:
+            self._innermost(ns).error(f"unrecognized arguments: {' '.join(extra)}")
+        return ns
+
+    def _innermost(self, ns) -> argparse.ArgumentParser:
+        """The parser of the deepest subcommand chosen in ``ns`` (this parser when none was)."""
+        for action in self._actions:
+            if isinstance(action, argparse._SubParsersAction) and action.dest != argparse.SUPPRESS:
+                sub = action.choices.get(getattr(ns, action.dest, None))
+                if sub is not None:
+                    return sub._innermost(ns) if isinstance(sub, WideArgumentParser) else sub
+        return self
+
+
 # --- shared options --------------------------------------------------------------------------------
-def _add_model(p: argparse.ArgumentParser) -> None:
+def _add_model(p: argparse.ArgumentParser, device: bool = True) -> None:
+    """``--model`` and ``--device``; ``device=False`` keeps ``--device`` accepted (and checked) but out of the
+    help, for a command that loads no weights."""
     p.add_argument("--model", default=None,
                    help="local HF checkpoint dir, .gguf file, or 'smollm2-135m' (default: the bundled SmolLM2-135M-Instruct GGUF)")
-    p.add_argument("--device", default=None, help="cpu, cuda or cuda:N (default: cuda if available)")
+    p.add_argument("--device", default=None,
+                   help="cpu, cuda or cuda:N (default: cuda if available)" if device else argparse.SUPPRESS)
 
 
 def _add_method(p: argparse.ArgumentParser, sparsity_default: float = 0.5) -> None:
+    """The WideConfig options of a training command: the calibration objective and the router layout."""
     g = p.add_argument_group("WIDE method (WideConfig)")
     g.add_argument("--sparsity", "-S", type=float, default=sparsity_default, help="target sparsity S in [0, 1)")
     g.add_argument("--alpha", type=float, default=20.0, help="sparsity-loss weight (>= 0)")
-    g.add_argument("--attn-group-size", type=int, default=None,
-                   help="attention G: multiple of head_dim dividing the attention width (default: the GQA group)")
-    g.add_argument("--ffn-group-size", type=int, default=128, help="FFN G: power of two >= 16 dividing the FFN size")
-    g.add_argument("--rank", type=int, default=16, help="router bottleneck rank r")
     g.add_argument("--tau-start", type=float, default=5.0,
                    help="Gumbel-softmax temperature at the first calibration step (> 0; default 5.0)")
     g.add_argument("--tau-end", type=float, default=0.5,
                    help="temperature at the last step, annealed linearly (> 0; default 0.5)")
     g.add_argument("--mode", choices=["global", "uniform"], default="global",
                    help="global = Eq. 6, uniform = Eq. 22 (attention and FFN each at S)")
+    _add_layout(g)
+
+
+def _add_layout(g) -> None:
+    """The options that decide the routers' shape and count (all ``wide info`` needs)."""
+    g.add_argument("--attn-group-size", type=int, default=None,
+                   help="attention G: multiple of head_dim dividing the attention width (default: the GQA group)")
+    g.add_argument("--ffn-group-size", type=int, default=128, help="FFN G: power of two >= 16 dividing the FFN size")
+    g.add_argument("--rank", type=int, default=16, help="router bottleneck rank r")
     g.add_argument("--routed", choices=["both", "attn", "ffn"], default="both",
                    help="which sublayers get routers (default: both)")
     g.add_argument("--method", choices=["wide", "skipgpt"], default="wide",
@@ -48,9 +96,10 @@ def _add_method(p: argparse.ArgumentParser, sparsity_default: float = 0.5) -> No
 
 
 def _add_train(p: argparse.ArgumentParser, steps: int | None = 500, batch: int = 8, seq_len: int | None = 2048,
-               lr: float = 5e-3, auto: dict[str, str] | None = None) -> None:
+               lr: float = 5e-3, auto: dict[str, str] | None = None, grad_checkpoint: bool = False) -> None:
     """The training options; ``auto`` maps ``"steps"`` / ``"seq_len"`` to the help text of an automatic default
-    (the option then defaults to ``None``, shown as ``auto``)."""
+    (the option then defaults to ``None``, shown as ``auto``); ``grad_checkpoint`` adds ``--grad-checkpoint``
+    here (commands with ``--nproc`` get it from :func:`_add_dist`)."""
     auto = auto or {}
 
     def default(name: str, value) -> str:
@@ -70,6 +119,12 @@ def _add_train(p: argparse.ArgumentParser, steps: int | None = 500, batch: int =
     g.add_argument("--save-every", type=int, default=100, help="checkpoint every N steps (default: 100)")
     g.add_argument("--max-blocks", type=int, default=None,
                    help="use at most this many packed sequences (>= 1; default: all)")
+    if grad_checkpoint:
+        g.add_argument("--grad-checkpoint", action="store_true",
+                       help="activation checkpointing: recompute each decoder layer in backward (less memory)")
+    g.add_argument("--no-memory-check", dest="memory_check", action="store_false",
+                   help="skip the check, before the first step, that one micro-batch's estimated training memory "
+                        "fits in the memory available (RAM on CPU, free GPU memory on CUDA)")
 
 
 def _add_dist(p: argparse.ArgumentParser) -> None:
@@ -85,11 +140,20 @@ def _add_dist(p: argparse.ArgumentParser) -> None:
 
 
 def _config_from(args):
+    """The WideConfig of the ``_add_method`` / ``_add_layout`` options (the objective's options that a command
+    lacks, e.g. ``wide info``'s, keep the WideConfig defaults).
+
+    Raises:
+        WideError: a bad value (see :meth:`wide.config.WideConfig.validate`), or ``--skipgpt-rank`` without
+            ``--method skipgpt``.
+    """
     from .config import WideConfig
 
+    objective = {k: getattr(args, a) for k, a in (("target_sparsity", "sparsity"), ("alpha", "alpha"),
+                                                  ("tau_start", "tau_start"), ("tau_end", "tau_end"),
+                                                  ("sparsity_mode", "mode")) if hasattr(args, a)}
     cfg = WideConfig(attn_group_size=args.attn_group_size, ffn_group_size=args.ffn_group_size,
-                     router_rank=args.rank, target_sparsity=args.sparsity, alpha=args.alpha,
-                     tau_start=args.tau_start, tau_end=args.tau_end, sparsity_mode=args.mode, routed=args.routed)
+                     router_rank=args.rank, routed=args.routed, **objective)
     method = getattr(args, "method", "wide")
     if getattr(args, "skipgpt_rank", None) is not None and method != "skipgpt":
         raise WideError(f"--skipgpt-rank {args.skipgpt_rank} needs --method skipgpt")
@@ -100,20 +164,31 @@ def _config_from(args):
     return cfg
 
 
-def _model_dims(model):
-    """ModelDims of ``--model`` read from its config alone (no weights)."""
+def _hf_config(model):
+    """``(source, Hugging Face config)`` of ``--model``, read from its config alone (no weights).
+
+    Raises:
+        WideError: the model is not found, its config cannot be read, or its architecture is not supported.
+    """
     from transformers import AutoConfig
 
-    from .modeling import check_architecture, dims_of, resolve_model
+    from .modeling import check_architecture, resolve_model
 
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     src = resolve_model(model)
     try:
         hf = AutoConfig.from_pretrained(src.directory, **src.hf_kwargs())
-    except (OSError, ValueError) as e:
+    except (OSError, ValueError, KeyError) as e:
         raise WideError(f"cannot read model config from {src.ref!r}: {str(e).splitlines()[0]}") from None
     check_architecture(hf)
-    return dims_of(hf)
+    return src, hf
+
+
+def _model_dims(model):
+    """ModelDims of ``--model`` read from its config alone (no weights)."""
+    from .modeling import dims_of
+
+    return dims_of(_hf_config(model)[1])
 
 
 def _need_extra(module: str, what: str) -> None:
@@ -193,7 +268,8 @@ def _train_args_from(args):
     a = CalibrationArgs(steps=args.steps, batch_size=args.batch_size, grad_accum=args.grad_accum, lr=args.lr,
                         warmup_steps=warm, seed=args.seed, save_every=args.save_every,
                         grad_checkpoint=bool(getattr(args, "grad_checkpoint", False)),
-                        reshard_after_forward=bool(getattr(args, "reshard_after_forward", True)))
+                        reshard_after_forward=bool(getattr(args, "reshard_after_forward", True)),
+                        memory_check=bool(getattr(args, "memory_check", True)))
     a.validate()
     return a
 
@@ -212,19 +288,24 @@ def _summary_line(name: str, r: dict) -> str:
 
 # --- commands --------------------------------------------------------------------------------------
 def cmd_info(args) -> int:
-    from transformers import AutoConfig
+    """``wide info``: the model's dims, the legal group sizes and the router parameter count of the
+    ``--attn-group-size`` / ``--ffn-group-size`` / ``--rank`` / ``--routed`` / ``--method`` layout.
 
-    from .modeling import check_architecture, dims_of, resolve_model, router_param_count
+    Raises:
+        WideError: an unreadable or unsupported model, or a group size that does not fit it (the message lists
+            the legal ones for this model).
+    """
+    from .modeling import check_architecture, dims_of, router_param_count
 
-    os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    cfg = _config_from(args)
-    src = resolve_model(args.model)
-    try:
-        hf = AutoConfig.from_pretrained(src.directory, **src.hf_kwargs())
-    except (OSError, ValueError) as e:
-        raise WideError(f"cannot read model config from {src.ref!r}: {str(e).splitlines()[0]}") from None
+    src, hf = _hf_config(args.model)
     arch = check_architecture(hf)
     dims = dims_of(hf)
+    g = args.ffn_group_size
+    legal = dims.legal_ffn_group_sizes()
+    if args.method == "wide" and g not in legal:  # the generic message would send the user back to `wide info`
+        raise WideError(f"FFN group size G={g} must be a power of two >= 16 that divides the intermediate size "
+                        f"{dims.intermediate_size} of {src.ref}: pass --ffn-group-size with one of {legal}")
+    cfg = _config_from(args)
     rc = cfg.resolve(dims)
     n_a, n_f = rc.n_groups(dims)
     _print(f"model              {src.ref}  ({arch})")
@@ -233,24 +314,37 @@ def cmd_info(args) -> int:
     _print(f"heads / KV heads   {dims.num_heads} / {dims.num_kv_heads}")
     _print(f"head_dim           {dims.head_dim}")
     _print(f"intermediate size  {dims.intermediate_size}")
+    _print(f"max context        {getattr(hf, 'max_position_embeddings', None) or 'not set'}")
     _print(f"legal attention G  {dims.legal_attn_group_sizes()}  (default {dims.gqa_group_size} = GQA group)")
-    _print(f"legal FFN G        {dims.legal_ffn_group_sizes()}")
+    _print(f"legal FFN G        {legal}")
     _print(f"chosen G           attention {rc.attn_group_size} (N_G={n_a}), FFN {rc.ffn_group_size} (N_G={n_f})")
     _print(f"router params      {router_param_count(dims, rc):,}  (rank r={rc.router_rank}, routed: {rc.routed}, "
            f"method: {rc.method})")
+    given = [shlex.quote(str(a)) for a in (getattr(args, "argv", None) or ["info"])[1:]]
+    _print(f"next step          wide calibrate {' '.join([*given, '-o', 'OUT_DIR'])}   (trains routers of this "
+           f"layout to -S 0.5; see wide calibrate --help)")
     return 0
 
 
-def _load(args, cfg=None, then=None, env=None):
-    """Load ``--model``; validate ``cfg`` against its dims and run ``then(tokenizer)`` before the weights load.
+def _load(args, cfg=None, then=None, env=None, hf_check=None):
+    """Load ``--model``; validate ``cfg`` against its dims, run ``hf_check(hf_config, tokenizer)`` and then
+    ``then(tokenizer)`` before the weights load.
 
     Under torchrun (``env`` active) only rank 0 reads the weights; see :func:`wide.distributed.load_base`.
+
+    Returns:
+        ``(model, tokenizer, source)`` as :func:`wide.modeling.load_base_model`.
+
+    Raises:
+        WideError: from loading, ``cfg.resolve``, ``hf_check`` or ``then``.
     """
     from .modeling import dims_of, load_base_model
 
     def check(hf, tok):
         if cfg is not None:
             cfg.resolve(dims_of(hf))
+        if hf_check is not None:
+            hf_check(hf, tok)
         if then is not None:
             then(tok)
 
@@ -403,25 +497,46 @@ def cmd_lora(args) -> int:
     return 0
 
 
+def _fits_context(option: str, tokens: int):
+    """A load-time check ``f(hf_config, tokenizer)`` (see :func:`_load`): ``tokens`` per window must not exceed
+    the model's context, ``max_position_embeddings`` of its config (a config without it is not checked).
+
+    Raises (when called):
+        WideError: ``<option> <tokens> is longer than the model's context of <limit> tokens ...``.
+    """
+    def check(hf, tok) -> None:
+        limit = getattr(hf, "max_position_embeddings", None)
+        if isinstance(limit, int) and tokens > limit:
+            raise WideError(f"{option} {tokens} is longer than the model's context of {limit} tokens "
+                            f"(max_position_embeddings of its config); use {option} {limit} or less")
+    return check
+
+
 def cmd_eval_ppl(args) -> int:
+    """``wide eval-ppl``: token perplexity of the dense model (and of a WIDE checkpoint) in ``--ctx`` windows.
+
+    Raises:
+        WideError: bad counts, a ``--ctx`` longer than the model's context, an unwritable ``--json``, missing
+            text, or a bad checkpoint / model; all but the last before any weight is loaded.
+    """
     from .checkpoint import load
-    from .config import WideConfig  # noqa: F401
     from .data import load_texts, ppl_windows
     from .evaluation import format_layer_table, perplexity
 
     _at_least("--ctx", args.ctx, 2)
     _at_least("--batch-size", args.batch_size, 1)
-    _at_least("--max-tokens", args.max_tokens, 1)
+    _at_least("--max-tokens", args.max_tokens, 2)
     _check_output_file("--json", args.json)
     docs = load_texts(args.text, split="eval")
+    fits = _fits_context("--ctx", args.ctx)  # checked on the config, before any weight is read
     if args.wide:
-        wm, tok = load(args.wide, model=args.model, device=args.device, tokenizer=True)
+        wm, tok = load(args.wide, model=args.model, device=args.device, tokenizer=True, check=fits)
         model = wm.base
     else:
-        model, tok, _ = _load(args)
+        model, tok, _ = _load(args, hf_check=fits)
         wm = None
     win = ppl_windows(docs, tok, args.ctx, max_tokens=args.max_tokens)
-    _print(f"{win.shape[0]} windows of {args.ctx} tokens")
+    _print(_windows_line(win, args.ctx, args.max_tokens, "--max-tokens"))
     results = {}
     if wm is not None:
         with wm.masks_fixed(attn=True, ffn=True):
@@ -443,7 +558,35 @@ def cmd_eval_ppl(args) -> int:
     return 0
 
 
+def _windows_line(win, ctx: int, max_tokens: int | None, option: str) -> str:
+    """What is evaluated, truthfully: the windows' count and length (``win`` int64 ``[N, width]``), the tokens
+    they hold, and why the windows are shorter than ``--ctx`` when ``max_tokens`` made them so."""
+    n, width = win.shape
+    line = f"{n} window{'s' if n != 1 else ''} of {width} tokens ({n * width:,} tokens"
+    if width < ctx:
+        line += f"; {option} {max_tokens} is below --ctx {ctx}"
+    return line + ")"
+
+
+def _demo_settings(args, gpu: bool) -> tuple[int, int, int, int | None]:
+    """``(ctx, seq_len, steps, eval_tokens)`` of ``wide demo``: the options given, else the automatic defaults
+    (CPU: 512, 256, 80, 12288; GPU: 2048, 2048, 300, all)."""
+    ctx = args.ctx if args.ctx is not None else (2048 if gpu else 512)
+    seq_len = args.seq_len if args.seq_len is not None else (2048 if gpu else 256)
+    steps = args.steps if args.steps is not None else (300 if gpu else 80)
+    eval_tokens = args.eval_tokens if args.eval_tokens is not None else (None if gpu else 12288)
+    return ctx, seq_len, steps, eval_tokens
+
+
 def cmd_demo(args) -> int:
+    """``wide demo``: dense perplexity, a short stage-1 calibration, WIDE perplexity and the per-layer table, saved
+    to ``-o`` (settings: :func:`_demo_settings`).
+
+    Raises:
+        WideError: bad counts or paths (before loading), a ``--ctx`` longer than the model's context (before the
+            weights load), or a micro-batch whose training memory does not fit (right after loading, before
+            the dense evaluation; :func:`wide.memory.check_train_memory`, unless ``--no-memory-check``).
+    """
     import torch
 
     from .checkpoint import save_wide
@@ -453,14 +596,11 @@ def cmd_demo(args) -> int:
     from .modeling import WideModel
     from .training import calibrate
 
-    for option, value, low in (("--ctx", args.ctx, 2), ("--eval-tokens", args.eval_tokens, 1),
+    for option, value, low in (("--ctx", args.ctx, 2), ("--eval-tokens", args.eval_tokens, 2),
                                ("--steps", args.steps, 1), ("--seq-len", args.seq_len, 2)):
         _at_least(option, value, low)  # None = automatic
     gpu = (args.device or ("cuda" if torch.cuda.is_available() else "cpu")).startswith("cuda")
-    ctx = args.ctx if args.ctx is not None else (2048 if gpu else 512)
-    seq_len = args.seq_len if args.seq_len is not None else (2048 if gpu else 256)
-    steps = args.steps if args.steps is not None else (300 if gpu else 80)
-    eval_tokens = args.eval_tokens if args.eval_tokens is not None else (None if gpu else 12288)
+    ctx, seq_len, steps, eval_tokens = _demo_settings(args, gpu)
     _train_args_from(argparse.Namespace(**{**vars(args), "steps": steps, "seq_len": seq_len}))  # before loading
     cfg = _config_from(args)
     out = Path(args.output)
@@ -476,20 +616,25 @@ def cmd_demo(args) -> int:
         data["win"] = ppl_windows(load_texts(args.text, split="eval"), tok, ctx, max_tokens=eval_tokens)
         data["blocks"] = pack(load_texts(args.text, split="calib"), tok, seq_len)
 
-    model, tok, src = _load(args, cfg, then=prepare)
+    model, tok, src = _load(args, cfg, then=prepare, hf_check=_fits_context("--ctx", ctx))
     win, blocks = data["win"], data["blocks"]
     wm = WideModel(model, cfg)
+    targs = _train_args_from(argparse.Namespace(**{**vars(args), "steps": steps, "seq_len": seq_len}))
+    if targs.memory_check:  # before the dense evaluation, not minutes later when calibration starts
+        from .memory import check_train_memory
+
+        check_train_memory(wm, targs.batch_size, seq_len, grad_checkpoint=targs.grad_checkpoint,
+                           grad_accum=targs.grad_accum)
     d = wm.dims
     _print(f"      {d.num_layers} layers, hidden {d.hidden_size}, heads {d.num_heads}/{d.num_kv_heads} KV, head_dim "
            f"{d.head_dim}, FFN {d.intermediate_size}; G_attn={wm.config.attn_group_size} G_ffn={wm.config.ffn_group_size}; "
            f"{wm.router_param_count():,} router parameters")
-    _print(f"[2/5] dense perplexity on {win.numel():,} held-out tokens (ctx {ctx})")
+    _print(f"[2/5] dense perplexity on {win.numel():,} held-out tokens ({win.shape[0]} x {win.shape[1]})")
     with wm.masks_fixed(attn=True, ffn=True):
         dense = perplexity(wm, win, args.batch_size)
     _print(f"      dense ppl {dense['ppl']:.3f}")
     _print(f"[3/5] calibrating routers to S={cfg.target_sparsity}: {steps} steps x {args.batch_size} x {seq_len} tokens "
            f"({blocks.shape[0]} calibration sequences)")
-    targs = _train_args_from(argparse.Namespace(**{**vars(args), "steps": steps, "seq_len": seq_len}))
     calibrate(wm, blocks, targs, out, src.ref)
     _print("[4/5] WIDE perplexity (argmax routing)")
     wide = perplexity(wm, win, args.batch_size)
@@ -500,8 +645,8 @@ def cmd_demo(args) -> int:
     _print(f"[5/5] saving checkpoint to {out}")
     save_wide(wm, out, src.ref)
     result = {"model": src.ref, "target_sparsity": cfg.target_sparsity, "steps": steps, "seq_len": seq_len,
-              "ctx": ctx, "dense_ppl": dense["ppl"], "ppl": wide["ppl"], **{k: v for k, v in wide.items() if k != "ppl"},
-              "wall_s": time.time() - t_all}
+              "ctx": int(win.shape[1]), "dense_ppl": dense["ppl"], "ppl": wide["ppl"],
+              **{k: v for k, v in wide.items() if k != "ppl"}, "wall_s": time.time() - t_all}
     atomic_write_text(out / "demo_result.json", json.dumps(result, indent=2) + "\n")
     _print(f"done in {time.time() - t_all:.0f}s; results in {out / 'demo_result.json'}")
     return 0
@@ -598,15 +743,19 @@ def cmd_prune_static(args) -> int:
 
 # --- parser ----------------------------------------------------------------------------------------
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="wide", description="WIDE: token-level dynamic width pruning for LLMs")
+    """The ``wide`` parser; every (sub)command parser is a :class:`WideArgumentParser` (one-line usage errors)."""
+    p = WideArgumentParser(prog="wide", description="WIDE: token-level dynamic width pruning for LLMs")
     from . import __version__
 
     p.add_argument("--version", action="version", version=f"wide {__version__}")
     sub = p.add_subparsers(dest="command", required=True)
 
-    s = sub.add_parser("info", help="model dims, legal group sizes and router parameter count")
-    _add_model(s)
-    _add_method(s)
+    s = sub.add_parser("info", help="model dims, legal group sizes and router parameter count",
+                       description="Read --model's config (no weights) and print its dims, maximum context, the legal "
+                                   "attention / FFN group sizes, and the router parameter count of the layout "
+                                   "given by the options below.")
+    _add_model(s, device=False)  # --device is still accepted (and checked), but info loads no weights
+    _add_layout(s.add_argument_group("router layout (WideConfig)"))
     s.set_defaults(func=cmd_info)
 
     s = sub.add_parser("calibrate", help="stage 1: train the routers to a target sparsity (base frozen)")
@@ -646,9 +795,12 @@ def build_parser() -> argparse.ArgumentParser:
     _add_model(s)
     s.add_argument("--wide", default=None, help="WIDE checkpoint directory (omit for dense only)")
     s.add_argument("--text", default=None, help="evaluation text (default: BoolQ passages, evaluation split)")
-    s.add_argument("--ctx", type=int, default=2048, help="tokens per window (>= 2; default: 2048)")
+    s.add_argument("--ctx", type=int, default=2048,
+                   help="tokens per window (>= 2, at most the model's max_position_embeddings; default: 2048)")
     s.add_argument("--batch-size", type=int, default=1, help="windows per forward pass (>= 1; default: 1)")
-    s.add_argument("--max-tokens", type=int, default=None, help="evaluate at most this many tokens (>= 1; default: all)")
+    s.add_argument("--max-tokens", type=int, default=None,
+                   help="evaluate at most this many tokens: the first N of the text, in windows of --ctx (one "
+                        "shorter window when N < --ctx) (>= 2; default: all)")
     s.add_argument("--layers", action="store_true", help="print the per-layer sparsity table")
     s.add_argument("--json", default=None, help="write results to this JSON file")
     s.set_defaults(func=cmd_eval_ppl)
@@ -709,9 +861,10 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--ctx", type=int, default=None,
                    help="evaluation window in tokens (>= 2; default: auto, 512 on CPU, 2048 on GPU)")
     s.add_argument("--eval-tokens", type=int, default=None,
-                   help="evaluate at most this many tokens (>= 1; default: auto, 12288 on CPU, all on GPU)")
+                   help="evaluate at most this many tokens (>= 2; default: auto, 12288 on CPU, all on GPU)")
     _add_method(s)
-    _add_train(s, batch=4, lr=1e-2, auto={"steps": "80 on CPU, 300 on GPU", "seq_len": "256 on CPU, 2048 on GPU"})
+    _add_train(s, batch=4, lr=1e-2, auto={"steps": "80 on CPU, 300 on GPU", "seq_len": "256 on CPU, 2048 on GPU"},
+               grad_checkpoint=True)
     s.set_defaults(func=cmd_demo)
 
     try:

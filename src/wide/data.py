@@ -131,17 +131,33 @@ def pack(docs: list[str], tokenizer, seq_len: int, max_blocks: int | None = None
 
 
 def ppl_windows(docs: list[str], tokenizer, ctx: int, max_tokens: int | None = None) -> torch.Tensor:
-    """Join documents with blank lines, tokenize once, and cut into non-overlapping ``[N, ctx]`` windows.
+    """Join documents with blank lines, tokenize once, keep the first ``max_tokens`` tokens, and cut them into
+    non-overlapping windows of ``ctx`` tokens (a tail shorter than a window is dropped).
+
+    Args:
+        docs: the documents.
+        tokenizer: a Hugging Face tokenizer.
+        ctx: tokens per window (>= 2).
+        max_tokens: evaluate at most this many tokens (>= 2; None = all). When it is below ``ctx`` the result is
+            one window of ``max_tokens`` tokens.
+
+    Returns:
+        int64 ``[N, min(ctx, max_tokens)]`` token ids; ``N * width <= max_tokens``.
 
     Raises:
-        WideError: ``ctx < 2`` or text shorter than one window.
+        WideError: ``ctx < 2``, ``max_tokens < 2``, or text shorter than one window.
     """
     if ctx < 2:
         raise WideError(f"context length --ctx {ctx} must be >= 2")
+    if max_tokens is not None and max_tokens < 2:
+        raise WideError(f"--max-tokens {max_tokens} must be >= 2 (a window needs 2 tokens)")
     ids = tokenizer("\n\n".join(docs), add_special_tokens=False)["input_ids"]
+    width = ctx
     if max_tokens is not None:
-        ids = ids[: max(max_tokens, ctx)]
-    n = len(ids) // ctx
+        ids = ids[:max_tokens]
+        width = min(ctx, max_tokens)
+    n = len(ids) // width
     if n < 1:
-        raise WideError(f"text has {len(ids)} tokens, shorter than one window of --ctx {ctx}")
-    return torch.tensor(ids[: n * ctx], dtype=torch.long).view(n, ctx)
+        window = f"--ctx {ctx}" if width == ctx else f"{width} tokens (--max-tokens {max_tokens})"
+        raise WideError(f"text has {len(ids)} tokens, shorter than one window of {window}")
+    return torch.tensor(ids[: n * width], dtype=torch.long).view(n, width)

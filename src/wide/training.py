@@ -7,7 +7,8 @@ the routers (stage 2, see :mod:`wide.lora`). :func:`calibrate` is stage 1.
 Loss = LM loss + sparsity loss (Eq. 6, or Eq. 22 in uniform mode); hard Gumbel-softmax masks with a
 straight-through gradient and a temperature annealed linearly from ``tau_start`` to ``tau_end``.
 AdamW with linear warm-up then cosine decay, gradient clipping and accumulation, bf16 autocast on GPU,
-optional activation checkpointing.
+optional activation checkpointing. Before the first step the micro-batch's memory is estimated and checked
+against the memory available (:mod:`wide.memory`).
 
 Randomness is a pure function of the settings, never of a carried RNG state: the Gumbel uniforms of
 sample ``p`` of the data stream, layer ``i`` and module ``m`` come from a generator seeded with
@@ -37,6 +38,7 @@ from . import distributed as D
 from .checkpoint import save_wide
 from .config import atomic_write
 from .errors import WideError
+from .memory import check_train_memory
 from .modeling import WideModel, fingerprint
 from .routing import sparsity_loss, uniform_noise
 
@@ -65,6 +67,9 @@ class CalibrationArgs:
         reshard_after_forward: under FSDP2, free each decoder layer's gathered weights after its forward
             (default; least memory) or keep them for backward (False: one all-gather of the base per step
             instead of two, the whole base resident on every rank). No effect on one process.
+        memory_check: before the first step, refuse a micro-batch whose estimated forward + backward memory
+            (:func:`wide.memory.estimate_train_memory`) does not fit in the memory available
+            (:func:`wide.memory.check_train_memory`). Not part of the resume key.
     """
 
     steps: int = 500
@@ -79,6 +84,7 @@ class CalibrationArgs:
     log_every: int = 1
     grad_checkpoint: bool = False
     reshard_after_forward: bool = True
+    memory_check: bool = True
 
     def validate(self) -> None:
         """Raises WideError naming the first bad value (non-positive counts, ``lr <= 0``, a negative warm-up or
@@ -280,7 +286,7 @@ def _resume_key(wm: WideModel, args: CalibrationArgs, stage: str, extra_key: dic
     training data: its sequence length and a fingerprint of the packed tokens)."""
     train = {k: v for k, v in asdict(args).items()
              if k not in ("batch_size", "grad_accum", "save_every", "log_every", "grad_checkpoint",
-                          "reshard_after_forward")}
+                          "reshard_after_forward", "memory_check")}
     train["global_batch"] = args.batch_size * args.grad_accum * world
     key = {"stage": stage, "config": wm.config.to_dict(), "train": train, **(extra_key or {})}
     if blocks is not None:
@@ -412,8 +418,9 @@ def train(wm: WideModel, blocks: torch.Tensor, args: CalibrationArgs, output: st
         ``lr`` (used in this step), ``grad_norm``, ``tokens_per_s`` (global), ``world_size``.
 
     Raises:
-        WideError: bad settings, nothing to train, an unknown stage, or ``resume`` with a missing,
-            corrupt or mismatched state.
+        WideError: bad settings, nothing to train, an unknown stage, ``resume`` with a missing, corrupt or
+            mismatched state, or (with ``args.memory_check``) a micro-batch whose estimated memory does not
+            fit (:func:`wide.memory.check_train_memory`; checked before the first step).
     """
     from tqdm.auto import tqdm
 
@@ -435,6 +442,10 @@ def train(wm: WideModel, blocks: torch.Tensor, args: CalibrationArgs, output: st
         device = env.device
     else:
         device = next(wm.base.parameters()).device
+    if args.memory_check:  # before any step: a batch too large ends here with one line, not in the OOM killer
+        procs = int(os.environ.get("LOCAL_WORLD_SIZE", "1")) if env.active else 1
+        check_train_memory(wm, args.batch_size, blocks.shape[1], grad_checkpoint=args.grad_checkpoint,
+                           grad_accum=args.grad_accum, device=device, procs=procs)
     params = [p for p in wm.parameters() if p.requires_grad]
     opt = torch.optim.AdamW(params, lr=args.lr, weight_decay=args.weight_decay, betas=(0.9, 0.999))
     key = _resume_key(wm, args, stage, extra_key, env.world_size, blocks)
