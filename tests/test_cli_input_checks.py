@@ -643,6 +643,7 @@ def test_info_points_to_a_real_next_step(model_dir, capsys):
     (["generate", "--prompt", "hi", "--bogus"], "wide generate", "unrecognized arguments: --bogus"),
     (["bench", "kernels", "--bogus"], "wide bench kernels", "unrecognized arguments: --bogus"),
     (["nosuch"], "wide", "argument command: invalid choice: 'nosuch'"),
+    (["eval-ppl", "--mode", "global"], "wide eval-ppl", "unrecognized arguments: --mode global"),  # not --model
     ([], "wide", "the following arguments are required: command"),
 ])
 def test_usage_errors_are_one_line(capsys, argv, prog, msg):

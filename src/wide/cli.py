@@ -23,8 +23,13 @@ class WideArgumentParser(argparse.ArgumentParser):
     int value: 'x' (see wide calibrate --help)``, instead of the whole usage block.
 
     Subcommand parsers made through :meth:`add_subparsers` are of this class too, and an unrecognized argument
-    is reported by the (innermost) subcommand it was given to.
+    is reported by the (innermost) subcommand it was given to.  Abbreviated long options are not accepted
+    (``allow_abbrev=False``): ``wide eval-ppl --mode global`` would otherwise be read as ``--model global``.
     """
+
+    def __init__(self, *args, **kwargs):
+        kwargs.setdefault("allow_abbrev", False)
+        super().__init__(*args, **kwargs)
 
     def error(self, message: str):
         """Print ``<prog>: error: <message> (see <prog> --help)`` to stderr and exit with code 2.
