@@ -654,3 +654,28 @@ def test_usage_errors_are_one_line(capsys, argv, prog, msg):
     lines = err.strip().splitlines()
     assert len(lines) == 1 and "usage:" not in err and not out, err
     assert lines[0].startswith(f"{prog}: error: {msg}") and lines[0].endswith(f" (see {prog} --help)"), lines[0]
+
+
+def test_seq_len_longer_than_the_model_context(tmp_path, model_dir, text_file, capsys, monkeypatch):
+    """calibrate and lora: --seq-len 512 on the tiny model (max_position_embeddings 256) fails in one line before
+    any weight is read, and nothing is written."""
+    import transformers
+
+    ckpt = tmp_path / "ckpt"
+    rc, _, err = run(calibrate_args(model_dir, text_file, ckpt), capsys)
+    assert rc == 0, err
+
+    def no_weights(*a, **k):
+        raise AssertionError("weights were read before the --seq-len check")
+
+    monkeypatch.setattr(transformers.AutoModelForCausalLM, "from_pretrained", no_weights)
+    out = tmp_path / "long"
+    args = calibrate_args(model_dir, text_file, out)
+    args[args.index("--seq-len") + 1] = "512"
+    rc, _, err = run(args, capsys)
+    one_line_error(rc, err, "calibrate", "--seq-len 512 is longer than the model's context of 256 tokens",
+                   "use --seq-len 256 or less")
+    rc, _, err = run(["lora", "--wide", ckpt, "--model", model_dir, "--text", text_file, "-o", out, "--steps", "1",
+                      "--batch-size", "1", "--seq-len", "512", "--device", "cpu"], capsys)
+    one_line_error(rc, err, "lora", "--seq-len 512 is longer than the model's context of 256 tokens")
+    assert not out.exists() or not any(out.iterdir())

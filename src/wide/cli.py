@@ -432,7 +432,8 @@ def cmd_calibrate(args) -> int:
     say = _print if env.is_main else (lambda *_: None)
     packed = {}
     model, tok, src = _load(args, cfg, then=lambda tok: packed.setdefault(
-        "blocks", pack(docs, tok, args.seq_len, max_blocks=args.max_blocks)), env=env)
+        "blocks", pack(docs, tok, args.seq_len, max_blocks=args.max_blocks)), env=env,
+        hf_check=_fits_context("--seq-len", args.seq_len))
     blocks = packed["blocks"]
     torch.manual_seed(args.seed)  # identical router initialization on every rank
     wm = WideModel(model, cfg)
@@ -479,16 +480,17 @@ def cmd_lora(args) -> int:
     targs = _train_args_from(args)
     info = check_stage1(args.wide)
     docs = load_texts(args.text, split="calib")
+    fits = _fits_context("--seq-len", args.seq_len)  # run before any weight is read
     env = D.init(args.device)
     say = _print if env.is_main else (lambda *_: None)
     if env.active:  # rank 0 holds the weights (CPU) and checks the checkpoint; the others only the structure
         from .checkpoint import read_config
         from .modeling import WideModel
 
-        base, tok, _ = D.load_base(args.model or info["model"], env)
+        base, tok, _ = D.load_base(args.model or info["model"], env, check=fits)
         wm = load(args.wide, model=base) if env.is_main else WideModel(base, read_config(args.wide, base))
     else:
-        wm, tok = load(args.wide, model=args.model, device=args.device, tokenizer=True)
+        wm, tok = load(args.wide, model=args.model, device=args.device, tokenizer=True, check=fits)
     blocks = pack(docs, tok, args.seq_len, max_blocks=args.max_blocks)
     say(f"LoRA recovery on {args.wide} ({info['model']}): {blocks.shape[0]} sequences x {blocks.shape[1]} tokens, "
         f"r={settings.r} alpha={settings.alpha} dropout={settings.dropout}, routers "
