@@ -152,3 +152,10 @@ def test_atomic_write_text_mode(tmp_path, umask):
     assert stat.S_IMODE((tmp_path / "a.json").stat().st_mode) == 0o666 & ~umask
     assert stat.S_IMODE((tmp_path / "plain.txt").stat().st_mode) == 0o666 & ~umask
     assert sorted(p.name for p in tmp_path.iterdir()) == ["a.json", "plain.txt"]
+
+
+@pytest.mark.parametrize("method", ["wide", "skipgpt"])
+def test_router_rank_above_hidden_size_is_refused(method):
+    assert WideConfig(router_rank=576, method=method).resolve(SMOL).router_rank == 576  # D itself is allowed
+    with pytest.raises(WideError, match=r"router rank r=100000 must be at most the hidden size D=576"):
+        WideConfig(router_rank=100000, method=method).resolve(SMOL)

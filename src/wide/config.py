@@ -175,8 +175,12 @@ class WideConfig:
 
         Raises:
             WideError: a group size that does not divide its dimension or is not a multiple of
-                ``head_dim``; the message lists the legal sizes.
+                ``head_dim``; the message lists the legal sizes.  A router rank larger than the hidden size
+                ``D`` (Eq. 4's bottleneck must be narrower than its input).
         """
+        if int(self.router_rank) > dims.hidden_size:
+            raise WideError(f"router rank r={self.router_rank} must be at most the hidden size D={dims.hidden_size} "
+                            f"(the router is a bottleneck D -> r -> 2 N_G; the default is 16)")
         if self.method == "skipgpt":
             return dataclasses.replace(self, attn_group_size=dims.attn_width, ffn_group_size=dims.intermediate_size)
         g_attn = dims.gqa_group_size if self.attn_group_size is None else int(self.attn_group_size)
