@@ -126,6 +126,16 @@ if HAS_TRITON:
         tl.store(out_ptr + row * N + offs_n, le >= ls, mask=nm)
 
     @triton.jit
+    def _store_route(out_ptr, logit_ptr, offs_m, offs_n, om, le, ls, N, WRITE_LOGITS: tl.constexpr):
+        # the argmax decisions (execute where logit_0 >= logit_1) of rows offs_m x groups offs_n, and with
+        # WRITE_LOGITS both fp32 class logits, interleaved as [rows, N, 2]
+        tl.store(out_ptr + offs_m[:, None] * N + offs_n[None, :], le >= ls, mask=om)
+        if WRITE_LOGITS:
+            lp = logit_ptr + (offs_m[:, None] * N + offs_n[None, :]) * 2
+            tl.store(lp, le, mask=om)
+            tl.store(lp + 1, ls, mask=om)
+
+    @triton.jit
     def _router_kernel(x_ptr, add_ptr, w1_ptr, b1_ptr, w2_ptr, b2_ptr, out_ptr, part_ptr, cnt_ptr, logit_ptr,
                        rows, D, N, stride_xm, stride_am,
                        R: tl.constexpr, RP: tl.constexpr, BDP: tl.constexpr, BDI: tl.constexpr,
@@ -188,12 +198,8 @@ if HAS_TRITON:
                                                                           other=0.0)[None, :]
                     ls = tl.dot(h, w_s, input_precision="ieee") + tl.load(b2_ptr + 2 * offs_g + 1, mask=gm,
                                                                           other=0.0)[None, :]
-                    om = mrow[:, None] & gm[None, :]
-                    tl.store(out_ptr + offs_m[:, None] * N + offs_g[None, :], le >= ls, mask=om)
-                    if WRITE_LOGITS:
-                        lp = logit_ptr + (offs_m[:, None] * N + offs_g[None, :]) * 2
-                        tl.store(lp, le, mask=om)
-                        tl.store(lp + 1, ls, mask=om)
+                    _store_route(out_ptr, logit_ptr, offs_m, offs_g, mrow[:, None] & gm[None, :], le, ls, N,
+                                 WRITE_LOGITS)
             else:
                 # class 0 (execute) and class 1 (skip) logits of group n are rows 2n and 2n+1 of W2
                 w_e = tl.load(w2_ptr + (2 * offs_n)[:, None] * R + offs_r[None, :], mask=nm[:, None], other=0.0)
@@ -209,12 +215,8 @@ if HAS_TRITON:
                     h = tl.sum(hp, axis=0) + b1[None, :]  # [RP, R]
                     le = tl.sum(h[:, None, :] * w_e[None, :, :], axis=2) + b_e[None, :]  # [RP, NP]
                     ls = tl.sum(h[:, None, :] * w_s[None, :, :], axis=2) + b_s[None, :]
-                    om = mrow[:, None] & nm[None, :]
-                    tl.store(out_ptr + offs_m[:, None] * N + offs_n[None, :], le >= ls, mask=om)
-                    if WRITE_LOGITS:
-                        lp = logit_ptr + (offs_m[:, None] * N + offs_n[None, :]) * 2
-                        tl.store(lp, le, mask=om)
-                        tl.store(lp + 1, ls, mask=om)
+                    _store_route(out_ptr, logit_ptr, offs_m, offs_n, mrow[:, None] & nm[None, :], le, ls, N,
+                                 WRITE_LOGITS)
                 else:
                     for m in range(0, rows):  # one row at a time
                         hp = tl.load(part_ptr + offs_p[:, None] * (RP * R) + m * R + offs_r[None, :], mask=pm[:, None],
