@@ -196,7 +196,7 @@ class Probe:
             impls += [(f"split-D, finish {'dot' if d else 'rows'}{f', {p} programs' if p else ''}",
                        lambda R, x, d=d, p=p: fused._router_launch(R, x.view(-1, D), dot=d, programs=p).view(
                            *x.shape[:-1], N))
-                      for d in (True, False) for p in (None, 16)]
+                      for d in (True, False) for p in (None, 32, 16)]
         for name, f in impls:
             outs = [None] * n
 

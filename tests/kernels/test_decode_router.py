@@ -182,3 +182,32 @@ def test_router_dot_and_row_loop_agree(rows, dot):
     assert not fused._router_dot(8, 16) and not fused._router_dot(16, 8)
     with pytest.raises(ValueError, match="rank"):
         fused._router_launch(_router(64, 6, 4, gen), x[:, :64].contiguous(), dot=True)
+
+
+@pytest.mark.parametrize("rows", [3, 16])
+def test_router_few_candidates_agree(rows, monkeypatch):
+    """Every config :func:`fused._router_few` can pick (row loop or dots; 16, 32 or 64 programs over D) gives the
+    float64 decisions; the tuner sees the fixed rule first and all six (finish, programs) pairs."""
+    from wide.kernels import _common
+
+    gen = seed_for("router_few", rows)
+    R = _router(1024, 40, 16, gen)
+    x = torch.randn((rows, 1024), generator=gen).to(torch.bfloat16).to(DEVICE)
+    ref = _logits64(R, x)
+    clear = (ref[..., 0] - ref[..., 1]).abs() > 1e-4 * ref.abs().max().item()
+    seen = {}
+
+    def fake_pick(op, key, device, cands, run, graph=False):
+        seen["cands"], seen["graph"], seen["key"] = cands, graph, key
+        return dict(cands[0])
+
+    monkeypatch.setattr(_common, "pick_config", fake_pick)
+    mask = fused._router_few(R, x)
+    assert seen["graph"] and seen["key"][0] == rows
+    assert seen["cands"][0] == dict(dot=fused._router_dot(rows, 16), programs=None)
+    assert {(c["dot"], c["programs"] or 64) for c in seen["cands"]} == {(d, p) for d in (False, True)
+                                                                        for p in (16, 32, 64)}
+    assert torch.equal(mask[clear], (ref[..., 0] >= ref[..., 1])[clear])
+    for c in seen["cands"][1:]:
+        m = fused._router_launch(R, x, dot=c["dot"], programs=c["programs"])
+        assert torch.equal(m[clear], (ref[..., 0] >= ref[..., 1])[clear]), c

@@ -197,6 +197,10 @@ def bench_gemm(ctx, op, M, G, s):
         N, K = Fd, D
         NG = N // G
     nw = 2 if op == "swiglu" else 1
+    if op == "gemm_k":
+        from wide.kernels.gemm_k import uses_reorder
+    else:
+        from wide.kernels.gemm_mn import uses_reorder
     bytes_set = 2 * (M * K + nw * N * K + M * N)
     R = _n_sets(bytes_set, ctx.l2)
     gen = torch.Generator(device="cuda").manual_seed(zlib.crc32(repr((op, M, G, s)).encode()))
@@ -206,7 +210,7 @@ def bench_gemm(ctx, op, M, G, s):
         w = torch.randn(N, K, device="cuda", dtype=torch.bfloat16, generator=gen) * 0.02
         w2 = torch.randn(N, K, device="cuda", dtype=torch.bfloat16, generator=gen) * 0.02 if nw == 2 else None
         route = _mask(torch, (M, NG), s, gen)
-        r = reorder(route) if M > 128 else None
+        r = reorder(route) if uses_reorder(M) else None
         sets.append(dict(x=x, w=w, w2=w2, route=route, r=r, o=torch.empty(M, N, device="cuda", dtype=torch.bfloat16),
                          t1=torch.empty(M, N, device="cuda", dtype=torch.bfloat16),
                          t2=torch.empty(M, N, device="cuda", dtype=torch.bfloat16)))
@@ -238,10 +242,6 @@ def bench_gemm(ctx, op, M, G, s):
     dense_ms = ctx.dense_cache[dkey]
     op_ms = _graph_time_ms([lambda st=st: wide(st) for st in sets])
     share = 2.0 / 3.0 if op == "swiglu" else 1.0 / 3.0
-    if op == "gemm_k":
-        from wide.kernels.gemm_k import uses_reorder
-    else:
-        from wide.kernels.gemm_mn import uses_reorder
     re_ms = _reorder_ms(ctx, (M, NG), s, R) if (M > 4 and uses_reorder(M)) else 0.0
     rec = dict(op=op, M=M, N=N, K=K, G=G, sparsity=s, dense_ms=dense_ms, wide_ms=op_ms + share * re_ms,
                kernel_ms=op_ms, reorder_ms=re_ms, reorder_share=share, n_input_sets=R)

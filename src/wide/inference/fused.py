@@ -491,10 +491,10 @@ def _router_plan(rows: int, D: int, R: int, dot: bool = False, programs: int | N
     """(RP, BDP, BDI, P): padded rows, D columns per program, D columns per inner step, programs.
 
     ``programs``: about how many programs share W1's D axis (default 64: ~4 KB of fp32 W1 each at D = 4096,
-    r = 16).  The last program reads ``P x RP x r`` fp32 partials, 4x more at 16 padded rows than at 4; fewer
-    programs there is the next thing to time (``benchmarks/NEXT_GPU_RUNS.md``)."""
+    r = 16).  The last program reads ``P x RP x r`` fp32 partials, 4x more at 16 padded rows than at 4;
+    :func:`_router_few` times 16, 32 and 64 programs per shape."""
     RP = max(16 if dot else 2, next_pow2(rows))
-    target = 4 if interpret_mode() else (programs or 64)
+    target = programs or (4 if interpret_mode() else 64)
     BDP = max(16, next_pow2(-(-D // target)))
     BDI = max(1, min(BDP, 4096 // (R * RP)))  # keeps the [RP, R, BDI] product at <= 4096 fp32 values
     return RP, BDP, BDI, -(-D // BDP)
@@ -533,6 +533,33 @@ def _router_launch(router, x2: torch.Tensor, logits: torch.Tensor | None = None,
                          HAS_ADD=add2 is not None, DOT=dot, PC=min(8, max(2, next_pow2(P))), NC=min(NP, 64),
                          **({} if interpret_mode() else {"num_warps": 4}))
     return out
+
+
+def _router_few(router, x2: torch.Tensor, add2: torch.Tensor | None = None) -> torch.Tensor:
+    """Few-row (decode) router: :func:`_router_launch` with the fastest of its finishes (row loop or, rank >= 16,
+    fp32 dots) and program counts (16, 32 or 64 programs over D), timed once per shape on the GPU inside a CUDA
+    graph (:func:`pick_config` with ``graph=True``, cached).  The first candidate is the fixed rule
+    (:func:`_router_dot`, 64 programs), which runs elsewhere (the CPU interpreter, ``WIDE_AUTOTUNE=0``).
+
+    Why tune: the last program reads ``P x RP x r`` fp32 partials, 64 KB at 16 padded rows and 64 programs,
+    and on the H200 the router then cost 11-16 us whatever the real row count (``benchmarks/e2e/
+    decode_probe_h200-router.md``); fewer programs read fewer partials but stream more of W1 each."""
+    from ..kernels._common import pick_config
+
+    rows, D = x2.shape
+    R = router.w1.out_features
+    first = dict(dot=_router_dot(rows, R), programs=None)  # None: 64 programs (4 under the interpreter)
+    cands = [first] + [dict(dot=d, programs=p) for d in ((False, True) if R >= 16 else (False,))
+                       for p in (16, 32, 64) if (d, p) != (first["dot"], 64)]
+    res = {}
+
+    def run(cfg):
+        res["out"] = _router_launch(router, x2, add2=add2, dot=cfg["dot"], programs=cfg["programs"])
+
+    key = (rows, D, R, router.n_groups, str(x2.dtype), add2 is not None)
+    cfg = pick_config("router_few", key, x2.device, cands, run, graph=True)
+    run(cfg)
+    return res["out"]
 
 
 def _router_ok(router, x: torch.Tensor) -> bool:
@@ -675,11 +702,11 @@ def router_mask(router, x: torch.Tensor, add: torch.Tensor | None = None) -> tor
 
     With up to :data:`ROUTER_MAX_ROWS` rows on the Triton path (CUDA, or CPU under ``TRITON_INTERPRET=1``)
     and a power-of-two rank it is one kernel launch, CUDA-graph capturable (no host sync, fixed shapes):
-    about 64 programs each compute ``x[:, D_p] W1[:, D_p]^T`` over their slice of D (so W1 is read by
+    16 to 64 programs each compute ``x[:, D_p] W1[:, D_p]^T`` over their slice of D (so W1 is read by
     many SMs at once), and the program that arrives last (atomic counter, reset by that program) sums the
     partials in a fixed order, adds ``b1``, computes the two fp32 class logits per group with ``W2, b2``
-    (one row at a time, or from 9 rows with fp32 dots over all rows, see :func:`_router_dot`)
-    and writes the argmax.  With more rows (prefill) and a power-of-two rank >= 16 it is the fastest on this
+    (one row at a time, or with fp32 dots over all rows) and writes the argmax; the program count and the
+    finish are timed once per shape on the GPU (:func:`_router_few`).  With more rows (prefill) and a power-of-two rank >= 16 it is the fastest on this
     GPU (timed once per shape, cached like the kernels' tile configs) of: a tile kernel whose programs own 16
     to 128 rows, read them once in the model dtype (no fp32 copy of ``x``) and compute both GEMMs and the
     argmax in one launch, ``x W1^T`` either as an fp32 dot or, for bf16 ``x``, on tensor cores against W1
@@ -709,7 +736,7 @@ def router_mask(router, x: torch.Tensor, add: torch.Tensor | None = None) -> tor
         raise ValueError(f"router_mask: x has {x.shape[-1]} features, the router reads {router.w1.in_features}")
     x2 = _as_rows(x)
     if x2.shape[0] <= ROUTER_MAX_ROWS:
-        out = _router_launch(router, x2, add2=_as_rows(add) if add is not None else None)
+        out = _router_few(router, x2, _as_rows(add) if add is not None else None)
     else:
         out = _router_many(router, x2)
     return out.view(*x.shape[:-1], router.n_groups)
