@@ -144,3 +144,44 @@ def test_train_state_mode_and_atomic_failure(tmp_path):
         assert sorted(p.name for p in tmp_path.iterdir()) == ["train_state.pt"]
     finally:
         os.umask(old)
+
+
+@pytest.mark.parametrize("field,value,words", [
+    ("extra", "oops", "field 'extra' is the string 'oops'; it must be an object"),
+    ("model", 123, "field 'model' is the number 123; it must be a non-empty string"),
+    ("model", None, "field 'model' is null; it must be a non-empty string"),  # was: the bundled model loaded
+    ("dims", "x", "field 'dims' is the string 'x'; it must be an object of the six model dims"),
+    ("dims", {"num_layers": 2}, "field 'dims' is an object; it must be an object of the six model dims"),
+    ("fingerprint", 7, "field 'fingerprint' is the number 7"),
+    ("architecture", [], "field 'architecture' is a list; it must be a string"),
+    ("extra", {"step": "2", "steps": 4}, "field 'extra.step' is the string '2'; it must be an integer >= 0"),
+    ("bogus", 1, "unknown field(s) ['bogus']; allowed: ['model', 'fingerprint',"),
+])
+def test_garbled_base_model_json_is_refused_before_any_weight_loads(tmp_path, model, monkeypatch, field, value,
+                                                                     words):
+    """Every field of base_model.json is type-checked when it is read: one WideError naming the file and the field,
+    before any base model is loaded (was: AttributeError / TypeError tracebacks, a silently loaded default model,
+    or a bad dims reported after the weights loaded)."""
+    import json
+    import re
+
+    import wide.checkpoint as C
+
+    _, path = _saved(tmp_path, model)
+    info = json.loads((path / "base_model.json").read_text())
+    info[field] = value
+    (path / "base_model.json").write_text(json.dumps(info))
+
+    def no_load(*a, **k):
+        raise AssertionError("a base model was loaded before base_model.json was checked")
+
+    monkeypatch.setattr(C, "load_base_model", no_load)
+    for m in (None, "some/model"):
+        with pytest.raises(WideError, match=re.escape(f"corrupt {path / 'base_model.json'}: {words}")):
+            load(path, model=m)
+    (path / "base_model.json").write_text("[1]")
+    with pytest.raises(WideError, match="it holds a list; it must be a JSON object"):
+        C.read_base_info(path)
+    (path / "base_model.json").write_text(json.dumps({"model": "tiny"}))
+    with pytest.raises(WideError, match="field 'fingerprint' is missing"):
+        C.read_base_info(path)

@@ -86,15 +86,103 @@ def save_wide(model: WideModel, directory: str | os.PathLike, model_ref: str, ex
     return directory
 
 
+#: base_model.json's top-level fields -> (required, what is allowed); checked by :func:`read_base_info`
+_BASE_FIELDS = {
+    "model": (True, "a non-empty string (the --model the checkpoint was made with)"),
+    "fingerprint": (True, "a non-empty string (the base model's weight hash)"),
+    "architecture": (False, "a string (the base model's architecture class)"),
+    "dims": (False, "an object of the six model dims (num_layers, hidden_size, num_heads, num_kv_heads, "
+                    "head_dim, intermediate_size), each a positive integer"),
+    "extra": (False, "an object (facts about the run that wrote the checkpoint)"),
+}
+#: the "extra" facts a training run writes (step / steps / stage, and a stage-2 run's adapter / lora /
+#: freeze_router / stage1) -> (expected kind, what is allowed); other keys of "extra" are free
+_EXTRA_FIELDS = {
+    "step": ("count", "an integer >= 0"),
+    "steps": ("count", "an integer >= 0"),
+    "stage": ("str", "a string"),
+    "adapter": ("str", "a string"),
+    "stage1": ("str", "a string"),
+    "freeze_router": ("bool", "true or false"),
+    "lora": ("dict", "an object"),
+}
+
+
+def _json_kind(value) -> str:
+    """How JSON spells ``value``'s type, for messages: ``null``, ``true``, a number, a string, ...."""
+    if value is None or isinstance(value, bool):
+        return json.dumps(value)
+    if isinstance(value, (int, float)):
+        return f"the number {value!r}"
+    if isinstance(value, str):
+        return f"the string {value!r}"[:80]
+    return "a list" if isinstance(value, list) else "an object"
+
+
+def _is_count(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
+
+
+def _check_base_info(info, path: Path) -> None:
+    """Check the schema of a parsed ``base_model.json`` (every field's type; see :data:`_BASE_FIELDS`).
+
+    Raises:
+        WideError: ``corrupt <path>: field '<name>' is <value>; it must be <what is allowed>``, or a missing
+            required field, or a field that ``base_model.json`` does not have (the message lists the allowed).
+    """
+    if not isinstance(info, dict):
+        raise WideError(f"corrupt {path}: it holds {_json_kind(info)}; it must be a JSON object with the fields "
+                        f"{list(_BASE_FIELDS)}")
+    unknown = sorted(map(str, set(info) - set(_BASE_FIELDS)))
+    if unknown:
+        raise WideError(f"corrupt {path}: unknown field(s) {unknown}; allowed: {list(_BASE_FIELDS)}")
+    for name, (required, allowed) in _BASE_FIELDS.items():
+        if name not in info:
+            if required:
+                raise WideError(f"corrupt {path}: field {name!r} is missing; it must be {allowed}")
+            continue
+        v = info[name]
+        if name in ("model", "fingerprint"):
+            ok = isinstance(v, str) and bool(v.strip())
+        elif name == "architecture":
+            ok = isinstance(v, str)
+        elif name == "dims":
+            ok = (isinstance(v, dict) and set(v) == {f.name for f in dataclasses.fields(ModelDims)}
+                  and all(_is_count(x) and x > 0 for x in v.values()))
+        else:
+            ok = isinstance(v, dict)
+        if not ok:
+            raise WideError(f"corrupt {path}: field {name!r} is {_json_kind(v)}; it must be {allowed}")
+    for key, (kind, allowed) in _EXTRA_FIELDS.items():
+        if key not in info.get("extra", {}):
+            continue
+        v = info["extra"][key]
+        ok = {"count": _is_count, "str": lambda x: isinstance(x, str), "bool": lambda x: isinstance(x, bool),
+              "dict": lambda x: isinstance(x, dict)}[kind](v)
+        if not ok:
+            raise WideError(f"corrupt {path}: field 'extra.{key}' is {_json_kind(v)}; it must be {allowed}")
+
+
 def read_base_info(directory: str | os.PathLike) -> dict:
+    """``<directory>/base_model.json``, its schema checked (before any weight loads).
+
+    Returns:
+        the parsed object: ``{"model": str, "fingerprint": str}`` and optionally ``"architecture"`` (str),
+        ``"dims"`` (the six :class:`~wide.config.ModelDims` fields, positive ints) and ``"extra"`` (an object
+        whose training facts ``step`` / ``steps`` are ints >= 0, ``stage`` a string, ...).
+
+    Raises:
+        WideError: the file is missing, is not JSON, or a field is missing, unknown or of the wrong type; the
+            message names the file, the field, its value and what is allowed.
+    """
     path = Path(directory) / BASE_NAME
     if not path.is_file():
         raise WideError(f"no {BASE_NAME} in {str(directory)!r}: not a WIDE checkpoint directory")
     try:
         info = json.loads(path.read_text())
-        info["model"], info["fingerprint"]
-    except (json.JSONDecodeError, UnicodeDecodeError, KeyError, TypeError) as e:
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise WideError(f"corrupt {path}: {e}") from None
+    _check_base_info(info, path)
     return info
 
 
@@ -111,13 +199,9 @@ def read_config(directory: str | os.PathLike, base: torch.nn.Module) -> WideConf
 
 
 def _saved_dims(info: dict) -> ModelDims | None:
-    """The ``dims`` recorded in ``base_model.json`` as ModelDims, or None if absent or not positive integers."""
+    """The ``dims`` recorded in a checked ``base_model.json`` (:func:`read_base_info`) as ModelDims, or None."""
     d = info.get("dims")
-    if not isinstance(d, dict) or set(d) != {f.name for f in dataclasses.fields(ModelDims)}:
-        return None
-    if not all(isinstance(v, int) and not isinstance(v, bool) and v > 0 for v in d.values()):
-        return None
-    return ModelDims(**d)
+    return None if d is None else ModelDims(**d)
 
 
 def _check_fits(config: WideConfig, dims, directory: str | os.PathLike) -> None:
@@ -155,7 +239,9 @@ def load(path: str | os.PathLike, model: str | torch.nn.Module | None = None, de
 
     Raises:
         WideError: missing directory or files, corrupt files (a bad value in ``wide_config.json``, including
-            group sizes that do not fit the model, names the file; router weights that are not finite), a
+            group sizes that do not fit the model, or a field of ``base_model.json`` that is missing or of the
+            wrong type, names the file and the field, before any weight loads; router weights that are not
+            finite), a
             checkpoint made for another base model, router shapes that do not fit, a missing / corrupt LoRA
             adapter, or a device this machine does not have (:func:`wide.modeling.check_device`).
 
