@@ -20,8 +20,9 @@ from pathlib import Path
 import torch
 
 from .config import CONFIG_NAME, ModelDims, WideConfig, atomic_write, atomic_write_text
-from .errors import WideError
-from .modeling import WideModel, check_architecture, check_device, dims_of, fingerprint, load_base_model
+from .errors import WideError, WideWarning
+from .modeling import (WideModel, check_architecture, check_device, check_router_weights, dims_of, fingerprint,
+                       load_base_model, router_shapes)
 
 ROUTERS_NAME = "routers.safetensors"
 BASE_NAME = "base_model.json"
@@ -198,6 +199,35 @@ def read_config(directory: str | os.PathLike, base: torch.nn.Module) -> WideConf
     return config
 
 
+def check_directory(path: Path, what: str, expected: str) -> None:
+    """A checkpoint path given where a directory is expected must be one.
+
+    Args:
+        path: the path given (e.g. ``--wide``).
+        what: how the message names it, e.g. ``"WIDE checkpoint"``.
+        expected: what it should be, e.g. ``"the -o of `wide calibrate` or `wide lora`"``.
+
+    Raises:
+        WideError: ``path`` is a file (the message says so, that a checkpoint directory is expected and, for one of
+            a checkpoint's own files, names its folder), or does not exist.
+    """
+    if path.is_file():
+        inside = (f"; {path.name} is one of its files: give its folder {str(path.parent)!r}"
+                  if path.name in (CONFIG_NAME, BASE_NAME, ROUTERS_NAME) else "")
+        raise WideError(f"{what} {str(path)!r} is a file, but a checkpoint directory is expected ({expected}, "
+                        f"holding {CONFIG_NAME}, {BASE_NAME} and {ROUTERS_NAME}){inside}")
+    if not path.is_dir():
+        raise WideError(f"{what} {str(path)!r} not found (expected {expected}, a directory with {CONFIG_NAME})")
+
+
+def _check_routers(routers: dict[str, torch.Tensor], shapes: dict[str, tuple[int, ...]], path: Path) -> None:
+    """:func:`wide.modeling.check_router_weights`, its WideError prefixed with the router file."""
+    try:
+        check_router_weights(routers, shapes)
+    except WideError as e:
+        raise WideError(f"{path / ROUTERS_NAME}: {e}") from None
+
+
 def _saved_dims(info: dict) -> ModelDims | None:
     """The ``dims`` recorded in a checked ``base_model.json`` (:func:`read_base_info`) as ModelDims, or None."""
     d = info.get("dims")
@@ -238,37 +268,42 @@ def load(path: str | os.PathLike, model: str | torch.nn.Module | None = None, de
         ``[B, T, N_G]`` masks per layer (True = execute; Eq. 4-5 with argmax instead of Gumbel sampling).
 
     Raises:
-        WideError: missing directory or files, corrupt files (a bad value in ``wide_config.json``, including
+        WideError: missing directory or files, a file where the directory is expected, corrupt files (a bad value in ``wide_config.json``, including
             group sizes that do not fit the model, or a field of ``base_model.json`` that is missing or of the
             wrong type, names the file and the field, before any weight loads; router weights that are not
             finite), a
-            checkpoint made for another base model, router shapes that do not fit, a missing / corrupt LoRA
+            checkpoint made for another base model, router keys or shapes that do not fit (the message counts and names
+            the missing / unexpected keys; checked before any weight loads when ``base_model.json`` records the
+            dims), a missing / corrupt LoRA
             adapter, or a device this machine does not have (:func:`wide.modeling.check_device`).
 
     Warns:
-        UserWarning: the checkpoint is an intermediate save of a run that did not finish (``base_model.json``
-            records ``step < steps``).
+        WideWarning: (a ``UserWarning``) the checkpoint is an intermediate save of a run that did not finish
+            (``base_model.json`` records ``step < steps``); the message names the directory and the command that
+            finishes the run (the CLI prints it as one line).
     """
     check_device(device)
     path = Path(path)
-    if not path.is_dir():
-        raise WideError(f"WIDE checkpoint {str(path)!r} not found (expected a directory with {CONFIG_NAME})")
+    check_directory(path, "WIDE checkpoint", "the -o of `wide calibrate` or `wide lora`")
     config = WideConfig.load(path)
     info = read_base_info(path)
     saved = _saved_dims(info)
     if saved is not None:  # before any model loads; checked against the loaded model's dims below too
         _check_fits(config, saved, path)
     routers = read_safetensors(path / ROUTERS_NAME)  # fail on a corrupt file before loading any model
+    if saved is not None:  # router keys and shapes that the recorded model and config need, before any weight
+        _check_routers(routers, router_shapes(saved, config), path)
     for name, t in routers.items():  # a garbled payload parses but holds NaN / inf: unusable routers
         if t.is_floating_point() and not bool(torch.isfinite(t).all()):
             bad = int((~torch.isfinite(t)).sum())
             raise WideError(f"corrupt checkpoint file {path / ROUTERS_NAME}: tensor {name!r} holds {bad} NaN or "
                             f"infinite values")
-    extra = info.get("extra") or {}
-    if isinstance(extra.get("step"), int) and isinstance(extra.get("steps"), int) and extra["step"] < extra["steps"]:
-        warnings.warn(f"WIDE checkpoint {str(path)!r} was saved at step {extra['step']} of {extra['steps']}: an "
-                      f"interrupted {extra.get('stage', 'training')} run (the same command with --resume "
-                      f"continues it)", stacklevel=2)
+    extra = info.get("extra", {})  # step / steps / stage typed by read_base_info
+    if "step" in extra and "steps" in extra and extra["step"] < extra["steps"]:
+        command = {"router": "wide calibrate", "lora": "wide lora"}.get(extra.get("stage"), "the training command")
+        warnings.warn(f"WIDE checkpoint {str(path)!r} is an intermediate save (step {extra['step']} of "
+                      f"{extra['steps']}) of an interrupted {command} run; to finish it, run {command} again with "
+                      f"the same options, -o {str(path)!r} and --resume", WideWarning, stacklevel=2)
     tok = None
     if isinstance(model, torch.nn.Module):
         base = model
@@ -286,6 +321,7 @@ def load(path: str | os.PathLike, model: str | torch.nn.Module | None = None, de
         raise WideError(f"checkpoint {str(path)!r} was made for base model {info['model']!r} "
                         f"(fingerprint {info['fingerprint']}), not this one (fingerprint {fp})")
     wm = WideModel(base, config)
+    _check_routers(routers, {k: tuple(v.shape) for k, v in wm.router_state_dict().items()}, path)
     wm.load_router_state_dict(routers)
     from .lora import ADAPTER_DIR, load_adapter
 

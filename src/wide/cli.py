@@ -7,11 +7,13 @@ Bad input ends with one line on stderr naming the bad value and what is allowed,
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import shlex
 import sys
 import time
+import warnings
 from pathlib import Path
 
 from .errors import WideError
@@ -886,6 +888,26 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+@contextlib.contextmanager
+def _one_line_warnings(command: str):
+    """While the command runs, show each :class:`~wide.errors.WideWarning` as one line on stderr,
+    ``wide <command>: warning: <message>`` (no file name, line number or source line); other warnings keep
+    Python's format."""
+    from .errors import WideWarning
+
+    with warnings.catch_warnings():  # puts the original showwarning back afterwards
+        python_show = warnings.showwarning
+
+        def show(message, category, filename, lineno, file=None, line=None):
+            if issubclass(category, WideWarning):
+                print(f"wide {command}: warning: {message}", file=sys.stderr, flush=True)
+            else:
+                python_show(message, category, filename, lineno, file, line)
+
+        warnings.showwarning = show
+        yield
+
+
 def main(argv: list[str] | None = None) -> int:
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
@@ -913,7 +935,8 @@ def main(argv: list[str] | None = None) -> int:
         ok = False
         try:
             check_device(getattr(args, "device", None))
-            rc = args.func(args)
+            with _one_line_warnings(args.command):
+                rc = args.func(args)
             ok = True
             return rc
         except (Exception, KeyboardInterrupt) as e:  # noqa: BLE001
@@ -922,7 +945,8 @@ def main(argv: list[str] | None = None) -> int:
             D.shutdown(synchronize=ok)
     try:
         check_device(getattr(args, "device", None))  # every command with --device, before any work
-        return args.func(args)
+        with _one_line_warnings(args.command):
+            return args.func(args)
     except WideError as e:
         print(f"wide {args.command}: error: {e}", file=sys.stderr)
         return 2

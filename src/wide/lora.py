@@ -246,15 +246,14 @@ def check_stage1(path: str | os.PathLike) -> dict:
     """Validate a stage-1 WIDE directory before any model is loaded; return its ``base_model.json``.
 
     Raises:
-        WideError: missing directory, missing or corrupt config / base info / router weights, or a
-            directory that already holds a LoRA adapter.
+        WideError: missing directory (or a file given for it), missing or corrupt config / base info / router
+            weights, or a directory that already holds a LoRA adapter.
     """
-    from .checkpoint import ROUTERS_NAME, read_base_info, read_safetensors
+    from .checkpoint import ROUTERS_NAME, check_directory, read_base_info, read_safetensors
     from .config import WideConfig
 
     path = Path(path)
-    if not path.is_dir():
-        raise WideError(f"stage-1 checkpoint {str(path)!r} not found (expected a `wide calibrate` output directory)")
+    check_directory(path, "stage-1 checkpoint", "the -o of `wide calibrate`")
     WideConfig.load(path)
     info = read_base_info(path)
     read_safetensors(path / ROUTERS_NAME)

@@ -426,15 +426,11 @@ class WideModel(nn.Module):
         """Load router weights.
 
         Raises:
-            WideError: missing or unexpected keys, or a shape that does not fit this model.
+            WideError: missing or unexpected keys, or a shape that does not fit this model
+                (:func:`check_router_weights`).
         """
         own = self.router_state_dict()
-        missing, unexpected = sorted(set(own) - set(sd)), sorted(set(sd) - set(own))
-        if missing or unexpected:
-            raise WideError(f"router weights do not match the model: missing {missing[:4]}, unexpected {unexpected[:4]}")
-        for k, v in sd.items():
-            if tuple(v.shape) != tuple(own[k].shape):
-                raise WideError(f"router weight {k} has shape {tuple(v.shape)}, the model needs {tuple(own[k].shape)}")
+        check_router_weights(sd, {k: tuple(v.shape) for k, v in own.items()})
         for kind, mods in (("attn", self.attn_routers), ("ffn", self.ffn_routers)):
             mods.load_state_dict({k[len(kind) + 1:]: v for k, v in sd.items() if k.startswith(kind + ".")})
 
@@ -451,3 +447,46 @@ def router_param_count(dims: ModelDims, config: WideConfig) -> int:
         return d * r + r + r * 2 * n + 2 * n
 
     return dims.num_layers * ((one(n_attn) if config.route_attn else 0) + (one(n_ffn) if config.route_ffn else 0))
+
+
+def router_shapes(dims: ModelDims, config: WideConfig) -> dict[str, tuple[int, ...]]:
+    """The keys and shapes of :meth:`WideModel.router_state_dict` for a model of ``dims`` with ``config``,
+    without building a model (``"<attn|ffn>.<layer>.w1.weight"`` ``[r, D]``, ``w1.bias`` ``[r]``, ``w2.weight``
+    ``[2 N_G, r]``, ``w2.bias`` ``[2 N_G]``; Eq. 4).
+
+    Raises:
+        WideError: ``config`` does not fit ``dims`` (:meth:`WideConfig.resolve`).
+    """
+    cfg = config.resolve(dims)
+    n_attn, n_ffn = cfg.n_groups(dims)
+    d, r = dims.hidden_size, cfg.router_rank
+    out: dict[str, tuple[int, ...]] = {}
+    for kind, n, routed in (("attn", n_attn, cfg.route_attn), ("ffn", n_ffn, cfg.route_ffn)):
+        for i in range(dims.num_layers if routed else 0):
+            out.update({f"{kind}.{i}.w1.weight": (r, d), f"{kind}.{i}.w1.bias": (r,),
+                        f"{kind}.{i}.w2.weight": (2 * n, r), f"{kind}.{i}.w2.bias": (2 * n,)})
+    return out
+
+
+def check_router_weights(sd: dict[str, torch.Tensor], shapes: dict[str, tuple[int, ...]]) -> None:
+    """Check router weights ``sd`` (name -> tensor) against the keys and shapes a model needs (``shapes``, e.g.
+    :func:`router_shapes`).
+
+    Raises:
+        WideError: keys missing or unexpected (the message counts both and names the first few of each) or a
+            weight of another shape; the message says the weights were likely made for another model or
+            WIDE config.
+    """
+    hint = "they were likely made for another model or another WIDE config (routed modules, group sizes, rank)"
+    missing, unexpected = sorted(set(shapes) - set(sd)), sorted(set(sd) - set(shapes))
+
+    def few(keys: list[str]) -> str:
+        return f" ({', '.join(keys[:3])}{', ...' if len(keys) > 3 else ''})" if keys else ""
+
+    if missing or unexpected:
+        raise WideError(f"router weights do not match the model: {len(missing)} missing{few(missing)}, "
+                        f"{len(unexpected)} unexpected{few(unexpected)}, of the {len(shapes)} it needs; {hint}")
+    for k, v in sd.items():
+        if tuple(v.shape) != tuple(shapes[k]):
+            raise WideError(f"router weight {k} has shape {tuple(v.shape)}, the model needs {tuple(shapes[k])}; "
+                            f"{hint}")

@@ -1,0 +1,120 @@
+"""Fourth fresh-user round of input checks: a WIDE checkpoint path that is a file, router weights that do not fit,
+an interrupted checkpoint's warning as one line, truncated model files, non-string JSONL text, file modes of
+adapters and pruned models, `wide demo` --max-blocks / --text, `wide info --method skipgpt`, eval-ppl's memory check,
+and refusals that now come before the weights load (prune-static group sizes, eval-ppl text shorter than --ctx)."""
+
+import json
+
+import pytest
+import torch
+
+from wide_testutil import tiny_model
+from wide.checkpoint import ROUTERS_NAME, load, save_wide
+from wide.cli import main
+from wide.config import WideConfig
+from wide.errors import WideError
+from wide.modeling import WideModel
+
+
+def run(args, capsys):
+    rc = main([str(a) for a in args])
+    out, err = capsys.readouterr()
+    return rc, out, err
+
+
+def one_line_error(rc, err, cmd, *words):
+    assert rc == 2, err
+    lines = err.strip().splitlines()
+    assert len(lines) == 1 and "Traceback" not in err, err
+    assert lines[0].startswith(f"wide {cmd}: error: "), lines[0]
+    for w in words:
+        assert w in lines[0], lines[0]
+
+
+def no_weights(monkeypatch):
+    """Make any read of base-model weights fail the test."""
+    import transformers
+
+    def refuse(*a, **k):
+        raise AssertionError("base-model weights were read before the check")
+
+    monkeypatch.setattr(transformers.AutoModelForCausalLM, "from_pretrained", refuse)
+
+
+def saved(tmp_path, extra=None, **cfg):
+    wm = WideModel(tiny_model(), WideConfig(ffn_group_size=32, **cfg))
+    return save_wide(wm, tmp_path / "ckpt", model_ref="tiny", extra=extra)
+
+
+# --- a checkpoint path that is a file -------------------------------------------------------------------------
+def test_wide_path_that_is_a_file(tmp_path, text_file, capsys, monkeypatch):
+    no_weights(monkeypatch)
+    rc, _, err = run(["eval-ppl", "--wide", text_file, "--text", text_file, "--device", "cpu"], capsys)
+    one_line_error(rc, err, "eval-ppl", f"WIDE checkpoint '{text_file}' is a file, but a checkpoint directory is "
+                   "expected", "wide_config.json")
+    assert "not found" not in err
+    ckpt = saved(tmp_path)
+    rc, _, err = run(["eval-ppl", "--wide", ckpt / ROUTERS_NAME, "--text", text_file, "--device", "cpu"], capsys)
+    one_line_error(rc, err, "eval-ppl", "is a file, but a checkpoint directory is expected",
+                   f"routers.safetensors is one of its files: give its folder '{ckpt}'")
+    rc, _, err = run(["lora", "--wide", text_file, "--text", text_file, "-o", tmp_path / "o", "--device", "cpu"],
+                     capsys)
+    if rc == 2 and "peft" in err:
+        pytest.skip("peft is not installed")
+    one_line_error(rc, err, "lora", f"stage-1 checkpoint '{text_file}' is a file, but a checkpoint directory is "
+                   "expected")
+
+
+# --- router weights that do not fit ---------------------------------------------------------------------------
+def test_router_shapes_match_the_model():
+    from wide.modeling import router_shapes
+
+    for cfg in (WideConfig(ffn_group_size=32), WideConfig(ffn_group_size=16, routed="ffn", router_rank=4),
+                WideConfig(method="skipgpt", routed="attn")):
+        wm = WideModel(tiny_model(), cfg)
+        assert router_shapes(wm.dims, cfg) == {k: tuple(v.shape) for k, v in wm.router_state_dict().items()}
+
+
+@pytest.mark.parametrize("with_dims", [True, False])
+def test_router_key_mismatch_names_the_keys_and_the_likely_cause(tmp_path, monkeypatch, with_dims):
+    """routers.safetensors of a routed=both run next to a wide_config.json saying routed=ffn: the message counts
+    and names the unexpected keys and says the checkpoint was likely made for another model or config; with the
+    dims recorded in base_model.json this is found before any base model loads."""
+    import re
+
+    import wide.checkpoint as C
+
+    path = saved(tmp_path)
+    cfg = json.loads((path / "wide_config.json").read_text())
+    cfg["routed"] = "ffn"
+    (path / "wide_config.json").write_text(json.dumps(cfg))
+    if with_dims:
+        monkeypatch.setattr(C, "load_base_model", lambda *a, **k: (_ for _ in ()).throw(AssertionError("loaded")))
+    else:
+        info = json.loads((path / "base_model.json").read_text())
+        del info["dims"]
+        (path / "base_model.json").write_text(json.dumps(info))
+    with pytest.raises(WideError) as e:
+        load(path, model=None if with_dims else tiny_model())
+    msg = str(e.value)
+    assert msg.startswith(f"{path / ROUTERS_NAME}: router weights do not match the model: "), msg
+    assert re.search(r"0 missing, 8 unexpected \(attn\.0\.w1\.bias, attn\.0\.w1\.weight, attn\.0\.w2\.bias, "
+                     r"\.\.\.\), of the 8 it needs", msg), msg
+    assert "likely made for another model or another WIDE config" in msg
+
+
+# --- an interrupted checkpoint ----------------------------------------------------------------------------------
+def test_interrupted_checkpoint_warning_is_one_line(tmp_path, model_dir, text_file, capsys):
+    path = saved(tmp_path, extra={"stage": "router", "step": 2, "steps": 4})
+    rc, _, err = run(["eval-ppl", "--wide", path, "--model", model_dir, "--text", text_file, "--ctx", "32",
+                      "--max-tokens", "64", "--device", "cpu"], capsys)
+    assert rc == 0, err
+    assert "UserWarning" not in err and "warnings.warn" not in err and "checkpoint.py" not in err, err
+    lines = [ln for ln in err.splitlines() if "warning" in ln]
+    assert lines == [f"wide eval-ppl: warning: WIDE checkpoint '{path}' is an intermediate save (step 2 of 4) of "
+                     f"an interrupted wide calibrate run; to finish it, run wide calibrate again with the same "
+                     f"options, -o '{path}' and --resume"], err
+    from wide.errors import WideWarning
+
+    with pytest.warns(WideWarning, match="intermediate save"):  # the library still warns (a UserWarning)
+        load(path, model=tiny_model())
