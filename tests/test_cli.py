@@ -230,8 +230,14 @@ def test_interrupted_training_says_how_to_resume(tmp_path, model_dir, text_file,
         raise KeyboardInterrupt
 
     monkeypatch.setattr(cli, "cmd_calibrate", stop)
-    rc, _, err = run(["calibrate", "--model", model_dir, "--text", text_file, "-o", tmp_path / "o",
-                      "--save-every", "5"], capsys)
+    argv = ["calibrate", "--model", model_dir, "--text", text_file, "-o", tmp_path / "o", "--save-every", "5"]
+    rc, _, err = run(argv, capsys)
+    assert rc == 130  # no state saved yet: --resume would fail, so it is not offered
+    assert err.strip() == ("wide calibrate: interrupted; nothing was saved yet (the first save is at step 5), so "
+                           "there is nothing to resume")
+    (tmp_path / "o").mkdir()
+    (tmp_path / "o" / "train_state.pt").write_bytes(b"")
+    rc, _, err = run(argv, capsys)
     assert rc == 130
     assert err.strip() == (f"wide calibrate: interrupted; the last state saved (every --save-every 5 steps) is in "
                            f"{str(tmp_path / 'o')!r}: add --resume to continue from it")

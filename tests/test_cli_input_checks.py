@@ -192,7 +192,8 @@ def test_resume_refuses_other_seq_len_or_text_and_says_where_it_resumes(tmp_path
     assert rc == 0, err
     rc, stdout, err = run(calibrate_args(model_dir, text_file, out, "--resume"), capsys)
     assert rc == 0, err
-    assert f"resuming from step 1 of 1 (state in {out / 'train_state.pt'})" in stdout.splitlines()
+    assert (f"the run in {out} is already complete: step 1 of 1 done (state in {out / 'train_state.pt'}); "
+            f"nothing to train") in stdout.splitlines()  # a finished run: --resume says so, rewrites nothing
 
     args = calibrate_args(model_dir, text_file, out, "--resume")
     args[args.index("--seq-len") + 1] = "16"
@@ -211,7 +212,7 @@ def test_resume_refuses_other_seq_len_or_text_and_says_where_it_resumes(tmp_path
     torch.save(st, path)
     rc, stdout, err = run(calibrate_args(model_dir, other, out, "--resume"), capsys)
     assert rc == 0, err
-    assert "resuming from step 1 of 1" in stdout
+    assert "already complete: step 1 of 1" in stdout
 
 
 @pytest.mark.parametrize("content,reason", [

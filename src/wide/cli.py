@@ -78,9 +78,9 @@ def _add_method(p: argparse.ArgumentParser, sparsity_default: float = 0.5) -> No
     g.add_argument("--sparsity", "-S", type=float, default=sparsity_default, help="target sparsity S in [0, 1)")
     g.add_argument("--alpha", type=float, default=20.0, help="sparsity-loss weight (>= 0)")
     g.add_argument("--tau-start", type=float, default=5.0,
-                   help="Gumbel-softmax temperature at the first calibration step (> 0; default 5.0)")
+                   help="Gumbel-softmax temperature at the first calibration step (1e-3 to 1e3; default 5.0)")
     g.add_argument("--tau-end", type=float, default=0.5,
-                   help="temperature at the last step, annealed linearly (> 0; default 0.5)")
+                   help="temperature at the last step, annealed linearly (1e-3 to 1e3; default 0.5)")
     g.add_argument("--mode", choices=["global", "uniform"], default="global",
                    help="global = Eq. 6, uniform = Eq. 22 (attention and FFN each at S)")
     _add_layout(g)
@@ -119,10 +119,11 @@ def _add_train(p: argparse.ArgumentParser, steps: int | None = 500, batch: int =
     g.add_argument("--grad-accum", type=int, default=1, help="micro-batches per optimizer step (default: 1)")
     g.add_argument("--seq-len", type=int, default=None if "seq_len" in auto else seq_len,
                    help=f"tokens per packed sequence (>= 2; {default('seq_len', seq_len)})")
-    g.add_argument("--lr", type=float, default=lr, help=f"peak learning rate (> 0; default: {lr:g})")
+    g.add_argument("--lr", type=float, default=lr, help=f"peak learning rate (> 0, at most 1; default: {lr:g})")
     g.add_argument("--warmup-steps", type=int, default=None,
                    help="linear warm-up steps (0 to --steps; default: 5%% of --steps)")
-    g.add_argument("--seed", type=int, default=0, help="random seed of data order and router init (default: 0)")
+    g.add_argument("--seed", type=int, default=0,
+                   help="random seed of data order and router init (0 to 2**32 - 1; default: 0)")
     g.add_argument("--save-every", type=int, default=100, help="checkpoint every N steps (default: 100)")
     g.add_argument("--max-blocks", type=int, default=None,
                    help="use at most this many packed sequences (>= 1; default: all)")
@@ -151,8 +152,8 @@ def _config_from(args):
     lacks, e.g. ``wide info``'s, keep the WideConfig defaults).
 
     Raises:
-        WideError: a bad value (see :meth:`wide.config.WideConfig.validate`), or ``--skipgpt-rank`` without
-            ``--method skipgpt``.
+        WideError: a bad value (see :meth:`wide.config.WideConfig.validate`; for a training command also
+            :meth:`~wide.config.WideConfig.check_training`), or ``--skipgpt-rank`` without ``--method skipgpt``.
     """
     from .config import WideConfig
 
@@ -161,6 +162,8 @@ def _config_from(args):
                                                   ("sparsity_mode", "mode")) if hasattr(args, a)}
     cfg = WideConfig(attn_group_size=args.attn_group_size, ffn_group_size=args.ffn_group_size,
                      router_rank=args.rank, routed=args.routed, **objective)
+    if hasattr(args, "tau_start"):  # a training command: the temperatures must be in the trainable range
+        cfg.check_training()
     method = getattr(args, "method", "wide")
     if getattr(args, "skipgpt_rank", None) is not None and method != "skipgpt":
         raise WideError(f"--skipgpt-rank {args.skipgpt_rank} needs --method skipgpt")
@@ -386,9 +389,9 @@ def _precheck_train(args, cfg=None, stage: str = "router"):
 def _check_output(args, stage: str | None = "router") -> None:
     """``-o`` must be a directory or not exist yet (not below a file). With ``--resume`` it must hold a training
     state (a ``train_state.pt`` must be readable); without it, it must be empty unless ``--overwrite`` is given
-    (the new run then writes into it, each file replaced atomically when its new version is complete; a stage-1
-    run (``stage="router"``) refuses a directory holding a LoRA adapter). Commands without ``--resume`` (demo,
-    prune-static) get the same checks."""
+    (the new run then writes into it: the old training state and log are removed when training starts, each other
+    file replaced atomically when its new version is complete; a stage-1 run (``stage="router"``) refuses a
+    directory holding a LoRA adapter). Commands without ``--resume`` (demo, prune-static) get the same checks."""
     from .lora import ADAPTER_DIR
     from .training import STATE_NAME, has_train_state, load_train_state
 
@@ -444,8 +447,9 @@ def cmd_calibrate(args) -> int:
         f"{env.world_size} process(es), global batch {targs.batch_size * targs.grad_accum * env.world_size}")
     t0 = time.time()
     recs = calibrate(wm, blocks, targs, out, src.ref, resume=args.resume)
-    _say_done(say, recs, t0)
-    say(f"saved WIDE checkpoint to {out}")
+    if recs:  # none: --resume of a finished run (train() said so), nothing written
+        _say_done(say, recs, t0)
+        say(f"saved WIDE checkpoint to {out}")
     return 0
 
 
@@ -470,7 +474,8 @@ def cmd_lora(args) -> int:
     def precheck():
         _need_extra("peft", "wide lora")
         settings.validate()
-        check_stage1(args.wide)
+        stage1_info = check_stage1(args.wide)
+        settings.check_dims(_model_dims(args.model if args.model is not None else stage1_info["model"]))
         if Path(args.wide).resolve() == out.resolve():
             raise WideError(f"-o {str(out)!r} must differ from the stage-1 checkpoint --wide {args.wide!r}")
         _precheck_train(args, stage="lora")
@@ -501,8 +506,9 @@ def cmd_lora(args) -> int:
     t0 = time.time()
     recs = recover(wm, blocks, targs, out, info["model"] if args.model is None else args.model, settings=settings,
                    freeze_router=args.freeze_router, stage1=args.wide, resume=args.resume)
-    _say_done(say, recs, t0)
-    say(f"saved WIDE checkpoint with LoRA adapter to {out}")
+    if recs:  # none: --resume of a finished run (train() said so), nothing written
+        _say_done(say, recs, t0)
+        say(f"saved WIDE checkpoint with LoRA adapter to {out}")
     return 0
 
 
@@ -776,7 +782,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="continue from the training state in --output (train_state.pt, or train_state.dcp of a "
                         "multi-process run)")
     s.add_argument("--overwrite", action="store_true",
-                   help="start a new run in a non-empty --output, replacing its files as the new ones are saved")
+                   help="start a new run in a non-empty --output: its old training state and log are removed "
+                        "when training starts, its other files replaced as the new ones are saved")
     _add_method(s)
     _add_train(s)
     _add_dist(s)
@@ -789,7 +796,8 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--output", "-o", required=True, help="output WIDE directory (routers, config, adapter/)")
     s.add_argument("--resume", action="store_true", help="continue from the training state in --output")
     s.add_argument("--overwrite", action="store_true",
-                   help="start a new run in a non-empty --output, replacing its files as the new ones are saved")
+                   help="start a new run in a non-empty --output: its old training state and log are removed "
+                        "when training starts, its other files replaced as the new ones are saved")
     s.add_argument("--freeze-router", action="store_true", help="keep the stage-1 routers fixed; train only LoRA")
     g = s.add_argument_group("LoRA (peft)")
     g.add_argument("--lora-r", type=int, default=16, help="LoRA rank r")
@@ -953,8 +961,12 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         hint = ""
         if args.command in ("calibrate", "lora"):
+            from .training import has_train_state
+
             hint = (f"; the last state saved (every --save-every {args.save_every} steps) is in "
-                    f"{str(args.output)!r}: add --resume to continue from it")
+                    f"{str(args.output)!r}: add --resume to continue from it" if has_train_state(args.output)
+                    else f"; nothing was saved yet (the first save is at step "
+                         f"{min(args.save_every, args.steps)}), so there is nothing to resume")
         print(f"wide {args.command}: interrupted{hint}", file=sys.stderr)
         return 130
 

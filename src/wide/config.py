@@ -20,6 +20,9 @@ from .errors import WideError
 
 CONFIG_NAME = "wide_config.json"
 SPARSITY_MODES = ("global", "uniform")
+#: the Gumbel-softmax temperature a training run accepts (:meth:`WideConfig.check_training`): the router
+#: logits are divided by tau, so below 1e-3 they overflow (NaN masks), above 1e3 the masks are coin flips
+TAU_MIN, TAU_MAX = 1e-3, 1e3
 ROUTED_CHOICES = ("both", "attn", "ffn")
 METHODS = ("wide", "skipgpt")
 
@@ -135,8 +138,9 @@ class WideConfig:
         Raises:
             WideError: a field of the wrong type (the message names the field, the value and the expected
                 type; e.g. a string or a float for ``ffn_group_size``), ``target_sparsity`` outside
-                ``[0, 1)``, ``alpha < 0``, ``router_rank < 1``, a non-positive ``attn_group_size``, a bad
-                tau schedule, an unknown ``sparsity_mode`` / ``routed`` / ``method``, or (for
+                ``[0, 1)``, a negative or non-finite ``alpha``, ``router_rank < 1``, a non-positive
+                ``attn_group_size``, a non-positive or non-finite tau (the training range is
+                :meth:`check_training`'s), an unknown ``sparsity_mode`` / ``routed`` / ``method``, or (for
                 ``method="wide"``) an ``ffn_group_size`` that is not a power of two ``>= 16``.
         """
         for name, (kind, words) in _FIELD_TYPES.items():
@@ -148,12 +152,15 @@ class WideConfig:
         s = self.target_sparsity
         if not isinstance(s, (int, float)) or math.isnan(s) or not 0.0 <= s < 1.0:
             raise WideError(f"target sparsity S={s!r} is outside [0, 1)")
-        if not isinstance(self.alpha, (int, float)) or math.isnan(self.alpha) or self.alpha < 0:
-            raise WideError(f"alpha={self.alpha!r} must be >= 0")
+        if not isinstance(self.alpha, (int, float)) or not math.isfinite(self.alpha) or self.alpha < 0:
+            raise WideError(f"alpha={self.alpha!r} must be >= 0 and finite")
         if not isinstance(self.router_rank, int) or self.router_rank < 1:
             raise WideError(f"router rank r={self.router_rank!r} must be a positive integer")
-        if not (self.tau_start > 0 and self.tau_end > 0):  # also rejects NaN
-            raise WideError(f"tau schedule {self.tau_start}->{self.tau_end} must be positive")
+        for name in ("tau_start", "tau_end"):
+            tau = getattr(self, name)
+            if not (math.isfinite(tau) and tau > 0):  # also rejects NaN
+                raise WideError(f"{name}={tau!r} must be a finite number > 0 (training accepts "
+                                f"{TAU_MIN:g} to {TAU_MAX:g})")
         if self.sparsity_mode not in SPARSITY_MODES:
             raise WideError(f"sparsity mode {self.sparsity_mode!r} is not one of {', '.join(SPARSITY_MODES)}")
         if self.routed not in ROUTED_CHOICES:
@@ -167,6 +174,20 @@ class WideConfig:
         if self.ffn_group_size < 16 or self.ffn_group_size & (self.ffn_group_size - 1):
             raise WideError(f"FFN group size G={self.ffn_group_size!r} must be a power of two >= 16 (16, 32, 64, ...; "
                             f"`wide info --model M` lists the sizes that divide that model's FFN)")
+
+    def check_training(self) -> None:
+        """Check what only training uses (a saved config outside it still loads for inference): the Gumbel
+        temperatures ``tau_start`` and ``tau_end`` must lie in ``[TAU_MIN, TAU_MAX]`` = ``[1e-3, 1e3]``.
+
+        Raises:
+            WideError: ``--tau-start`` / ``--tau-end`` outside that range, naming the value and the range.
+        """
+        for name in ("tau_start", "tau_end"):
+            tau = getattr(self, name)
+            if not TAU_MIN <= tau <= TAU_MAX:
+                raise WideError(f"--{name.replace('_', '-')} {tau!r} is outside [{TAU_MIN:g}, {TAU_MAX:g}] (the "
+                                f"Gumbel-softmax temperature divides the router logits: below {TAU_MIN:g} they "
+                                f"overflow)")
 
     def resolve(self, dims: ModelDims) -> "WideConfig":
         """Return a copy with ``attn_group_size`` filled in and every size checked against ``dims``.

@@ -55,6 +55,23 @@ class LoraSettings:
         if not (isinstance(self.dropout, (int, float)) and 0.0 <= self.dropout < 1.0):
             raise WideError(f"--lora-dropout {self.dropout!r} must be in [0, 1)")
 
+    def check_dims(self, dims) -> None:
+        """Refuse a rank above the smallest side of the target projections (:func:`max_lora_rank`), before any
+        adapter is built (``--lora-r 100000`` would otherwise allocate ``r * (in + out)`` weights per projection
+        and be killed for memory before the training memory check).
+
+        Args:
+            dims: the base model's :class:`wide.config.ModelDims`.
+
+        Raises:
+            WideError: ``--lora-r <r> must be at most <max> ...``, naming the projection that bounds it.
+        """
+        limit, names = max_lora_rank(dims)
+        if self.r > limit:
+            raise WideError(f"--lora-r {self.r} must be at most {limit}, the smaller side (min(in, out)) of the "
+                            f"LoRA target {' / '.join(names)} of this model; a higher rank adds parameters but "
+                            f"no capacity (the paper uses 16)")
+
     def to_dict(self) -> dict:
         """``{"r", "alpha", "dropout"}`` (JSON-able; stored in the training state and ``base_model.json``)."""
         return asdict(self)
@@ -65,6 +82,23 @@ class LoraSettings:
 
         return LoraConfig(r=self.r, lora_alpha=self.alpha, lora_dropout=self.dropout,
                           target_modules=list(LORA_TARGETS), bias="none")
+
+
+def lora_target_shapes(dims) -> dict[str, tuple[int, int]]:
+    """``(in_features, out_features)`` of each of the seven LoRA target projections of a decoder layer of a
+    model with :class:`wide.config.ModelDims` ``dims``."""
+    d, i = dims.hidden_size, dims.intermediate_size
+    q, kv = dims.num_heads * dims.head_dim, dims.num_kv_heads * dims.head_dim
+    return {"q_proj": (d, q), "k_proj": (d, kv), "v_proj": (d, kv), "o_proj": (q, d), "gate_proj": (d, i),
+            "up_proj": (d, i), "down_proj": (i, d)}
+
+
+def max_lora_rank(dims) -> tuple[int, list[str]]:
+    """The largest useful LoRA rank: ``min(in, out)`` over the target projections, and the projections
+    that set it."""
+    sides = {n: min(shape) for n, shape in lora_target_shapes(dims).items()}
+    limit = min(sides.values())
+    return limit, [n for n, v in sides.items() if v == limit]
 
 
 class KeyedDropout(torch.nn.Module):
@@ -139,13 +173,15 @@ def attach_lora(wm: WideModel, settings: LoraSettings | None = None):
         the ``peft.PeftModel`` (also kept on ``wm``, see :func:`peft_model`).
 
     Raises:
-        WideError: peft missing, bad settings, or ``wm`` already has an adapter.
+        WideError: peft missing, bad settings (a rank above the projections' sides included, see
+            :meth:`LoraSettings.check_dims`), or ``wm`` already has an adapter.
     """
     _import_peft()
     from peft import get_peft_model
 
     settings = settings or LoraSettings()
     settings.validate()
+    settings.check_dims(wm.dims)
     if peft_model(wm) is not None or any("lora_" in n for n, _ in wm.base.named_parameters()):
         raise WideError("this model already has a LoRA adapter")
     router_flags = [p.requires_grad for p in wm.router_parameters()]

@@ -28,6 +28,8 @@ import hashlib
 import json
 import math
 import os
+import shutil
+import sys
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -46,6 +48,11 @@ STATE_NAME = "train_state.pt"
 DCP_NAME = "train_state.dcp"
 LOG_NAME = "train_log.jsonl"
 STAGES = ("router", "lora")
+#: the largest --lr accepted: AdamW moves every parameter by about lr per step, so above 1 one step moves the
+#: router weights (initialized near 0.02) far beyond their scale and training diverges
+LR_MAX = 1.0
+#: --seed must lie in [0, SEED_MAX] (the data order seeds a 64-bit generator with ``seed * 1_000_003 + epoch``)
+SEED_MAX = 2 ** 32 - 1
 
 
 @dataclass
@@ -57,10 +64,10 @@ class CalibrationArgs:
         batch_size: sequences per micro-batch *per process*; the global batch is
             ``batch_size * grad_accum * world_size`` sequences.
         grad_accum: micro-batches per step.
-        lr: peak learning rate (stage 1 default 5e-3 in the CLI, stage 2 2e-4).
+        lr: peak learning rate in ``(0, LR_MAX]`` (stage 1 default 5e-3 in the CLI, stage 2 2e-4).
         warmup_steps: linear warm-up steps before cosine decay, ``0 <= warmup_steps <= steps``.
         weight_decay, max_grad_norm: AdamW decay and gradient-clipping norm.
-        seed: seeds the data order, the Gumbel noise and dropout.
+        seed: seeds the data order, the Gumbel noise and dropout; an integer in ``[0, SEED_MAX]`` = ``[0, 2**32 - 1]``.
         save_every: checkpoint period in steps (and at the last step).
         log_every: kept for compatibility; every step is logged.
         grad_checkpoint: recompute each decoder layer in backward (activation checkpointing).
@@ -87,14 +94,20 @@ class CalibrationArgs:
     memory_check: bool = True
 
     def validate(self) -> None:
-        """Raises WideError naming the first bad value (non-positive counts, ``lr <= 0``, a negative warm-up or
-        one longer than ``steps``)."""
+        """Raises WideError naming the first bad value (non-positive counts, an ``lr`` outside ``(0, LR_MAX]``
+        (NaN and inf included), a ``seed`` outside ``[0, SEED_MAX]``, a negative warm-up or one longer than
+        ``steps``, a negative or non-finite ``weight_decay``)."""
         for name in ("steps", "batch_size", "grad_accum", "save_every", "log_every"):
             v = getattr(self, name)
             if not isinstance(v, int) or v < 1:
                 raise WideError(f"--{name.replace('_', '-')} {v!r} must be a positive integer")
-        if not self.lr > 0:
-            raise WideError(f"--lr {self.lr!r} must be > 0")
+        if not 0 < self.lr <= LR_MAX:  # also rejects NaN and inf
+            raise WideError(f"--lr {self.lr!r} must be > 0 and at most {LR_MAX:g} (stage 1 uses about 5e-3, "
+                            f"stage 2 2e-4)")
+        if not isinstance(self.seed, int) or isinstance(self.seed, bool) or not 0 <= self.seed <= SEED_MAX:
+            raise WideError(f"--seed {self.seed!r} must be an integer from 0 to {SEED_MAX} (2**32 - 1)")
+        if not (math.isfinite(self.weight_decay) and self.weight_decay >= 0):
+            raise WideError(f"weight_decay {self.weight_decay!r} must be a finite number >= 0")
         if self.warmup_steps < 0:
             raise WideError(f"--warmup-steps {self.warmup_steps!r} must be >= 0")
         if self.warmup_steps > self.steps:
@@ -243,10 +256,65 @@ def load_train_state(path: Path, mmap: bool = False) -> dict:
 
 
 def _truncate_log(path: Path, step: int) -> None:
-    """Drop log records written after the checkpoint we resume from (an interrupted run's tail)."""
-    if path.is_file():
-        keep = [ln for ln in path.read_text().splitlines() if ln.strip() and json.loads(ln)["step"] <= step]
-        path.write_text("".join(ln + "\n" for ln in keep))
+    """Drop log records written after the checkpoint we resume from (an interrupted run's tail).
+
+    A line that is not a JSON record with an integer ``step`` (a truncated last line is what a killed run
+    leaves) is dropped too, with one warning line on stderr.
+    """
+    if not path.is_file():
+        return
+    keep, bad = [], []
+    for i, ln in enumerate(path.read_text(errors="replace").splitlines(), 1):
+        if not ln.strip():
+            continue
+        try:
+            rec = json.loads(ln)
+            rec_step = rec["step"] if isinstance(rec, dict) else None
+        except (json.JSONDecodeError, KeyError):
+            rec_step = None
+        if not isinstance(rec_step, int) or isinstance(rec_step, bool):
+            bad.append(i)
+        elif rec_step <= step:
+            keep.append(ln)
+    if bad:
+        print(f"warning: {path}: skipped {len(bad)} unreadable line(s) (line {', '.join(map(str, bad[:3]))}"
+              f"{', ...' if len(bad) > 3 else ''}; a killed run leaves a truncated last line)",
+              file=sys.stderr, flush=True)
+    path.write_text("".join(ln + "\n" for ln in keep))
+
+
+def _remove_train_state(output: Path) -> None:
+    """Remove the training state and log a run of this library left in ``output``: ``train_state.pt``, the
+    ``train_state.dcp`` folder of a multi-process run (and the ``.old`` / ``.tmp`` copies a crash leaves), and
+    ``train_log.jsonl``. A DCP folder is removed only if it holds DCP's ``.metadata`` or our
+    ``train_state.json``; nothing else in ``output`` is touched."""
+    for f in (output / STATE_NAME, output / LOG_NAME):
+        if f.is_file():
+            f.unlink()
+    for d in (output / DCP_NAME, output / f".{DCP_NAME}.old", output / f".{DCP_NAME}.tmp"):
+        if d.is_dir() and ((d / ".metadata").exists() or (d / "train_state.json").exists()
+                           or d.name.endswith(".tmp")):
+            shutil.rmtree(d)
+
+
+def _check_finite_step(step: int, total: int, values: dict[str, float], bad_params: float, output: Path,
+                       saved_step: int, lr: float) -> None:
+    """Stop a diverged run: any non-finite logged loss / gradient norm, or non-finite trained parameters after
+    the optimizer step (``bad_params`` > 0).
+
+    Raises:
+        WideError: ``training diverged at step <k> of <n>: lm_loss nan, ...``, saying which state is kept (the
+            last good one is never overwritten: this runs before the step's save) and what to lower.
+    """
+    if all(math.isfinite(v) for v in values.values()) and not bad_params:
+        return
+    shown = ", ".join(f"{k} {v:.4g}" for k, v in values.items())
+    if bad_params:
+        shown += ", non-finite trained parameters after the optimizer step"
+    kept = (f"the last good state (step {saved_step}) is kept in {str(output)!r}" if saved_step
+            else "nothing was saved")
+    raise WideError(f"training diverged at step {step} of {total}: {shown}; {kept}; lower --lr (now {lr:g}) "
+                    f"or --alpha, or raise --tau-end")
 
 
 def has_train_state(output: str | os.PathLike) -> bool:
@@ -377,6 +445,11 @@ def _save_state(wm: WideModel, opt, output: Path, step: int, key: dict, env: D.D
                            "optimizer": osd, "meta": key}, output / STATE_NAME)
 
 
+def _local(t: torch.Tensor) -> torch.Tensor:
+    """This rank's shard of a possibly sharded (FSDP2 DTensor) tensor; the tensor itself otherwise."""
+    return t.to_local() if D.is_sharded(t) else t
+
+
 def full_router_state(wm: WideModel) -> dict[str, torch.Tensor]:
     """Router weights as a flat float32 CPU dict (keys as :meth:`WideModel.router_state_dict`), gathering
     FSDP shards; under a process group every rank must call it."""
@@ -415,16 +488,26 @@ def train(wm: WideModel, blocks: torch.Tensor, args: CalibrationArgs, output: st
     Returns:
         the per-step log records of this call: ``step``, ``lm_loss`` (nats/token, mean over ranks),
         ``sparsity_loss``, ``attn_sparsity``/``ffn_sparsity`` (fractions skipped, global batch), ``tau``,
-        ``lr`` (used in this step), ``grad_norm``, ``tokens_per_s`` (global), ``world_size``.
+        ``lr`` (used in this step), ``grad_norm``, ``tokens_per_s`` (global), ``world_size``. Empty when
+        ``resume`` finds the run already complete (then nothing is written).
+
+    A run without ``resume`` first removes an earlier run's training state and log from ``output``
+    (``train_state.pt``, ``train_state.dcp/``, ``train_log.jsonl``; nothing else). If this call created
+    ``output`` and fails before its first save, it removes ``output`` again.
 
     Raises:
-        WideError: bad settings, nothing to train, an unknown stage, ``resume`` with a missing, corrupt or
-            mismatched state, or (with ``args.memory_check``) a micro-batch whose estimated memory does not
-            fit (:func:`wide.memory.check_train_memory`; checked before the first step).
+        WideError: bad settings (a tau outside :meth:`wide.config.WideConfig.check_training`'s range
+            included), nothing to train, an unknown stage, ``resume`` with a missing, corrupt or mismatched
+            state, (with ``args.memory_check``) a micro-batch whose estimated memory does not fit
+            (:func:`wide.memory.check_train_memory`; checked before the first step), or a diverged step: a
+            non-finite LM / sparsity loss or gradient norm, or non-finite trained parameters after the
+            optimizer step (checked every step before it is logged or saved, so the last saved state stays
+            the last good one).
     """
     from tqdm.auto import tqdm
 
     args.validate()
+    wm.config.check_training()
     if stage not in STAGES:
         raise WideError(f"stage {stage!r} is not one of {', '.join(STAGES)}")
     env = D.current()
@@ -452,16 +535,24 @@ def train(wm: WideModel, blocks: torch.Tensor, args: CalibrationArgs, output: st
     start = 0
     if resume:
         start, src = _load_state(wm, opt, output, key, env)
+        if start >= args.steps:  # a finished run: nothing to train, nothing rewritten
+            if progress and env.is_main:
+                print(f"the run in {output} is already complete: step {start} of {args.steps} done (state in "
+                      f"{src}); nothing to train", flush=True)
+            return []
         if progress and env.is_main:
             print(f"resuming from step {start} of {args.steps} (state in {src})", flush=True)
     log_path = output / LOG_NAME
+    created = False  # this call made the output folder (removed again if it fails before its first save)
     if env.is_main:
+        created = not output.exists()
         output.mkdir(parents=True, exist_ok=True)
         if resume:
             _truncate_log(log_path, start)
-        elif log_path.exists():
-            log_path.unlink()
+        else:  # a new run: an earlier run's state (e.g. a DCP state of a --nproc run) must not be resumed
+            _remove_train_state(output)
     D.barrier(env)
+    saved_step = start
 
     use_amp = device.type == "cuda"
     trains_base_side = any(p.requires_grad for p in wm.base.parameters())  # LoRA (dropout active)
@@ -504,7 +595,8 @@ def train(wm: WideModel, blocks: torch.Tensor, args: CalibrationArgs, output: st
             gnorm = D.clip_grad_norm_(params, args.max_grad_norm, env)
             D.optimizer_step(opt)
             # every logged scalar of the step in one device-to-host copy (no sync per micro-batch)
-            flat = [t for part in parts for t in part if t is not None] + [gnorm]
+            nonfinite = torch.stack([(~torch.isfinite(_local(p.detach()))).sum() for p in params]).sum()
+            flat = [t for part in parts for t in part if t is not None] + [gnorm, nonfinite]
             vals = iter(torch.stack([torch.as_tensor(t).to(device, torch.float64) for t in flat]).tolist())
             lm_tot = sp_tot = 0.0
             attn_sp, ffn_sp = [], []
@@ -516,7 +608,10 @@ def train(wm: WideModel, blocks: torch.Tensor, args: CalibrationArgs, output: st
                 if fm is not None:
                     ffn_sp.append(1.0 - next(vals))
             gnorm = next(vals)
-            (lm_tot,) = D.all_mean([lm_tot], env)
+            bad = next(vals)
+            lm_tot, bad = D.all_mean([lm_tot, bad], env)
+            _check_finite_step(step + 1, args.steps, {"lm_loss": lm_tot, "sparsity_loss": sp_tot, "grad_norm": gnorm},
+                               bad, output, saved_step, args.lr)
             dt = time.perf_counter() - t0
             r = {
                 "step": step + 1,
@@ -548,6 +643,14 @@ def train(wm: WideModel, blocks: torch.Tensor, args: CalibrationArgs, output: st
                 if save_extra is not None:
                     save_extra(output, env)
                 _save_state(wm, opt, output, step + 1, key, env)
+                saved_step = step + 1
+    except BaseException:
+        if created and saved_step == 0:  # leave no folder behind that holds nothing to resume from
+            if log_path.is_file():
+                log_path.unlink()
+            if output.is_dir() and not any(output.iterdir()):
+                output.rmdir()
+        raise
     finally:
         bar.close()
         noise.remove()

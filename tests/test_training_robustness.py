@@ -1,0 +1,265 @@
+"""Fresh-user findings on training runs: diverging runs (inf / huge --lr, --alpha, --tau-*) that ended rc=0 with
+NaN routers, a stale train_state.dcp kept by --overwrite, a truncated train_log.jsonl line crashing --resume, a
+huge --seed overflowing after the model loaded, an interrupt hint offering --resume with nothing saved,
+--resume of a finished run saying "saved", and --lora-r far above the model's widths."""
+
+import json
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+import wide.training as T
+from wide.cli import main
+from wide.config import WideConfig
+from wide.errors import WideError
+from wide.modeling import WideModel
+from wide.training import SEED_MAX, STATE_NAME, CalibrationArgs, calibrate, stream_rows
+from wide_testutil import tiny_model
+
+NOWHERE = "no-such-model"  # the refusals below come before any model is looked up
+
+
+def run(args, capsys):
+    rc = main([str(a) for a in args])
+    out, err = capsys.readouterr()
+    return rc, out, err
+
+
+def one_line_error(rc, err, cmd, *words):
+    assert rc == 2, err
+    lines = err.strip().splitlines()
+    assert len(lines) == 1 and "Traceback" not in err, err
+    assert lines[0].startswith(f"wide {cmd}: error: "), lines[0]
+    for w in words:
+        assert w in lines[0], lines[0]
+
+
+def error_after_loading(rc, err, cmd, *words):
+    """As :func:`one_line_error` for an error found once the model is loaded: its progress bars come first."""
+    one_line_error(rc, err.strip().splitlines()[-1], cmd, *words)
+    assert "Traceback" not in err
+
+
+def calibrate_args(model_dir, text_file, out, *extra):
+    return ["calibrate", "--model", model_dir, "--text", text_file, "-o", out, "--steps", "1", "--batch-size", "1",
+            "--seq-len", "32", "--ffn-group-size", "32", "--device", "cpu", *extra]
+
+
+def blocks(n=12, t=16):
+    return torch.randint(0, 128, (n, t), generator=torch.Generator().manual_seed(3))
+
+
+def _state_step(out) -> int:
+    return int(torch.load(out / STATE_NAME, weights_only=True)["step"])
+
+
+# --- 1a / 4: option checks, before any model loads, leaving no output folder ---------------------------------
+BAD_OPTIONS = [
+    (["--lr", "inf"], ["--lr inf", "at most 1"]),
+    (["--lr", "1e30"], ["--lr 1e+30", "at most 1"]),
+    (["--lr", "nan"], ["--lr nan", "> 0"]),
+    (["--alpha", "inf"], ["alpha=inf", "must be >= 0 and finite"]),
+    (["--tau-start", "inf"], ["tau_start=inf", "finite number > 0", "0.001 to 1000"]),
+    (["--tau-end", "1e-30"], ["--tau-end 1e-30", "[0.001, 1000]"]),
+    (["--tau-start", "1e6"], ["--tau-start 1000000.0", "[0.001, 1000]"]),
+    (["--seed", str(10 ** 16)], [f"--seed {10 ** 16}", f"from 0 to {SEED_MAX}"]),
+    (["--seed", "-1"], ["--seed -1", f"from 0 to {SEED_MAX}"]),
+]
+
+
+@pytest.mark.parametrize("extra,words", BAD_OPTIONS, ids=[" ".join(e) for e, _ in BAD_OPTIONS])
+def test_bad_training_options_refused_before_loading(tmp_path, text_file, capsys, extra, words):
+    out = tmp_path / "run"
+    rc, _, err = run(calibrate_args(tmp_path / NOWHERE, text_file, out, *extra), capsys)
+    one_line_error(rc, err, "calibrate", *words)
+    assert not out.exists()  # an early refusal leaves no (empty) output folder
+
+
+def test_seed_range_and_stream_rows_at_its_ends():
+    with pytest.raises(WideError, match="--seed"):
+        CalibrationArgs(seed=SEED_MAX + 1).validate()
+    CalibrationArgs(seed=SEED_MAX).validate()
+    b = blocks(5, 4)
+    assert stream_rows(b, [0, 7, 10 ** 6], SEED_MAX).shape == (3, 4)  # no overflow at the largest seed
+    with pytest.raises(WideError, match=r"--tau-end 1e-05 is outside \[0.001, 1000\]"):
+        calibrate(WideModel(tiny_model(), WideConfig(ffn_group_size=32, tau_end=1e-5)), blocks(),
+                  CalibrationArgs(steps=1), "unused", "tiny", progress=False)
+    WideConfig(tau_end=1e-5)  # a saved config outside the training range still loads (inference ignores tau)
+
+
+# --- 1b: a non-finite step stops the run, keeping the last good state --------------------------------------
+def _nan_sparsity_from(monkeypatch, call: int) -> None:
+    """Make the sparsity loss NaN from its ``call``-th call on (one call per step with --grad-accum 1)."""
+    real, calls = T.sparsity_loss, []
+
+    def fake(*a, **k):
+        calls.append(1)
+        sp = real(*a, **k)
+        return sp * float("nan") if len(calls) >= call else sp
+
+    monkeypatch.setattr(T, "sparsity_loss", fake)
+
+
+def test_divergence_stops_with_one_line_and_keeps_the_last_good_state(tmp_path, model_dir, text_file, capsys,
+                                                                      monkeypatch):
+    out = tmp_path / "run"
+    _nan_sparsity_from(monkeypatch, 3)
+    rc, _, err = run(calibrate_args(model_dir, text_file, out, "--steps", "4", "--save-every", "2"), capsys)
+    error_after_loading(rc, err, "calibrate", "training diverged at step 3 of 4", "sparsity_loss nan",
+                   f"the last good state (step 2) is kept in {str(out)!r}", "lower --lr")
+    assert _state_step(out) == 2
+    assert all(torch.isfinite(t).all() for t in load_file(str(out / "routers.safetensors")).values())
+    assert json.loads((out / "base_model.json").read_text())["extra"]["step"] == 2
+    logged = [json.loads(ln) for ln in (out / "train_log.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in logged] == [1, 2]  # the diverged step is not logged
+
+
+def test_divergence_before_the_first_save_leaves_no_folder(tmp_path, model_dir, text_file, capsys, monkeypatch):
+    out = tmp_path / "run"
+    _nan_sparsity_from(monkeypatch, 1)
+    rc, _, err = run(calibrate_args(model_dir, text_file, out, "--steps", "2"), capsys)
+    error_after_loading(rc, err, "calibrate", "training diverged at step 1 of 2", "nothing was saved")
+    assert not out.exists()
+
+
+def test_non_finite_parameters_after_a_step_are_caught(tmp_path, monkeypatch):
+    """A step whose optimizer update leaves NaN in a trained parameter stops before that step's save."""
+    wm = WideModel(tiny_model(), WideConfig(ffn_group_size=32))
+    real_step = torch.optim.AdamW.step
+
+    def bad_step(self, *a, **k):  # the 3rd update writes a NaN into the routers
+        r = real_step(self, *a, **k)
+        if self.state[self.param_groups[0]["params"][0]]["step"] == 3:
+            with torch.no_grad():
+                self.param_groups[0]["params"][0].view(-1)[0] = float("nan")
+        return r
+
+    monkeypatch.setattr(torch.optim.AdamW, "step", bad_step)
+    with pytest.raises(WideError, match="diverged at step 3 of 4: .*non-finite trained parameters"):
+        calibrate(wm, blocks(), CalibrationArgs(steps=4, batch_size=2, save_every=1), tmp_path, "tiny",
+                  progress=False)
+    assert _state_step(tmp_path) == 2
+
+
+# --- 2: --overwrite removes an earlier run's training state, and only that ---------------------------------
+def test_overwrite_removes_a_stale_sharded_state(tmp_path, model_dir, text_file, capsys):
+    out = tmp_path / "run"
+    rc, _, err = run(calibrate_args(model_dir, text_file, out), capsys)
+    assert rc == 0, err
+    dcp = out / "train_state.dcp"  # what an earlier `--nproc 2` run leaves (a newer step than ours)
+    dcp.mkdir()
+    (dcp / ".metadata").write_bytes(b"x")
+    (dcp / "train_state.json").write_text(json.dumps({"step": 99, "key": {}, "world_size": 2}))
+    (out / "notes.txt").write_text("mine\n")
+    (out / "mydata").mkdir()
+    rc, _, err = run(calibrate_args(model_dir, text_file, out, "--overwrite", "--steps", "2", "--seed", "1"), capsys)
+    assert rc == 0, err
+    rc, stdout, err = run(calibrate_args(model_dir, text_file, out, "--resume", "--steps", "2", "--seed", "1"), capsys)
+    assert rc == 0, err  # was: "--resume: .../train_state.dcp was written with other settings"
+    assert "already complete: step 2 of 2" in stdout
+    assert not dcp.exists() and (out / "notes.txt").read_text() == "mine\n" and (out / "mydata").is_dir()
+
+
+# --- 3 / 5: an interrupted run: the hint, and a truncated last log line on --resume --------------------------
+def _interrupt_at(monkeypatch, call: int) -> None:
+    """KeyboardInterrupt at the ``call``-th micro-batch read (one per step with --grad-accum 1)."""
+    real, calls = T.stream_rows, []
+
+    def fake(*a, **k):
+        calls.append(1)
+        if len(calls) == call:
+            raise KeyboardInterrupt
+        return real(*a, **k)
+
+    monkeypatch.setattr(T, "stream_rows", fake)
+
+
+def test_interrupt_before_any_save_does_not_offer_resume(tmp_path, model_dir, text_file, capsys, monkeypatch):
+    out = tmp_path / "run"
+    _interrupt_at(monkeypatch, 2)
+    rc, _, err = run(calibrate_args(model_dir, text_file, out, "--steps", "4", "--save-every", "3"), capsys)
+    assert rc == 130
+    assert "--resume" not in err and "nothing was saved yet (the first save is at step 3)" in err, err
+    assert not out.exists()  # nothing to resume from: no folder left behind
+
+
+def test_interrupt_then_resume_over_a_truncated_log_line(tmp_path, model_dir, text_file, capsys, monkeypatch):
+    out = tmp_path / "run"
+    args = calibrate_args(model_dir, text_file, out, "--steps", "4", "--save-every", "2")
+    _interrupt_at(monkeypatch, 4)
+    rc, _, err = run(args, capsys)
+    assert rc == 130 and "add --resume to continue" in err, err
+    monkeypatch.undo()
+    log = out / "train_log.jsonl"
+    with log.open("a") as f:
+        f.write('{"step": 4, "lm_lo')  # a killed run's half-written last record
+    rc, stdout, err = run([*args, "--resume"], capsys)
+    assert rc == 0, err
+    warn = [ln for ln in err.splitlines() if "warning" in ln]
+    assert len(warn) == 1 and "train_log.jsonl: skipped 1 unreadable line(s) (line 4" in warn[0], err
+    assert [json.loads(ln)["step"] for ln in log.read_text().splitlines()] == [1, 2, 3, 4]
+    assert "saved WIDE checkpoint" in stdout
+
+
+# --- 6: --resume of a finished run -----------------------------------------------------------------------
+def test_resume_of_a_finished_run_says_so_and_writes_nothing(tmp_path, model_dir, text_file, capsys):
+    out = tmp_path / "run"
+    rc, _, err = run(calibrate_args(model_dir, text_file, out), capsys)
+    assert rc == 0, err
+    before = {p.name: (p.read_bytes(), p.stat().st_mtime_ns) for p in out.iterdir() if p.is_file()}
+    rc, stdout, err = run(calibrate_args(model_dir, text_file, out, "--resume"), capsys)
+    assert rc == 0, err
+    assert "already complete: step 1 of 1 done" in stdout and "saved" not in stdout, stdout
+    assert {p.name: (p.read_bytes(), p.stat().st_mtime_ns) for p in out.iterdir() if p.is_file()} == before
+
+
+# --- 7: a LoRA rank above the model's projection widths ----------------------------------------------------
+def test_lora_rank_above_the_projection_widths_is_refused_before_loading(tmp_path, model_dir, text_file, capsys,
+                                                                        monkeypatch):
+    pytest.importorskip("peft")
+    import wide.checkpoint
+
+    s1 = tmp_path / "s1"
+    rc, _, err = run(calibrate_args(model_dir, text_file, s1), capsys)
+    assert rc == 0, err
+
+    def no_load(*a, **k):
+        raise AssertionError("weights loaded before the --lora-r check")
+
+    monkeypatch.setattr(wide.checkpoint, "load", no_load)
+    out = tmp_path / "s2"
+    rc, _, err = run(["lora", "--model", model_dir, "--text", text_file, "--wide", s1, "-o", out, "--steps", "1",
+                      "--batch-size", "1", "--seq-len", "32", "--device", "cpu", "--lora-r", "100000"], capsys)
+    # tiny model: hidden 64, 2 KV heads x 16 = 32 for k_proj / v_proj, FFN 128
+    one_line_error(rc, err, "lora", "--lora-r 100000 must be at most 32", "k_proj / v_proj")
+    assert not out.exists()
+    from wide.config import ModelDims
+    from wide.lora import LoraSettings, max_lora_rank
+
+    smol = ModelDims(num_layers=30, hidden_size=576, num_heads=9, num_kv_heads=3, head_dim=64,
+                     intermediate_size=1536)
+    assert max_lora_rank(smol) == (192, ["k_proj", "v_proj"])
+    LoraSettings(r=192).check_dims(smol)
+    with pytest.raises(WideError, match="--lora-r 193 must be at most 192"):
+        LoraSettings(r=193).check_dims(smol)
+
+
+def test_memory_estimate_counts_the_lora_parameters():
+    """The training memory check counts every trained LoRA weight's gradient and AdamW state (12 bytes each)."""
+    pytest.importorskip("peft")
+    from wide.lora import LoraSettings, attach_lora, lora_named_parameters
+    from wide.memory import OPTIMIZER_BYTES_PER_PARAM, train_memory_of
+
+    counts = {}
+    for r in (4, 32):
+        wm = WideModel(tiny_model(), WideConfig(ffn_group_size=32))
+        attach_lora(wm, LoraSettings(r=r))
+        for p in wm.router_parameters():
+            p.requires_grad_(False)
+        lora = sum(p.numel() for _, p in lora_named_parameters(wm))
+        mem = train_memory_of(wm, "cpu")
+        assert mem.trainable_params == lora
+        counts[r] = (lora, mem.estimate(1, 16, False))
+    (l4, e4), (l32, e32) = counts[4], counts[32]
+    assert e32 - e4 >= OPTIMIZER_BYTES_PER_PARAM * (l32 - l4)
