@@ -118,3 +118,49 @@ def test_interrupted_checkpoint_warning_is_one_line(tmp_path, model_dir, text_fi
 
     with pytest.warns(WideWarning, match="intermediate save"):  # the library still warns (a UserWarning)
         load(path, model=tiny_model())
+
+
+# --- truncated model files ------------------------------------------------------------------------------------
+def test_truncated_safetensors_in_a_model_directory(model_dir, text_file, capsys):
+    """A Hugging Face directory whose model.safetensors was cut short: one line naming the file (was safetensors'
+    'incomplete metadata, file not fully covered' traceback)."""
+    f = model_dir / "model.safetensors"
+    data = f.read_bytes()
+    f.write_bytes(data[: len(data) // 2])
+    rc, _, err = run(["eval-ppl", "--model", model_dir, "--text", text_file, "--ctx", "32", "--device", "cpu"],
+                     capsys)
+    one_line_error(rc, err, "eval-ppl", f"model weights file '{f}' is truncated or corrupt ({len(data) // 2:,} bytes")
+
+
+def _small_gguf(path):
+    gguf = pytest.importorskip("gguf")
+    import numpy as np
+
+    w = gguf.GGUFWriter(str(path), "llama")
+    w.add_block_count(1)
+    w.add_context_length(64)
+    w.add_embedding_length(8)
+    w.add_feed_forward_length(16)
+    w.add_head_count(2)
+    w.add_head_count_kv(1)
+    w.add_tensor("token_embd.weight", np.zeros((16, 8), dtype=np.float32))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return path
+
+
+@pytest.mark.parametrize("keep", [10, 100, -100])
+def test_truncated_gguf_names_the_file(tmp_path, capsys, keep):
+    """A GGUF cut short (in its header, its metadata or its tensor data): one line naming the file as truncated or
+    corrupt (was numpy's 'cannot reshape array' or a struct.error traceback)."""
+    whole = _small_gguf(tmp_path / "whole.gguf")
+    rc, _, err = run(["info", "--model", whole, "--ffn-group-size", "16"], capsys)
+    assert "truncated" not in err
+    data = whole.read_bytes()
+    cut = tmp_path / "cut.gguf"
+    cut.write_bytes(data[:keep])
+    rc, _, err = run(["info", "--model", cut, "--ffn-group-size", "16"], capsys)
+    one_line_error(rc, err, "info", f"GGUF file '{cut}' is truncated or corrupt ({len(data[:keep]):,} bytes;",
+                   "copy or download it again")

@@ -178,18 +178,14 @@ def _hf_config(model):
     """``(source, Hugging Face config)`` of ``--model``, read from its config alone (no weights).
 
     Raises:
-        WideError: the model is not found, its config cannot be read, or its architecture is not supported.
+        WideError: the model is not found, its config cannot be read (a truncated GGUF is named as such), or its
+            architecture is not supported.
     """
-    from transformers import AutoConfig
-
-    from .modeling import check_architecture, resolve_model
+    from .modeling import check_architecture, read_hf_config, resolve_model
 
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     src = resolve_model(model)
-    try:
-        hf = AutoConfig.from_pretrained(src.directory, **src.hf_kwargs())
-    except (OSError, ValueError, KeyError) as e:
-        raise WideError(f"cannot read model config from {src.ref!r}: {str(e).splitlines()[0]}") from None
+    hf = read_hf_config(src)
     check_architecture(hf)
     return src, hf
 

@@ -92,6 +92,79 @@ def resolve_model(spec: str | None) -> ModelSource:
     raise WideError(f"model {spec!r} is neither a .gguf file nor a directory with config.json")
 
 
+def _first_line(e: BaseException) -> str:
+    """The first line of an exception's message (its type name when it has none)."""
+    text = str(e).strip()
+    return text.splitlines()[0] if text else type(e).__name__
+
+
+def check_gguf_file(path: str | os.PathLike) -> None:
+    """A GGUF file must parse whole with the ``gguf`` reader that transformers uses.
+
+    Raises:
+        WideError: ``GGUF file <path> is truncated or corrupt (<size> bytes; <the reader's error>)``.
+    """
+    try:
+        from gguf import GGUFReader
+    except ImportError:  # transformers cannot read a GGUF without it either, and says so
+        return
+    path = Path(path)
+    try:
+        GGUFReader(str(path))
+    except Exception as e:  # noqa: BLE001 - a damaged file raises ValueError, struct.error, IndexError, ...
+        raise WideError(f"GGUF file {str(path)!r} is truncated or corrupt ({path.stat().st_size:,} bytes; the "
+                        f"GGUF reader fails with: {_first_line(e)}): copy or download it again") from None
+
+
+def read_hf_config(src: ModelSource):
+    """The Hugging Face config of ``src``, read without its weights (for a GGUF, from its metadata).
+
+    Raises:
+        WideError: the config cannot be read; a truncated or corrupt GGUF file is named as such
+            (:func:`check_gguf_file`, run only when the read fails).
+    """
+    from transformers import AutoConfig
+
+    try:
+        return AutoConfig.from_pretrained(src.directory, **src.hf_kwargs())
+    except Exception as e:  # noqa: BLE001 - a damaged GGUF raises struct.error, ValueError, ...
+        if src.gguf_file:
+            check_gguf_file(src.directory / src.gguf_file)
+        if isinstance(e, (OSError, ValueError, KeyError)):
+            raise WideError(f"cannot read model config from {src.ref!r}: {_first_line(e)}") from None
+        raise
+
+
+def check_safetensors_files(directory: str | os.PathLike) -> None:
+    """The safetensors weight files of a Hugging Face checkpoint directory (``model.safetensors``, or the shards
+    that ``model.safetensors.index.json`` lists) must be whole: each one's header is read and must cover the file
+    exactly, which a truncated copy does not. Reads no tensor data. Files that are absent are left to transformers.
+
+    Raises:
+        WideError: ``model weights file <path> is truncated or corrupt (<size> bytes; <safetensors' error>)``.
+    """
+    from safetensors import safe_open
+
+    directory = Path(directory)
+    names = ["model.safetensors"]
+    index = directory / "model.safetensors.index.json"
+    if index.is_file():
+        try:
+            names = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        except (ValueError, KeyError, TypeError, AttributeError, OSError):
+            return  # transformers reports an unreadable index itself
+    for name in names:
+        f = directory / str(name)
+        if not f.is_file():
+            continue
+        try:
+            with safe_open(str(f), framework="pt"):
+                pass
+        except Exception as e:  # noqa: BLE001 - SafetensorError, OSError, ...
+            raise WideError(f"model weights file {str(f)!r} is truncated or corrupt ({f.stat().st_size:,} bytes; "
+                            f"safetensors: {_first_line(e)}): copy or save it again") from None
+
+
 def check_architecture(hf_config) -> str:
     """Return the architecture class name if WIDE supports it.
 
@@ -171,20 +244,18 @@ def load_base_model(spec: str | None = None, device: str | torch.device | None =
         ``(model, tokenizer, source)``; the model is in eval mode with ``requires_grad=False``.
 
     Raises:
-        WideError: bad path, unsupported architecture, files that cannot be read, or a device this machine does
-            not have (:func:`check_device`).
+        WideError: bad path, unsupported architecture, files that cannot be read (a truncated or corrupt GGUF or
+            safetensors weights file is named as such, see :func:`read_hf_config` and
+            :func:`check_safetensors_files`), or a device this machine does not have (:func:`check_device`).
     """
     check_device(device)
-    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoModelForCausalLM, AutoTokenizer
 
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     src = resolve_model(spec)
     device = torch.device(device) if device is not None else default_device()
     dtype = dtype or (torch.bfloat16 if device.type == "cuda" else torch.float32)
-    try:
-        hf_config = AutoConfig.from_pretrained(src.directory, **src.hf_kwargs())
-    except (OSError, ValueError, KeyError) as e:
-        raise WideError(f"cannot read model config from {src.ref!r}: {str(e).splitlines()[0]}") from None
+    hf_config = read_hf_config(src)
     check_architecture(hf_config)
     try:
         tok = quiet_bpe_cleanup(AutoTokenizer.from_pretrained(src.directory, **src.hf_kwargs()))
@@ -192,10 +263,14 @@ def load_base_model(spec: str | None = None, device: str | torch.device | None =
         raise WideError(f"cannot load the tokenizer of {src.ref!r}: {str(e).splitlines()[0]}") from None
     if check is not None:
         check(hf_config, tok)
+    if src.gguf_file is None:
+        check_safetensors_files(src.directory)  # a truncated file: one line naming it, not safetensors' traceback
+    from safetensors import SafetensorError
+
     try:
         model = AutoModelForCausalLM.from_pretrained(src.directory, dtype=dtype, **src.hf_kwargs())
-    except (OSError, ValueError) as e:
-        raise WideError(f"cannot load model {src.ref!r}: {str(e).splitlines()[0]}") from None
+    except (OSError, ValueError, SafetensorError) as e:
+        raise WideError(f"cannot load model {src.ref!r}: {_first_line(e)}") from None
     model.to(device).eval()
     model.requires_grad_(False)
     return model, tok, src
