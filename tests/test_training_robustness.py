@@ -197,7 +197,8 @@ def test_interrupt_then_resume_over_a_truncated_log_line(tmp_path, model_dir, te
     rc, stdout, err = run([*args, "--resume"], capsys)
     assert rc == 0, err
     warn = [ln for ln in err.splitlines() if "warning" in ln]
-    assert len(warn) == 1 and "train_log.jsonl: skipped 1 unreadable line(s) (line 4" in warn[0], err
+    assert len(warn) == 1 and warn[0].startswith("wide calibrate: warning: "), err
+    assert "train_log.jsonl: skipped 1 unreadable line(s) (line 4" in warn[0], err
     assert [json.loads(ln)["step"] for ln in log.read_text().splitlines()] == [1, 2, 3, 4]
     assert "saved WIDE checkpoint" in stdout
 

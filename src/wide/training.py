@@ -29,8 +29,8 @@ import json
 import math
 import os
 import shutil
-import sys
 import time
+import warnings
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -39,7 +39,7 @@ import torch
 from . import distributed as D
 from .checkpoint import save_wide
 from .config import atomic_write
-from .errors import WideError
+from .errors import WideError, WideWarning
 from .memory import check_train_memory
 from .modeling import WideModel, fingerprint
 from .routing import sparsity_loss, uniform_noise
@@ -259,7 +259,7 @@ def _truncate_log(path: Path, step: int) -> None:
     """Drop log records written after the checkpoint we resume from (an interrupted run's tail).
 
     A line that is not a JSON record with an integer ``step`` (a truncated last line is what a killed run
-    leaves) is dropped too, with one warning line on stderr.
+    leaves) is dropped too, with a :class:`~wide.errors.WideWarning` (one line from the CLI).
     """
     if not path.is_file():
         return
@@ -277,9 +277,9 @@ def _truncate_log(path: Path, step: int) -> None:
         elif rec_step <= step:
             keep.append(ln)
     if bad:
-        print(f"warning: {path}: skipped {len(bad)} unreadable line(s) (line {', '.join(map(str, bad[:3]))}"
-              f"{', ...' if len(bad) > 3 else ''}; a killed run leaves a truncated last line)",
-              file=sys.stderr, flush=True)
+        warnings.warn(f"{path}: skipped {len(bad)} unreadable line(s) (line {', '.join(map(str, bad[:3]))}"
+                      f"{', ...' if len(bad) > 3 else ''}; a killed run leaves a truncated last line)",
+                      WideWarning, stacklevel=2)
     path.write_text("".join(ln + "\n" for ln in keep))
 
 
