@@ -164,3 +164,63 @@ def test_truncated_gguf_names_the_file(tmp_path, capsys, keep):
     rc, _, err = run(["info", "--model", cut, "--ffn-group-size", "16"], capsys)
     one_line_error(rc, err, "info", f"GGUF file '{cut}' is truncated or corrupt ({len(data[:keep]):,} bytes;",
                    "copy or download it again")
+
+
+# --- JSONL text that is not a string --------------------------------------------------------------------------
+@pytest.mark.parametrize("value,words", [(5, "'text' is a number (5)"), (None, "'text' is null;"),
+                                         (["a"], "'text' is a list ([\"a\"])"), ({"a": 1}, "'text' is an object")])
+def test_jsonl_text_must_be_a_string(tmp_path, value, words):
+    from wide.data import load_texts
+
+    p = tmp_path / "t.jsonl"
+    p.write_text(json.dumps({"text": "w1 w2"}) + "\n\n" + json.dumps({"text": value}) + "\n")
+    with pytest.raises(WideError, match=r"t\.jsonl: line 3: " + words.replace("(", r"\(").replace(")", r"\)")
+                       .replace("[", r"\[").replace("]", r"\]") + ".* it must be a string"):
+        load_texts(str(p))
+
+
+# --- file modes ------------------------------------------------------------------------------------------------
+def _modes(directory):
+    import stat
+
+    return {str(f.relative_to(directory)): stat.S_IMODE(f.stat().st_mode) for f in directory.rglob("*") if f.is_file()}
+
+
+def test_adapter_files_get_the_new_file_mode(tmp_path):
+    """peft's save_pretrained writes adapter_model.safetensors with 0600 (safetensors does): it gets 0644 under
+    umask 022 like every other file."""
+    import os
+
+    pytest.importorskip("peft")
+    from wide.lora import attach_lora, save_adapter
+
+    wm = WideModel(tiny_model(), WideConfig(ffn_group_size=32))
+    attach_lora(wm)
+    old = os.umask(0o022)
+    try:
+        save_adapter(wm, tmp_path / "adapter")
+    finally:
+        os.umask(old)
+    modes = _modes(tmp_path / "adapter")
+    assert "adapter_model.safetensors" in modes and set(modes.values()) == {0o644}, modes
+
+
+def test_pruned_model_files_get_the_new_file_mode(tmp_path, model_dir, text_file, capsys):
+    import os
+
+    out = tmp_path / "pruned"
+    out.mkdir()
+    keep = out / "mine.txt"  # a file of the user's that the save does not write keeps its mode
+    keep.write_text("x")
+    keep.chmod(0o600)
+    old = os.umask(0o022)
+    try:
+        rc, _, err = run(["prune-static", "--model", model_dir, "-S", "0.5", "-o", out, "--text", text_file,
+                          "--seq-len", "32", "--calib-blocks", "2", "--ffn-group-size", "32", "--device", "cpu",
+                          "--overwrite"], capsys)
+    finally:
+        os.umask(old)
+    assert rc == 0, err
+    modes = _modes(out)
+    assert modes.pop("mine.txt") == 0o600
+    assert "model.safetensors" in modes and set(modes.values()) == {0o644}, modes

@@ -290,6 +290,20 @@ def new_file_mode() -> int:
     return 0o666 & ~umask
 
 
+def set_new_file_mode(paths) -> None:
+    """Give each file in ``paths`` the mode of a newly created file (:func:`new_file_mode`, e.g. ``0o644``).
+
+    For files another library wrote with ``0o600``: safetensors' ``save_file`` creates its files so, and with it
+    peft's and transformers' ``save_pretrained`` (the LoRA adapter, a pruned model's weights).
+
+    Args:
+        paths: paths of regular files (any iterable).
+    """
+    mode = new_file_mode()
+    for path in paths:
+        os.chmod(path, mode)
+
+
 def atomic_write(path: str | os.PathLike, write) -> None:
     """Create or replace ``path`` atomically: ``write(tmp)`` fills a temporary file in the same folder, which
     then gets the mode of a newly created file (:func:`new_file_mode`, not ``mkstemp``'s ``0o600``) and is

@@ -59,6 +59,17 @@ def split_default(passages: list[str]) -> tuple[list[str], list[str]]:
     return calib, evals
 
 
+def _json_type(value) -> str:
+    """The JSON name of a parsed value's type: ``a number``, ``null``, ``a list``, ..."""
+    if value is None:
+        return "null"
+    if isinstance(value, bool):
+        return "a boolean"
+    if isinstance(value, (int, float)):
+        return "a number"
+    return "a list" if isinstance(value, list) else "an object" if isinstance(value, dict) else type(value).__name__
+
+
 def load_texts(spec: str | None, split: str = "calib") -> list[str]:
     """Documents for ``--text``.
 
@@ -68,7 +79,8 @@ def load_texts(spec: str | None, split: str = "calib") -> list[str]:
         split: ``"calib"`` or ``"eval"``; only used for the default text.
 
     Raises:
-        WideError: missing file, unreadable JSONL, or no non-empty text.
+        WideError: missing file, unreadable JSONL (a line that is not an object with a ``text`` field, or whose
+            ``text`` is not a string: the message names the line number and the type), or no non-empty text.
     """
     if spec is None or spec == DEFAULT_TEXT:
         calib, evals = split_default(default_passages())
@@ -87,10 +99,13 @@ def load_texts(spec: str | None, split: str = "calib") -> list[str]:
                     if not line.strip():
                         continue
                     try:
-                        row = json.loads(line)
-                        docs.append(str(row["text"]))
-                    except (json.JSONDecodeError, KeyError, TypeError):
+                        text = json.loads(line)["text"]
+                    except (json.JSONDecodeError, KeyError, TypeError, IndexError):
                         raise WideError(f"{spec}: line {n} is not a JSON object with a 'text' field") from None
+                    if not isinstance(text, str):
+                        shown = "" if text is None else f" ({json.dumps(text)[:40]})"
+                        raise WideError(f"{spec}: line {n}: 'text' is {_json_type(text)}{shown}; it must be a string")
+                    docs.append(text)
         else:
             try:
                 docs = [p.read_text(encoding="utf-8")]

@@ -22,6 +22,7 @@ from pathlib import Path
 
 import torch
 
+from .config import set_new_file_mode
 from .errors import WideError
 from .modeling import WideModel
 
@@ -211,7 +212,8 @@ def save_adapter(wm: WideModel, directory: str | os.PathLike, env=None) -> Path:
     """Save the LoRA adapter of ``wm`` with peft's ``save_pretrained`` (safetensors), atomically.
 
     Under FSDP every rank must call this: the LoRA shards are gathered on every rank (collective) and rank 0
-    writes. The folder is written as ``.<name>.tmp`` and renamed into place.
+    writes. The folder is written as ``.<name>.tmp`` and renamed into place; its files get the mode of a newly
+    created file (``0o666 & ~umask``, :func:`wide.config.set_new_file_mode`), not safetensors' ``0o600``.
 
     Args:
         wm: a model with an adapter (:func:`attach_lora`).
@@ -235,6 +237,7 @@ def save_adapter(wm: WideModel, directory: str | os.PathLike, env=None) -> Path:
         with warnings.catch_warnings():  # peft looks for a config.json next to the base (a GGUF has none)
             warnings.filterwarnings("ignore", message=r"Could not find a config file in ", category=UserWarning)
             pm.save_pretrained(str(tmp), safe_serialization=True, state_dict=full)
+        set_new_file_mode(f for f in tmp.rglob("*") if f.is_file())  # safetensors writes 0600
         _swap_dir(tmp, directory)
     D.barrier(env)
     return directory

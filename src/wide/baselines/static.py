@@ -33,7 +33,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from ..config import ModelDims, WideConfig, atomic_write_text
+from ..config import ModelDims, WideConfig, atomic_write_text, set_new_file_mode
 from ..errors import WideError
 
 PRUNING_NAME = "static_pruning.json"
@@ -467,10 +467,15 @@ def save_pruned(model: nn.Module, tokenizer, pruning: StaticPruning, directory: 
         tokenizer: the base model's tokenizer.
         pruning: the pruning it was made with.
         directory: output folder (created).
+
+    Every file written gets the mode of a newly created file (``0o666 & ~umask``), the weights too.
     """
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
+    before = {f.name: f.stat().st_ino for f in directory.iterdir() if f.is_file()}
     model.save_pretrained(directory)
     tokenizer.save_pretrained(directory)
     pruning.save(directory)
+    # the files just created (new names or replaced inodes) get a new file's mode; safetensors writes 0600
+    set_new_file_mode(f for f in directory.iterdir() if f.is_file() and before.get(f.name) != f.stat().st_ino)
     return directory
