@@ -224,3 +224,23 @@ def test_pruned_model_files_get_the_new_file_mode(tmp_path, model_dir, text_file
     modes = _modes(out)
     assert modes.pop("mine.txt") == 0o600
     assert "model.safetensors" in modes and set(modes.values()) == {0o644}, modes
+
+
+# --- wide demo: --max-blocks and what the evaluation text is --------------------------------------------------
+def test_demo_max_blocks_and_a_truthful_evaluation_text(tmp_path, model_dir, text_file, capsys):
+    rc, out, err = run(["demo", "--model", model_dir, "--text", text_file, "-o", tmp_path / "demo", "--device", "cpu",
+                        "--steps", "1", "--batch-size", "1", "--seq-len", "32", "--ctx", "32", "--eval-tokens", "64",
+                        "--ffn-group-size", "32", "--max-blocks", "3"], capsys)
+    assert rc == 0, err
+    assert "(3 calibration sequences)" in out, out  # --max-blocks was ignored: all 37 sequences
+    line = next(ln for ln in out.splitlines() if ln.startswith("[2/5]"))
+    assert "held-out" in line and "not held-out" in line and f"tokens of {text_file} (the calibration text too" \
+        in line, line
+
+
+# --- wide info --method skipgpt -------------------------------------------------------------------------------
+def test_info_skipgpt_bad_ffn_group_size_lists_the_legal_ones(model_dir, capsys):
+    rc, _, err = run(["info", "--model", model_dir, "--method", "skipgpt", "--ffn-group-size", "100"], capsys)
+    one_line_error(rc, err, "info", "FFN group size G=100", "--ffn-group-size with one of [16, 32, 64, 128]",
+                   "with --method skipgpt it sets the WIDE layout")
+    assert "wide info" not in err.split(": error: ", 1)[1]  # no hint pointing back to itself

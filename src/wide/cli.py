@@ -308,9 +308,11 @@ def cmd_info(args) -> int:
     dims = dims_of(hf)
     g = args.ffn_group_size
     legal = dims.legal_ffn_group_sizes()
-    if args.method == "wide" and g not in legal:  # the generic message would send the user back to `wide info`
+    if g not in legal:  # the generic message would send the user back to `wide info`
+        why = ("" if args.method == "wide" else f" (with --method {args.method} it sets the WIDE layout whose router "
+                                                f"parameter count the SkipGPT rank is matched to)")
         raise WideError(f"FFN group size G={g} must be a power of two >= 16 that divides the intermediate size "
-                        f"{dims.intermediate_size} of {src.ref}: pass --ffn-group-size with one of {legal}")
+                        f"{dims.intermediate_size} of {src.ref}: pass --ffn-group-size with one of {legal}{why}")
     cfg = _config_from(args)
     rc = cfg.resolve(dims)
     n_a, n_f = rc.n_groups(dims)
@@ -602,7 +604,7 @@ def cmd_demo(args) -> int:
 
     from .checkpoint import save_wide
     from .config import atomic_write_text
-    from .data import load_texts, pack, ppl_windows
+    from .data import DEFAULT_TEXT, load_texts, pack, ppl_windows
     from .evaluation import format_layer_table, perplexity
     from .modeling import WideModel
     from .training import calibrate
@@ -625,7 +627,7 @@ def cmd_demo(args) -> int:
 
     def prepare(tok):
         data["win"] = ppl_windows(load_texts(args.text, split="eval"), tok, ctx, max_tokens=eval_tokens)
-        data["blocks"] = pack(load_texts(args.text, split="calib"), tok, seq_len)
+        data["blocks"] = pack(load_texts(args.text, split="calib"), tok, seq_len, max_blocks=args.max_blocks)
 
     model, tok, src = _load(args, cfg, then=prepare, hf_check=_fits_context("--ctx", ctx))
     win, blocks = data["win"], data["blocks"]
@@ -640,7 +642,11 @@ def cmd_demo(args) -> int:
     _print(f"      {d.num_layers} layers, hidden {d.hidden_size}, heads {d.num_heads}/{d.num_kv_heads} KV, head_dim "
            f"{d.head_dim}, FFN {d.intermediate_size}; G_attn={wm.config.attn_group_size} G_ffn={wm.config.ffn_group_size}; "
            f"{wm.router_param_count():,} router parameters")
-    _print(f"[2/5] dense perplexity on {win.numel():,} held-out tokens ({win.shape[0]} x {win.shape[1]})")
+    if args.text is None or args.text == DEFAULT_TEXT:  # the default text's evaluation split: disjoint
+        evaluated = "held-out tokens (the evaluation split of the default text)"
+    else:  # a --text is read whole for both
+        evaluated = f"tokens of {args.text} (the calibration text too, not held-out)"
+    _print(f"[2/5] dense perplexity on {win.numel():,} {evaluated} ({win.shape[0]} x {win.shape[1]})")
     with wm.masks_fixed(attn=True, ffn=True):
         dense = perplexity(wm, win, args.batch_size)
     _print(f"      dense ppl {dense['ppl']:.3f}")
@@ -864,8 +870,8 @@ def build_parser() -> argparse.ArgumentParser:
     s = sub.add_parser("demo", help="dense ppl, short calibration to S=0.5, WIDE ppl, per-layer table, save")
     _add_model(s)
     s.add_argument("--text", default=None,
-                   help="text for calibration and evaluation: .txt, .jsonl with 'text', datasets folder (default: "
-                        "BoolQ Wikipedia passages, calibration / evaluation splits)")
+                   help="text for calibration and evaluation: .txt, .jsonl with 'text', datasets folder, used whole "
+                        "for both (default: BoolQ Wikipedia passages, disjoint calibration / evaluation splits)")
     s.add_argument("--output", "-o", default="runs/demo",
                    help="checkpoint directory; also gets demo_result.json (default: runs/demo); must be empty "
                         "or new unless --overwrite")
