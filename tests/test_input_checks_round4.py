@@ -244,3 +244,65 @@ def test_info_skipgpt_bad_ffn_group_size_lists_the_legal_ones(model_dir, capsys)
     one_line_error(rc, err, "info", "FFN group size G=100", "--ffn-group-size with one of [16, 32, 64, 128]",
                    "with --method skipgpt it sets the WIDE layout")
     assert "wide info" not in err.split(": error: ", 1)[1]  # no hint pointing back to itself
+
+
+# --- refusals before the weights load ---------------------------------------------------------------------------
+def test_prune_static_group_size_is_checked_before_the_weights_load(tmp_path, model_dir, text_file, capsys,
+                                                                     monkeypatch):
+    no_weights(monkeypatch)
+    base = ["prune-static", "--model", model_dir, "-S", "0.5", "-o", tmp_path / "p", "--text", text_file,
+            "--seq-len", "32", "--device", "cpu"]
+    rc, _, err = run([*base, "--attn-group-size", "100", "--ffn-group-size", "32"], capsys)
+    one_line_error(rc, err, "prune-static", "static attention group size G=100 must be a multiple of the GQA group "
+                   "32 dividing the attention width 64", "legal: [32, 64]")
+    rc, _, err = run([*base, "--ffn-group-size", "256"], capsys)
+    one_line_error(rc, err, "prune-static", "FFN group size G=256 does not divide the intermediate size 128",
+                   "legal: [16, 32, 64, 128]")
+    assert not (tmp_path / "p").exists()
+
+
+@pytest.mark.parametrize("wide", [False, True])
+def test_eval_ppl_text_shorter_than_ctx_is_refused_before_the_weights_load(tmp_path, model_dir, capsys,
+                                                                            monkeypatch, wide):
+    ckpt = saved(tmp_path)
+    no_weights(monkeypatch)
+    short = tmp_path / "short.txt"
+    short.write_text("w1 w2 w3")
+    rc, _, err = run(["eval-ppl", "--model", model_dir, "--text", short, "--ctx", "32", "--device", "cpu",
+                      *(["--wide", ckpt] if wide else [])], capsys)
+    one_line_error(rc, err, "eval-ppl", "text has 3 tokens, shorter than one window of --ctx 32")
+
+
+@pytest.mark.parametrize("wide", [False, True])
+def test_eval_ppl_memory_check(tmp_path, model_dir, text_file, capsys, monkeypatch, wide):
+    """Weights + one forward pass that do not fit: one line before the weights load with the estimate, the
+    memory available and a --batch-size that fits; --no-memory-check skips it."""
+    import wide.memory as M
+    from wide.memory import GIB, HEADROOM, config_param_count, estimate_eval_memory
+    from wide.modeling import dims_of
+    from wide_testutil import tiny_llama_config
+
+    cfg = tiny_llama_config()
+    params = config_param_count(cfg)
+    assert params == sum(p.numel() for p in tiny_model().parameters())
+
+    def need(b):
+        return sum(estimate_eval_memory(dims_of(cfg), cfg.vocab_size, params, b, 32))
+
+    avail = int(need(3) / HEADROOM) + 1  # 3 windows per pass fit, 8 do not
+    monkeypatch.setattr(M, "available_memory", lambda device: (avail, "MemAvailable of this machine"))
+    ckpt = saved(tmp_path)
+    args = ["eval-ppl", "--model", model_dir, "--text", text_file, "--ctx", "32", "--batch-size", "8", "--device",
+            "cpu", *(["--wide", ckpt] if wide else [])]
+    import transformers
+
+    real = transformers.AutoModelForCausalLM.from_pretrained
+    no_weights(monkeypatch)
+    rc, _, err = run(args, capsys)
+    one_line_error(rc, err, "eval-ppl", "a forward pass of 8 windows (--batch-size) x 32 tokens (--ctx) needs about "
+                   f"{need(8) / GIB:.1f} GiB for evaluation", f"but {avail / GIB:.1f} GiB is available",
+                   "[8 x 32 x 128] logits", "use --batch-size 3 (about", "--no-memory-check")
+    monkeypatch.setattr(transformers.AutoModelForCausalLM, "from_pretrained", real)
+    rc, out, err = run([*args, "--no-memory-check"], capsys)
+    assert rc == 0, err
+    assert "dense  ppl" in out

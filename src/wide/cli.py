@@ -530,25 +530,41 @@ def cmd_eval_ppl(args) -> int:
 
     Raises:
         WideError: bad counts, a ``--ctx`` longer than the model's context, an unwritable ``--json``, missing
-            text, or a bad checkpoint / model; all but the last before any weight is loaded.
+            text or text shorter than one window, weights and a forward pass that do not fit in memory
+            (:func:`wide.memory.check_eval_memory`, unless ``--no-memory-check``), or a bad checkpoint / model;
+            all but the last before any weight is loaded.
     """
     from .checkpoint import load
     from .data import load_texts, ppl_windows
     from .evaluation import format_layer_table, perplexity
+    from .modeling import default_device, resolve_model
 
     _at_least("--ctx", args.ctx, 2)
     _at_least("--batch-size", args.batch_size, 1)
     _at_least("--max-tokens", args.max_tokens, 2)
     _check_output_file("--json", args.json)
     docs = load_texts(args.text, split="eval")
-    fits = _fits_context("--ctx", args.ctx)  # checked on the config, before any weight is read
+    fits = _fits_context("--ctx", args.ctx)
+    data = {}
+
+    def check(hf, tok):  # on the config and the tokenizer, before any weight is read
+        fits(hf, tok)
+        data["win"] = win = ppl_windows(docs, tok, args.ctx, max_tokens=args.max_tokens)
+        if args.memory_check:
+            from .checkpoint import read_base_info
+            from .memory import check_eval_memory
+
+            spec = args.model if args.model is not None or not args.wide else read_base_info(args.wide)["model"]
+            check_eval_memory(hf, min(args.batch_size, win.shape[0]), win.shape[1],
+                              args.device or default_device(), gguf=resolve_model(spec).gguf_file is not None)
+
     if args.wide:
-        wm, tok = load(args.wide, model=args.model, device=args.device, tokenizer=True, check=fits)
+        wm, tok = load(args.wide, model=args.model, device=args.device, tokenizer=True, check=check)
         model = wm.base
     else:
-        model, tok, _ = _load(args, hf_check=fits)
+        model, tok, _ = _load(args, hf_check=check)
         wm = None
-    win = ppl_windows(docs, tok, args.ctx, max_tokens=args.max_tokens)
+    win = data["win"]
     _print(_windows_line(win, args.ctx, args.max_tokens, "--max-tokens"))
     results = {}
     if wm is not None:
@@ -718,9 +734,9 @@ def cmd_eval(args) -> int:
 def cmd_prune_static(args) -> int:
     import torch
 
-    from .baselines.static import param_count, prune, save_pruned, slice_model
+    from .baselines.static import check_group_sizes, param_count, prune, save_pruned, slice_model
     from .data import load_texts, pack
-    from .modeling import fingerprint
+    from .modeling import dims_of, fingerprint
 
     out = Path(args.output)
     _check_output(args, stage=None)
@@ -737,7 +753,11 @@ def cmd_prune_static(args) -> int:
         raise WideError("give both --attn-sparsity and --ffn-sparsity, or neither")
     docs = load_texts(args.text, split="calib")
     data = {}
-    model, tok, src = _load(args, then=lambda tok: data.setdefault(
+
+    def group_sizes(hf, tok):  # on the config, before any weight is read
+        check_group_sizes(dims_of(hf), args.attn_group_size, args.ffn_group_size)
+
+    model, tok, src = _load(args, hf_check=group_sizes, then=lambda tok: data.setdefault(
         "blocks", pack(docs, tok, args.seq_len, max_blocks=args.calib_blocks)))
     torch.manual_seed(0)
     t0 = time.time()
@@ -822,6 +842,10 @@ def build_parser() -> argparse.ArgumentParser:
                         "shorter window when N < --ctx) (>= 2; default: all)")
     s.add_argument("--layers", action="store_true", help="print the per-layer sparsity table")
     s.add_argument("--json", default=None, help="write results to this JSON file")
+    s.add_argument("--no-memory-check", dest="memory_check", action="store_false",
+                   help="skip the check, before the weights load, that the weights and one forward pass (the "
+                        "--batch-size x --ctx x vocabulary logits in float32 are the big term) fit in the memory "
+                        "available (RAM on CPU, free GPU memory on CUDA)")
     s.set_defaults(func=cmd_eval_ppl)
 
     s = sub.add_parser("eval", help="zero-shot accuracy (lm-eval, offline tasks) and, with --tasks all, WikiText-2 "

@@ -2,7 +2,9 @@
 
 :func:`wide.training.train` calls :func:`check_train_memory` before its first step, so that a batch too large
 for the machine ends with one line naming the estimate, the memory available and a batch split that fits,
-instead of the operating system's OOM killer ending the process without a word.
+instead of the operating system's OOM killer ending the process without a word. ``wide eval-ppl`` likewise calls
+:func:`check_eval_memory` before the weights load (weights plus one forward pass, whose ``batch x ctx x vocab``
+logits are the big term; :func:`estimate_eval_memory`).
 
 The estimate (:func:`estimate_train_memory`), in values per token of the micro-batch (``N = batch x seq_len``
 tokens), with ``d`` the hidden size, ``H`` / ``KV`` the query / key-value heads of ``hd`` channels, ``I`` the
@@ -324,3 +326,112 @@ def check_train_memory(wm, batch_size: int, seq_len: int, *, grad_checkpoint: bo
                     f"{_gib(est)} for training ({how}; a conservative estimate), but {_gib(avail)} is available "
                     f"({where}; at most {HEADROOM:.0%} of it is used): {fix}; or pass --no-memory-check to try "
                     f"anyway")
+
+
+# --- evaluation (wide eval-ppl) -------------------------------------------------------------------------------
+#: bytes per token and vocabulary entry around :func:`wide.evaluation.perplexity`'s loss: the logits, their
+#: flattened float32 copy and its float32 log-softmax are 12 (measured: 1326 MiB over the loaded SmolLM2-135M for
+#: 4 x 512 tokens, of which 1152 MiB are those three), rounded up to 16 for the allocator
+EVAL_LOGIT_BYTES = 16
+#: one-time allocations of the first forward pass (thread pools, kernels' workspaces; measured 0.2 GiB on CPU)
+EVAL_FIXED_BYTES = 256 * 2 ** 20
+#: peak memory while a GGUF is loaded (its tensors are dequantized), in units of the model's weights (measured
+#: 1.57 for the bundled SmolLM2-135M Q4_1 in float32)
+GGUF_LOAD_FACTOR = 2.0
+
+
+def config_param_count(hf_config) -> int:
+    """Parameters of the model that the Hugging Face config ``hf_config`` describes (tied weights once), counted
+    on an instance on the ``meta`` device: no memory, no weights read."""
+    from transformers import AutoModelForCausalLM
+
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(hf_config)
+    return sum(p.numel() for p in model.parameters())
+
+
+def estimate_eval_memory(dims: ModelDims, vocab_size: int, params: int, batch_size: int, ctx: int, *,
+                         param_bytes: int = 4, act_bytes: int = 4, gguf: bool = False) -> tuple[int, int]:
+    """Memory of evaluating perplexity (:func:`wide.evaluation.perplexity`) with a model not loaded yet, in bytes.
+
+    Per token of one forward pass (``batch_size x ctx`` tokens): one decoder layer's activations at a time
+    (:func:`layer_values`, the training count, an over-estimate without a backward), the KV cache the forward
+    fills (``2 L KV hd`` values) and :data:`EVAL_LOGIT_BYTES` per vocabulary entry (the logits and the float32
+    loss around them, the big term); plus :data:`EVAL_FIXED_BYTES`. The weights: ``params x param_bytes``, times
+    :data:`GGUF_LOAD_FACTOR` for a GGUF (the peak while it is dequantized). The routers of a WIDE checkpoint are
+    not counted (0.1-1% of the weights).
+
+    Args:
+        dims: the base model's shape.
+        vocab_size: ``V``, the width of the logits.
+        params: the base model's parameter count (:func:`config_param_count`).
+        batch_size: windows per forward pass.
+        ctx: tokens per window.
+        param_bytes: bytes per weight (4 float32, 2 bfloat16).
+        act_bytes: bytes per activation value (4 on CPU, 2 under CUDA's bfloat16 autocast).
+        gguf: the weights come from a GGUF file.
+
+    Returns:
+        ``(weights, forward)`` bytes.
+    """
+    weights = int(params * param_bytes * (GGUF_LOAD_FACTOR if gguf else 1.0))
+    kv = 2 * dims.num_layers * dims.num_kv_heads * dims.head_dim
+    per_token = (layer_values(dims, ctx) + kv) * act_bytes + EVAL_LOGIT_BYTES * vocab_size
+    return weights, int(batch_size * ctx * per_token + EVAL_FIXED_BYTES)
+
+
+def check_eval_memory(hf_config, batch_size: int, ctx: int, device: torch.device | str, *,
+                      gguf: bool = False) -> int | None:
+    """Refuse an evaluation whose weights and forward pass would not fit in memory, before the weights load.
+
+    Args:
+        hf_config: the base model's Hugging Face config (weights not loaded yet).
+        batch_size: windows per forward pass (at most the number of windows).
+        ctx: tokens per window.
+        device: where the model will run: CPU (float32 weights and activations) or CUDA (bfloat16).
+        gguf: the weights come from a GGUF file (see :func:`estimate_eval_memory`).
+
+    Returns:
+        the estimate in bytes, or None when the available memory cannot be told (then nothing is checked).
+
+    Raises:
+        WideError: the estimate exceeds :data:`HEADROOM` of the available memory; the message names the estimate
+            (weights and forward pass), the memory available, a ``--batch-size`` (or ``--ctx``) that fits, and
+            ``--no-memory-check``.
+    """
+    from .modeling import dims_of
+
+    device = torch.device(device)
+    got = available_memory(device)
+    if got is None:
+        return None
+    avail, where = got
+    dims, vocab = dims_of(hf_config), int(hf_config.vocab_size)
+    nbytes = 2 if device.type == "cuda" else 4
+    params = config_param_count(hf_config)
+
+    def need(b: int, t: int) -> tuple[int, int]:
+        return estimate_eval_memory(dims, vocab, params, b, t, param_bytes=nbytes, act_bytes=nbytes, gguf=gguf)
+
+    weights, forward = need(batch_size, ctx)
+    if weights + forward <= HEADROOM * avail:
+        return weights + forward
+    dtype = "float32" if nbytes == 4 else "bfloat16"
+    tip = next((b for b in range(batch_size - 1, 0, -1) if sum(need(b, ctx)) <= HEADROOM * avail), None)
+    if tip is not None:
+        fix = f"use --batch-size {tip} (about {_gib(sum(need(tip, ctx)))})"
+    else:
+        t = ctx // 2
+        while t >= 2 and sum(need(1, t)) > HEADROOM * avail:
+            t //= 2
+        fix = (f"use --batch-size 1 --ctx {t} (about {_gib(sum(need(1, t)))}; shorter windows give a higher "
+               f"perplexity)" if t >= 2 else f"the weights alone need {_gib(weights)}: use a machine or device with "
+               f"more memory")
+    raise WideError(f"a forward pass of {batch_size} window{'s' if batch_size != 1 else ''} (--batch-size) x {ctx} "
+                    f"tokens (--ctx) needs about "
+                    f"{_gib(weights + forward)} for evaluation ({_gib(weights)} for the {dtype} weights"
+                    f"{' (the peak while they are dequantized from GGUF)' if gguf else ''} and {_gib(forward)} for the pass, of which "
+                    f"{_gib(batch_size * ctx * vocab * EVAL_LOGIT_BYTES)} are the [{batch_size} x {ctx} x {vocab}] "
+                    f"logits and their float32 loss; a conservative estimate), but "
+                    f"{_gib(avail)} is available ({where}; at most {HEADROOM:.0%} of it is used): {fix}; or pass "
+                    f"--no-memory-check to try anyway")

@@ -306,6 +306,32 @@ def choose_allocation(model: nn.Module, scores: dict[str, torch.Tensor], sparsit
     return cands[best]
 
 
+def check_group_sizes(dims: ModelDims, attn_group_size: int | None, ffn_group_size: int) -> int:
+    """Check static pruning's group sizes against a model's dims (e.g. read from its config, before its weights).
+
+    Args:
+        dims: the model's shape.
+        attn_group_size: a multiple of the GQA group ``H_q/H_k * head_dim`` dividing the attention width, or None
+            for the GQA group.
+        ffn_group_size: FFN ``G``, a power of two ``>= 16`` dividing the FFN size.
+
+    Returns:
+        the attention group size (the GQA group for None).
+
+    Raises:
+        WideError: a group size that does not fit; the message lists the legal ones.
+    """
+    g_a = dims.gqa_group_size if attn_group_size is None else int(attn_group_size)
+    legal = [g for g in range(dims.gqa_group_size, dims.attn_width + 1, dims.gqa_group_size)
+             if dims.attn_width % g == 0]
+    if g_a not in legal:
+        raise WideError(f"static attention group size G={g_a} must be a multiple of the GQA group "
+                        f"{dims.gqa_group_size} dividing the attention width {dims.attn_width} (whole KV heads "
+                        f"are removed); legal: {legal}")
+    WideConfig(attn_group_size=g_a, ffn_group_size=ffn_group_size).resolve(dims)
+    return g_a
+
+
 def prune(model: nn.Module, blocks: torch.Tensor, sparsity: float, attn_group_size: int | None = None,
           ffn_group_size: int = 128, batch_size: int = 4, attn_sparsity: float | None = None,
           ffn_sparsity: float | None = None, select_blocks: int = 4) -> StaticPruning:
@@ -331,13 +357,7 @@ def prune(model: nn.Module, blocks: torch.Tensor, sparsity: float, attn_group_si
     from ..modeling import check_architecture, dims_of
 
     check_architecture(model.config)
-    dims = dims_of(model.config)
-    g_a = dims.gqa_group_size if attn_group_size is None else int(attn_group_size)
-    if g_a % dims.gqa_group_size or dims.attn_width % g_a:
-        raise WideError(f"static attention group size G={g_a} must be a multiple of the GQA group "
-                        f"{dims.gqa_group_size} dividing the attention width {dims.attn_width} (whole KV heads "
-                        f"are removed)")
-    WideConfig(attn_group_size=g_a, ffn_group_size=ffn_group_size).resolve(dims)
+    g_a = check_group_sizes(dims_of(model.config), attn_group_size, ffn_group_size)
     sq = channel_sq_norms(model, blocks, batch_size)
     scores = group_scores(model, sq, g_a, ffn_group_size)
     sel = blocks[:max(1, select_blocks)]
