@@ -120,7 +120,7 @@ def test_interrupted_checkpoint_is_flagged_on_load(tmp_path):
     run(tmp_path / "b", 6, stop_after=3)
     info = json.loads((tmp_path / "b" / "base_model.json").read_text())
     assert info["extra"]["step"] == 2 and info["extra"]["steps"] == 6
-    with pytest.warns(UserWarning, match="saved at step 2 of 6"):
+    with pytest.warns(UserWarning, match=r"intermediate save \(step 2 of 6\)"):
         load(tmp_path / "b", model=tiny_model())
     run(tmp_path / "a", 2)
     import warnings
