@@ -433,7 +433,8 @@ def test_cuda_graph_decode_and_fixed_mask_check():
 def test_router_overlap_logic_on_cpu(monkeypatch):
     """The overlap paths' logic (decode: router reading h + add inside its kernel, the router steps left out;
     prefill: the attention router and reorder inside the K / V step, before the Q projection) on the CPU
-    interpreter, with CUDA's stream calls stubbed: the same masks and logits as the plain path, batch 1 and 3."""
+    interpreter, with CUDA's stream calls stubbed: the same masks and logits as the plain path, batch 1, 3 and
+    6 (from 5 rows, with Q, K and V separate, decode runs the attention router beside the norm and K / V)."""
     import contextlib
     import types
 
@@ -446,7 +447,7 @@ def test_router_overlap_logic_on_cpu(monkeypatch):
     monkeypatch.setattr(torch.cuda, "Stream", lambda device=None: fake)
     monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: fake)
     monkeypatch.setattr(torch.cuda, "stream", lambda s: contextlib.nullcontext())
-    for B in (1, 3):
+    for B in (1, 3, 6):
         ids = torch.randint(2, 128, (B, 9), generator=torch.Generator().manual_seed(B))
         outs = []
         for overlap in (True, False):
@@ -455,6 +456,10 @@ def test_router_overlap_logic_on_cpu(monkeypatch):
             eng.overlaps_prefill_router = (lambda phase, on=overlap: on and phase == "prefill")
             names = [n for n, _ in eng.layer_steps(0, {"h": torch.zeros(B, 1, 8)}, "decode")]
             assert ("attn_router" in names) != overlap and ("ffn_router" in names) != overlap
+            qkv = eng.qkv_one_launch("decode", B)
+            assert ("kv_proj" in names) == (not qkv and not overlap), (B, names)  # K / V inside input_norm
+            assert names.index("input_norm") < names.index("attn_reorder") < names.index("q_proj" if not qkv
+                                                                                         else "qkv_proj")
             names = [n for n, _ in eng.layer_steps(0, {"h": torch.zeros(B, 9, 8)}, "prefill")]
             assert ("attn_router" in names) != overlap and ("attn_reorder" in names) != overlap
             assert names.index("kv_proj") < names.index("q_proj") if overlap else "kv_proj" in names
@@ -476,21 +481,23 @@ def test_cuda_router_overlap_and_one_launch_qkv_change_nothing():
     """bf16 on the GPU, batch 1 and 3: decode steps with the routers on a second stream (reading h + add in
     their kernel), the prefill's attention router beside its K / V projections, and the one-launch [Q | K | V]
     GEMV give the same masks and logits as the plain engine
-    (the same values reach the same kernels), eagerly and replayed from a CUDA graph."""
+    (the same values reach the same kernels), eagerly and replayed from a CUDA graph; batch 6 (Q, K, V
+    separate) with the attention router beside the norm and the K / V projections."""
     from wide.inference import Engine
     from wide.inference.graphs import capture
 
     wm = _wide(seed=9)
     wm.base.to("cuda", torch.bfloat16)
     wm.to("cuda")
-    for B in (1, 3):
+    for B in (1, 3, 6):
         ids = torch.randint(2, 128, (B, 12), device="cuda", generator=torch.Generator("cuda").manual_seed(B))
         outs = []
         for overlap in (True, False):
             eng = Engine(wm, overlap=overlap)
-            assert eng.overlaps_router("attn", "decode") == overlap and eng.qkv_one_launch("decode", B)
+            assert eng.overlaps_router("attn", "decode") == overlap and eng.qkv_one_launch("decode", B) == (B <= 4)
             names = [n for n, _ in eng.layer_steps(0, {"h": torch.zeros(B, 1, 8)}, "decode")]
-            assert ("attn_router" in names) != overlap and "qkv_proj" in names and "kv_proj" not in names
+            assert ("attn_router" in names) != overlap
+            assert ("qkv_proj" in names) == (B <= 4) and ("kv_proj" in names) == (B > 4 and not overlap)
             assert eng.overlaps_prefill_router("prefill") == overlap
             cache = eng.new_cache(B, 20)
             eng.record_masks = True

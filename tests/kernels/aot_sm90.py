@@ -80,8 +80,8 @@ def main() -> None:
     # 9-32 rows: the last program finishes them with fp32 dots (rows padded to 16; NP in chunks of NC)
     compile_sm90(fused._router_kernel, rt, dict(R=16, RP=16, BDP=64, BDI=16, NP=128, PP=64, ONE_STEP=False,
                                                 WRITE_LOGITS=True, HAS_ADD=True, DOT=True, PC=8, NC=64))
-    # ... and over 16 programs (a tuning candidate of fused._router_few: 256 D columns each)
-    compile_sm90(fused._router_kernel, rt, dict(R=16, RP=16, BDP=256, BDI=16, NP=128, PP=16, ONE_STEP=False,
+    # ... and over 32 programs (the other tuning candidate of fused._router_few: 128 D columns each)
+    compile_sm90(fused._router_kernel, rt, dict(R=16, RP=16, BDP=128, BDI=16, NP=128, PP=32, ONE_STEP=False,
                                                 WRITE_LOGITS=False, HAS_ADD=True, DOT=True, PC=8, NC=64))
     compile_sm90(fused._zero_skipped_heads_kernel, types_of(fused._zero_skipped_heads_kernel, route_ptr=b),
                  dict(HPG=4, DH=128, BC=64, BT=32))

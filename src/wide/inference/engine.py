@@ -376,7 +376,10 @@ class Engine:
         The router reads the residual stream ``h + add`` (the add inside its kernel) on a second CUDA stream
         while the fused add + RMSNorm runs on the current one; the current stream waits for both before the
         projections.  A few-row decode step is a chain of latency-bound kernels, so this hides the shorter of
-        the two (~2 µs a router on an H200).  Decode on CUDA with the fused kernels and routers, and
+        the two (~2 µs a router on an H200).  From 5 rows, where Q, K and V are separate projections (see
+        :meth:`qkv_one_launch`), the attention router also runs beside the K / V projections, which do not
+        depend on it (a router of 16-32 rows took 10-16 µs on the H200, the norm ~2 µs and K / V ~13 µs;
+        ``benchmarks/e2e/e2e_h200-grid1_trace.json``).  Decode on CUDA with the fused kernels and routers, and
         :attr:`overlap` (default True); CUDA-graph capturable (the second stream forks from and joins the
         capturing one inside the step)."""
         routers = self.attn_routers if kind == "attn" else self.ffn_routers
@@ -445,11 +448,21 @@ class Engine:
 
         ov_attn, ov_ffn = self.overlaps_router("attn", phase), self.overlaps_router("ffn", phase)
         ov_prefill = self.overlaps_prefill_router(phase) and not qkv
+        ov_kv = ov_attn and not qkv  # decode of > 4 rows: the attention router beside the norm and K / V
 
         def input_norm(st):  # with ov_attn also the attention router (its own step is then left out)
             st["h_attn"], st["x"], m = self._norm_route(L.ln1, st["h"], st.get("pending"), "attn", i, st, ov_attn)
             if ov_attn:
                 st["am"], st["am_flat"], st["am_per"] = m, None, None
+
+        def input_norm_kv(st):  # decode with ov_kv: norm + K / V here, the attention router (reading h + add) beside
+            def main():
+                st["h_attn"], st["x"] = self._norm(L.ln1, st["h"], st.get("pending"))
+                kv_proj(st)
+
+            m, _ = self._beside(lambda: self._route("attn", i, st["h"], st.get("valid"), add=st.get("pending")),
+                                main)
+            st["am"], st["am_flat"], st["am_per"] = m, None, None
 
         def attn_router(st):
             st["am"] = self._route("attn", i, st["h_attn"], st.get("valid"))
@@ -593,11 +606,13 @@ class Engine:
             st["h"] = st["h_ffn"]
             st["pending"] = y.view(B, T, D)  # added to h by the next norm (fused add)
 
-        steps = [("input_norm", input_norm)]
-        if ov_prefill:  # the trace's "kv_proj" then includes the router and reorder that run beside it
-            steps += [("kv_proj", kv_proj_route), ("q_proj", q_proj)]
+        if ov_kv:  # the trace's "input_norm" then includes K / V and the router beside them
+            steps = [("input_norm", input_norm_kv)] + ([] if dense else [("attn_reorder", attn_reorder)])
+            steps.append(("q_proj", q_proj))
+        elif ov_prefill:  # the trace's "kv_proj" then includes the router and reorder that run beside it
+            steps = [("input_norm", input_norm), ("kv_proj", kv_proj_route), ("q_proj", q_proj)]
         else:
-            steps += [] if ov_attn else [("attn_router", attn_router)]
+            steps = [("input_norm", input_norm)] + ([] if ov_attn else [("attn_router", attn_router)])
             if not dense:
                 steps.append(("attn_reorder", attn_reorder))
             steps += [("qkv_proj", qkv_proj)] if qkv else [("q_proj", q_proj), ("kv_proj", kv_proj)]

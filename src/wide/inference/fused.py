@@ -492,7 +492,7 @@ def _router_plan(rows: int, D: int, R: int, dot: bool = False, programs: int | N
 
     ``programs``: about how many programs share W1's D axis (default 64: ~4 KB of fp32 W1 each at D = 4096,
     r = 16).  The last program reads ``P x RP x r`` fp32 partials, 4x more at 16 padded rows than at 4;
-    :func:`_router_few` times 16, 32 and 64 programs per shape."""
+    :func:`_router_few` times 32 and 64 programs per shape."""
     RP = max(16 if dot else 2, next_pow2(rows))
     target = programs or (4 if interpret_mode() else 64)
     BDP = max(16, next_pow2(-(-D // target)))
@@ -536,21 +536,22 @@ def _router_launch(router, x2: torch.Tensor, logits: torch.Tensor | None = None,
 
 
 def _router_few(router, x2: torch.Tensor, add2: torch.Tensor | None = None) -> torch.Tensor:
-    """Few-row (decode) router: :func:`_router_launch` with the fastest of its finishes (row loop or, rank >= 16,
-    fp32 dots) and program counts (16, 32 or 64 programs over D), timed once per shape on the GPU inside a CUDA
-    graph (:func:`pick_config` with ``graph=True``, cached).  The first candidate is the fixed rule
-    (:func:`_router_dot`, 64 programs), which runs elsewhere (the CPU interpreter, ``WIDE_AUTOTUNE=0``).
+    """Few-row (decode) router: :func:`_router_launch` with the finish of the fixed rule (:func:`_router_dot`)
+    over 64 or 32 programs along D, the faster timed once per shape on the GPU inside a CUDA graph
+    (:func:`pick_config` with ``graph=True``, cached).  The first candidate (64 programs) runs where nothing is
+    timed (the CPU interpreter, ``WIDE_AUTOTUNE=0``, a first capture).
 
-    Why tune: the last program reads ``P x RP x r`` fp32 partials, 64 KB at 16 padded rows and 64 programs,
-    and on the H200 the router then cost 11-16 us whatever the real row count (``benchmarks/e2e/
-    decode_probe_h200-router.md``); fewer programs read fewer partials but stream more of W1 each."""
+    Why these two: the last program reads ``P x RP x r`` fp32 partials (64 KB at 16 padded rows, 64 programs,
+    rank 16).  On the H200 (``benchmarks/e2e/decode_probe_h200-router2.md``, D = 4096, rank 16, us) 32 programs
+    ran the attention router (N_G = 8) in 16.0 vs 16.6 at 16 rows and 22.3 vs 29.9 at 32, but the FFN router
+    (N_G = 112) in 17.2 vs 13.5 and 24.8 vs 19.5; 16 programs and the other finish were slower at every point,
+    so they are not timed (each candidate is one more compile on a process's first run)."""
     from ..kernels._common import pick_config
 
     rows, D = x2.shape
     R = router.w1.out_features
-    first = dict(dot=_router_dot(rows, R), programs=None)  # None: 64 programs (4 under the interpreter)
-    cands = [first] + [dict(dot=d, programs=p) for d in ((False, True) if R >= 16 else (False,))
-                       for p in (16, 32, 64) if (d, p) != (first["dot"], 64)]
+    dot = _router_dot(rows, R)
+    cands = [dict(dot=dot, programs=None), dict(dot=dot, programs=32)]  # None: 64 (4 under the interpreter)
     res = {}
 
     def run(cfg):
@@ -702,7 +703,7 @@ def router_mask(router, x: torch.Tensor, add: torch.Tensor | None = None) -> tor
 
     With up to :data:`ROUTER_MAX_ROWS` rows on the Triton path (CUDA, or CPU under ``TRITON_INTERPRET=1``)
     and a power-of-two rank it is one kernel launch, CUDA-graph capturable (no host sync, fixed shapes):
-    16 to 64 programs each compute ``x[:, D_p] W1[:, D_p]^T`` over their slice of D (so W1 is read by
+    32 or 64 programs each compute ``x[:, D_p] W1[:, D_p]^T`` over their slice of D (so W1 is read by
     many SMs at once), and the program that arrives last (atomic counter, reset by that program) sums the
     partials in a fixed order, adds ``b1``, computes the two fp32 class logits per group with ``W2, b2``
     (one row at a time, or with fp32 dots over all rows) and writes the argmax; the program count and the
