@@ -651,7 +651,8 @@ def bench_smollm2(ctx):
 
 
 def write_report(records: list, out_dir: str, tag: str) -> None:
-    """Markdown table and plot (speedup vs prompt length per phase / batch / s) from the records."""
+    """Markdown table and plot from the records: the auto engine's speedup against prompt tokens (prefill) and
+    batch size (decode), colour = s, marker = G_ffn."""
     rows = ["| phase | model | split | B | prompt | s | G | realized attn / ffn / overall | HF eager ms | "
             "dense (graph) ms | WIDE ms | speedup | WIDE auto ms | speedup auto |",
             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
@@ -673,31 +674,34 @@ def write_report(records: list, out_dir: str, tag: str) -> None:
         import matplotlib.pyplot as plt
     except Exception:
         return
-    fig, axes = plt.subplots(1, 2, figsize=(11, 4))
+    # the quoted number: the default (auto-dispatch) engine's speedup; colour = s, marker = G_ffn, line style =
+    # the other axis (prefill: batch, x = tokens B x T; decode: context, x = batch)
+    colors = {0.0: "tab:gray", 0.25: "tab:blue", 0.5: "tab:red", 0.75: "tab:purple"}
+    markers = {64: "^", 128: "o", 256: "s"}
+    styles = ["-", "--", ":", "-."]
+    fig, axes = plt.subplots(1, 2, figsize=(12, 4.5))
     for ax, phase in zip(axes, ("prefill", "decode")):
         rs = [r for r in records if r["phase"] == phase and r["model"] == "llama8b-shapes"]
+        other = sorted({r["batch"] if phase == "prefill" else r["prompt_len"] for r in rs})
         series = {}
         for r in rs:
-            series.setdefault((r["batch"], r["sparsity"], r.get("split"), r["G_ffn"]), []).append(
-                (r["prompt_len"], r["speedup"]))
-        for r in rs:
-            if "speedup_auto" in r:
-                series.setdefault((r["batch"], r["sparsity"], r.get("split"), r["G_ffn"], "auto"), []).append(
-                    (r["prompt_len"], r["speedup_auto"]))
-        for key, pts in sorted(series.items(), key=lambda kv: str(kv[0])):
-            B, s, split, G = key[:4]
+            o = r["batch"] if phase == "prefill" else r["prompt_len"]
+            x = r["batch"] * r["prompt_len"] if phase == "prefill" else r["batch"]
+            series.setdefault((r["sparsity"], r.get("split"), r["G_ffn"], o), []).append(
+                (x, r.get("speedup_auto", r["speedup"])))
+        for (sp, split, G, o), pts in sorted(series.items(), key=lambda kv: str(kv[0])):
             pts.sort()
-            auto = len(key) == 5
-            ax.plot([p[0] for p in pts], [p[1] for p in pts], "s--" if auto else "o-", alpha=0.8,
-                    label=f"B={B} s={s} {split} G={G}" + (" auto" if auto else ""))
+            ax.plot([p[0] for p in pts], [p[1] for p in pts], color=colors.get(sp, "k"), marker=markers.get(G, "x"),
+                    ls=styles[other.index(o) % len(styles)], alpha=0.8 if split != "uniform" else 0.45, ms=5,
+                    label=f"s={sp} G={G} {split} " + (f"B={o}" if phase == "prefill" else f"ctx={o}"))
         ax.axhline(1.0, color="k", lw=0.6)
         ax.axhline(1.75 if phase == "prefill" else 1.65, color="r", ls="--", lw=0.8, label="goal (s=0.5)")
         ax.set_xscale("log", base=2)
-        ax.set_xlabel("prompt / context length")
-        ax.set_ylabel("speedup vs dense (CUDA graph)")
+        ax.set_xlabel("prompt tokens (batch x prompt length)" if phase == "prefill" else "batch size")
+        ax.set_ylabel("speedup vs dense CUDA graph (auto engine)")
         ax.set_title(f"{phase}: Llama-3.1-8B shapes, bf16", fontsize=9)
         ax.grid(alpha=0.3)
-        ax.legend(fontsize=6)
+        ax.legend(fontsize=5.5, ncol=2, loc="best")
     fig.tight_layout()
     fig.savefig(os.path.join(out_dir, f"e2e_{tag}.png"), dpi=110)
 
