@@ -50,14 +50,33 @@ ATTN = ("kernel", "auto", "dense")
 ATTN_DENSE_ABOVE = 0.69
 
 
+# Executed fraction p* at which the routed tile kernel's time equals cuBLAS's, per op, rows M and group size G:
+# on the H200 kernel grid (benchmarks/kernels/kernels_h200-full.json, Bernoulli(1 - s) masks, reorder share
+# included), the speedup over cuBLAS interpolated linearly between the measured s = 0, 0.25, 0.5, 0.75 to where
+# it reaches 1; p* = 1 - that s.  tests/test_engine_dispatch.py re-derives this table from the JSON.
+NAXIS_CROSSOVER = {
+    "gemm_mn": {1024: {32: 0.252, 64: 0.421, 128: 0.648, 256: 0.787, 512: 0.788},
+                4096: {32: 0.323, 64: 0.473, 128: 0.679, 256: 0.826, 512: 0.89},
+                16384: {32: 0.307, 64: 0.493, 128: 0.76, 256: 0.883, 512: 0.887}},
+    "swiglu": {1024: {32: 0.487, 64: 0.713, 128: 0.84, 256: 0.843, 512: 0.839},
+               4096: {32: 0.55, 64: 0.801, 128: 0.9, 256: 0.92, 512: 0.903},
+               16384: {32: 0.554, 64: 0.769, 128: 0.859, 256: 0.862, 512: 0.884}},
+}
+
+
 def naxis_dense_above(op: str, G: int, M: int = 1 << 20) -> float:
     """Executed fraction above which ``naxis="auto"`` runs an N-axis op of ``M > 4`` rows as dense cuBLAS GEMMs.
 
-    Many rows (M > 64), from the H200 tile probe (benchmarks/kernels/tile_probe.json, M = 16384, s = 0, best
-    config): the routed tile kernel at full activity reaches 0.82 of cuBLAS's speed for ``gemm_mn`` at
-    G = 128, 0.95 at G = 512, and 1.00 (G = 128) / 0.95 (G = 512) for the fused SwiGLU against two cuBLAS
-    GEMMs plus the activation; its time scales with the executed fraction p, so it wins while p is below
-    that ratio (taken a little lower here: the reorder is not in those times).
+    From 1024 rows (prefill): :data:`NAXIS_CROSSOVER`, the measured crossover of the routed kernel against
+    cuBLAS, interpolated linearly in ``log2 M`` between 1024, 4096 and 16384 rows (held constant beyond), at
+    the nearest measured G in ``log2``.  E.g. the fused SwiGLU at G = 128 wins below 84-90 % of groups executed,
+    at G = 64 below 71-80 %, at G = 32 below about half.
+
+    65-1023 rows, the rule from the tile probe (benchmarks/kernels/tile_probe.json, M = 16384, s = 0, best
+    config): the routed kernel at full activity reaches 0.82 of cuBLAS's speed for ``gemm_mn`` at G = 128, 0.95
+    at G = 512, and 1.00 / 0.95 for the fused SwiGLU, so it runs below 0.80 / 0.92 / 0.93 of groups executed.
+    (The grid has only M = 256 there, where the kernels lose to cuBLAS at almost every s, and the end-to-end
+    prefill at 512 tokens gains from routing at s = 0.5: not enough to set a rule for these sizes.)
 
     Few rows (5-64, decode at batch 16), from the H200 decode traces at batch 16 (Llama-3.1-8B shapes,
     benchmarks/e2e/e2e_h200-quick8_trace.json, e2e_h200-decode8_trace.json): the Q projection (N = K = 4096,
@@ -70,14 +89,32 @@ def naxis_dense_above(op: str, G: int, M: int = 1 << 20) -> float:
 
     Args:
         op: ``"gemm_mn"`` (the Q projection) or ``"swiglu"`` (gate + up).
-        G: the op's group size (channels).
+        G: the op's group size (channels), >= 1.
         M: rows of the op.
+
+    Returns:
+        The threshold p* in [0, 1]: the op runs as cuBLAS when the layer's expected executed fraction is above.
+
+    Raises:
+        ValueError: an unknown ``op``.
     """
+    if op not in NAXIS_CROSSOVER:
+        raise ValueError(f"naxis_dense_above: op must be 'gemm_mn' or 'swiglu', got {op!r}")
     if M <= 64:
         return 1.0 if op == "swiglu" else 0.0
-    if op == "swiglu":
-        return 0.93
-    return 0.92 if G >= 256 else 0.80
+    if M < 1024:
+        if op == "swiglu":
+            return 0.93
+        return 0.92 if G >= 256 else 0.80
+    table = NAXIS_CROSSOVER[op]
+    g = min(table[1024], key=lambda c: (abs(math.log2(c) - math.log2(max(G, 1))), c))
+    ms = sorted(table)
+    if M >= ms[-1]:
+        return table[ms[-1]][g]
+    lo = max(m for m in ms if m <= M)
+    hi = min(m for m in ms if m > M)
+    w = (math.log2(M) - math.log2(lo)) / (math.log2(hi) - math.log2(lo))
+    return (1 - w) * table[lo][g] + w * table[hi][g]
 
 
 def sliding_window(hf_config) -> int | None:
