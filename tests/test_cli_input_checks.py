@@ -13,21 +13,8 @@ import pytest
 from wide.cli import main
 from wide.errors import WideError
 from wide.training import CalibrationArgs
-
-
-def run(args, capsys):
-    rc = main([str(a) for a in args])
-    out, err = capsys.readouterr()
-    return rc, out, err
-
-
-def one_line_error(rc, err, cmd, *words):
-    assert rc == 2, err
-    lines = err.strip().splitlines()
-    assert len(lines) == 1 and "Traceback" not in err, err
-    assert lines[0].startswith(f"wide {cmd}: error: "), lines[0]
-    for w in words:
-        assert w in lines[0], lines[0]
+from wide_testutil import one_line_error
+from wide_testutil import run_cli as run
 
 
 def calibrate_args(model_dir, text_file, out, *extra):

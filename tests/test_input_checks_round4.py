@@ -8,27 +8,12 @@ import json
 import pytest
 import torch
 
-from wide_testutil import tiny_model
 from wide.checkpoint import ROUTERS_NAME, load, save_wide
-from wide.cli import main
 from wide.config import WideConfig
 from wide.errors import WideError
 from wide.modeling import WideModel
-
-
-def run(args, capsys):
-    rc = main([str(a) for a in args])
-    out, err = capsys.readouterr()
-    return rc, out, err
-
-
-def one_line_error(rc, err, cmd, *words):
-    assert rc == 2, err
-    lines = err.strip().splitlines()
-    assert len(lines) == 1 and "Traceback" not in err, err
-    assert lines[0].startswith(f"wide {cmd}: error: "), lines[0]
-    for w in words:
-        assert w in lines[0], lines[0]
+from wide_testutil import one_line_error, tiny_model
+from wide_testutil import run_cli as run
 
 
 def no_weights(monkeypatch):

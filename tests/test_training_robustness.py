@@ -10,29 +10,14 @@ import torch
 from safetensors.torch import load_file
 
 import wide.training as T
-from wide.cli import main
 from wide.config import WideConfig
 from wide.errors import WideError
 from wide.modeling import WideModel
 from wide.training import SEED_MAX, STATE_NAME, CalibrationArgs, calibrate, stream_rows
-from wide_testutil import tiny_model
+from wide_testutil import one_line_error, tiny_model
+from wide_testutil import run_cli as run
 
 NOWHERE = "no-such-model"  # the refusals below come before any model is looked up
-
-
-def run(args, capsys):
-    rc = main([str(a) for a in args])
-    out, err = capsys.readouterr()
-    return rc, out, err
-
-
-def one_line_error(rc, err, cmd, *words):
-    assert rc == 2, err
-    lines = err.strip().splitlines()
-    assert len(lines) == 1 and "Traceback" not in err, err
-    assert lines[0].startswith(f"wide {cmd}: error: "), lines[0]
-    for w in words:
-        assert w in lines[0], lines[0]
 
 
 def error_after_loading(rc, err, cmd, *words):

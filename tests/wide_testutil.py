@@ -46,3 +46,22 @@ def tiny_tokenizer():
 def random_text(n_words: int, seed: int = 0) -> str:
     g = torch.Generator().manual_seed(seed)
     return " ".join(f"w{int(i)}" for i in torch.randint(0, 126, (n_words,), generator=g))
+
+
+def run_cli(args, capsys):
+    """``(exit code, stdout, stderr)`` of ``wide <args>`` run in-process (``wide.cli.main``)."""
+    from wide.cli import main
+
+    rc = main([str(a) for a in args])
+    out, err = capsys.readouterr()
+    return rc, out, err
+
+
+def one_line_error(rc, err, cmd, *words):
+    """Assert the CLI refused with exit code 2 and exactly one line ``wide <cmd>: error: ...`` holding ``words``."""
+    assert rc == 2, err
+    lines = err.strip().splitlines()
+    assert len(lines) == 1 and "Traceback" not in err, err
+    assert lines[0].startswith(f"wide {cmd}: error: "), lines[0]
+    for w in words:
+        assert w in lines[0], lines[0]
