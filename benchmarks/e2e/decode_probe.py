@@ -43,6 +43,14 @@ import traceback
 from types import SimpleNamespace
 
 
+
+class _ProbeRouter(SimpleNamespace):
+    """A router's weights without the module (weak-referenceable: the fused router caches W1's bf16 pieces per
+    router in a WeakKeyDictionary)."""
+
+    __hash__ = object.__hash__  # identity, as for the nn.Module routers (SimpleNamespace compares by value)
+    __eq__ = object.__eq__
+
 def _parse(argv):
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--out", required=True, help="output folder (created)")
@@ -180,7 +188,7 @@ class Probe:
             w2 = SimpleNamespace(weight=self.randn(2 * N, r, dtype=torch.float32),
                                  bias=self.randn(2 * N, dtype=torch.float32, std=0.5), out_features=2 * N,
                                  in_features=r)
-            routers.append(SimpleNamespace(w1=w1, w2=w2, n_groups=N))
+            routers.append(_ProbeRouter(w1=w1, w2=w2, n_groups=N))
         x = self.randn(B, 1, D)
         n = self.n_ops(ncopy)
 
@@ -197,6 +205,9 @@ class Probe:
                        lambda R, x, d=d, p=p: fused._router_launch(R, x.view(-1, D), dot=d, programs=p).view(
                            *x.shape[:-1], N))
                       for d in (True, False) for p in (None, 32, 16)]
+        if x.dtype == torch.bfloat16:  # two launches: a GEMM against W1's three bf16 pieces, then the finish
+            impls.append(("GEMM (W1 in 3 pieces) + finish", lambda R, x: fused._router_mm_launch(
+                R, x.view(-1, D)).view(*x.shape[:-1], N)))
         for name, f in impls:
             outs = [None] * n
 

@@ -83,6 +83,10 @@ def main() -> None:
     # ... and over 32 programs (the other tuning candidate of fused._router_few: 128 D columns each)
     compile_sm90(fused._router_kernel, rt, dict(R=16, RP=16, BDP=128, BDI=16, NP=128, PP=32, ONE_STEP=False,
                                                 WRITE_LOGITS=False, HAS_ADD=True, DOT=True, PC=8, NC=64))
+    # the two-launch few-row router's finish (bf16 rows: a GEMM against W1's three pieces, then this)
+    compile_sm90(fused._router_finish_kernel, types_of(fused._router_finish_kernel, y_ptr=f32, b1_ptr=f32,
+                                                       w2_ptr=f32, b2_ptr=f32, out_ptr=b, logit_ptr=f32),
+                 dict(R=16, NP=128, WRITE_LOGITS=False))
     compile_sm90(fused._zero_skipped_heads_kernel, types_of(fused._zero_skipped_heads_kernel, route_ptr=b),
                  dict(HPG=4, DH=128, BC=64, BT=32))
     compile_sm90(fused._masked_swiglu_kernel, types_of(fused._masked_swiglu_kernel, route_ptr=b), dict(BN=64, BM=32))

@@ -207,9 +207,35 @@ def test_router_few_candidates_agree(rows, monkeypatch):
     mask = fused._router_few(R, x)
     dot = fused._router_dot(rows, 16)
     assert seen["graph"] and seen["key"][0] == rows
-    assert seen["cands"] == [dict(dot=dot, programs=None), dict(dot=dot, programs=32)]
+    assert seen["cands"] == [dict(dot=dot, programs=None), dict(dot=dot, programs=32), dict(impl="mm")]
     assert torch.equal(mask[clear], want)
     for d in (False, True):
         for p in (16, 32, 64):
             m = fused._router_launch(R, x, dot=d, programs=p)
             assert torch.equal(m[clear], want), (d, p)
+    fused._router_few(R, x.float())  # fp32 rows: no mm candidate (its GEMM is exact for bf16 operands only)
+    assert seen["cands"] == [dict(dot=dot, programs=None), dict(dot=dot, programs=32)]
+
+
+@pytest.mark.parametrize("rows", [1, 5, 32])
+@pytest.mark.parametrize("N", [8, 112])
+@pytest.mark.parametrize("with_add", [False, True])
+def test_router_mm_launch_matches_float64(rows, N, with_add):
+    """The two-launch few-row router (GEMM against W1's three bf16 pieces, then the finish kernel): fp32 logits
+    within 1e-5 of the largest against float64, decisions equal wherever the two logits are apart, with the
+    residual add rounded to bf16 first as add_rmsnorm does."""
+    gen = seed_for("router_mm", rows, N, with_add)
+    R = _router(512, N, 16, gen)
+    x = torch.randn((rows, 512), generator=gen).to(torch.bfloat16).to(DEVICE)
+    add = torch.randn((rows, 512), generator=gen).to(torch.bfloat16).to(DEVICE) if with_add else None
+    xin = (x.float() + add.float()).to(torch.bfloat16) if with_add else x
+    ref = _logits64(R, xin)
+    scale = ref.abs().max().item()
+    clear = (ref[..., 0] - ref[..., 1]).abs() > 1e-4 * scale
+    logits = torch.full((rows, N, 2), float("nan"), device=DEVICE)
+    mask = fused._router_mm_launch(R, x, add, logits=logits)
+    assert mask.dtype == torch.bool and mask.shape == (rows, N)
+    assert (logits.double() - ref).abs().max().item() <= 1e-5 * scale + 1e-6
+    assert torch.equal(mask[clear], (ref[..., 0] >= ref[..., 1])[clear])
+    with pytest.raises(ValueError, match="bf16"):
+        fused._router_mm_launch(R, x.float())

@@ -126,6 +126,27 @@ if HAS_TRITON:
         tl.store(out_ptr + row * N + offs_n, le >= ls, mask=nm)
 
     @triton.jit
+    def _router_finish_kernel(y_ptr, b1_ptr, w2_ptr, b2_ptr, out_ptr, logit_ptr, N,
+                              R: tl.constexpr, NP: tl.constexpr, WRITE_LOGITS: tl.constexpr):
+        # one program per row: h = (y_hi + y_mid) + y_lo + b1 from the fp32 [rows, 3R] product of x with W1's three
+        # bf16 pieces (see _w1_split3), then the two class logits per group with W2, b2 and the argmax
+        row = tl.program_id(0).to(tl.int64)
+        offs_r = tl.arange(0, R)
+        yp = y_ptr + row * (3 * R) + offs_r
+        h1 = (tl.load(yp) + tl.load(yp + R)) + tl.load(yp + 2 * R) + tl.load(b1_ptr + offs_r)
+        offs_n = tl.arange(0, NP)
+        nm = offs_n < N
+        w_e = tl.load(w2_ptr + (2 * offs_n)[:, None] * R + offs_r[None, :], mask=nm[:, None], other=0.0)
+        w_s = tl.load(w2_ptr + (2 * offs_n + 1)[:, None] * R + offs_r[None, :], mask=nm[:, None], other=0.0)
+        le = tl.sum(w_e * h1[None, :], axis=1) + tl.load(b2_ptr + 2 * offs_n, mask=nm, other=0.0)
+        ls = tl.sum(w_s * h1[None, :], axis=1) + tl.load(b2_ptr + 2 * offs_n + 1, mask=nm, other=0.0)
+        tl.store(out_ptr + row * N + offs_n, le >= ls, mask=nm)
+        if WRITE_LOGITS:
+            lp = logit_ptr + (row * N + offs_n) * 2
+            tl.store(lp, le, mask=nm)
+            tl.store(lp + 1, ls, mask=nm)
+
+    @triton.jit
     def _store_route(out_ptr, logit_ptr, offs_m, offs_n, om, le, ls, N, WRITE_LOGITS: tl.constexpr):
         # the argmax decisions (execute where logit_0 >= logit_1) of rows offs_m x groups offs_n, and with
         # WRITE_LOGITS both fp32 class logits, interleaved as [rows, N, 2]
@@ -535,6 +556,39 @@ def _router_launch(router, x2: torch.Tensor, logits: torch.Tensor | None = None,
     return out
 
 
+def _router_mm_launch(router, x2: torch.Tensor, add2: torch.Tensor | None = None,
+                      logits: torch.Tensor | None = None) -> torch.Tensor:
+    """Few-row router in two launches (bf16 rows): ``x W1^T`` as one fp32-output GEMM against the three bf16
+    pieces of W1 (:func:`_w1_split3`: exact products, fp32 accumulation), then one program per row sums the pieces
+    ``(hi + mid) + lo``, adds ``b1`` and computes the class logits and the argmax (:func:`_router_finish_kernel`).
+    With ``add2`` the residual ``x + add`` is formed first, rounded to bf16 as :func:`add_rmsnorm` does.
+
+    Args:
+        router: a :class:`wide.routing.Router` with fp32 weights and a power-of-two rank.
+        x2: bf16 ``[rows, D]`` rows (stride 1 along D).
+        add2: optional bf16 ``[rows, D]`` pending residual add.
+        logits: optional fp32 ``[rows, N_G, 2]`` that receives both class logits.
+
+    Returns:
+        bool ``[rows, N_G]``, True = execute (Eq. 4-5).
+
+    Raises:
+        ValueError: rows that are not bf16 (the GEMM is exact only for bf16 operands).
+    """
+    if x2.dtype != torch.bfloat16 or (add2 is not None and add2.dtype != torch.bfloat16):
+        raise ValueError(f"router mm path: needs bf16 rows, got {x2.dtype}")
+    rows = x2.shape[0]
+    R, N = router.w1.out_features, router.n_groups
+    x = x2 if add2 is None else torch.add(x2, add2)
+    y = _mm_f32(x, _w1_split3(router).t()).contiguous()  # [rows, 3R] fp32
+    out = torch.empty((rows, N), dtype=torch.bool, device=x2.device)
+    _router_finish_kernel[(rows,)](y, router.w1.bias.contiguous(), router.w2.weight.contiguous(),
+                                   router.w2.bias.contiguous(), out, logits if logits is not None else y, N, R=R,
+                                   NP=max(16, next_pow2(N)), WRITE_LOGITS=logits is not None,
+                                   **({} if interpret_mode() else {"num_warps": 4}))
+    return out
+
+
 def _router_few(router, x2: torch.Tensor, add2: torch.Tensor | None = None) -> torch.Tensor:
     """Few-row (decode) router: :func:`_router_launch` with the finish of the fixed rule (:func:`_router_dot`)
     over 64 or 32 programs along D, the faster timed once per shape on the GPU inside a CUDA graph
@@ -545,17 +599,25 @@ def _router_few(router, x2: torch.Tensor, add2: torch.Tensor | None = None) -> t
     rank 16).  On the H200 (``benchmarks/e2e/decode_probe_h200-router2.md``, D = 4096, rank 16, us) 32 programs
     ran the attention router (N_G = 8) in 16.0 vs 16.6 at 16 rows and 22.3 vs 29.9 at 32, but the FFN router
     (N_G = 112) in 17.2 vs 13.5 and 24.8 vs 19.5; 16 programs and the other finish were slower at every point,
-    so they are not timed (each candidate is one more compile on a process's first run)."""
+    so they are not timed (each candidate is one more compile on a process's first run).  For bf16 rows a third
+    candidate is the two-launch form :func:`_router_mm_launch` (a cuBLAS GEMM on tensor cores, then one small
+    kernel; plus the residual add when ``add2`` is given), which has no arrival counter and no serial sum of
+    partials (not yet timed on the GPU when written: the tuner decides)."""
     from ..kernels._common import pick_config
 
     rows, D = x2.shape
     R = router.w1.out_features
     dot = _router_dot(rows, R)
     cands = [dict(dot=dot, programs=None), dict(dot=dot, programs=32)]  # None: 64 (4 under the interpreter)
+    if x2.dtype == torch.bfloat16 and (add2 is None or add2.dtype == torch.bfloat16):
+        cands.append(dict(impl="mm"))
     res = {}
 
     def run(cfg):
-        res["out"] = _router_launch(router, x2, add2=add2, dot=cfg["dot"], programs=cfg["programs"])
+        if cfg.get("impl") == "mm":
+            res["out"] = _router_mm_launch(router, x2, add2)
+        else:
+            res["out"] = _router_launch(router, x2, add2=add2, dot=cfg["dot"], programs=cfg["programs"])
 
     key = (rows, D, R, router.n_groups, str(x2.dtype), add2 is not None)
     cfg = pick_config("router_few", key, x2.device, cands, run, graph=True)
