@@ -643,9 +643,8 @@ class Engine:
             st["h"] = st["h_ffn"]
             st["pending"] = y.view(B, T, D)  # added to h by the next norm (fused add)
 
-        if ov_kv:  # the trace's "input_norm" then includes K / V and the router beside them
-            steps = [("input_norm", input_norm_kv)] + ([] if dense else [("attn_reorder", attn_reorder)])
-            steps.append(("q_proj", q_proj))
+        if ov_kv:  # the trace's "input_norm" then includes K / V and the router beside them (never ops="dense")
+            steps = [("input_norm", input_norm_kv), ("attn_reorder", attn_reorder), ("q_proj", q_proj)]
         elif ov_prefill:  # the trace's "kv_proj" then includes the router and reorder that run beside it
             steps = [("input_norm", input_norm), ("kv_proj", kv_proj_route), ("q_proj", q_proj)]
         else:
