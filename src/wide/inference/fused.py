@@ -768,9 +768,10 @@ def router_mask(router, x: torch.Tensor, add: torch.Tensor | None = None) -> tor
     32 or 64 programs each compute ``x[:, D_p] W1[:, D_p]^T`` over their slice of D (so W1 is read by
     many SMs at once), and the program that arrives last (atomic counter, reset by that program) sums the
     partials in a fixed order, adds ``b1``, computes the two fp32 class logits per group with ``W2, b2``
-    (one row at a time, or with fp32 dots over all rows) and writes the argmax; the program count and the
-    finish are timed once per shape on the GPU (:func:`_router_few`).  With more rows (prefill) and a power-of-two rank >= 16 it is the fastest on this
-    GPU (timed once per shape, cached like the kernels' tile configs) of: a tile kernel whose programs own 16
+    (one row at a time, or with fp32 dots over all rows) and writes the argmax; the program count (64 or 32),
+    and for bf16 rows a two-launch form (a GEMM against W1's three bf16 pieces, then a finish kernel), are
+    timed once per shape on the GPU (:func:`_router_few`).  With more rows (prefill) and a power-of-two rank
+    >= 16 it is the fastest on this GPU (timed once per shape, cached like the kernels' tile configs) of: a tile kernel whose programs own 16
     to 128 rows, read them once in the model dtype (no fp32 copy of ``x``) and compute both GEMMs and the
     argmax in one launch, ``x W1^T`` either as an fp32 dot or, for bf16 ``x``, on tensor cores against W1
     split into three bf16 pieces that sum to it exactly (fp32 accumulation of exact products); the same
