@@ -154,9 +154,12 @@ def _config_from(args):
     Raises:
         WideError: a bad value (see :meth:`wide.config.WideConfig.validate`; for a training command also
             :meth:`~wide.config.WideConfig.check_training`), or ``--skipgpt-rank`` without ``--method skipgpt``.
+            An ``--ffn-group-size`` that is not a power of two >= 16 is named with the legal sizes of ``--model``
+            (read from its config, as ``wide info`` lists them).
     """
     from .config import WideConfig
 
+    _check_ffn_group_size(args)
     objective = {k: getattr(args, a) for k, a in (("target_sparsity", "sparsity"), ("alpha", "alpha"),
                                                   ("tau_start", "tau_start"), ("tau_end", "tau_end"),
                                                   ("sparsity_mode", "mode")) if hasattr(args, a)}
@@ -172,6 +175,24 @@ def _config_from(args):
 
         cfg = skipgpt_config(_model_dims(args.model), cfg, rank=args.skipgpt_rank)
     return cfg
+
+
+def _check_ffn_group_size(args) -> None:
+    """An ``--ffn-group-size`` that is not a power of two >= 16: the message lists the legal sizes of ``--model``
+    (read from its config alone), from the helper ``wide info`` uses
+    (:meth:`wide.config.ModelDims.ffn_group_size_error`). Other values are left to the command's own checks.
+
+    Raises:
+        WideError: as above, or the model's config cannot be read (:func:`_hf_config`).
+    """
+    g = getattr(args, "ffn_group_size", None)
+    if isinstance(g, int) and not isinstance(g, bool) and (g < 16 or g & (g - 1)) and hasattr(args, "model"):
+        from .modeling import dims_of
+
+        src, hf = _hf_config(args.model)
+        bad = dims_of(hf).ffn_group_size_error(g, f" of {src.ref}")
+        if bad:
+            raise WideError(bad)
 
 
 def _hf_config(model):
@@ -306,13 +327,12 @@ def cmd_info(args) -> int:
     src, hf = _hf_config(args.model)
     arch = check_architecture(hf)
     dims = dims_of(hf)
-    g = args.ffn_group_size
     legal = dims.legal_ffn_group_sizes()
-    if g not in legal:  # the generic message would send the user back to `wide info`
-        why = ("" if args.method == "wide" else f" (with --method {args.method} it sets the WIDE layout whose router "
-                                                f"parameter count the SkipGPT rank is matched to)")
-        raise WideError(f"FFN group size G={g} must be a power of two >= 16 that divides the intermediate size "
-                        f"{dims.intermediate_size} of {src.ref}: pass --ffn-group-size with one of {legal}{why}")
+    why = ("" if args.method == "wide" else f" (with --method {args.method} it sets the WIDE layout whose router "
+                                            f"parameter count the SkipGPT rank is matched to)")
+    bad = dims.ffn_group_size_error(args.ffn_group_size, f" of {src.ref}", why)
+    if bad:  # the generic message would send the user back to `wide info`
+        raise WideError(bad)
     cfg = _config_from(args)
     rc = cfg.resolve(dims)
     n_a, n_f = rc.n_groups(dims)
@@ -434,9 +454,22 @@ def cmd_calibrate(args) -> int:
     env = D.init(args.device)
     say = _print if env.is_main else (lambda *_: None)
     packed = {}
+    fits = _fits_context("--seq-len", args.seq_len)
+
+    def hf_check(hf, tok):  # on the config, before any weight is read
+        fits(hf, tok)
+        if targs.memory_check:  # a batch far too large fails here, not after the weights load
+            from .memory import check_train_fits, train_memory_from_config
+            from .modeling import default_device
+
+            device = env.device if env.active else (args.device or default_device())
+            procs = int(os.environ.get("LOCAL_WORLD_SIZE", "1")) if env.active else 1
+            check_train_fits(train_memory_from_config(hf, cfg, device), targs.batch_size, args.seq_len,
+                             device=device, grad_checkpoint=targs.grad_checkpoint, grad_accum=targs.grad_accum,
+                             procs=procs)
+
     model, tok, src = _load(args, cfg, then=lambda tok: packed.setdefault(
-        "blocks", pack(docs, tok, args.seq_len, max_blocks=args.max_blocks)), env=env,
-        hf_check=_fits_context("--seq-len", args.seq_len))
+        "blocks", pack(docs, tok, args.seq_len, max_blocks=args.max_blocks)), env=env, hf_check=hf_check)
     blocks = packed["blocks"]
     torch.manual_seed(args.seed)  # identical router initialization on every rank
     wm = WideModel(model, cfg)
@@ -556,7 +589,8 @@ def cmd_eval_ppl(args) -> int:
 
             spec = args.model if args.model is not None or not args.wide else read_base_info(args.wide)["model"]
             check_eval_memory(hf, min(args.batch_size, win.shape[0]), win.shape[1],
-                              args.device or default_device(), gguf=resolve_model(spec).gguf_file is not None)
+                              args.device or default_device(), gguf=resolve_model(spec).gguf_file is not None,
+                              asked=args.batch_size)
 
     if args.wide:
         wm, tok = load(args.wide, model=args.model, device=args.device, tokenizer=True, check=check)
@@ -739,18 +773,19 @@ def cmd_prune_static(args) -> int:
     from .modeling import dims_of, fingerprint
 
     out = Path(args.output)
-    _check_output(args, stage=None)
-    _at_least("--batch-size", args.batch_size, 1)
+    _at_least("--batch-size", args.batch_size, 1)  # the option values first, then the output directory
     _at_least("--calib-blocks", args.calib_blocks, 1)
     _at_least("--seq-len", args.seq_len, 2)
     from .config import WideConfig
 
+    _check_ffn_group_size(args)
     WideConfig(target_sparsity=args.sparsity, ffn_group_size=args.ffn_group_size)  # S and G_ffn, before loading
     for name, v in (("--attn-sparsity", args.attn_sparsity), ("--ffn-sparsity", args.ffn_sparsity)):
         if v is not None and not 0.0 <= v < 1.0:
             raise WideError(f"{name} {v!r} is outside [0, 1)")
     if (args.attn_sparsity is None) != (args.ffn_sparsity is None):
         raise WideError("give both --attn-sparsity and --ffn-sparsity, or neither")
+    _check_output(args, stage=None)
     docs = load_texts(args.text, split="calib")
     data = {}
 

@@ -88,6 +88,23 @@ class ModelDims:
             g *= 2
         return out
 
+    def ffn_group_size_error(self, g, where: str = "", why: str = "") -> str | None:
+        """The one-line message for an FFN group size ``g`` that does not fit these dims, else None.
+
+        Shared by ``wide info`` and the commands that take ``--ffn-group-size`` (and :meth:`WideConfig.resolve`),
+        so each lists the same legal sizes.  ``where`` names the model (e.g. `` of <path>``); ``why`` is
+        appended to the advice.
+        """
+        legal = self.legal_ffn_group_sizes()
+        if g in legal:
+            return None
+        if not legal:
+            return (f"no legal FFN group size divides intermediate_size={self.intermediate_size}{where} (legal sizes "
+                    f"are powers of two >= 16 that divide it: 16, 32, 64, ...): WIDE cannot group this model's FFN "
+                    f"neurons; use a model whose intermediate size is a multiple of 16")
+        return (f"FFN group size G={g} must be a power of two >= 16 that divides the intermediate size "
+                f"{self.intermediate_size}{where}: pass --ffn-group-size with one of {legal}{why}")
+
 
 @dataclass
 class WideConfig:
@@ -197,7 +214,8 @@ class WideConfig:
         Raises:
             WideError: a group size that does not divide its dimension or is not a multiple of
                 ``head_dim``; the message lists the legal sizes.  A router rank larger than the hidden size
-                ``D`` (Eq. 4's bottleneck must be narrower than its input).
+                ``D`` (Eq. 4's bottleneck must be narrower than its input).  A model whose intermediate size no
+                legal FFN group size divides (:meth:`ModelDims.ffn_group_size_error`).
         """
         if int(self.router_rank) > dims.hidden_size:
             raise WideError(f"router rank r={self.router_rank} must be at most the hidden size D={dims.hidden_size} "
@@ -211,6 +229,8 @@ class WideConfig:
                 f"the attention width {dims.attn_width}; legal: {dims.legal_attn_group_sizes()}"
             )
         g_ffn = int(self.ffn_group_size)
+        if not dims.legal_ffn_group_sizes():
+            raise WideError(dims.ffn_group_size_error(g_ffn))
         if g_ffn <= 0 or dims.intermediate_size % g_ffn:
             raise WideError(
                 f"FFN group size G={g_ffn} does not divide the intermediate size {dims.intermediate_size}; "

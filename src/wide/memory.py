@@ -38,6 +38,7 @@ the available memory.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -221,11 +222,42 @@ def train_memory_of(wm, device: torch.device | str | None = None) -> TrainMemory
 
 
 def _gib(n: float) -> str:
-    return f"{n / GIB:.1f} GiB"
+    return f"{n / GIB:,.1f} GiB"
 
 
 def _divisors_desc(n: int) -> list[int]:
-    return [b for b in range(n, 0, -1) if n % b == 0]
+    small = [b for b in range(1, math.isqrt(n) + 1) if n % b == 0]
+    return sorted(set(small + [n // b for b in small]), reverse=True)
+
+
+#: the most micro-batches per step a memory error suggests; a split needing more is not offered as such (the
+#: step's sequences were then surely not meant: e.g. --batch-size 100000000 would give --grad-accum 50000000)
+MAX_SUGGESTED_GRAD_ACCUM = 1024
+
+
+def train_memory_from_config(hf_config, config, device: torch.device | str) -> TrainMemory:
+    """The inputs of the training estimate from a Hugging Face config and a :class:`wide.config.WideConfig`
+    alone, before any weight loads (stage 1: the routers are the only trained parameters; float32 activations
+    on CPU, bfloat16 autocast on CUDA, as :func:`train_memory_of` for the loaded model).
+
+    Raises:
+        WideError: the config does not fit the WideConfig (:meth:`wide.config.WideConfig.resolve`).
+    """
+    from .modeling import dims_of, router_param_count
+
+    device = torch.device(device)
+    dims = dims_of(hf_config)
+    rc = config.resolve(dims)
+    n_a, n_f = rc.n_groups(dims)
+    extra = 0.0
+    if rc.route_attn:
+        extra += 4 * rc.router_rank + 8 * n_a
+    if rc.route_ffn:
+        extra += 4 * rc.router_rank + 8 * n_f
+    return TrainMemory(dims=dims, vocab_size=int(hf_config.vocab_size), act_bytes=2 if device.type == "cuda" else 4,
+                       eager_attention=getattr(hf_config, "_attn_implementation", None) == "eager",
+                       extra_layer_values=extra, retained_layer_values=0.0,
+                       trainable_params=router_param_count(dims, rc))
 
 
 @dataclass(frozen=True)
@@ -253,6 +285,8 @@ def suggest_split(fits, batch_size: int, grad_accum: int, seq_len: int, grad_che
     seqs = batch_size * grad_accum
     options = [grad_checkpoint] + ([True] if can_checkpoint and not grad_checkpoint else [])
     for ckpt in options:
+        if not fits(1, seq_len, ckpt):
+            continue  # the estimate grows with the batch: not even one sequence fits
         for b in _divisors_desc(seqs):
             if b <= batch_size and (b < batch_size or ckpt != grad_checkpoint) and fits(b, seq_len, ckpt):
                 return Split(b, seqs // b, seq_len, ckpt)
@@ -289,11 +323,31 @@ def check_train_memory(wm, batch_size: int, seq_len: int, *, grad_checkpoint: bo
             checkpointing, or a shorter ``--seq-len``) that fits, and ``--no-memory-check``.
     """
     device = torch.device(device) if device is not None else next(wm.base.parameters()).device
+    return check_train_fits(train_memory_of(wm, device), batch_size, seq_len, device=device,
+                            grad_checkpoint=grad_checkpoint, grad_accum=grad_accum, procs=procs,
+                            checkpoint_option=checkpoint_option)
+
+
+def check_train_fits(mem: TrainMemory, batch_size: int, seq_len: int, *, device: torch.device | str,
+                     grad_checkpoint: bool = False, grad_accum: int = 1, procs: int = 1,
+                     checkpoint_option: str | None = "--grad-checkpoint") -> int | None:
+    """:func:`check_train_memory` for a :class:`TrainMemory` (from a loaded model, :func:`train_memory_of`, or
+    from its config alone, :func:`train_memory_from_config`, so that a batch far too large fails before the
+    weights load).
+
+    Returns:
+        the estimate in bytes, or None when the available memory cannot be told.
+
+    Raises:
+        WideError: as :func:`check_train_memory`. A split that keeps the step's sequences only with more than
+            :data:`MAX_SUGGESTED_GRAD_ACCUM` micro-batches is not offered: the message names the largest
+            ``--batch-size`` that fits instead; when not even ``--batch-size 1`` fits at ``--seq-len``, it says so.
+    """
+    device = torch.device(device)
     got = available_memory(device)
     if got is None:
         return None
     avail, where = got
-    mem = train_memory_of(wm, device)
     procs = max(int(procs), 1) if device.type == "cpu" else 1
 
     def need(b: int, t: int, ckpt: bool) -> int:
@@ -318,10 +372,24 @@ def check_train_memory(wm, batch_size: int, seq_len: int, *, grad_checkpoint: bo
             opts.append(str(checkpoint_option))
         if tip.seq_len != seq_len:
             opts.append(f"--seq-len {tip.seq_len}")
-        if tip.batch_size != batch_size:
+        seqs = batch_size * grad_accum
+        if tip.batch_size != batch_size and tip.grad_accum <= MAX_SUGGESTED_GRAD_ACCUM:
             opts.append(f"--batch-size {tip.batch_size} --grad-accum {tip.grad_accum}")
-        keep = "" if tip.seq_len != seq_len else f", the same {batch_size * grad_accum} sequences per step"
+            keep = "" if tip.seq_len != seq_len else f", the same {seqs} sequences per step"
+        elif tip.batch_size != batch_size:  # keeping the step's sequences would take an absurd --grad-accum
+            lo, hi = tip.batch_size, batch_size - 1  # the largest batch that fits, divisor of the step or not
+            while lo < hi:
+                mid = (lo + hi + 1) // 2
+                lo, hi = (mid, hi) if fits(mid, tip.seq_len, tip.grad_checkpoint) else (lo, mid - 1)
+            tip = Split(lo, 1, tip.seq_len, tip.grad_checkpoint)
+            opts.append(f"--batch-size {lo}")
+            keep = (f"; keeping {seqs:,} sequences per step would take {-(-seqs // lo):,} micro-batches, so "
+                    f"choose --grad-accum for the step you mean")
+        else:
+            keep = ""
         fix = f"use {' '.join(opts)} (about {_gib(need(tip.batch_size, tip.seq_len, tip.grad_checkpoint))}{keep})"
+        if tip.seq_len != seq_len:
+            fix = f"even --batch-size 1 does not fit at --seq-len {seq_len}: {fix}"
     raise WideError(f"one micro-batch of --batch-size {batch_size} x --seq-len {seq_len} tokens needs about "
                     f"{_gib(est)} for training ({how}; a conservative estimate), but {_gib(avail)} is available "
                     f"({where}; at most {HEADROOM:.0%} of it is used): {fix}; or pass --no-memory-check to try "
@@ -381,7 +449,7 @@ def estimate_eval_memory(dims: ModelDims, vocab_size: int, params: int, batch_si
 
 
 def check_eval_memory(hf_config, batch_size: int, ctx: int, device: torch.device | str, *,
-                      gguf: bool = False) -> int | None:
+                      gguf: bool = False, asked: int | None = None) -> int | None:
     """Refuse an evaluation whose weights and forward pass would not fit in memory, before the weights load.
 
     Args:
@@ -390,6 +458,8 @@ def check_eval_memory(hf_config, batch_size: int, ctx: int, device: torch.device
         ctx: tokens per window.
         device: where the model will run: CPU (float32 weights and activations) or CUDA (bfloat16).
         gguf: the weights come from a GGUF file (see :func:`estimate_eval_memory`).
+        asked: the ``--batch-size`` given, when ``batch_size`` is that capped at the number of windows (the
+            message then says so).
 
     Returns:
         the estimate in bytes, or None when the available memory cannot be told (then nothing is checked).
@@ -427,8 +497,10 @@ def check_eval_memory(hf_config, batch_size: int, ctx: int, device: torch.device
         fix = (f"use --batch-size 1 --ctx {t} (about {_gib(sum(need(1, t)))}; shorter windows give a higher "
                f"perplexity)" if t >= 2 else f"the weights alone need {_gib(weights)}: use a machine or device with "
                f"more memory")
-    raise WideError(f"a forward pass of {batch_size} window{'s' if batch_size != 1 else ''} (--batch-size) x {ctx} "
-                    f"tokens (--ctx) needs about "
+    what = (f"all {batch_size} window{'s' if batch_size != 1 else ''} of the text (--batch-size {asked} is capped "
+            f"at the number of windows)" if asked is not None and asked > batch_size else
+            f"{batch_size} window{'s' if batch_size != 1 else ''} (--batch-size)")
+    raise WideError(f"a forward pass of {what} x {ctx} tokens (--ctx) needs about "
                     f"{_gib(weights + forward)} for evaluation ({_gib(weights)} for the {dtype} weights"
                     f"{' (the peak while they are dequantized from GGUF)' if gguf else ''} and {_gib(forward)} for the pass, of which "
                     f"{_gib(batch_size * ctx * vocab * EVAL_LOGIT_BYTES)} are the [{batch_size} x {ctx} x {vocab}] "

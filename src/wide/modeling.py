@@ -116,23 +116,77 @@ def check_gguf_file(path: str | os.PathLike) -> None:
                         f"GGUF reader fails with: {_first_line(e)}): copy or download it again") from None
 
 
+#: the config fields WIDE reads (:func:`dims_of`, the memory estimates); the optional ones may be absent or null
+CONFIG_DIMS = ("hidden_size", "num_hidden_layers", "num_attention_heads", "intermediate_size", "vocab_size")
+OPTIONAL_CONFIG_DIMS = ("num_key_value_heads", "head_dim")
+
+
+def check_config_dims(values, where: str) -> None:
+    """The model dimensions in a config (``values``: the parsed ``config.json``, or a config object's
+    attributes) must be positive integers that fit together; fields that are absent are not checked.
+
+    ``hidden_size``, ``num_hidden_layers``, ``num_attention_heads``, ``intermediate_size``, ``vocab_size``,
+    and ``num_key_value_heads`` / ``head_dim`` unless null; ``hidden_size`` must be a multiple of
+    ``num_attention_heads`` when ``head_dim`` is not given, and ``num_attention_heads`` a multiple of
+    ``num_key_value_heads``.
+
+    Raises:
+        WideError: ``model config <where> must be a JSON object ...`` or ``model config <where>: <field>=<value>
+            must be a positive integer`` (or the divisibility that fails).
+    """
+    if not isinstance(values, dict):
+        raise WideError(f"model config {where} must be a JSON object with the model's fields (hidden_size, "
+                        f"num_attention_heads, ...), not {type(values).__name__}")
+    for name in CONFIG_DIMS + OPTIONAL_CONFIG_DIMS:
+        if name not in values or (values[name] is None and name in OPTIONAL_CONFIG_DIMS):
+            continue
+        v = values[name]
+        if not isinstance(v, int) or isinstance(v, bool) or v <= 0:
+            raise WideError(f"model config {where}: {name}={v!r} must be a positive integer")
+    heads, kv = values.get("num_attention_heads"), values.get("num_key_value_heads")
+    hidden = values.get("hidden_size")
+    if heads and hidden and values.get("head_dim") is None and hidden % heads:
+        raise WideError(f"model config {where}: hidden_size={hidden} is not a multiple of num_attention_heads="
+                        f"{heads} (and no head_dim is given): fix one of them")
+    if heads and kv and heads % kv:
+        raise WideError(f"model config {where}: num_attention_heads={heads} is not a multiple of "
+                        f"num_key_value_heads={kv}: fix one of them")
+
+
 def read_hf_config(src: ModelSource):
     """The Hugging Face config of ``src``, read without its weights (for a GGUF, from its metadata).
 
+    A directory's ``config.json`` is parsed and checked (:func:`check_config_dims`) before transformers reads it,
+    and the config transformers builds is checked again (defaults, GGUF metadata).
+
     Raises:
         WideError: the config cannot be read; a truncated or corrupt GGUF file is named as such
-            (:func:`check_gguf_file`, run only when the read fails).
+            (:func:`check_gguf_file`, run only when the read fails); a ``config.json`` that is not valid JSON or
+            not an object, or model dimensions that are not positive integers or do not divide as the
+            architecture needs (naming the file and the field).
     """
     from transformers import AutoConfig
 
+    if src.gguf_file is None:
+        path = src.directory / "config.json"
+        try:
+            raw = json.loads(path.read_text(encoding="utf-8"))
+        except (OSError, UnicodeDecodeError) as e:
+            raise WideError(f"cannot read model config {str(path)!r}: {_first_line(e)}") from None
+        except ValueError as e:
+            raise WideError(f"model config {str(path)!r} is not valid JSON ({_first_line(e)})") from None
+        check_config_dims(raw, repr(str(path)))
     try:
-        return AutoConfig.from_pretrained(src.directory, **src.hf_kwargs())
+        hf = AutoConfig.from_pretrained(src.directory, **src.hf_kwargs())
     except Exception as e:  # noqa: BLE001 - a damaged GGUF raises struct.error, ValueError, ...
         if src.gguf_file:
             check_gguf_file(src.directory / src.gguf_file)
         if isinstance(e, (OSError, ValueError, KeyError)):
             raise WideError(f"cannot read model config from {src.ref!r}: {_first_line(e)}") from None
         raise
+    where = repr(str(src.directory / (src.gguf_file or "config.json")))
+    check_config_dims({k: getattr(hf, k) for k in CONFIG_DIMS + OPTIONAL_CONFIG_DIMS if hasattr(hf, k)}, where)
+    return hf
 
 
 def check_safetensors_files(directory: str | os.PathLike) -> None:
@@ -163,6 +217,24 @@ def check_safetensors_files(directory: str | os.PathLike) -> None:
         except Exception as e:  # noqa: BLE001 - SafetensorError, OSError, ...
             raise WideError(f"model weights file {str(f)!r} is truncated or corrupt ({f.stat().st_size:,} bytes; "
                             f"safetensors: {_first_line(e)}): copy or save it again") from None
+
+
+#: files from which transformers can build a tokenizer (any one of them, with its companions)
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "vocab.txt", "spiece.model",
+                   "sentencepiece.bpe.model")
+
+
+def check_tokenizer_files(directory: str | os.PathLike) -> None:
+    """A Hugging Face checkpoint directory must hold a tokenizer: one of :data:`TOKENIZER_FILES`.
+
+    Raises:
+        WideError: ``model folder <dir> has no tokenizer files (expected tokenizer.json, ...)``.
+    """
+    directory = Path(directory)
+    if not any((directory / f).is_file() for f in TOKENIZER_FILES):
+        raise WideError(f"model folder {str(directory)!r} has no tokenizer files (expected one of "
+                        f"{', '.join(TOKENIZER_FILES)}, e.g. tokenizer.json with tokenizer_config.json, or vocab.json "
+                        f"with merges.txt): copy them from the model's original folder (tokenizer.save_pretrained)")
 
 
 def check_architecture(hf_config) -> str:
@@ -246,7 +318,9 @@ def load_base_model(spec: str | None = None, device: str | torch.device | None =
     Raises:
         WideError: bad path, unsupported architecture, files that cannot be read (a truncated or corrupt GGUF or
             safetensors weights file is named as such, see :func:`read_hf_config` and
-            :func:`check_safetensors_files`), or a device this machine does not have (:func:`check_device`).
+            :func:`check_safetensors_files`; a malformed ``config.json`` names its field), a directory without
+            tokenizer files (:func:`check_tokenizer_files`), or a device this machine does not have
+            (:func:`check_device`).
     """
     check_device(device)
     from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -257,10 +331,12 @@ def load_base_model(spec: str | None = None, device: str | torch.device | None =
     dtype = dtype or (torch.bfloat16 if device.type == "cuda" else torch.float32)
     hf_config = read_hf_config(src)
     check_architecture(hf_config)
+    if src.gguf_file is None:
+        check_tokenizer_files(src.directory)
     try:
         tok = quiet_bpe_cleanup(AutoTokenizer.from_pretrained(src.directory, **src.hf_kwargs()))
     except (OSError, ValueError) as e:
-        raise WideError(f"cannot load the tokenizer of {src.ref!r}: {str(e).splitlines()[0]}") from None
+        raise WideError(f"cannot load the tokenizer of {src.ref!r}: {' '.join(str(e).split())}") from None
     if check is not None:
         check(hf_config, tok)
     if src.gguf_file is None:
