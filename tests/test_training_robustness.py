@@ -249,3 +249,163 @@ def test_memory_estimate_counts_the_lora_parameters():
         counts[r] = (lora, mem.estimate(1, 16, False))
     (l4, e4), (l32, e32) = counts[4], counts[32]
     assert e32 - e4 >= OPTIMIZER_BYTES_PER_PARAM * (l32 - l4)
+
+
+# --- round 5: --resume with another base model, a full disk, SIGTERM, the data source of a resume mismatch ---------
+def _other_model_dir(tmp_path, **kw):
+    from wide_testutil import tiny_tokenizer
+
+    d = tmp_path / "other-llama"
+    tiny_model(seed=1, **kw).save_pretrained(d)  # other weights (and, with kw, another shape)
+    tiny_tokenizer().save_pretrained(d)
+    return d
+
+
+@pytest.mark.parametrize("shape", [{}, {"intermediate_size": 192}], ids=["same-shape", "other-shape"])
+def test_resume_with_another_base_model_is_refused_before_loading_the_state(tmp_path, model_dir, text_file, capsys,
+                                                                            monkeypatch, shape):
+    out = tmp_path / "run"
+    args = calibrate_args(model_dir, text_file, out, "--steps", "4", "--save-every", "2")
+    _interrupt_at(monkeypatch, 4)  # an unfinished run: its state at step 2
+    rc, _, err = run(args, capsys)
+    assert rc == 130, err
+    monkeypatch.undo()
+    info = json.loads((out / "base_model.json").read_text())
+    before = {p.name: p.read_bytes() for p in out.iterdir() if p.is_file()}
+    args[args.index("--model") + 1] = _other_model_dir(tmp_path, **shape)
+    rc, _, err = run([*args, "--resume"], capsys)
+    # was: same shape -> rc 0 and base_model.json rewritten with the other model; other shape -> a
+    # state_dict size-mismatch traceback
+    error_after_loading(rc, err, "calibrate", "--resume", f"trained on base model {str(model_dir)!r}",
+                        info["fingerprint"], "not on the model given now", f"--model {str(model_dir)!r}")
+    assert {p.name: p.read_bytes() for p in out.iterdir() if p.is_file()} == before
+
+
+def test_lora_resume_with_another_base_model_is_refused(tmp_path, model_dir, text_file, capsys):
+    pytest.importorskip("peft")
+    stage1, out = tmp_path / "s1", tmp_path / "s2"
+    rc, _, err = run(calibrate_args(model_dir, text_file, stage1), capsys)
+    assert rc == 0, err
+    lora = ["lora", "--wide", stage1, "--text", text_file, "-o", out, "--steps", "1", "--batch-size", "1",
+            "--seq-len", "32", "--lora-r", "2", "--device", "cpu"]
+    rc, _, err = run(lora, capsys)
+    assert rc == 0, err
+    # another stage-1 checkpoint made on other weights, then --resume of the first LoRA run with it
+    other, stage1b = _other_model_dir(tmp_path), tmp_path / "s1b"
+    rc, _, err = run(calibrate_args(other, text_file, stage1b), capsys)
+    assert rc == 0, err
+    args = [*lora, "--steps", "2", "--resume"]
+    args[args.index("--wide") + 1] = stage1b
+    rc, _, err = run(args, capsys)
+    error_after_loading(rc, err, "lora", "--resume", f"trained on base model {str(model_dir)!r}",
+                        "not on the model given now")
+
+
+@pytest.mark.parametrize("exc", [OSError(28, "No space left on device"),
+                                 RuntimeError("[enforce fail at inline_container.cc:672] . unexpected pos 64 vs 40")],
+                         ids=["ENOSPC", "zip-writer"])
+def test_a_failed_state_write_is_one_line_and_keeps_the_last_good_state(tmp_path, model_dir, text_file, capsys,
+                                                                       monkeypatch, exc):
+    out = tmp_path / "run"
+    real, calls = torch.save, []
+
+    def full_disk(obj, f, *a, **k):
+        calls.append(1)
+        if len(calls) == 2:  # the second training-state save (step 2): the disk is full
+            with open(f, "wb") as fh:
+                fh.write(b"PK\x03\x04partial")  # what a dying writer leaves in its temporary file
+            raise exc
+        return real(obj, f, *a, **k)
+
+    monkeypatch.setattr(torch, "save", full_disk)
+    rc, _, err = run(calibrate_args(model_dir, text_file, out, "--steps", "3", "--save-every", "1"), capsys)
+    error_after_loading(rc, err, "calibrate", f"could not write the checkpoint to {out / STATE_NAME}",
+                        "is the disk full?", "the training state of step 1 is kept",
+                        "No space left on device" if isinstance(exc, OSError) else "inline_container.cc")
+    assert _state_step(out) == 1  # the previous good state, not a partial file
+    assert sorted(p.name for p in out.iterdir() if p.name.startswith(".")) == []  # no temporary file left
+    monkeypatch.undo()
+    rc, _, err = run(calibrate_args(model_dir, text_file, out, "--steps", "3", "--save-every", "1", "--resume"),
+                     capsys)
+    assert rc == 0, err
+
+
+def test_a_failed_checkpoint_write_before_any_save_leaves_no_folder(tmp_path, model_dir, text_file, capsys,
+                                                                    monkeypatch):
+    import wide.checkpoint as C
+
+    out = tmp_path / "run"
+
+    def full_disk(*a, **k):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(C, "atomic_save_safetensors", full_disk)
+    rc, _, err = run(calibrate_args(model_dir, text_file, out), capsys)
+    error_after_loading(rc, err, "calibrate", f"could not write the checkpoint to {out}", "No space left on device",
+                        "nothing was saved yet")
+    assert not out.exists()
+
+
+def test_sigterm_is_handled_like_ctrl_c(tmp_path, model_dir, text_file):
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    out = tmp_path / "run"
+    # a slow step (a sleep in every micro-batch read) so that SIGTERM arrives during training, after step 2's save
+    code = ("import sys, time, wide.training as T\n"
+            "real = T.stream_rows\n"
+            "def slow(*a, **k):\n"
+            "    time.sleep(0.5)\n"
+            "    return real(*a, **k)\n"
+            "T.stream_rows = slow\n"
+            "from wide.cli import main\n"
+            "sys.exit(main(sys.argv[1:]))\n")
+    args = [str(a) for a in calibrate_args(model_dir, text_file, out, "--steps", "1000", "--save-every", "2")]
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([os.path.dirname(__file__), *sys.path])}
+    p = subprocess.Popen([sys.executable, "-c", code, *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                         text=True, env=env)
+    try:
+        deadline = time.time() + 120
+        while not (out / STATE_NAME).is_file() and time.time() < deadline and p.poll() is None:
+            time.sleep(0.2)
+        assert (out / STATE_NAME).is_file(), p.communicate(timeout=30)
+        p.send_signal(signal.SIGTERM)
+        _, err = p.communicate(timeout=60)
+    finally:
+        if p.poll() is None:
+            p.kill()
+    assert p.returncode == 143, err  # was: killed silently by the signal (-15)
+    last = err.strip().splitlines()[-1]
+    assert last.startswith("wide calibrate: interrupted (SIGTERM); the last state saved"), err
+    assert "add --resume to continue from it" in last and "Traceback" not in err
+
+
+def test_sigterm_handler_is_only_installed_while_a_command_runs():
+    import signal
+
+    from wide.cli import _term_as_interrupt
+
+    before = signal.getsignal(signal.SIGTERM)
+    with pytest.raises(KeyboardInterrupt):
+        with _term_as_interrupt() as got:
+            assert signal.getsignal(signal.SIGTERM) is not before
+            signal.getsignal(signal.SIGTERM)(signal.SIGTERM, None)
+    assert got["signal"] == signal.SIGTERM
+    assert signal.getsignal(signal.SIGTERM) is before
+
+
+def test_resume_on_other_text_names_the_text_of_the_saved_run(tmp_path, model_dir, text_file, capsys):
+    from wide_testutil import random_text
+
+    out = tmp_path / "run"
+    rc, _, err = run(calibrate_args(model_dir, text_file, out, "--steps", "2", "--save-every", "1"), capsys)
+    assert rc == 0, err
+    other = tmp_path / "other.txt"
+    other.write_text("\n\n".join(random_text(300, seed=s + 10) for s in range(4)))
+    args = calibrate_args(model_dir, other, out, "--steps", "3", "--save-every", "1", "--resume")
+    rc, _, err = run(args, capsys)
+    error_after_loading(rc, err, "calibrate", "data.tokens_sha256: saved",
+                        f"the saved run used --text {str(text_file.resolve())!r}")

@@ -477,11 +477,18 @@ def cmd_calibrate(args) -> int:
         f"G_attn={wm.config.attn_group_size}, G_ffn={wm.config.ffn_group_size}, {targs.steps} steps, "
         f"{env.world_size} process(es), global batch {targs.batch_size * targs.grad_accum * env.world_size}")
     t0 = time.time()
-    recs = calibrate(wm, blocks, targs, out, src.ref, resume=args.resume)
+    recs = calibrate(wm, blocks, targs, out, src.ref, resume=args.resume, data_source=_data_source(args))
     if recs:  # none: --resume of a finished run (train() said so), nothing written
         _say_done(say, recs, t0)
         say(f"saved WIDE checkpoint to {out}")
     return 0
+
+
+def _data_source(args) -> str:
+    """How a training run's text was given, for a later ``--resume`` message: ``--text '<absolute path>'``
+    (or ``no --text (the default text)``), with ``--max-blocks`` when set."""
+    text = f"--text {os.path.abspath(args.text)!r}" if args.text else "no --text (the default text)"
+    return text + (f" --max-blocks {args.max_blocks}" if args.max_blocks is not None else "")
 
 
 def _say_done(say, recs: list[dict], t0: float) -> None:
@@ -536,7 +543,8 @@ def cmd_lora(args) -> int:
         f"global batch {targs.batch_size * targs.grad_accum * env.world_size}")
     t0 = time.time()
     recs = recover(wm, blocks, targs, out, info["model"] if args.model is None else args.model, settings=settings,
-                   freeze_router=args.freeze_router, stage1=args.wide, resume=args.resume)
+                   freeze_router=args.freeze_router, stage1=args.wide, resume=args.resume,
+                   data_source=_data_source(args))
     if recs:  # none: --resume of a finished run (train() said so), nothing written
         _say_done(say, recs, t0)
         say(f"saved WIDE checkpoint with LoRA adapter to {out}")
@@ -977,6 +985,31 @@ def _one_line_warnings(command: str):
         yield
 
 
+@contextlib.contextmanager
+def _term_as_interrupt():
+    """While the command runs, SIGTERM (``timeout``, ``kill``, a batch scheduler) raises KeyboardInterrupt in
+    the main thread like Ctrl-C, so the same cleanup and ``interrupted`` line follow; yields a dict whose
+    ``"signal"`` is set to ``SIGTERM`` when that happened. The previous handler is put back afterwards. Outside
+    the main thread (no signal handlers there) nothing changes."""
+    import signal
+    import threading
+
+    got: dict = {"signal": None}
+    if threading.current_thread() is not threading.main_thread():
+        yield got
+        return
+
+    def handler(signum, frame):
+        got["signal"] = signum
+        raise KeyboardInterrupt
+
+    previous = signal.signal(signal.SIGTERM, handler)
+    try:
+        yield got
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
 def main(argv: list[str] | None = None) -> int:
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
@@ -1012,9 +1045,10 @@ def main(argv: list[str] | None = None) -> int:
             return D.report_error(args.command, e)
         finally:
             D.shutdown(synchronize=ok)
+    term: dict = {"signal": None}
     try:
         check_device(getattr(args, "device", None))  # every command with --device, before any work
-        with _one_line_warnings(args.command):
+        with _one_line_warnings(args.command), _term_as_interrupt() as term:
             return args.func(args)
     except WideError as e:
         print(f"wide {args.command}: error: {e}", file=sys.stderr)
@@ -1028,6 +1062,9 @@ def main(argv: list[str] | None = None) -> int:
                     f"{str(args.output)!r}: add --resume to continue from it" if has_train_state(args.output)
                     else f"; nothing was saved yet (the first save is at step "
                          f"{min(args.save_every, args.steps)}), so there is nothing to resume")
+        if term["signal"] is not None:  # SIGTERM: exit 128 + 15 as a shell reports a terminated command
+            print(f"wide {args.command}: interrupted (SIGTERM){hint}", file=sys.stderr)
+            return 128 + int(term["signal"])
         print(f"wide {args.command}: interrupted{hint}", file=sys.stderr)
         return 130
 

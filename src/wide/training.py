@@ -24,6 +24,7 @@ run would have had.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import math
@@ -323,6 +324,55 @@ def has_train_state(output: str | os.PathLike) -> bool:
     return (output / STATE_NAME).is_file() or D.sharded_meta(output / DCP_NAME) is not None
 
 
+@contextlib.contextmanager
+def _writing(path: Path, saved_step: int):
+    """Turn a failed write of the checkpoint or training state (``OSError``, e.g. ``ENOSPC``; torch's zip
+    writer's ``RuntimeError``; safetensors' error) into one :class:`WideError` line naming ``path``. Every file
+    is written through :func:`wide.config.atomic_write`, so no partial file is left and the previous state stays.
+
+    Raises:
+        WideError: ``could not write the checkpoint to <path> (<reason>; is the disk full?) ...``.
+    """
+    from safetensors import SafetensorError
+
+    try:
+        yield
+    except (OSError, RuntimeError, SafetensorError) as e:
+        reason = (e.strerror if isinstance(e, OSError) and e.strerror else str(e).strip().splitlines()[0]
+                  if str(e).strip() else type(e).__name__)[:200]
+        kept = f"the training state of step {saved_step} is kept" if saved_step else "nothing was saved yet"
+        raise WideError(f"could not write the checkpoint to {path} ({reason}; is the disk full?); {kept}") from None
+
+
+def _check_base_identity(output: Path, wm: WideModel, fp: str | None, env: D.DistEnv) -> None:
+    """Before a resume loads any state: the base model given now must be the one the saved run in ``output``
+    trained on (``base_model.json``: its ``dims`` and weight ``fingerprint``). Rank 0 compares the
+    fingerprint (only it holds the real weights); every rank learns the verdict.
+
+    Raises:
+        WideError: ``--resume: the run in <output> was trained on base model <saved ref> (fingerprint ...,
+            dims ...), not on the model given now (fingerprint ..., dims ...); pass --model <saved ref> ...``.
+    """
+    from .checkpoint import BASE_NAME, read_base_info
+
+    msg = None
+    if (output / BASE_NAME).is_file():
+        info = read_base_info(output)
+        dims = wm.dims.__dict__
+        saved_fp = str(info["fingerprint"])
+        now_fp = None
+        if fp is not None:
+            now_fp = fp if saved_fp.startswith("v2:") else fingerprint(wm.base, version=1)
+        if (info.get("dims") and info["dims"] != dims) or (now_fp is not None and now_fp != saved_fp):
+            saved_dims = f", dims {info['dims']}" if info.get("dims") else ""
+            msg = (f"--resume: the run in {str(output)!r} was trained on base model {info['model']!r} (fingerprint "
+                   f"{saved_fp}{saved_dims}), not on the model given now (fingerprint {now_fp or '?'}, dims "
+                   f"{dims}); pass --model {info['model']!r} to continue it, or use another -o")
+    if D.all_mean([float(msg is not None)], env)[0] > 0:
+        raise WideError(msg or f"--resume: the base model differs from the one the run in {str(output)!r} "
+                               f"was trained on (see rank 0)")
+
+
 def _key_diff(saved, now, prefix: str = "") -> str:
     """The settings that differ between two resume keys, e.g. ``train.steps: saved 2, now 4``."""
     if not (isinstance(saved, dict) and isinstance(now, dict)):
@@ -411,7 +461,10 @@ def _load_state(wm: WideModel, opt, output: Path, key: dict, env: D.DistEnv) -> 
     if isinstance(saved_key, dict):  # states from before an optional entry existed
         key = {k: v for k, v in key.items() if k in saved_key or k not in _OPTIONAL_KEYS}
     if saved_key != key:
-        raise WideError(f"--resume: {src} was written with other settings: {_key_diff(saved_key, key)}")
+        diff = _key_diff(saved_key, key)
+        source = (st.get("data_source") if use_pt else meta.get("data_source")) if "data." in diff else None
+        hint = f" (the saved run used {source}; pass the same to resume it)" if isinstance(source, str) else ""
+        raise WideError(f"--resume: {src} was written with other settings: {diff}{hint}")
     names = {n for n, p in wm.named_parameters() if p.requires_grad}
     if use_pt:
         msd, osd, step = st["model"], st["optimizer"], int(st["step"])
@@ -435,14 +488,24 @@ def _load_state(wm: WideModel, opt, output: Path, key: dict, env: D.DistEnv) -> 
     return int(meta["step"]), src
 
 
-def _save_state(wm: WideModel, opt, output: Path, step: int, key: dict, env: D.DistEnv) -> None:
+def _save_state(wm: WideModel, opt, output: Path, step: int, key: dict, env: D.DistEnv,
+                data_source: str | None = None, saved_step: int = 0) -> None:
+    """Write the training state (``train_state.pt``, or DCP under a process group) atomically; ``data_source``
+    (how the training text was given) is stored beside the resume key, for messages only.
+
+    Raises:
+        WideError: the write failed (a full disk: see :func:`_writing`); the previous state stays.
+    """
     msd, osd = _trained_state(wm, opt)
+    extra = {"data_source": data_source} if data_source else {}
     if env.active:
-        D.save_sharded({"model": msd, "optim": osd}, output / DCP_NAME, {"step": step, "key": key,
-                                                                          "world_size": env.world_size}, env)
+        with _writing(output / DCP_NAME, saved_step):
+            D.save_sharded({"model": msd, "optim": osd}, output / DCP_NAME,
+                           {"step": step, "key": key, "world_size": env.world_size, **extra}, env)
     else:
-        atomic_torch_save({"step": step, "model": {k: v.detach().cpu() for k, v in msd.items()},
-                           "optimizer": osd, "meta": key}, output / STATE_NAME)
+        with _writing(output / STATE_NAME, saved_step):
+            atomic_torch_save({"step": step, "model": {k: v.detach().cpu() for k, v in msd.items()},
+                               "optimizer": osd, "meta": key, **extra}, output / STATE_NAME)
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:
@@ -462,7 +525,8 @@ def full_router_state(wm: WideModel) -> dict[str, torch.Tensor]:
 
 def train(wm: WideModel, blocks: torch.Tensor, args: CalibrationArgs, output: str | os.PathLike, model_ref: str, *,
           stage: str = "router", resume: bool = False, progress: bool = True, on_step=None,
-          extra_key: dict | None = None, extra_info: dict | None = None, save_extra=None) -> list[dict]:
+          extra_key: dict | None = None, extra_info: dict | None = None, save_extra=None,
+          data_source: str | None = None) -> list[dict]:
     """Train the parameters of ``wm`` that have ``requires_grad=True`` (paper §3.2, Eq. 6 / Eq. 22).
 
     Works single-process and under torchrun (see :mod:`wide.distributed`): with an open process group the
@@ -484,6 +548,8 @@ def train(wm: WideModel, blocks: torch.Tensor, args: CalibrationArgs, output: st
         extra_key: JSON-able settings a resumed run must match (e.g. the LoRA config).
         extra_info: JSON-able facts stored in ``base_model.json`` under ``"extra"``.
         save_extra: optional callable ``f(output, env)`` run on every rank at every save (e.g. the adapter).
+        data_source: how the training text was given (e.g. ``--text '/data/calib.txt'``), kept in the
+            training state so that a ``resume`` on other data names it.
 
     Returns:
         the per-step log records of this call: ``step``, ``lm_loss`` (nats/token, mean over ranks),
@@ -498,7 +564,9 @@ def train(wm: WideModel, blocks: torch.Tensor, args: CalibrationArgs, output: st
     Raises:
         WideError: bad settings (a tau outside :meth:`wide.config.WideConfig.check_training`'s range
             included), nothing to train, an unknown stage, ``resume`` with a missing, corrupt or mismatched
-            state, (with ``args.memory_check``) a micro-batch whose estimated memory does not fit
+            state, ``resume`` with another base model than the saved run's (its ``base_model.json``
+            fingerprint or dims; checked before any state loads), a failed write of the checkpoint or
+            training state (a full disk; the previous state stays), (with ``args.memory_check``) a micro-batch whose estimated memory does not fit
             (:func:`wide.memory.check_train_memory`; checked before the first step), or a diverged step: a
             non-finite LM / sparsity loss or gradient norm, or non-finite trained parameters after the
             optimizer step (checked every step before it is logged or saved, so the last saved state stays
@@ -534,6 +602,7 @@ def train(wm: WideModel, blocks: torch.Tensor, args: CalibrationArgs, output: st
     key = _resume_key(wm, args, stage, extra_key, env.world_size, blocks)
     start = 0
     if resume:
+        _check_base_identity(output, wm, fp, env)  # before any state loads (another shape: a size mismatch)
         start, src = _load_state(wm, opt, output, key, env)
         if start >= args.steps:  # a finished run: nothing to train, nothing rewritten
             if progress and env.is_main:
@@ -637,12 +706,14 @@ def train(wm: WideModel, blocks: torch.Tensor, args: CalibrationArgs, output: st
             if (step + 1) % args.save_every == 0 or step + 1 == args.steps:
                 routers = full_router_state(wm)
                 if env.is_main:
-                    save_wide(wm, output, model_ref,
-                              extra={"stage": stage, "step": step + 1, "steps": args.steps, **(extra_info or {})},
-                              routers=routers, base_fingerprint=fp)
+                    with _writing(output, saved_step):
+                        save_wide(wm, output, model_ref,
+                                  extra={"stage": stage, "step": step + 1, "steps": args.steps, **(extra_info or {})},
+                                  routers=routers, base_fingerprint=fp)
                 if save_extra is not None:
-                    save_extra(output, env)
-                _save_state(wm, opt, output, step + 1, key, env)
+                    with _writing(output, saved_step):
+                        save_extra(output, env)
+                _save_state(wm, opt, output, step + 1, key, env, data_source, saved_step)
                 saved_step = step + 1
     except BaseException:
         if created and saved_step == 0:  # leave no folder behind that holds nothing to resume from
@@ -660,7 +731,8 @@ def train(wm: WideModel, blocks: torch.Tensor, args: CalibrationArgs, output: st
 
 
 def calibrate(wm: WideModel, blocks: torch.Tensor, args: CalibrationArgs, output: str | os.PathLike,
-              model_ref: str, resume: bool = False, progress: bool = True, on_step=None) -> list[dict]:
+              model_ref: str, resume: bool = False, progress: bool = True, on_step=None,
+              data_source: str | None = None) -> list[dict]:
     """Stage-1 router calibration (paper §3.2): train only the routers, base frozen.
 
     Marks the routers trainable and every base parameter frozen, then runs :func:`train`. Arguments,
@@ -670,4 +742,4 @@ def calibrate(wm: WideModel, blocks: torch.Tensor, args: CalibrationArgs, output
     for p in wm.router_parameters():
         p.requires_grad_(True)
     return train(wm, blocks, args, output, model_ref, stage="router", resume=resume, progress=progress,
-                 on_step=on_step)
+                 on_step=on_step, data_source=data_source)
