@@ -104,6 +104,16 @@ if HAS_TRITON:
             tl.store(vdst + HALF, tl.load(vsrc + HALF, mask=m2), mask=m2)
 
     @triton.jit
+    def _row_class_logits(w2_ptr, b2_ptr, h1, offs_r, offs_n, nm, R: tl.constexpr):
+        # one row's two fp32 class logits per group (execute, skip) from its hidden h1 [R]: W2 is [2 N, R], rows
+        # interleaved (execute, skip) per group, b2 [2 N]; groups offs_n, valid where nm
+        w_e = tl.load(w2_ptr + (2 * offs_n)[:, None] * R + offs_r[None, :], mask=nm[:, None], other=0.0)
+        w_s = tl.load(w2_ptr + (2 * offs_n + 1)[:, None] * R + offs_r[None, :], mask=nm[:, None], other=0.0)
+        le = tl.sum(w_e * h1[None, :], axis=1) + tl.load(b2_ptr + 2 * offs_n, mask=nm, other=0.0)
+        ls = tl.sum(w_s * h1[None, :], axis=1) + tl.load(b2_ptr + 2 * offs_n + 1, mask=nm, other=0.0)
+        return le, ls
+
+    @triton.jit
     def _router_rows_kernel(x_ptr, w1_ptr, b1_ptr, w2_ptr, b2_ptr, out_ptr, D, N, stride_xm,
                             R: tl.constexpr, BD: tl.constexpr, NP: tl.constexpr):
         # the former one-program-per-row router, kept for comparison (decode_probe): one CTA streams all of W1
@@ -119,10 +129,7 @@ if HAS_TRITON:
         h1 = tl.sum(acc, axis=1) + tl.load(b1_ptr + offs_r)  # [R]
         offs_n = tl.arange(0, NP)
         nm = offs_n < N
-        w_e = tl.load(w2_ptr + (2 * offs_n)[:, None] * R + offs_r[None, :], mask=nm[:, None], other=0.0)
-        w_s = tl.load(w2_ptr + (2 * offs_n + 1)[:, None] * R + offs_r[None, :], mask=nm[:, None], other=0.0)
-        le = tl.sum(w_e * h1[None, :], axis=1) + tl.load(b2_ptr + 2 * offs_n, mask=nm, other=0.0)
-        ls = tl.sum(w_s * h1[None, :], axis=1) + tl.load(b2_ptr + 2 * offs_n + 1, mask=nm, other=0.0)
+        le, ls = _row_class_logits(w2_ptr, b2_ptr, h1, offs_r, offs_n, nm, R)
         tl.store(out_ptr + row * N + offs_n, le >= ls, mask=nm)
 
     @triton.jit
@@ -136,10 +143,7 @@ if HAS_TRITON:
         h1 = (tl.load(yp) + tl.load(yp + R)) + tl.load(yp + 2 * R) + tl.load(b1_ptr + offs_r)
         offs_n = tl.arange(0, NP)
         nm = offs_n < N
-        w_e = tl.load(w2_ptr + (2 * offs_n)[:, None] * R + offs_r[None, :], mask=nm[:, None], other=0.0)
-        w_s = tl.load(w2_ptr + (2 * offs_n + 1)[:, None] * R + offs_r[None, :], mask=nm[:, None], other=0.0)
-        le = tl.sum(w_e * h1[None, :], axis=1) + tl.load(b2_ptr + 2 * offs_n, mask=nm, other=0.0)
-        ls = tl.sum(w_s * h1[None, :], axis=1) + tl.load(b2_ptr + 2 * offs_n + 1, mask=nm, other=0.0)
+        le, ls = _row_class_logits(w2_ptr, b2_ptr, h1, offs_r, offs_n, nm, R)
         tl.store(out_ptr + row * N + offs_n, le >= ls, mask=nm)
         if WRITE_LOGITS:
             lp = logit_ptr + (row * N + offs_n) * 2
