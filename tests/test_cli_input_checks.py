@@ -13,13 +13,8 @@ import pytest
 from wide.cli import main
 from wide.errors import WideError
 from wide.training import CalibrationArgs
-from wide_testutil import one_line_error
+from wide_testutil import calibrate_args, one_line_error
 from wide_testutil import run_cli as run
-
-
-def calibrate_args(model_dir, text_file, out, *extra):
-    return ["calibrate", "--model", model_dir, "--text", text_file, "-o", out, "--steps", "1", "--batch-size", "1",
-            "--seq-len", "32", "--ffn-group-size", "32", "--device", "cpu", *extra]
 
 
 def test_calibrate_non_empty_output_needs_resume_or_overwrite(tmp_path, model_dir, text_file, capsys):

@@ -14,7 +14,7 @@ from wide.config import WideConfig
 from wide.errors import WideError
 from wide.modeling import WideModel
 from wide.training import SEED_MAX, STATE_NAME, CalibrationArgs, calibrate, stream_rows
-from wide_testutil import one_line_error, tiny_model
+from wide_testutil import calibrate_args, one_line_error, tiny_model
 from wide_testutil import run_cli as run
 
 NOWHERE = "no-such-model"  # the refusals below come before any model is looked up
@@ -24,11 +24,6 @@ def error_after_loading(rc, err, cmd, *words):
     """As :func:`one_line_error` for an error found once the model is loaded: its progress bars come first."""
     one_line_error(rc, err.strip().splitlines()[-1], cmd, *words)
     assert "Traceback" not in err
-
-
-def calibrate_args(model_dir, text_file, out, *extra):
-    return ["calibrate", "--model", model_dir, "--text", text_file, "-o", out, "--steps", "1", "--batch-size", "1",
-            "--seq-len", "32", "--ffn-group-size", "32", "--device", "cpu", *extra]
 
 
 def blocks(n=12, t=16):

@@ -65,3 +65,9 @@ def one_line_error(rc, err, cmd, *words):
     assert lines[0].startswith(f"wide {cmd}: error: "), lines[0]
     for w in words:
         assert w in lines[0], lines[0]
+
+
+def calibrate_args(model_dir, text_file, out, *extra):
+    """Arguments of a one-step ``wide calibrate`` on the tiny test model (CPU, batch 1, 32 tokens, FFN G 32)."""
+    return ["calibrate", "--model", model_dir, "--text", text_file, "-o", out, "--steps", "1", "--batch-size", "1",
+            "--seq-len", "32", "--ffn-group-size", "32", "--device", "cpu", *extra]
