@@ -22,7 +22,7 @@ import torch
 from .config import CONFIG_NAME, ModelDims, WideConfig, atomic_write, atomic_write_text
 from .errors import WideError, WideWarning
 from .modeling import (WideModel, check_architecture, check_device, check_router_weights, dims_of, fingerprint,
-                       load_base_model, router_shapes)
+                       fingerprint_like, load_base_model, router_shapes)
 
 ROUTERS_NAME = "routers.safetensors"
 BASE_NAME = "base_model.json"
@@ -316,7 +316,7 @@ def load(path: str | os.PathLike, model: str | torch.nn.Module | None = None, de
                         f"this model has {dims.__dict__}")
     _check_fits(config, dims, path)  # group sizes that do not fit the model: an error naming the file
     saved_fp = str(info["fingerprint"])
-    fp = fingerprint(base, version=2 if saved_fp.startswith("v2:") else 1)
+    fp = fingerprint_like(base, saved_fp)
     if fp != saved_fp:
         raise WideError(f"checkpoint {str(path)!r} was made for base model {info['model']!r} "
                         f"(fingerprint {info['fingerprint']}), not this one (fingerprint {fp})")

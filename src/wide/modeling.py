@@ -393,6 +393,15 @@ def _get(module: nn.Module, dotted: str) -> nn.Module:
     return module
 
 
+def fingerprint_like(model: nn.Module, saved: str, current: str | None = None) -> str:
+    """``model``'s :func:`fingerprint` in the version that ``saved`` (a recorded fingerprint) was made with, so the
+    two compare: version 2 for ``"v2:..."``, else version 1 (older checkpoints). ``current``: the model's version-2
+    fingerprint if already computed (then not hashed again)."""
+    if saved.startswith("v2:"):
+        return current or fingerprint(model, version=2)
+    return fingerprint(model, version=1)
+
+
 def fingerprint(model: nn.Module, version: int = 2) -> str:
     """A short hash identifying the base model's weights, independent of storage format and dtype.
 

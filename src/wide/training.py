@@ -42,7 +42,7 @@ from .checkpoint import save_wide
 from .config import atomic_write
 from .errors import WideError, WideWarning
 from .memory import check_train_memory
-from .modeling import WideModel, fingerprint
+from .modeling import WideModel, fingerprint, fingerprint_like
 from .routing import sparsity_loss, uniform_noise
 
 STATE_NAME = "train_state.pt"
@@ -360,9 +360,7 @@ def _check_base_identity(output: Path, wm: WideModel, fp: str | None, env: D.Dis
         info = read_base_info(output)
         dims = wm.dims.__dict__
         saved_fp = str(info["fingerprint"])
-        now_fp = None
-        if fp is not None:
-            now_fp = fp if saved_fp.startswith("v2:") else fingerprint(wm.base, version=1)
+        now_fp = fingerprint_like(wm.base, saved_fp, current=fp) if fp is not None else None
         if (info.get("dims") and info["dims"] != dims) or (now_fp is not None and now_fp != saved_fp):
             saved_dims = f", dims {info['dims']}" if info.get("dims") else ""
             msg = (f"--resume: the run in {str(output)!r} was trained on base model {info['model']!r} (fingerprint "
