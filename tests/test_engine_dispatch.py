@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from wide.inference.engine import NAXIS_CROSSOVER, naxis_dense_above
+from wide.inference.engine import BESIDE_SKIP_MIN, NAXIS_CROSSOVER, naxis_dense_above
 
 GRID = Path(__file__).resolve().parents[1] / "benchmarks" / "kernels" / "kernels_h200-full.json"
 
@@ -53,3 +53,15 @@ def test_small_row_rules_unchanged():
     assert naxis_dense_above("gemm_mn", 512, 512) == 0.92 and naxis_dense_above("gemm_mn", 128, 1000) == 0.80
     with pytest.raises(ValueError, match="op must be"):
         naxis_dense_above("gemm_k", 128, 4096)
+
+
+def test_few_row_swiglu_with_the_router_beside():
+    """5-64 rows with the router beside cuBLAS: routed only while (1 - p)^M > BESIDE_SKIP_MIN of the groups are
+    expected unexecuted by every row; at <= 4 rows (the GEMVs) and without the overlap the rule is unchanged."""
+    for M in (5, 8, 16, 32, 64):
+        p = naxis_dense_above("swiglu", 128, M, router_beside=True)
+        assert (1 - p) ** M == pytest.approx(BESIDE_SKIP_MIN)
+    assert naxis_dense_above("swiglu", 128, 5, router_beside=True) == pytest.approx(1 - 0.15 ** 0.2)
+    assert naxis_dense_above("swiglu", 128, 4, router_beside=True) == 1.0
+    assert naxis_dense_above("gemm_mn", 512, 16, router_beside=True) == 0.0
+    assert naxis_dense_above("swiglu", 128, 512, router_beside=True) == 0.93

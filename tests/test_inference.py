@@ -430,23 +430,62 @@ def test_cuda_graph_decode_and_fixed_mask_check():
     assert res.path == "kernels+cuda-graphs" and all(len(t) == 8 for t in res.tokens)
 
 
-def test_router_overlap_logic_on_cpu(monkeypatch):
-    """The overlap paths' logic (decode: router reading h + add inside its kernel, the router steps left out;
-    prefill: the attention router and reorder inside the K / V step, before the Q projection) on the CPU
-    interpreter, with CUDA's stream calls stubbed: the same masks and logits as the plain path, batch 1, 3 and
-    6 (from 5 rows, with Q, K and V separate, decode runs the attention router beside the norm and K / V)."""
+def _stub_cuda_streams(monkeypatch, wm):
+    """Stub CUDA's stream calls (fork / join become no-ops) after every lazily imported module has loaded."""
     import contextlib
     import types
 
     from wide.inference import Engine
 
-    wm = _wide(seed=9)
-    warm = Engine(wm)  # every lazily imported module loads before torch.cuda is stubbed below
+    warm = Engine(wm)
     warm.decode(warm.prefill(torch.tensor([[5, 6]]), None, c := warm.new_cache(1, 4)).argmax(-1), c)
     fake = types.SimpleNamespace(wait_stream=lambda other: None)
     monkeypatch.setattr(torch.cuda, "Stream", lambda device=None: fake)
     monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: fake)
     monkeypatch.setattr(torch.cuda, "stream", lambda s: contextlib.nullcontext())
+
+
+def test_ffn_router_beside_gate_up_logic_on_cpu(monkeypatch):
+    """Where gate / up and down run as cuBLAS (``naxis="dense"``, from 5 rows), the FFN router runs inside the
+    gate / up step (beside the two GEMMs on CUDA): the router and reorder steps are left out and the masks and
+    logits equal the plain path's, at prefill and decode, batch 2 (decode of 2 rows: the plain path) and 6."""
+    from wide.inference import Engine
+
+    wm = _wide(seed=11)
+    _stub_cuda_streams(monkeypatch, wm)
+    for B in (2, 6):
+        ids = torch.randint(2, 128, (B, 9), generator=torch.Generator().manual_seed(B))
+        outs = []
+        for beside in (True, False):
+            eng = Engine(wm, naxis="dense")
+            eng.overlaps_gate_up_router = (lambda phase, i, M, on=beside: on and M > 4)
+            for phase, T in (("prefill", 9), ("decode", 1)):
+                names = [n for n, _ in eng.layer_steps(0, {"h": torch.zeros(B, T, 8)}, phase)]
+                on = beside and B * T > 4
+                assert ("ffn_router" in names) != on and ("ffn_reorder" in names) != on, (phase, B, names)
+                assert names[-2:] == ["gate_up", "down_proj"]
+            cache = eng.new_cache(B, 12)
+            eng.record_masks = True
+            logits = [eng.prefill(ids, None, cache)]
+            masks = {("prefill",) + k: v for k, v in eng.masks.items()}
+            logits.append(eng.decode(logits[0].argmax(-1), cache))
+            masks.update(eng.masks)
+            outs.append((logits, masks))
+        (la, ma), (lb, mb) = outs
+        assert all(torch.equal(a, b) for a, b in zip(la, lb))
+        assert ma.keys() == mb.keys() and all(torch.equal(ma[k], mb[k]) for k in ma)
+        assert any(not m.all() for m in ma.values())  # the routers skip something: the masks matter
+
+
+def test_router_overlap_logic_on_cpu(monkeypatch):
+    """The overlap paths' logic (decode: router reading h + add inside its kernel, the router steps left out;
+    prefill: the attention router and reorder inside the K / V step, before the Q projection) on the CPU
+    interpreter, with CUDA's stream calls stubbed: the same masks and logits as the plain path, batch 1, 3 and
+    6 (from 5 rows, with Q, K and V separate, decode runs the attention router beside the norm and K / V)."""
+    from wide.inference import Engine
+
+    wm = _wide(seed=9)
+    _stub_cuda_streams(monkeypatch, wm)
     for B in (1, 3, 6):
         ids = torch.randint(2, 128, (B, 9), generator=torch.Generator().manual_seed(B))
         outs = []
@@ -495,6 +534,7 @@ def test_cuda_router_overlap_and_one_launch_qkv_change_nothing():
         for overlap in (True, False):
             eng = Engine(wm, overlap=overlap)
             assert eng.overlaps_router("attn", "decode") == overlap and eng.qkv_one_launch("decode", B) == (B <= 4)
+            assert not eng.overlaps_gate_up_router("decode", 0, B)  # no measured activity: the SwiGLU is routed
             names = [n for n, _ in eng.layer_steps(0, {"h": torch.zeros(B, 1, 8)}, "decode")]
             assert ("attn_router" in names) != overlap
             assert ("qkv_proj" in names) == (B <= 4) and ("kv_proj" in names) == (B > 4 and not overlap)
@@ -517,6 +557,44 @@ def test_cuda_router_overlap_and_one_launch_qkv_change_nothing():
         (a, ma, ga, pa), (b, mb, gb, pb) = outs
         assert torch.equal(a, b) and torch.equal(ga, gb) and torch.equal(pa, pb)
         assert ma.keys() == mb.keys() and all(torch.equal(ma[k], mb[k]) for k in ma)
+
+
+@cuda
+def test_cuda_ffn_router_beside_gate_up_changes_nothing():
+    """bf16 on the GPU with ``naxis="dense"`` (cuBLAS gate / up, the masked activation), batch 6: the FFN router
+    on the second stream beside the two GEMMs gives the same masks and logits as with ``overlap=False``, at
+    prefill and decode, eagerly and replayed from a CUDA graph."""
+    from wide.inference import Engine
+    from wide.inference.graphs import capture
+
+    wm = _wide(seed=11)
+    wm.base.to("cuda", torch.bfloat16)
+    wm.to("cuda")
+    B = 6
+    ids = torch.randint(2, 128, (B, 12), device="cuda", generator=torch.Generator("cuda").manual_seed(B))
+    outs = []
+    for overlap in (True, False):
+        eng = Engine(wm, overlap=overlap, naxis="dense")
+        assert eng.overlaps_gate_up_router("decode", 0, B) == overlap
+        assert eng.overlaps_gate_up_router("prefill", 0, B * 12) == overlap
+        cache = eng.new_cache(B, 20)
+        eng.record_masks = True
+        pre = eng.prefill(ids, None, cache)
+        masks = {("prefill",) + k: v.clone() for k, v in eng.masks.items()}
+        tok = pre.argmax(-1)
+        eager = eng.decode(tok, cache)
+        masks.update({k: v.clone() for k, v in eng.masks.items()})
+        eng.record_masks = False
+        res = {}
+        g = capture(lambda: res.__setitem__("logits", eng.decode(tok, cache)))
+        cache.lengths.fill_(12)
+        g.replay()
+        torch.cuda.synchronize()
+        assert (res["logits"].float() - eager.float()).abs().max().item() < 5e-2
+        outs.append((eager.float(), masks, res["logits"].float().clone(), pre.float()))
+    (a, ma, ga, pa), (b, mb, gb, pb) = outs
+    assert torch.equal(a, b) and torch.equal(ga, gb) and torch.equal(pa, pb)
+    assert ma.keys() == mb.keys() and all(torch.equal(ma[k], mb[k]) for k in ma)
 
 
 def test_bench_helpers_on_cpu(tmp_path, reference_path):

@@ -64,7 +64,12 @@ NAXIS_CROSSOVER = {
 }
 
 
-def naxis_dense_above(op: str, G: int, M: int = 1 << 20) -> float:
+# Few-row decode (5-64 rows) with the FFN router able to run beside cuBLAS's gate / up GEMMs: the fused SwiGLU
+# runs routed only while more than this fraction of the weight's groups is expected to be skipped, (1 - p)^M.
+BESIDE_SKIP_MIN = 0.15
+
+
+def naxis_dense_above(op: str, G: int, M: int = 1 << 20, router_beside: bool = False) -> float:
     """Executed fraction above which ``naxis="auto"`` runs an N-axis op of ``M > 4`` rows as dense cuBLAS GEMMs.
 
     From 1024 rows (prefill): :data:`NAXIS_CROSSOVER`, the measured crossover of the routed kernel against
@@ -85,12 +90,19 @@ def naxis_dense_above(op: str, G: int, M: int = 1 << 20) -> float:
     us at p = 0.70 against 64.6-65.8 us for cuBLAS + the masked activation, and 1.11-1.15x cuBLAS's speed at
     p = 1 in the kernel sweep (M = 16 and 64, G >= 64; 0.86-0.92x at G = 32;
     benchmarks/kernels/kernels_h200-sweep7.md): with 16 rows some row
-    executes nearly every group, so its time hardly depends on p, and it always runs routed.
+    executes nearly every group, so its time hardly depends on p, and it runs routed unless ``router_beside``.
+    With ``router_beside`` (the engine can run the FFN router on a second stream beside cuBLAS's gate / up,
+    :meth:`Engine.overlaps_gate_up_router`) the router leaves the critical path: the router of 16-32 rows took
+    13-16 µs on the H200 (``benchmarks/e2e/e2e_h200-grid1-kv_trace.json``) against the fused kernel's 3-4 µs
+    lead over cuBLAS + the activation.  The SwiGLU then runs routed only while the expected fraction of groups
+    no row executes, ``(1 - p)^M``, is above :data:`BESIDE_SKIP_MIN` (15 %): ``p* = 1 - 0.15^(1/M)``, e.g.
+    0.32 at 5 rows, 0.11 at 16.
 
     Args:
         op: ``"gemm_mn"`` (the Q projection) or ``"swiglu"`` (gate + up).
         G: the op's group size (channels), >= 1.
         M: rows of the op.
+        router_beside: whether the op's router can run beside cuBLAS's GEMMs (changes the 5-64 row SwiGLU rule).
 
     Returns:
         The threshold p* in [0, 1]: the op runs as cuBLAS when the layer's expected executed fraction is above.
@@ -101,7 +113,9 @@ def naxis_dense_above(op: str, G: int, M: int = 1 << 20) -> float:
     if op not in NAXIS_CROSSOVER:
         raise ValueError(f"naxis_dense_above: op must be 'gemm_mn' or 'swiglu', got {op!r}")
     if M <= 64:
-        return 1.0 if op == "swiglu" else 0.0
+        if op != "swiglu":
+            return 0.0
+        return 1.0 - BESIDE_SKIP_MIN ** (1.0 / M) if router_beside and M > 4 else 1.0
     if M < 1024:
         if op == "swiglu":
             return 0.93
@@ -434,6 +448,19 @@ class Engine:
         return (self.overlap and phase == "prefill" and self.fast and self.ops != "dense"
                 and self.attn_routers is not None and self.device.type == "cuda")
 
+    def overlaps_gate_up_router(self, phase: str, i: int, M: int) -> bool:
+        """Whether layer ``i``'s FFN router runs concurrently with cuBLAS's gate and up GEMMs of ``M`` rows.
+
+        Where both FFN projections around the activation run as cuBLAS (:meth:`naxis_dense`, :meth:`kaxis_dense`:
+        prefill at high activity, decode from 5 rows) only the activation reads the mask (it zeroes the skipped
+        groups, so ``down_proj`` on its zero-filled input computes the routed function), so the router runs on
+        a second stream beside the two GEMMs instead of before them.  On CUDA with the fused kernels, FFN
+        routers and :attr:`overlap`; CUDA-graph capturable like :meth:`overlaps_router`.  The decode router of
+        the plain path (beside the norm) is then left out."""
+        return (self.overlap and self.fast and self.ops != "dense" and self.ffn_routers is not None
+                and self.device.type == "cuda" and self.naxis_dense("ffn", i, M)
+                and self.kaxis_dense(M, self.g_ffn))
+
     def _beside(self, side_fn, main_fn):
         """``(side_fn(), main_fn())`` with ``side_fn`` on a second CUDA stream forked from the current one and
         ``main_fn`` on the current one, which then waits for both.  Memory allocated on the second stream is only
@@ -483,7 +510,9 @@ class Engine:
         fused_rope = self.fast and L.q_norm is None
         qkv = self.qkv_one_launch(phase, st["h"].shape[0] * st["h"].shape[1], i)
 
-        ov_attn, ov_ffn = self.overlaps_router("attn", phase), self.overlaps_router("ffn", phase)
+        M = st["h"].shape[0] * st["h"].shape[1]
+        ov_gu = self.overlaps_gate_up_router(phase, i, M)  # the FFN router beside cuBLAS's gate / up
+        ov_attn, ov_ffn = self.overlaps_router("attn", phase), self.overlaps_router("ffn", phase) and not ov_gu
         ov_prefill = self.overlaps_prefill_router(phase) and not qkv
         ov_kv = ov_attn and not qkv  # decode of > 4 rows: the attention router beside the norm and K / V
 
@@ -633,6 +662,15 @@ class Engine:
             else:
                 st["u"] = swiglu(x2, L.wg, L.wu, st["fm"].view(B * T, -1), self.g_ffn, reordered=st["fm_flat"])
 
+        def gate_up_route(st):  # ov_gu: the FFN router on the second stream, gate / up on this one
+            x = st["x_ffn"]
+            B, T, D = x.shape
+            x2 = x.view(B * T, D)
+            m, (g, u) = self._beside(lambda: self._route("ffn", i, st["h_ffn"], st.get("valid")),
+                                     lambda: (F.linear(x2, L.wg), F.linear(x2, L.wu)))
+            st["fm"], st["fm_flat"] = m, None
+            st["u"] = masked_swiglu_act(g, u, m.view(B * T, -1), self.g_ffn)
+
         def down_proj(st):
             u = st["u"]
             B, T, D = st["x_ffn"].shape
@@ -657,6 +695,9 @@ class Engine:
         else:
             steps += [("rope", rope), ("kv_cache_write", cache_write)]
         steps += [("attention", attention), ("o_proj", o_proj), ("post_norm", post_norm)]
+        if ov_gu:  # the trace's "gate_up" then includes the router beside it; nothing consumes a reorder
+            steps += [("gate_up", gate_up_route), ("down_proj", down_proj)]
+            return steps
         if not ov_ffn:
             steps.append(("ffn_router", ffn_router))
         if not dense:
@@ -715,7 +756,9 @@ class Engine:
         if M <= 4 or p is None:  # the decode GEMVs match cuBLAS with every group executed
             return False
         G = self.g_attn if kind == "attn" else self.g_ffn
-        return p > naxis_dense_above("gemm_mn" if kind == "attn" else "swiglu", G, M)
+        beside = (kind == "ffn" and self.overlap and self.fast and self.ffn_routers is not None
+                  and self.device.type == "cuda")
+        return p > naxis_dense_above("gemm_mn" if kind == "attn" else "swiglu", G, M, router_beside=beside)
 
     def attn_dense(self, i: int, phase: str) -> bool:
         """Whether layer ``i``'s attention runs as SDPA + zeroed skipped head groups (prefill only; see ``attn`` in
