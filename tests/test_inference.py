@@ -445,10 +445,11 @@ def _stub_cuda_streams(monkeypatch, wm):
     monkeypatch.setattr(torch.cuda, "stream", lambda s: contextlib.nullcontext())
 
 
-def test_ffn_router_beside_gate_up_logic_on_cpu(monkeypatch):
+def test_routers_beside_cublas_projections_logic_on_cpu(monkeypatch):
     """Where gate / up and down run as cuBLAS (``naxis="dense"``, from 5 rows), the FFN router runs inside the
-    gate / up step (beside the two GEMMs on CUDA): the router and reorder steps are left out and the masks and
-    logits equal the plain path's, at prefill and decode, batch 2 (decode of 2 rows: the plain path) and 6."""
+    gate / up step (beside the two GEMMs on CUDA), and where Q runs as cuBLAS the attention router runs beside
+    Q, K and V: the router, reorder and Q steps are left out and the masks and logits equal the plain path's,
+    at prefill and decode, batch 2 (decode of 2 rows: the plain path) and 6."""
     from wide.inference import Engine
 
     wm = _wide(seed=11)
@@ -459,11 +460,16 @@ def test_ffn_router_beside_gate_up_logic_on_cpu(monkeypatch):
         for beside in (True, False):
             eng = Engine(wm, naxis="dense")
             eng.overlaps_gate_up_router = (lambda phase, i, M, on=beside: on and M > 4)
+            eng.overlaps_router = (lambda kind, phase, on=beside: on and phase == "decode")
+            eng.overlaps_prefill_router = (lambda phase, on=beside: on and phase == "prefill")
             for phase, T in (("prefill", 9), ("decode", 1)):
                 names = [n for n, _ in eng.layer_steps(0, {"h": torch.zeros(B, T, 8)}, phase)]
                 on = beside and B * T > 4
-                assert ("ffn_router" in names) != on and ("ffn_reorder" in names) != on, (phase, B, names)
+                # the FFN router's own step is left out with any overlap (beside the norm at 1-4 decode rows)
+                assert ("ffn_router" in names) != beside and ("ffn_reorder" in names) != on, (phase, B, names)
                 assert names[-2:] == ["gate_up", "down_proj"]
+                on_q = beside and not eng.qkv_one_launch(phase, B * T)  # naxis "dense": never one launch
+                assert ("q_proj" in names) != on_q and eng.overlaps_q_router(phase, 0, B * T) == on_q, (phase, B)
             cache = eng.new_cache(B, 12)
             eng.record_masks = True
             logits = [eng.prefill(ids, None, cache)]
@@ -560,10 +566,10 @@ def test_cuda_router_overlap_and_one_launch_qkv_change_nothing():
 
 
 @cuda
-def test_cuda_ffn_router_beside_gate_up_changes_nothing():
-    """bf16 on the GPU with ``naxis="dense"`` (cuBLAS gate / up, the masked activation), batch 6: the FFN router
-    on the second stream beside the two GEMMs gives the same masks and logits as with ``overlap=False``, at
-    prefill and decode, eagerly and replayed from a CUDA graph."""
+def test_cuda_routers_beside_cublas_projections_change_nothing():
+    """bf16 on the GPU with ``naxis="dense"`` (cuBLAS Q and gate / up, the masked activation), batch 6: the FFN
+    router on the second stream beside the two GEMMs and the attention router beside Q, K and V give the same
+    masks and logits as with ``overlap=False``, at prefill and decode, eagerly and replayed from a CUDA graph."""
     from wide.inference import Engine
     from wide.inference.graphs import capture
 
@@ -575,8 +581,9 @@ def test_cuda_ffn_router_beside_gate_up_changes_nothing():
     outs = []
     for overlap in (True, False):
         eng = Engine(wm, overlap=overlap, naxis="dense")
-        assert eng.overlaps_gate_up_router("decode", 0, B) == overlap
-        assert eng.overlaps_gate_up_router("prefill", 0, B * 12) == overlap
+        for phase, M in (("decode", B), ("prefill", B * 12)):
+            assert eng.overlaps_gate_up_router(phase, 0, M) == overlap
+            assert eng.overlaps_q_router(phase, 0, M) == overlap
         cache = eng.new_cache(B, 20)
         eng.record_masks = True
         pre = eng.prefill(ids, None, cache)

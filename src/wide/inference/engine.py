@@ -457,9 +457,26 @@ class Engine:
         a second stream beside the two GEMMs instead of before them.  On CUDA with the fused kernels, FFN
         routers and :attr:`overlap`; CUDA-graph capturable like :meth:`overlaps_router`.  The decode router of
         the plain path (beside the norm) is then left out."""
+        return self.routes_beside_gate_up() and self.naxis_dense("ffn", i, M) and self.kaxis_dense(M, self.g_ffn)
+
+    def routes_beside_gate_up(self) -> bool:
+        """Whether the FFN router can run beside cuBLAS's gate / up (CUDA, the fused kernels, FFN routers,
+        :attr:`overlap`); it also sets the few-row SwiGLU rule of :func:`naxis_dense_above`."""
         return (self.overlap and self.fast and self.ops != "dense" and self.ffn_routers is not None
-                and self.device.type == "cuda" and self.naxis_dense("ffn", i, M)
-                and self.kaxis_dense(M, self.g_ffn))
+                and self.device.type == "cuda")
+
+    def overlaps_q_router(self, phase: str, i: int, M: int) -> bool:
+        """Whether layer ``i``'s attention router also runs beside the Q projection of ``M`` rows.
+
+        Where the attention router already runs beside the K / V projections (decode from 5 rows,
+        :meth:`overlaps_router`; prefill, :meth:`overlaps_prefill_router`) and the Q projection runs as cuBLAS
+        (:meth:`naxis_dense`), Q does not depend on the routing either (the attention skips the inactive head
+        groups and zeroes their outputs), so it joins K and V on the current stream and the router on the second
+        stream has Q + K + V to hide behind (the router of 32 rows took 22.6 µs on the H200, the norm + K / V
+        ~16 µs; ``benchmarks/e2e/decode_probe_h200-s12.md``)."""
+        if self.qkv_one_launch(phase, M, i) or not self.naxis_dense("attn", i, M):
+            return False
+        return self.overlaps_router("attn", phase) if phase == "decode" else self.overlaps_prefill_router(phase)
 
     def _beside(self, side_fn, main_fn):
         """``(side_fn(), main_fn())`` with ``side_fn`` on a second CUDA stream forked from the current one and
@@ -515,6 +532,7 @@ class Engine:
         ov_attn, ov_ffn = self.overlaps_router("attn", phase), self.overlaps_router("ffn", phase) and not ov_gu
         ov_prefill = self.overlaps_prefill_router(phase) and not qkv
         ov_kv = ov_attn and not qkv  # decode of > 4 rows: the attention router beside the norm and K / V
+        ov_q = (ov_kv or ov_prefill) and self.overlaps_q_router(phase, i, M)  # ... and beside a cuBLAS Q
 
         def input_norm(st):  # with ov_attn also the attention router (its own step is then left out)
             st["h_attn"], st["x"], m = self._norm_route(L.ln1, st["h"], st.get("pending"), "attn", i, st, ov_attn)
@@ -525,6 +543,8 @@ class Engine:
             def main():
                 st["h_attn"], st["x"] = self._norm(L.ln1, st["h"], st.get("pending"))
                 kv_proj(st)
+                if ov_q:
+                    q_dense(st)
 
             m, _ = self._beside(lambda: self._route("attn", i, st["h"], st.get("valid"), add=st.get("pending")),
                                 main)
@@ -540,16 +560,21 @@ class Engine:
                                                          not self.naxis_dense("attn", i, M),
                                                          not self.kaxis_dense(M, self.g_attn))
 
+        def q_dense(st):  # cuBLAS: the routed attention ignores skipped head groups, so the same function
+            x = st["x"]
+            B, T, D = x.shape
+            st["q_raw"] = F.linear(x.view(B * T, D), L.wq, L.bq).view(B, T, d.num_heads, d.head_dim)
+
         def q_proj(st):
             x = st["x"]
             B, T, D = x.shape
             x2 = x.view(B * T, D)
             if st["am"] is None or self.naxis_dense("attn", i, B * T):
-                q = F.linear(x2, L.wq, L.bq)  # the routed attention ignores skipped head groups: same function
-            else:
-                q = gemm_mn(x2, L.wq, st["am"].view(B * T, -1), self.g_attn, reordered=st["am_flat"])
-                if L.bq is not None:
-                    q = q + L.bq
+                q_dense(st)
+                return
+            q = gemm_mn(x2, L.wq, st["am"].view(B * T, -1), self.g_attn, reordered=st["am_flat"])
+            if L.bq is not None:
+                q = q + L.bq
             st["q_raw"] = q.view(B, T, d.num_heads, d.head_dim)
 
         def kv_proj(st):
@@ -559,7 +584,8 @@ class Engine:
             st["v_raw"] = F.linear(x, L.wv, L.bv).view(B, T, d.num_kv_heads, d.head_dim)
 
         def kv_proj_route(st):  # prefill with ov_prefill: K / V here, the attention router + reorder beside them
-            self._beside(lambda: (attn_router(st), attn_reorder(st)), lambda: kv_proj(st))
+            self._beside(lambda: (attn_router(st), attn_reorder(st)),
+                         lambda: (kv_proj(st), ov_q and q_dense(st)))
 
         def qkv_proj(st):  # decode, <= 4 rows: [Q routed | K | V] as one GEMV launch (see qkv_one_launch)
             x = st["x"]
@@ -681,10 +707,11 @@ class Engine:
             st["h"] = st["h_ffn"]
             st["pending"] = y.view(B, T, D)  # added to h by the next norm (fused add)
 
+        q_step = [] if ov_q else [("q_proj", q_proj)]  # with ov_q, Q is computed beside the router
         if ov_kv:  # the trace's "input_norm" then includes K / V and the router beside them (never ops="dense")
-            steps = [("input_norm", input_norm_kv), ("attn_reorder", attn_reorder), ("q_proj", q_proj)]
+            steps = [("input_norm", input_norm_kv), ("attn_reorder", attn_reorder)] + q_step
         elif ov_prefill:  # the trace's "kv_proj" then includes the router and reorder that run beside it
-            steps = [("input_norm", input_norm), ("kv_proj", kv_proj_route), ("q_proj", q_proj)]
+            steps = [("input_norm", input_norm), ("kv_proj", kv_proj_route)] + q_step
         else:
             steps = [("input_norm", input_norm)] + ([] if ov_attn else [("attn_router", attn_router)])
             if not dense:
@@ -756,8 +783,7 @@ class Engine:
         if M <= 4 or p is None:  # the decode GEMVs match cuBLAS with every group executed
             return False
         G = self.g_attn if kind == "attn" else self.g_ffn
-        beside = (kind == "ffn" and self.overlap and self.fast and self.ffn_routers is not None
-                  and self.device.type == "cuda")
+        beside = kind == "ffn" and self.routes_beside_gate_up()
         return p > naxis_dense_above("gemm_mn" if kind == "attn" else "swiglu", G, M, router_beside=beside)
 
     def attn_dense(self, i: int, phase: str) -> bool:
