@@ -55,12 +55,10 @@ ATTN_DENSE_ABOVE = 0.69
 # included), the speedup over cuBLAS interpolated linearly between the measured s = 0, 0.25, 0.5, 0.75 to where
 # it reaches 1; p* = 1 - that s.  tests/test_engine_dispatch.py re-derives this table from the JSON.
 NAXIS_CROSSOVER = {
-    "gemm_mn": {256: {32: 0.0, 64: 0.0, 128: 0.0, 256: 0.0, 512: 0.0},
-                1024: {32: 0.252, 64: 0.421, 128: 0.648, 256: 0.787, 512: 0.788},
+    "gemm_mn": {1024: {32: 0.252, 64: 0.421, 128: 0.648, 256: 0.787, 512: 0.788},
                 4096: {32: 0.323, 64: 0.473, 128: 0.679, 256: 0.826, 512: 0.89},
                 16384: {32: 0.307, 64: 0.493, 128: 0.76, 256: 0.883, 512: 0.887}},
-    "swiglu": {256: {32: 0.0, 64: 0.378, 128: 0.419, 256: 0.404, 512: 0.409},
-               1024: {32: 0.487, 64: 0.713, 128: 0.84, 256: 0.843, 512: 0.839},
+    "swiglu": {1024: {32: 0.487, 64: 0.713, 128: 0.84, 256: 0.843, 512: 0.839},
                4096: {32: 0.55, 64: 0.801, 128: 0.9, 256: 0.92, 512: 0.903},
                16384: {32: 0.554, 64: 0.769, 128: 0.859, 256: 0.862, 512: 0.884}},
 }
@@ -74,15 +72,16 @@ BESIDE_SKIP_MIN = 0.15
 def naxis_dense_above(op: str, G: int, M: int = 1 << 20, router_beside: bool = False) -> float:
     """Executed fraction above which ``naxis="auto"`` runs an N-axis op of ``M > 4`` rows as dense cuBLAS GEMMs.
 
-    From 65 rows (prefill, large decode batches): :data:`NAXIS_CROSSOVER`, the measured crossover of the
-    routed kernel against cuBLAS, interpolated linearly in ``log2 M`` between 256, 1024, 4096 and 16384 rows
-    (held constant below 256 and beyond 16384), at the nearest measured G in ``log2``.  E.g. the fused SwiGLU
-    at G = 128 wins below 84-90 % of groups executed from 1024 rows, at G = 64 below 71-80 %, at G = 32 below
-    about half; at 256 rows the kernels lose at every s but 0.75 (the SwiGLU below ~40 %; ``gemm_mn`` never),
-    so at 512 rows the SwiGLU at G = 128 runs routed below 63 % and the Q projection (G = 512) below 39 %.
-    (Until session 12 the rule for 65-1023 rows was the M = 16384 tile probe's: 0.93 / 0.80 / 0.92; prefill of
-    512 tokens at s = 0.25 then ran the routed kernels at 85 % / 65 % activity and lost 10 % to dense,
-    ``benchmarks/e2e/overlap_ab_h200-s12.md``.)
+    From 1024 rows (prefill): :data:`NAXIS_CROSSOVER`, the measured crossover of the routed kernel against
+    cuBLAS, interpolated linearly in ``log2 M`` between 1024, 4096 and 16384 rows (held constant beyond), at
+    the nearest measured G in ``log2``.  E.g. the fused SwiGLU at G = 128 wins below 84-90 % of groups executed,
+    at G = 64 below 71-80 %, at G = 32 below about half.
+
+    65-1023 rows, the rule from the tile probe (benchmarks/kernels/tile_probe.json, M = 16384, s = 0, best
+    config): the routed kernel at full activity reaches 0.82 of cuBLAS's speed for ``gemm_mn`` at G = 128, 0.95
+    at G = 512, and 1.00 / 0.95 for the fused SwiGLU, so it runs below 0.80 / 0.92 / 0.93 of groups executed.
+    (The grid has only M = 256 there, where the kernels lose to cuBLAS at almost every s, and the end-to-end
+    prefill at 512 tokens gains from routing at s = 0.5: not enough to set a rule for these sizes.)
 
     Few rows (5-64, decode at batch 16), from the H200 decode traces at batch 16 (Llama-3.1-8B shapes,
     benchmarks/e2e/e2e_h200-quick8_trace.json, e2e_h200-decode8_trace.json): the Q projection (N = K = 4096,
@@ -117,13 +116,15 @@ def naxis_dense_above(op: str, G: int, M: int = 1 << 20, router_beside: bool = F
         if op != "swiglu":
             return 0.0
         return 1.0 - BESIDE_SKIP_MIN ** (1.0 / M) if router_beside and M > 4 else 1.0
+    if M < 1024:
+        if op == "swiglu":
+            return 0.93
+        return 0.92 if G >= 256 else 0.80
     table = NAXIS_CROSSOVER[op]
+    g = min(table[1024], key=lambda c: (abs(math.log2(c) - math.log2(max(G, 1))), c))
     ms = sorted(table)
-    g = min(table[ms[0]], key=lambda c: (abs(math.log2(c) - math.log2(max(G, 1))), c))
     if M >= ms[-1]:
         return table[ms[-1]][g]
-    if M <= ms[0]:
-        return table[ms[0]][g]
     lo = max(m for m in ms if m <= M)
     hi = min(m for m in ms if m > M)
     w = (math.log2(M) - math.log2(lo)) / (math.log2(hi) - math.log2(lo))
