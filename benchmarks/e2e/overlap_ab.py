@@ -39,6 +39,7 @@ def _parse(argv):
                    help="prefill points tokens:sparsity (batch 1)")
     p.add_argument("--ctx", type=int, default=2048, help="decode context (tokens)")
     p.add_argument("--G", type=int, default=128, help="FFN group size")
+    p.add_argument("--split", default="paper", choices=("paper", "uniform"), help="attention / FFN sparsity split")
     p.add_argument("--rounds", type=int, default=2, help="times each variant is timed per point (median)")
     p.add_argument("--budget", type=float, default=400.0, help="seconds after which pending points are skipped")
     return p.parse_args(argv)
@@ -84,7 +85,7 @@ def main(argv=None) -> int:
     for s in sorted(by_s):
         if time.time() - t0 > args.budget:
             break
-        sa, sf = e2e.split_sparsity(s, "paper")
+        sa, sf = e2e.split_sparsity(s, args.split)
         wm = WideModel(base, WideConfig(ffn_group_size=args.G, target_sparsity=s), init_keep=0.5)
         for h in wm._handles:
             h.remove()
@@ -121,7 +122,7 @@ def main(argv=None) -> int:
                     ms = statistics.median(times[k])
                     rec = dict(phase=phase, batch=n if phase == "decode" else 1,
                                prompt_len=args.ctx if phase == "decode" else n, sparsity=s, G_ffn=args.G,
-                               split="paper", variant=k, dense_ms=round(d, 4), wide_ms=round(ms, 4),
+                               split=args.split, variant=k, dense_ms=round(d, 4), wide_ms=round(ms, 4),
                                speedup=round(d / ms, 4), rounds=[round(x, 4) for x in times[k]],
                                dense_rounds=[round(x, 4) for x in times["dense"]],
                                gpu=torch.cuda.get_device_name(), date=time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),

@@ -210,7 +210,8 @@ def decode_ms(engine, cache, context: int, vocab: int, runs: int = 50) -> float:
     ctxlen = torch.full((cache.batch,), context, dtype=torch.int64, device=cache.device)
     cache.lengths.copy_(ctxlen)
     runner = _decode_runner(engine, cache)
-    runner.tokens.random_(0, vocab)
+    # the same first tokens for every engine timed at this point: the routing (so the work skipped) depends on them
+    runner.tokens.random_(0, vocab, generator=torch.Generator(device=cache.device).manual_seed(context))
     ms = _median_ms(runner.step, max(50, runs), before=lambda: cache.lengths.copy_(ctxlen))
     del runner
     return ms
