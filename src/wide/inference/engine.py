@@ -15,7 +15,10 @@ Decode steps need no reorder (M = batch <= 128: the GEMMs read the route directl
 no host synchronisation; :mod:`wide.inference.graphs` captures them in CUDA graphs.  With M <= 4 the Q, K and
 V projections are one GEMV launch (:meth:`Engine.qkv_one_launch`), and on CUDA each router runs on a second
 stream beside the RMSNorm before it (:meth:`Engine.overlaps_router`); at prefill the attention router and its
-reorder run beside the K / V projections (:meth:`Engine.overlaps_prefill_router`).
+reorder run beside the K / V projections (:meth:`Engine.overlaps_prefill_router`).  Where a routed projection
+runs as cuBLAS (``naxis`` dense: the mask is then only needed after it), the router also runs beside it: the
+attention router beside Q (:meth:`Engine.overlaps_q_router`), the FFN router beside gate / up
+(:meth:`Engine.overlaps_gate_up_router`).
 
 ``ops="dense"`` runs the same structure with cuBLAS linears and SDPA (the dense baseline of the
 benchmarks); routers are then ignored.  On CPU without ``TRITON_INTERPRET=1`` every kernel falls back to
