@@ -445,6 +445,25 @@ def _stub_cuda_streams(monkeypatch, wm):
     monkeypatch.setattr(torch.cuda, "stream", lambda s: contextlib.nullcontext())
 
 
+def _prefill_decode(eng, ids, steps: int):
+    """``(logits, masks)`` of a prefill of ``ids`` and ``steps`` greedy decode steps through ``eng`` (the masks of
+    the prefill keyed ``("prefill", kind, layer)``, those of the last decode step ``(kind, layer)``)."""
+    cache = eng.new_cache(ids.shape[0], ids.shape[1] + steps + 1)
+    eng.record_masks = True
+    logits = [eng.prefill(ids, None, cache)]
+    masks = {("prefill",) + k: v for k, v in eng.masks.items()}
+    for _ in range(steps):
+        logits.append(eng.decode(logits[-1].argmax(-1), cache))
+    masks.update(eng.masks)
+    return logits, masks
+
+
+def _assert_equal_runs(a, b):
+    """Two :func:`_prefill_decode` results are bitwise equal (every logits tensor and every mask)."""
+    assert len(a[0]) == len(b[0]) and all(torch.equal(x, y) for x, y in zip(a[0], b[0]))
+    assert a[1].keys() == b[1].keys() and all(torch.equal(a[1][k], b[1][k]) for k in a[1])
+
+
 def test_routers_beside_cublas_projections_logic_on_cpu(monkeypatch):
     """Where gate / up and down run as cuBLAS (``naxis="dense"``, from 5 rows), the FFN router runs inside the
     gate / up step (beside the two GEMMs on CUDA), and where Q runs as cuBLAS the attention router runs beside
@@ -470,17 +489,9 @@ def test_routers_beside_cublas_projections_logic_on_cpu(monkeypatch):
                 assert names[-2:] == ["gate_up", "down_proj"]
                 on_q = beside and not eng.qkv_one_launch(phase, B * T)  # naxis "dense": never one launch
                 assert ("q_proj" in names) != on_q and eng.overlaps_q_router(phase, 0, B * T) == on_q, (phase, B)
-            cache = eng.new_cache(B, 12)
-            eng.record_masks = True
-            logits = [eng.prefill(ids, None, cache)]
-            masks = {("prefill",) + k: v for k, v in eng.masks.items()}
-            logits.append(eng.decode(logits[0].argmax(-1), cache))
-            masks.update(eng.masks)
-            outs.append((logits, masks))
-        (la, ma), (lb, mb) = outs
-        assert all(torch.equal(a, b) for a, b in zip(la, lb))
-        assert ma.keys() == mb.keys() and all(torch.equal(ma[k], mb[k]) for k in ma)
-        assert any(not m.all() for m in ma.values())  # the routers skip something: the masks matter
+            outs.append(_prefill_decode(eng, ids, steps=1))
+        _assert_equal_runs(*outs)
+        assert any(not m.all() for m in outs[0][1].values())  # the routers skip something: the masks matter
 
 
 def test_router_overlap_logic_on_cpu(monkeypatch):
@@ -508,17 +519,37 @@ def test_router_overlap_logic_on_cpu(monkeypatch):
             names = [n for n, _ in eng.layer_steps(0, {"h": torch.zeros(B, 9, 8)}, "prefill")]
             assert ("attn_router" in names) != overlap and ("attn_reorder" in names) != overlap
             assert names.index("kv_proj") < names.index("q_proj") if overlap else "kv_proj" in names
-            cache = eng.new_cache(B, 12)
-            eng.record_masks = True
-            logits = [eng.prefill(ids, None, cache)]
-            masks = {("prefill",) + k: v for k, v in eng.masks.items()}
-            logits.append(eng.decode(logits[0].argmax(-1), cache))
-            masks.update(eng.masks)
-            logits.append(eng.decode(logits[1].argmax(-1), cache))
-            outs.append((logits, masks))
-        (la, ma), (lb, mb) = outs
-        assert all(torch.equal(a, b) for a, b in zip(la, lb))
-        assert ma.keys() == mb.keys() and all(torch.equal(ma[k], mb[k]) for k in ma)
+            outs.append(_prefill_decode(eng, ids, steps=2))
+        _assert_equal_runs(*outs)
+
+
+def _cuda_prefill_decode_graph(eng, ids):
+    """``(decode logits, masks, graph-replayed decode logits, prefill logits)`` of ``eng`` on ``ids`` ``[B, 12]``:
+    a prefill, one eager decode step, and the same step (position 12) replayed from a CUDA graph, which must
+    match the eager one within bf16 noise."""
+    from wide.inference.graphs import capture
+
+    cache = eng.new_cache(ids.shape[0], 20)
+    eng.record_masks = True
+    pre = eng.prefill(ids, None, cache)
+    masks = {("prefill",) + k: v.clone() for k, v in eng.masks.items()}
+    tok = pre.argmax(-1)
+    eager = eng.decode(tok, cache)
+    masks.update({k: v.clone() for k, v in eng.masks.items()})
+    eng.record_masks = False
+    res = {}
+    g = capture(lambda: res.__setitem__("logits", eng.decode(tok, cache)))
+    cache.lengths.fill_(12)  # replay the same step (position 12) from the graph
+    g.replay()
+    torch.cuda.synchronize()
+    assert (res["logits"].float() - eager.float()).abs().max().item() < 5e-2
+    return eager.float(), masks, res["logits"].float().clone(), pre.float()
+
+
+def _assert_same_outputs(a, b):
+    """Two :func:`_cuda_prefill_decode_graph` results are bitwise equal (logits and every mask)."""
+    assert all(torch.equal(a[i], b[i]) for i in (0, 2, 3))
+    assert a[1].keys() == b[1].keys() and all(torch.equal(a[1][k], b[1][k]) for k in a[1])
 
 
 @cuda
@@ -529,7 +560,6 @@ def test_cuda_router_overlap_and_one_launch_qkv_change_nothing():
     (the same values reach the same kernels), eagerly and replayed from a CUDA graph; batch 6 (Q, K, V
     separate) with the attention router beside the norm and the K / V projections."""
     from wide.inference import Engine
-    from wide.inference.graphs import capture
 
     wm = _wide(seed=9)
     wm.base.to("cuda", torch.bfloat16)
@@ -545,24 +575,8 @@ def test_cuda_router_overlap_and_one_launch_qkv_change_nothing():
             assert ("attn_router" in names) != overlap
             assert ("qkv_proj" in names) == (B <= 4) and ("kv_proj" in names) == (B > 4 and not overlap)
             assert eng.overlaps_prefill_router("prefill") == overlap
-            cache = eng.new_cache(B, 20)
-            eng.record_masks = True
-            pre = eng.prefill(ids, None, cache)
-            masks = {("prefill",) + k: v.clone() for k, v in eng.masks.items()}
-            tok = pre.argmax(-1)
-            eager = eng.decode(tok, cache)
-            masks.update({k: v.clone() for k, v in eng.masks.items()})
-            eng.record_masks = False
-            res = {}
-            g = capture(lambda: res.__setitem__("logits", eng.decode(tok, cache)))
-            cache.lengths.fill_(12)  # replay the same step (position 12) from the graph
-            g.replay()
-            torch.cuda.synchronize()
-            assert (res["logits"].float() - eager.float()).abs().max().item() < 5e-2
-            outs.append((eager.float(), masks, res["logits"].float().clone(), pre.float()))
-        (a, ma, ga, pa), (b, mb, gb, pb) = outs
-        assert torch.equal(a, b) and torch.equal(ga, gb) and torch.equal(pa, pb)
-        assert ma.keys() == mb.keys() and all(torch.equal(ma[k], mb[k]) for k in ma)
+            outs.append(_cuda_prefill_decode_graph(eng, ids))
+        _assert_same_outputs(*outs)
 
 
 @cuda
@@ -571,7 +585,6 @@ def test_cuda_routers_beside_cublas_projections_change_nothing():
     router on the second stream beside the two GEMMs and the attention router beside Q, K and V give the same
     masks and logits as with ``overlap=False``, at prefill and decode, eagerly and replayed from a CUDA graph."""
     from wide.inference import Engine
-    from wide.inference.graphs import capture
 
     wm = _wide(seed=11)
     wm.base.to("cuda", torch.bfloat16)
@@ -584,24 +597,8 @@ def test_cuda_routers_beside_cublas_projections_change_nothing():
         for phase, M in (("decode", B), ("prefill", B * 12)):
             assert eng.overlaps_gate_up_router(phase, 0, M) == overlap
             assert eng.overlaps_q_router(phase, 0, M) == overlap
-        cache = eng.new_cache(B, 20)
-        eng.record_masks = True
-        pre = eng.prefill(ids, None, cache)
-        masks = {("prefill",) + k: v.clone() for k, v in eng.masks.items()}
-        tok = pre.argmax(-1)
-        eager = eng.decode(tok, cache)
-        masks.update({k: v.clone() for k, v in eng.masks.items()})
-        eng.record_masks = False
-        res = {}
-        g = capture(lambda: res.__setitem__("logits", eng.decode(tok, cache)))
-        cache.lengths.fill_(12)
-        g.replay()
-        torch.cuda.synchronize()
-        assert (res["logits"].float() - eager.float()).abs().max().item() < 5e-2
-        outs.append((eager.float(), masks, res["logits"].float().clone(), pre.float()))
-    (a, ma, ga, pa), (b, mb, gb, pb) = outs
-    assert torch.equal(a, b) and torch.equal(ga, gb) and torch.equal(pa, pb)
-    assert ma.keys() == mb.keys() and all(torch.equal(ma[k], mb[k]) for k in ma)
+        outs.append(_cuda_prefill_decode_graph(eng, ids))
+    _assert_same_outputs(*outs)
 
 
 def test_bench_helpers_on_cpu(tmp_path, reference_path):
