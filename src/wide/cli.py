@@ -477,7 +477,8 @@ def cmd_calibrate(args) -> int:
         f"G_attn={wm.config.attn_group_size}, G_ffn={wm.config.ffn_group_size}, {targs.steps} steps, "
         f"{env.world_size} process(es), global batch {targs.batch_size * targs.grad_accum * env.world_size}")
     t0 = time.time()
-    recs = calibrate(wm, blocks, targs, out, src.ref, resume=args.resume, data_source=_data_source(args))
+    recs = calibrate(wm, blocks, targs, out, src.ref, resume=args.resume, data_source=_data_source(args),
+                     options=_run_options(args, env))
     if recs:  # none: --resume of a finished run (train() said so), nothing written
         _say_done(say, recs, t0)
         say(f"saved WIDE checkpoint to {out}")
@@ -489,6 +490,74 @@ def _data_source(args) -> str:
     (or ``no --text (the default text)``), with ``--max-blocks`` when set."""
     text = f"--text {os.path.abspath(args.text)!r}" if args.text else "no --text (the default text)"
     return text + (f" --max-blocks {args.max_blocks}" if args.max_blocks is not None else "")
+
+
+#: parsed names that are not options of a training run: never stored with its state, nor taken from it on --resume
+_NOT_RUN_OPTIONS = ("command", "func", "argv", "output", "resume", "overwrite")
+
+
+def _absolute(spec: str | None, name: str | None = None) -> str | None:
+    """``spec`` as an absolute path when it names an existing file or folder (and is not the reserved ``name``,
+    e.g. ``smollm2-135m``); else unchanged."""
+    if spec is None or spec == name or not os.path.exists(os.path.expanduser(spec)):
+        return spec
+    return os.path.abspath(os.path.expanduser(spec))
+
+
+def _run_options(args, env) -> dict:
+    """The options of a ``calibrate`` / ``lora`` run as its training state keeps them for a later ``--resume``
+    (:func:`_take_saved_options`): ``{dest: value}`` of every parsed option but -o / --resume / --overwrite;
+    ``--model`` / ``--text`` / ``--wide`` as absolute paths (a resume from another folder finds them), ``--nproc``
+    as the number of processes that run it (None: one process, no torchrun)."""
+    from .data import DEFAULT_TEXT
+    from .modeling import DEFAULT_MODEL
+
+    opts = {k: v for k, v in vars(args).items() if k not in _NOT_RUN_OPTIONS}
+    opts.update(model=_absolute(args.model, DEFAULT_MODEL), text=_absolute(args.text, DEFAULT_TEXT),
+                nproc=env.world_size if env.active else None)
+    if "wide" in opts:
+        opts["wide"] = _absolute(args.wide)
+    return opts
+
+
+def _take_saved_options(args) -> None:
+    """``--resume`` of ``calibrate`` / ``lora``: every option of the run that is not on the command line takes the
+    saved run's value (the options kept with its training state, :func:`wide.training.saved_options`), and one
+    line names those that differ from their defaults, e.g. ``resuming with the saved settings: --sparsity 0.3
+    --steps 4``. An option on the command line keeps its value: one that differs from the saved run is refused
+    by the resume check as before (or allowed where a run may change, e.g. ``--batch-size`` with the same global
+    batch). "On the command line" is read from ``args.argv``, parsed again with every default suppressed, never
+    from a value equal to the default. A state saved without options, an option it lacks, and a saved ``None``
+    (an automatic value) leave the option as parsed. The line comes from a process outside torchrun only (with
+    ``--nproc``, the launcher).
+
+    Raises:
+        WideError: a corrupt training state (as :func:`wide.training.load_train_state`).
+    """
+    if not getattr(args, "resume", False) or getattr(args, "overwrite", False) or not str(args.output).strip():
+        return  # --resume with --overwrite or an empty -o: refused by _check_output
+    from .distributed import launched_by_torchrun
+    from .training import has_train_state, saved_options
+
+    saved = saved_options(args.output) if os.path.isdir(args.output) and has_train_state(args.output) else None
+    if not saved:
+        return
+    parser = build_parser()
+    sub = parser._innermost(args)
+    actions = {a.dest: a for a in sub._actions if a.option_strings and a.dest not in _NOT_RUN_OPTIONS}
+    for a in sub._actions:
+        a.default = argparse.SUPPRESS
+    given = set(vars(parser.parse_args(args.argv)))
+    taken = []
+    for dest, value in saved.items():
+        action = actions.get(dest)
+        if action is None or dest in given or value is None or value == getattr(args, dest, None):
+            continue
+        setattr(args, dest, value)
+        flag = next(o for o in action.option_strings if o.startswith("--"))
+        taken.append(flag if action.nargs == 0 else f"{flag} {shlex.quote(str(value))}")
+    if taken and not launched_by_torchrun():
+        _print(f"resuming with the saved settings: {' '.join(taken)}")
 
 
 def _say_done(say, recs: list[dict], t0: float) -> None:
@@ -505,6 +574,9 @@ def cmd_lora(args) -> int:
     from .data import load_texts, pack
     from .lora import LoraSettings, check_stage1, recover
 
+    if args.wide is None:  # not required by the parser: --resume takes it from the saved run
+        raise WideError("--wide is required: the stage-1 checkpoint directory (the -o of `wide calibrate`); "
+                        "only a --resume of a run that saved it may leave it out")
     settings = LoraSettings(r=args.lora_r, alpha=args.lora_alpha, dropout=args.lora_dropout)
 
     out = Path(args.output)
@@ -544,7 +616,7 @@ def cmd_lora(args) -> int:
     t0 = time.time()
     recs = recover(wm, blocks, targs, out, info["model"] if args.model is None else args.model, settings=settings,
                    freeze_router=args.freeze_router, stage1=args.wide, resume=args.resume,
-                   data_source=_data_source(args))
+                   data_source=_data_source(args), options=_run_options(args, env))
     if recs:  # none: --resume of a finished run (train() said so), nothing written
         _say_done(say, recs, t0)
         say(f"saved WIDE checkpoint with LoRA adapter to {out}")
@@ -845,7 +917,7 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--output", "-o", required=True, help="checkpoint directory")
     s.add_argument("--resume", action="store_true",
                    help="continue from the training state in --output (train_state.pt, or train_state.dcp of a "
-                        "multi-process run)")
+                        "multi-process run); options not given take the saved run's values")
     s.add_argument("--overwrite", action="store_true",
                    help="start a new run in a non-empty --output: its old training state and log are removed "
                         "when training starts, its other files replaced as the new ones are saved")
@@ -856,10 +928,12 @@ def build_parser() -> argparse.ArgumentParser:
 
     s = sub.add_parser("lora", help="stage 2: LoRA recovery on top of a stage-1 checkpoint (peft, all 7 projections)")
     _add_model(s)
-    s.add_argument("--wide", required=True, help="stage-1 WIDE checkpoint directory (`wide calibrate` output)")
+    s.add_argument("--wide", default=None, help="stage-1 WIDE checkpoint directory (`wide calibrate` output); "
+                                                "required, except with --resume (the saved run's)")
     s.add_argument("--text", default=None, help="training text (default: BoolQ passages, calibration split)")
     s.add_argument("--output", "-o", required=True, help="output WIDE directory (routers, config, adapter/)")
-    s.add_argument("--resume", action="store_true", help="continue from the training state in --output")
+    s.add_argument("--resume", action="store_true", help="continue from the training state in --output; options "
+                                                          "not given take the saved run's values")
     s.add_argument("--overwrite", action="store_true",
                    help="start a new run in a non-empty --output: its old training state and log are removed "
                         "when training starts, its other files replaced as the new ones are saved")
@@ -1036,6 +1110,7 @@ def main(argv: list[str] | None = None) -> int:
 
         ok = False
         try:
+            _take_saved_options(args)
             check_device(getattr(args, "device", None))
             with _one_line_warnings(args.command):
                 rc = args.func(args)
@@ -1047,6 +1122,7 @@ def main(argv: list[str] | None = None) -> int:
             D.shutdown(synchronize=ok)
     term: dict = {"signal": None}
     try:
+        _take_saved_options(args)  # --resume: the options not given are the saved run's (device included)
         check_device(getattr(args, "device", None))  # every command with --device, before any work
         with _one_line_warnings(args.command), _term_as_interrupt() as term:
             return args.func(args)

@@ -303,7 +303,8 @@ def check_stage1(path: str | os.PathLike) -> dict:
 
 def recover(wm: WideModel, blocks: torch.Tensor, args, output: str | os.PathLike, model_ref: str, *,
             settings: LoraSettings | None = None, freeze_router: bool = False, stage1: str | None = None,
-            resume: bool = False, progress: bool = True, on_step=None, data_source: str | None = None) -> list[dict]:
+            resume: bool = False, progress: bool = True, on_step=None, data_source: str | None = None,
+            options: dict | None = None) -> list[dict]:
     """Stage-2 LoRA recovery (paper §3.2): LoRA on all seven projections, routers trained unless frozen.
 
     Same loss (LM + Eq. 6 / Eq. 22 sparsity), schedule, checkpointing, resume and logging as stage 1
@@ -320,7 +321,7 @@ def recover(wm: WideModel, blocks: torch.Tensor, args, output: str | os.PathLike
         settings: LoRA hyper-parameters (default ``r=16, alpha=32, dropout=0.1``).
         freeze_router: keep the stage-1 routers fixed; train only LoRA.
         stage1: the stage-1 directory, recorded in ``base_model.json``.
-        resume, progress, on_step, data_source: as in :func:`wide.training.train`.
+        resume, progress, on_step, data_source, options: as in :func:`wide.training.train`.
 
     Returns:
         the per-step records of :func:`wide.training.train`.
@@ -346,4 +347,5 @@ def recover(wm: WideModel, blocks: torch.Tensor, args, output: str | os.PathLike
         info["stage1"] = str(stage1)
     return train(wm, blocks, args, output, model_ref, stage="lora", resume=resume, progress=progress,
                  on_step=on_step, extra_key=key, extra_info=info,
-                 save_extra=lambda out, env: save_adapter(wm, Path(out) / ADAPTER_DIR, env), data_source=data_source)
+                 save_extra=lambda out, env: save_adapter(wm, Path(out) / ADAPTER_DIR, env), data_source=data_source,
+                 options=options)

@@ -443,17 +443,44 @@ def _trained_state(wm: WideModel, opt) -> tuple[dict, dict]:
     return {k: v for k, v in msd.items() if k in names}, osd
 
 
+def _newest_state(output: Path, mmap: bool = False) -> tuple[dict | None, dict | None]:
+    """The newer of the two training states in ``output``: ``(train_state.pt's dict, None)`` or ``(None, the
+    train_state.json of train_state.dcp)``; ``(None, None)`` when there is neither. ``mmap`` as in
+    :func:`load_train_state`.
+
+    Raises:
+        WideError: a corrupt state (:func:`load_train_state`, :func:`wide.distributed.sharded_meta`).
+    """
+    pt = output / STATE_NAME
+    meta = D.sharded_meta(output / DCP_NAME)
+    st = load_train_state(pt, mmap=mmap) if pt.is_file() else None
+    if st is not None and (meta is None or int(st["step"]) >= int(meta.get("step", -1))):
+        return st, None
+    return None, meta
+
+
+def saved_options(output: str | os.PathLike) -> dict | None:
+    """The ``options`` that :func:`train` stored with the newest training state in ``output`` (the command line's
+    options of the run, see ``wide.cli``), or None: no state, or one saved before options were stored.
+
+    Raises:
+        WideError: a corrupt state (as :func:`load_train_state`).
+    """
+    st, meta = _newest_state(Path(output), mmap=True)
+    options = (st or meta or {}).get("options")
+    return options if isinstance(options, dict) else None
+
+
 def _load_state(wm: WideModel, opt, output: Path, key: dict, env: D.DistEnv) -> tuple[int, Path]:
     """Load the newest training state in ``output`` (``.pt`` or DCP) into ``wm`` / ``opt``; return its step
     and its path. Entries of ``key`` in ``_OPTIONAL_KEYS`` that the saved state lacks are not compared."""
     from torch.distributed.checkpoint.state_dict import set_state_dict
 
     pt = output / STATE_NAME
-    meta = D.sharded_meta(output / DCP_NAME)
-    st = load_train_state(pt) if pt.is_file() else None
+    st, meta = _newest_state(output)
     if st is None and meta is None:
         raise WideError(f"--resume: no {STATE_NAME} or {DCP_NAME} in {str(output)!r}")
-    use_pt = st is not None and (meta is None or int(st["step"]) >= int(meta.get("step", -1)))
+    use_pt = st is not None
     saved_key = st["meta"] if use_pt else meta.get("key")
     src = pt if use_pt else Path(meta["_path"])
     if isinstance(saved_key, dict):  # states from before an optional entry existed
@@ -487,15 +514,18 @@ def _load_state(wm: WideModel, opt, output: Path, key: dict, env: D.DistEnv) -> 
 
 
 def _save_state(wm: WideModel, opt, output: Path, step: int, key: dict, env: D.DistEnv,
-                data_source: str | None = None, saved_step: int = 0) -> None:
+                data_source: str | None = None, saved_step: int = 0, options: dict | None = None) -> None:
     """Write the training state (``train_state.pt``, or DCP under a process group) atomically; ``data_source``
-    (how the training text was given) is stored beside the resume key, for messages only.
+    (how the training text was given, for messages only) and ``options`` (see :func:`train`) are stored beside
+    the resume key, not compared.
 
     Raises:
         WideError: the write failed (a full disk: see :func:`_writing`); the previous state stays.
     """
     msd, osd = _trained_state(wm, opt)
     extra = {"data_source": data_source} if data_source else {}
+    if options is not None:
+        extra["options"] = options
     if env.active:
         with _writing(output / DCP_NAME, saved_step):
             D.save_sharded({"model": msd, "optim": osd}, output / DCP_NAME,
@@ -524,7 +554,7 @@ def full_router_state(wm: WideModel) -> dict[str, torch.Tensor]:
 def train(wm: WideModel, blocks: torch.Tensor, args: CalibrationArgs, output: str | os.PathLike, model_ref: str, *,
           stage: str = "router", resume: bool = False, progress: bool = True, on_step=None,
           extra_key: dict | None = None, extra_info: dict | None = None, save_extra=None,
-          data_source: str | None = None) -> list[dict]:
+          data_source: str | None = None, options: dict | None = None) -> list[dict]:
     """Train the parameters of ``wm`` that have ``requires_grad=True`` (paper §3.2, Eq. 6 / Eq. 22).
 
     Works single-process and under torchrun (see :mod:`wide.distributed`): with an open process group the
@@ -548,6 +578,8 @@ def train(wm: WideModel, blocks: torch.Tensor, args: CalibrationArgs, output: st
         save_extra: optional callable ``f(output, env)`` run on every rank at every save (e.g. the adapter).
         data_source: how the training text was given (e.g. ``--text '/data/calib.txt'``), kept in the
             training state so that a ``resume`` on other data names it.
+        options: JSON-able ``{option: value}`` of the command line that started the run, kept in the training
+            state (not compared) so that a ``wide ... --resume`` can reuse them (:func:`saved_options`).
 
     Returns:
         the per-step log records of this call: ``step``, ``lm_loss`` (nats/token, mean over ranks),
@@ -711,7 +743,7 @@ def train(wm: WideModel, blocks: torch.Tensor, args: CalibrationArgs, output: st
                 if save_extra is not None:
                     with _writing(output, saved_step):
                         save_extra(output, env)
-                _save_state(wm, opt, output, step + 1, key, env, data_source, saved_step)
+                _save_state(wm, opt, output, step + 1, key, env, data_source, saved_step, options)
                 saved_step = step + 1
     except BaseException:
         if created and saved_step == 0:  # leave no folder behind that holds nothing to resume from
@@ -730,7 +762,7 @@ def train(wm: WideModel, blocks: torch.Tensor, args: CalibrationArgs, output: st
 
 def calibrate(wm: WideModel, blocks: torch.Tensor, args: CalibrationArgs, output: str | os.PathLike,
               model_ref: str, resume: bool = False, progress: bool = True, on_step=None,
-              data_source: str | None = None) -> list[dict]:
+              data_source: str | None = None, options: dict | None = None) -> list[dict]:
     """Stage-1 router calibration (paper §3.2): train only the routers, base frozen.
 
     Marks the routers trainable and every base parameter frozen, then runs :func:`train`. Arguments,
@@ -740,4 +772,4 @@ def calibrate(wm: WideModel, blocks: torch.Tensor, args: CalibrationArgs, output
     for p in wm.router_parameters():
         p.requires_grad_(True)
     return train(wm, blocks, args, output, model_ref, stage="router", resume=resume, progress=progress,
-                 on_step=on_step, data_source=data_source)
+                 on_step=on_step, data_source=data_source, options=options)

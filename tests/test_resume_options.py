@@ -1,0 +1,130 @@
+"""``--resume`` takes every option not on the command line from the saved run (kept with its training state), so
+``wide calibrate -o DIR --resume`` alone continues it exactly; an option given that differs from the saved run is
+still refused with the one-line resume error, and a state saved without options resumes as before."""
+
+import json
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+import wide.training as T
+from wide.training import STATE_NAME
+from wide_testutil import calibrate_args, one_line_error
+from wide_testutil import run_cli as run
+
+SAVED = "resuming with the saved settings: "
+
+
+def error_after_loading(rc, err, cmd, *words):
+    """As :func:`one_line_error` for an error found once the model is loaded: its progress bars come first."""
+    one_line_error(rc, err.strip().splitlines()[-1], cmd, *words)
+    assert "Traceback" not in err
+
+
+def _interrupt_at(monkeypatch, call: int) -> None:
+    """KeyboardInterrupt at the ``call``-th micro-batch read."""
+    real, calls = T.stream_rows, []
+
+    def fake(*a, **k):
+        calls.append(1)
+        if len(calls) == call:
+            raise KeyboardInterrupt
+        return real(*a, **k)
+
+    monkeypatch.setattr(T, "stream_rows", fake)
+
+
+def _records(out):
+    """The log without its timing."""
+    return [{k: v for k, v in json.loads(ln).items() if k != "tokens_per_s"}
+            for ln in (out / "train_log.jsonl").read_text().splitlines()]
+
+
+def _saved_line(stdout):
+    lines = [ln for ln in stdout.splitlines() if ln.startswith(SAVED)]
+    assert len(lines) == 1, stdout
+    return lines[0]
+
+
+# every value differs from its default, -S 0.3 included (its default is 0.5)
+RUN = ["--steps", "4", "--save-every", "2", "--batch-size", "2", "--grad-accum", "2", "-S", "0.3", "--seed", "5",
+       "--lr", "0.01", "--tau-start", "2", "--rank", "8", "--warmup-steps", "1"]
+
+
+def test_resume_with_only_the_output_continues_the_saved_run_exactly(tmp_path, model_dir, text_file, capsys,
+                                                                      monkeypatch):
+    a, b = tmp_path / "a", tmp_path / "b"
+    rc, _, err = run(calibrate_args(model_dir, text_file, a, *RUN), capsys)
+    assert rc == 0, err
+    _interrupt_at(monkeypatch, 6)  # in step 3 (2 micro-batches a step); the state of step 2 is saved
+    rc, _, err = run(calibrate_args(model_dir, text_file, b, *RUN), capsys)
+    assert rc == 130 and "add --resume to continue" in err, err
+    monkeypatch.undo()
+    monkeypatch.chdir(tmp_path / "tiny-llama")  # another folder: the saved paths are absolute
+
+    rc, stdout, err = run(["calibrate", "-o", b, "--resume"], capsys)
+    assert rc == 0, err
+    line = _saved_line(stdout)
+    for words in (f"--model {model_dir}", f"--text {text_file}", "--steps 4", "--batch-size 2", "--grad-accum 2",
+                  "--sparsity 0.3", "--seed 5", "--lr 0.01", "--tau-start 2.0", "--rank 8", "--warmup-steps 1",
+                  "--seq-len 32", "--ffn-group-size 32", "--device cpu", "--save-every 2"):
+        assert words in line, line
+    assert "--alpha" not in line and "--output" not in line  # the same as the default: not named
+    assert "resuming from step 2 of 4" in stdout
+    assert _records(b) == _records(a) and [r["step"] for r in _records(b)] == [1, 2, 3, 4]
+    ra, rb = load_file(a / "routers.safetensors"), load_file(b / "routers.safetensors")
+    assert ra.keys() == rb.keys() and all(torch.equal(ra[k], rb[k]) for k in ra)
+
+
+def test_resume_refuses_an_option_given_that_differs_from_the_saved_run(tmp_path, model_dir, text_file, capsys):
+    out = tmp_path / "run"
+    rc, _, err = run(calibrate_args(model_dir, text_file, out, *RUN), capsys)
+    assert rc == 0, err
+    # -S 0.5 is the default: given on the command line it still counts, and differs from the saved 0.3
+    rc, stdout, err = run(["calibrate", "-o", out, "--resume", "-S", "0.5"], capsys)
+    error_after_loading(rc, err, "calibrate", "--resume", "written with other settings",
+                        "config.target_sparsity: saved 0.3, now 0.5")
+    assert "--sparsity" not in _saved_line(stdout) and "--steps 4" in _saved_line(stdout)
+    # an option that may change on resume (not part of the resume key) is still accepted when given
+    rc, stdout, err = run(["calibrate", "-o", out, "--resume", "--save-every", "7"], capsys)
+    assert rc == 0, err
+    assert "already complete: step 4 of 4" in stdout and "--save-every" not in _saved_line(stdout)
+
+
+def test_a_state_saved_without_options_resumes_as_before(tmp_path, model_dir, text_file, capsys):
+    out = tmp_path / "run"
+    args = calibrate_args(model_dir, text_file, out, "--steps", "2", "--seed", "3")
+    rc, _, err = run(args, capsys)
+    assert rc == 0, err
+    st = torch.load(out / STATE_NAME, weights_only=True)
+    assert st["options"]["seed"] == 3 and "output" not in st["options"]
+    del st["options"]  # a state written before the options were kept
+    torch.save(st, out / STATE_NAME)
+    rc, stdout, err = run([*args, "--resume"], capsys)
+    assert rc == 0, err
+    assert "already complete: step 2 of 2" in stdout and SAVED not in stdout
+    rc, stdout, err = run([*calibrate_args(model_dir, text_file, out, "--steps", "2"), "--resume"], capsys)
+    error_after_loading(rc, err, "calibrate", "written with other settings", "train.seed: saved 3, now 0")
+
+
+def test_lora_resume_takes_the_stage1_directory_and_lora_options(tmp_path, model_dir, text_file, capsys):
+    pytest.importorskip("peft")
+    stage1, out = tmp_path / "s1", tmp_path / "s2"
+    rc, _, err = run(calibrate_args(model_dir, text_file, stage1), capsys)
+    assert rc == 0, err
+    rc, _, err = run(["lora", "-o", out, "--text", text_file, "--steps", "2"], capsys)
+    one_line_error(rc, err, "lora", "--wide is required", "--resume")
+    assert not out.exists()
+    rc, _, err = run(["lora", "--wide", stage1, "--text", text_file, "-o", out, "--steps", "2", "--batch-size", "1",
+                      "--seq-len", "32", "--lora-r", "2", "--freeze-router", "--device", "cpu"], capsys)
+    assert rc == 0, err
+    rc, stdout, err = run(["lora", "-o", out, "--resume"], capsys)
+    assert rc == 0, err
+    line = _saved_line(stdout)
+    for words in (f"--wide {stage1}", "--lora-r 2", "--freeze-router", "--steps 2", "--seq-len 32"):
+        assert words in line, line
+    assert "--model" not in line  # not given: the stage-1 checkpoint's base model, as before
+    assert "already complete: step 2 of 2" in stdout
+    rc, _, err = run(["lora", "-o", out, "--resume", "--lora-r", "4"], capsys)
+    error_after_loading(rc, err, "lora", "written with other settings", "lora.r: saved 2, now 4")
