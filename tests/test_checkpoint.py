@@ -185,3 +185,35 @@ def test_garbled_base_model_json_is_refused_before_any_weight_loads(tmp_path, mo
     (path / "base_model.json").write_text(json.dumps({"model": "tiny"}))
     with pytest.raises(WideError, match="field 'fingerprint' is missing"):
         C.read_base_info(path)
+
+
+def test_load_refuses_bad_arguments_in_one_error(tmp_path, model, model_dir):
+    """wide.load: a path that is not a path, tokenizer=True with a loaded module, a dtype given as a string: a
+    WideError naming what is allowed, not a TypeError / AttributeError from inside."""
+    _, path = _saved(tmp_path, model)
+    for bad in (None, 123):
+        with pytest.raises(WideError, match="path must be a WIDE checkpoint directory"):
+            load(bad, model=tiny_model())
+    with pytest.raises(WideError, match="tokenizer=True .* not an already loaded module"):
+        load(path, model=tiny_model(), tokenizer=True)
+    with pytest.raises(WideError, match="dtype 'bf16' must be torch.bfloat16, torch.float16, torch.float32"):
+        load(path, model=str(model_dir), dtype="bf16")
+
+
+def test_load_names_a_recorded_base_model_that_moved(tmp_path, model):
+    """model=None loads the base model recorded in base_model.json; when that path is gone, the error says the
+    path came from the checkpoint and how to give the model instead."""
+    wm = WideModel(model, WideConfig(ffn_group_size=32, target_sparsity=0.3))
+    gone = tmp_path / "moved-away"
+    save_wide(wm, tmp_path / "ckpt", model_ref=str(gone))
+    with pytest.raises(WideError, match="records base model .*moved-away.* not there any more: give the base model"):
+        load(tmp_path / "ckpt")
+    assert load(tmp_path / "ckpt", model=tiny_model()).config == wm.config  # given explicitly: loads
+
+
+def test_a_wide_checkpoint_given_as_the_base_model_points_to_wide(tmp_path, model):
+    from wide.modeling import resolve_model
+
+    _, path = _saved(tmp_path, model)
+    with pytest.raises(WideError, match="is a WIDE checkpoint .* give it as --wide"):
+        resolve_model(str(path))

@@ -10,16 +10,10 @@ from safetensors.torch import load_file
 
 import wide.training as T
 from wide.training import STATE_NAME
-from wide_testutil import calibrate_args, one_line_error
+from wide_testutil import calibrate_args, error_after_loading, one_line_error
 from wide_testutil import run_cli as run
 
 SAVED = "resuming with the saved settings: "
-
-
-def error_after_loading(rc, err, cmd, *words):
-    """As :func:`one_line_error` for an error found once the model is loaded: its progress bars come first."""
-    one_line_error(rc, err.strip().splitlines()[-1], cmd, *words)
-    assert "Traceback" not in err
 
 
 def _interrupt_at(monkeypatch, call: int) -> None:

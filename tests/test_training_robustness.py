@@ -14,16 +14,10 @@ from wide.config import WideConfig
 from wide.errors import WideError
 from wide.modeling import WideModel
 from wide.training import SEED_MAX, STATE_NAME, CalibrationArgs, calibrate, stream_rows
-from wide_testutil import calibrate_args, one_line_error, tiny_model
+from wide_testutil import calibrate_args, error_after_loading, one_line_error, tiny_model
 from wide_testutil import run_cli as run
 
 NOWHERE = "no-such-model"  # the refusals below come before any model is looked up
-
-
-def error_after_loading(rc, err, cmd, *words):
-    """As :func:`one_line_error` for an error found once the model is loaded: its progress bars come first."""
-    one_line_error(rc, err.strip().splitlines()[-1], cmd, *words)
-    assert "Traceback" not in err
 
 
 def blocks(n=12, t=16):

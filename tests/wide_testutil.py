@@ -67,6 +67,12 @@ def one_line_error(rc, err, cmd, *words):
         assert w in lines[0], lines[0]
 
 
+def error_after_loading(rc, err, cmd, *words):
+    """As :func:`one_line_error` for an error found once the model is loaded: its progress bars come first."""
+    one_line_error(rc, err.strip().splitlines()[-1], cmd, *words)
+    assert "Traceback" not in err
+
+
 def calibrate_args(model_dir, text_file, out, *extra):
     """Arguments of a one-step ``wide calibrate`` on the tiny test model (CPU, batch 1, 32 tokens, FFN G 32)."""
     return ["calibrate", "--model", model_dir, "--text", text_file, "-o", out, "--steps", "1", "--batch-size", "1",

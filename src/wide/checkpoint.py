@@ -21,8 +21,8 @@ import torch
 
 from .config import CONFIG_NAME, ModelDims, WideConfig, atomic_write, atomic_write_text
 from .errors import WideError, WideWarning
-from .modeling import (WideModel, check_architecture, check_device, check_router_weights, dims_of, fingerprint,
-                       fingerprint_like, load_base_model, router_shapes)
+from .modeling import (DEFAULT_MODEL, WideModel, check_architecture, check_device, check_router_weights, dims_of,
+                       fingerprint, fingerprint_like, load_base_model, router_shapes)
 
 ROUTERS_NAME = "routers.safetensors"
 BASE_NAME = "base_model.json"
@@ -275,7 +275,10 @@ def load(path: str | os.PathLike, model: str | torch.nn.Module | None = None, de
             checkpoint made for another base model, router keys or shapes that do not fit (the message counts and names
             the missing / unexpected keys; checked before any weight loads when ``base_model.json`` records the
             dims), a missing / corrupt LoRA
-            adapter, or a device this machine does not have (:func:`wide.modeling.check_device`).
+            adapter, or a device this machine does not have (:func:`wide.modeling.check_device`); a ``path``
+            that is not a str / ``os.PathLike``, ``tokenizer=True`` with a loaded module as ``model``, a
+            ``dtype`` other than bf16 / fp16 / fp32, and (with ``model=None``) a recorded base model that is no
+            longer at its path (the message says to pass it as ``model`` / ``--model``).
 
     Warns:
         WideWarning: (a ``UserWarning``) the checkpoint is an intermediate save of a run that did not finish
@@ -283,6 +286,12 @@ def load(path: str | os.PathLike, model: str | torch.nn.Module | None = None, de
             finishes the run (the CLI prints it as one line).
     """
     check_device(device)
+    if not isinstance(path, (str, os.PathLike)):
+        raise WideError(f"wide.load: path must be a WIDE checkpoint directory (str or os.PathLike), got "
+                        f"{type(path).__name__} {path!r}")
+    if tokenizer and isinstance(model, torch.nn.Module):
+        raise WideError("wide.load: tokenizer=True loads the tokenizer with the base model, so model must be None or "
+                        "a --model string, not an already loaded module (load its tokenizer with transformers)")
     path = Path(path)
     check_directory(path, "WIDE checkpoint", "the -o of `wide calibrate` or `wide lora`")
     config = WideConfig.load(path)
@@ -305,6 +314,10 @@ def load(path: str | os.PathLike, model: str | torch.nn.Module | None = None, de
                       f"{extra['steps']}) of an interrupted {command} run; to finish it, run {command} again with "
                       f"the same options, -o {str(path)!r} and --resume", WideWarning, stacklevel=2)
     tok = None
+    recorded = str(info["model"])
+    if model is None and recorded != DEFAULT_MODEL and not Path(recorded).expanduser().exists():
+        raise WideError(f"checkpoint {str(path)!r} records base model {recorded!r} ({BASE_NAME}), which is not "
+                        f"there any more: give the base model explicitly (--model, or model= in Python)")
     if isinstance(model, torch.nn.Module):
         base = model
     else:

@@ -76,7 +76,8 @@ def resolve_model(spec: str | None) -> ModelSource:
     checkpoint directory (one holding ``config.json``).
 
     Raises:
-        WideError: the path does not exist or is neither a ``.gguf`` file nor a checkpoint directory.
+        WideError: the path does not exist or is neither a ``.gguf`` file nor a checkpoint directory (a WIDE
+            checkpoint directory is named as such, with a pointer to ``--wide``).
     """
     if spec is None or spec == DEFAULT_MODEL:
         gguf = bundled_gguf()
@@ -89,6 +90,11 @@ def resolve_model(spec: str | None) -> ModelSource:
     if not p.exists():
         raise WideError(f"model {spec!r} not found: give a local Hugging Face checkpoint directory, a .gguf file, "
                         f"or {DEFAULT_MODEL!r}")
+    from .checkpoint import ROUTERS_NAME  # (checkpoint imports this module)
+
+    if p.is_dir() and (p / ROUTERS_NAME).is_file():
+        raise WideError(f"model {spec!r} is a WIDE checkpoint ({ROUTERS_NAME}), not a base model: give it as "
+                        f"--wide (Python: wide.load({spec!r})); --model is the base model it was made from")
     raise WideError(f"model {spec!r} is neither a .gguf file nor a directory with config.json")
 
 
@@ -319,10 +325,13 @@ def load_base_model(spec: str | None = None, device: str | torch.device | None =
         WideError: bad path, unsupported architecture, files that cannot be read (a truncated or corrupt GGUF or
             safetensors weights file is named as such, see :func:`read_hf_config` and
             :func:`check_safetensors_files`; a malformed ``config.json`` names its field), a directory without
-            tokenizer files (:func:`check_tokenizer_files`), or a device this machine does not have
-            (:func:`check_device`).
+            tokenizer files (:func:`check_tokenizer_files`), a device this machine does not have
+            (:func:`check_device`), or a ``dtype`` other than bf16 / fp16 / fp32.
     """
     check_device(device)
+    if dtype is not None and dtype not in (torch.bfloat16, torch.float16, torch.float32):
+        raise WideError(f"dtype {dtype!r} must be torch.bfloat16, torch.float16, torch.float32 or None (bf16 on a "
+                        f"GPU, fp32 on the CPU)")
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     os.environ.setdefault("HF_HUB_OFFLINE", "1")

@@ -487,7 +487,9 @@ def _load_state(wm: WideModel, opt, output: Path, key: dict, env: D.DistEnv) -> 
         key = {k: v for k, v in key.items() if k in saved_key or k not in _OPTIONAL_KEYS}
     if saved_key != key:
         diff = _key_diff(saved_key, key)
-        source = (st.get("data_source") if use_pt else meta.get("data_source")) if "data." in diff else None
+        # the saved text is a likely cause only when the tokens differ at the same sequence length
+        source = ((st.get("data_source") if use_pt else meta.get("data_source"))
+                  if "data.tokens_sha256:" in diff and "data.seq_len:" not in diff else None)
         hint = f" (the saved run used {source}; pass the same to resume it)" if isinstance(source, str) else ""
         raise WideError(f"--resume: {src} was written with other settings: {diff}{hint}")
     names = {n for n, p in wm.named_parameters() if p.requires_grad}
