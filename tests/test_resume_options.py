@@ -8,25 +8,11 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-import wide.training as T
 from wide.training import STATE_NAME
-from wide_testutil import calibrate_args, error_after_loading, one_line_error
+from wide_testutil import calibrate_args, error_after_loading, interrupt_at, one_line_error
 from wide_testutil import run_cli as run
 
 SAVED = "resuming with the saved settings: "
-
-
-def _interrupt_at(monkeypatch, call: int) -> None:
-    """KeyboardInterrupt at the ``call``-th micro-batch read."""
-    real, calls = T.stream_rows, []
-
-    def fake(*a, **k):
-        calls.append(1)
-        if len(calls) == call:
-            raise KeyboardInterrupt
-        return real(*a, **k)
-
-    monkeypatch.setattr(T, "stream_rows", fake)
 
 
 def _records(out):
@@ -51,7 +37,7 @@ def test_resume_with_only_the_output_continues_the_saved_run_exactly(tmp_path, m
     a, b = tmp_path / "a", tmp_path / "b"
     rc, _, err = run(calibrate_args(model_dir, text_file, a, *RUN), capsys)
     assert rc == 0, err
-    _interrupt_at(monkeypatch, 6)  # in step 3 (2 micro-batches a step); the state of step 2 is saved
+    interrupt_at(monkeypatch, 6)  # in step 3 (2 micro-batches a step); the state of step 2 is saved
     rc, _, err = run(calibrate_args(model_dir, text_file, b, *RUN), capsys)
     assert rc == 130 and "add --resume to continue" in err, err
     monkeypatch.undo()

@@ -14,7 +14,7 @@ from wide.config import WideConfig
 from wide.errors import WideError
 from wide.modeling import WideModel
 from wide.training import SEED_MAX, STATE_NAME, CalibrationArgs, calibrate, stream_rows
-from wide_testutil import calibrate_args, error_after_loading, one_line_error, tiny_model
+from wide_testutil import calibrate_args, error_after_loading, interrupt_at, one_line_error, tiny_model
 from wide_testutil import run_cli as run
 
 NOWHERE = "no-such-model"  # the refusals below come before any model is looked up
@@ -136,22 +136,9 @@ def test_overwrite_removes_a_stale_sharded_state(tmp_path, model_dir, text_file,
 
 
 # --- 3 / 5: an interrupted run: the hint, and a truncated last log line on --resume --------------------------
-def _interrupt_at(monkeypatch, call: int) -> None:
-    """KeyboardInterrupt at the ``call``-th micro-batch read (one per step with --grad-accum 1)."""
-    real, calls = T.stream_rows, []
-
-    def fake(*a, **k):
-        calls.append(1)
-        if len(calls) == call:
-            raise KeyboardInterrupt
-        return real(*a, **k)
-
-    monkeypatch.setattr(T, "stream_rows", fake)
-
-
 def test_interrupt_before_any_save_does_not_offer_resume(tmp_path, model_dir, text_file, capsys, monkeypatch):
     out = tmp_path / "run"
-    _interrupt_at(monkeypatch, 2)
+    interrupt_at(monkeypatch, 2)
     rc, _, err = run(calibrate_args(model_dir, text_file, out, "--steps", "4", "--save-every", "3"), capsys)
     assert rc == 130
     assert "--resume" not in err and "nothing was saved yet (the first save is at step 3)" in err, err
@@ -161,7 +148,7 @@ def test_interrupt_before_any_save_does_not_offer_resume(tmp_path, model_dir, te
 def test_interrupt_then_resume_over_a_truncated_log_line(tmp_path, model_dir, text_file, capsys, monkeypatch):
     out = tmp_path / "run"
     args = calibrate_args(model_dir, text_file, out, "--steps", "4", "--save-every", "2")
-    _interrupt_at(monkeypatch, 4)
+    interrupt_at(monkeypatch, 4)
     rc, _, err = run(args, capsys)
     assert rc == 130 and "add --resume to continue" in err, err
     monkeypatch.undo()
@@ -255,7 +242,7 @@ def test_resume_with_another_base_model_is_refused_before_loading_the_state(tmp_
                                                                             monkeypatch, shape):
     out = tmp_path / "run"
     args = calibrate_args(model_dir, text_file, out, "--steps", "4", "--save-every", "2")
-    _interrupt_at(monkeypatch, 4)  # an unfinished run: its state at step 2
+    interrupt_at(monkeypatch, 4)  # an unfinished run: its state at step 2
     rc, _, err = run(args, capsys)
     assert rc == 130, err
     monkeypatch.undo()

@@ -73,6 +73,22 @@ def error_after_loading(rc, err, cmd, *words):
     assert "Traceback" not in err
 
 
+def interrupt_at(monkeypatch, call: int) -> None:
+    """Raise KeyboardInterrupt at the ``call``-th micro-batch read of training (``wide.training.stream_rows``; one
+    read per step with ``--grad-accum 1``)."""
+    import wide.training as T
+
+    real, calls = T.stream_rows, []
+
+    def fake(*a, **k):
+        calls.append(1)
+        if len(calls) == call:
+            raise KeyboardInterrupt
+        return real(*a, **k)
+
+    monkeypatch.setattr(T, "stream_rows", fake)
+
+
 def calibrate_args(model_dir, text_file, out, *extra):
     """Arguments of a one-step ``wide calibrate`` on the tiny test model (CPU, batch 1, 32 tokens, FFN G 32)."""
     return ["calibrate", "--model", model_dir, "--text", text_file, "-o", out, "--steps", "1", "--batch-size", "1",
