@@ -528,9 +528,9 @@ class Engine:
         d = self.dims
         dense = self.ops == "dense"
         fused_rope = self.fast and L.q_norm is None
-        qkv = self.qkv_one_launch(phase, st["h"].shape[0] * st["h"].shape[1], i)
-
         M = st["h"].shape[0] * st["h"].shape[1]
+        qkv = self.qkv_one_launch(phase, M, i)
+
         ov_gu = self.overlaps_gate_up_router(phase, i, M)  # the FFN router beside cuBLAS's gate / up
         ov_attn, ov_ffn = self.overlaps_router("attn", phase), self.overlaps_router("ffn", phase) and not ov_gu
         ov_prefill = self.overlaps_prefill_router(phase) and not qkv
