@@ -7,7 +7,9 @@ engine timed in the same round:
   the attention router beside K / V only): ``routes_beside_gate_up`` and ``overlaps_q_router`` patched to False;
 * ``gu``: the FFN router beside cuBLAS's gate / up where both FFN projections run dense
   (:meth:`Engine.overlaps_gate_up_router`, with the few-row rule of ``naxis_dense_above(router_beside=True)``);
-* ``gu+q``: also the attention router beside a cuBLAS Q projection (:meth:`Engine.overlaps_q_router`).
+* ``gu+q``: also the attention router beside a cuBLAS Q projection (:meth:`Engine.overlaps_q_router`);
+* ``fixed-split`` (session 13): ``gu+q`` with the decode attention of before session 13, a fixed number of KV
+  splits per head pack (``decode_attention(compact=False)``), against ``gu+q``'s compacted splits.
 
 Prefill TTFT and decode TPOT as in ``wide bench e2e`` (CUDA-graph replay, median of 50 after warm-up); the
 variants are timed in turn, ``--rounds`` times, and the median over rounds is reported, so slow drift of the
@@ -21,6 +23,8 @@ writes ``overlap_ab.json`` (one record per point and variant) and ``overlap_ab.m
 from __future__ import annotations
 
 import argparse
+import contextlib
+import functools
 import json
 import os
 import statistics
@@ -42,7 +46,27 @@ def _parse(argv):
     p.add_argument("--split", default="paper", choices=("paper", "uniform"), help="attention / FFN sparsity split")
     p.add_argument("--rounds", type=int, default=2, help="times each variant is timed per point (median)")
     p.add_argument("--budget", type=float, default=400.0, help="seconds after which pending points are skipped")
+    p.add_argument("--variants", default="old,gu,gu+q",
+                   help=f"comma-separated variants from {','.join(VARIANTS)} (default: old,gu,gu+q)")
     return p.parse_args(argv)
+
+
+VARIANTS = ("old", "gu", "gu+q", "fixed-split")
+
+
+@contextlib.contextmanager
+def _fixed_split(on: bool):
+    """While on: the engine's decode attention keeps a fixed split count per head pack (graphs captured inside
+    keep it)."""
+    from wide.kernels import decode
+
+    orig = decode.decode_attention
+    if on:
+        decode.decode_attention = functools.partial(orig, compact=False)
+    try:
+        yield
+    finally:
+        decode.decode_attention = orig
 
 
 def _pts(s):
@@ -51,6 +75,10 @@ def _pts(s):
 
 def main(argv=None) -> int:
     args = _parse(argv)
+    names = [v for v in args.variants.split(",") if v]
+    bad = [v for v in names if v not in VARIANTS]
+    if bad or not names:
+        raise SystemExit(f"--variants: {','.join(bad) or 'empty'} not among {','.join(VARIANTS)}")
     import torch
 
     from wide import WideConfig
@@ -72,7 +100,7 @@ def main(argv=None) -> int:
 
     def variants(wm):
         out = {}
-        for name in ("old", "gu", "gu+q"):
+        for name in names:
             eng = Engine(wm, track_sparsity=False, kaxis="auto", naxis="auto", attn="auto")
             if name == "old":
                 eng.routes_beside_gate_up = lambda: False
@@ -111,10 +139,11 @@ def main(argv=None) -> int:
                     ids = torch.randint(0, vocab, (1, n), device="cuda", generator=g)
                 for _ in range(args.rounds):
                     for k, eng in engines.items():
-                        if phase == "decode":
-                            times[k].append(e2e.decode_ms(eng, cache, args.ctx, vocab, 50))
-                        else:
-                            times[k].append(e2e.prefill_ms(eng, ids, 50)[0])
+                        with _fixed_split(k == "fixed-split"):
+                            if phase == "decode":
+                                times[k].append(e2e.decode_ms(eng, cache, args.ctx, vocab, 50))
+                            else:
+                                times[k].append(e2e.prefill_ms(eng, ids, 50)[0])
                 d = statistics.median(times["dense"])
                 for k in engines:
                     if k == "dense":
@@ -133,12 +162,12 @@ def main(argv=None) -> int:
                     json.dump(records, f, indent=1)
         del engines, wm
         torch.cuda.empty_cache()
-    lines = ["| phase | batch | tokens | s | old | gu | gu+q |", "|---|---|---|---|---|---|---|"]
+    lines = ["| phase | batch | tokens | s | " + " | ".join(names) + " |", "|---|---|---|---|" + "---|" * len(names)]
     keyed = {}
     for r in records:
         keyed.setdefault((r["phase"], r["batch"], r["prompt_len"], r["sparsity"]), {})[r["variant"]] = r["speedup"]
     for (ph, b, t, s), v in keyed.items():
-        lines.append(f"| {ph} | {b} | {t} | {s} | " + " | ".join(f"{v.get(k, '–')}" for k in ("old", "gu", "gu+q"))
+        lines.append(f"| {ph} | {b} | {t} | {s} | " + " | ".join(f"{v.get(k, '–')}" for k in names)
                      + " |")
     with open(os.path.join(args.out, "overlap_ab.md"), "w") as f:
         f.write("# router overlap A/B (speedup of the auto engine over dense, same process)\n\n" + "\n".join(lines) + "\n")

@@ -53,6 +53,25 @@ def test_decode_attention_splits(splits, kind):
     check_close(out, attention_ref(q.double(), k.double(), v.double(), r, False, lp))
 
 
+@pytest.mark.parametrize("Hq,Hk,NG", [(8, 2, 8), (8, 4, 2), (6, 2, 3), (9, 3, 3)])
+@pytest.mark.parametrize("kind", ["random", "one_active", "none"])
+@pytest.mark.parametrize("compact", [True, False])
+def test_decode_attention_compacted_splits(Hq, Hk, NG, kind, compact):
+    # one dense split per pack, up to 4 once packs are skipped: the active packs get the programs of the skipped
+    # ones (compact) or keep one each; packs spanning several head groups (NG > Hk), one group spanning several
+    # packs (NG < Hk), packs that straddle a group boundary (6 / 2 / 3) and SmolLM2's 9 / 3 heads
+    gen = seed_for("decode_attn_compact", Hq, Hk, NG, kind, compact)
+    B, Tk, D = 4, 70, 16
+    q = randn((B, Hq, 1, D), torch.float16, gen)
+    k = randn((B, Hk, Tk, D), torch.float16, gen)
+    v = randn((B, Hk, Tk, D), torch.float16, gen)
+    r = make_mask(kind, (B, NG), gen, p=0.3).view(B, 1, NG)
+    lp = torch.tensor([0, 9, 33, 70], dtype=torch.int64, device=DEVICE)
+    out = poisoned((B, Hq, 1, D), torch.float16)
+    decode_attention(q, k, v, r, left_pad=lp, out=out, splits=1, max_splits=4, compact=compact)
+    check_close(out, attention_ref(q.double(), k.double(), v.double(), r, False, lp))
+
+
 @pytest.mark.parametrize("M,G,K", [(2, 48, 144), (1, 192, 576), (4, 16, 80)])
 def test_gemv_k_ragged_groups(M, G, K):
     # K not a multiple of the interpreter tile; head-group widths that are not powers of two

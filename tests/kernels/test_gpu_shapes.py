@@ -77,6 +77,28 @@ def test_attention_shapes(model, Tq, Tk, causal):
     check_close(gemm_k(a, wo, rq, G), gemm_k_ref(a.double(), wo.double(), rq, G))
 
 
+@pytest.mark.parametrize("model", list(MODELS))
+@pytest.mark.parametrize("p", [0.5, 0.1])
+@pytest.mark.parametrize("compact", [True, False])
+def test_decode_attention_batch_shapes(model, p, compact):
+    # a decode batch whose skipped head packs hand their programs to the active ones (compact: up to 4x the
+    # dense split count here), or keep a fixed split count; left padding in some rows
+    from wide.kernels import decode_attention
+
+    _, _, Hq, Hk, d = MODELS[model]
+    gen = _gen("decode_batch", model, p, compact)
+    B, Tk = 16, 3000
+    q = _rand((B, Hq, 1, d), gen)
+    k = _rand((B, Hk, Tk, d), gen)
+    v = _rand((B, Hk, Tk, d), gen)
+    route = _mask((B, 1, Hk), gen, p)
+    lp = torch.zeros(B, dtype=torch.int64, device="cuda")
+    lp[::3] = 1234
+    out = torch.full_like(q, float("nan"))
+    decode_attention(q, k, v, route, left_pad=lp, out=out, compact=compact)
+    check_close(out, attention_ref(q.double(), k.double(), v.double(), route, False, lp))
+
+
 def test_cuda_graph_capture():
     gen = _gen("graph")
     M, K, N, G = 512, 1024, 2048, 128

@@ -328,10 +328,15 @@ def bench_attention(ctx, T, s, decode=False):
 
         routed_attention(q, k, v, route, causal, reordered=r, out=out)
         rec["rel_err"] = _rel(out, attention_ref(q.float(), k.float(), v.float(), route, causal))
+    rec["active"] = float(route.float().mean())  # realized: B * Tq * N_G Bernoulli(1 - s) draws
     if decode:
+        from wide.kernels import decode_attention
+
         ones = torch.ones_like(route)
         rec["dense_own_ms"] = _graph_time_ms([lambda: routed_attention(q, k, v, ones, False, out=out)])
         rec["speedup_vs_own_dense"] = rec["dense_own_ms"] / op_ms
+        # the fixed split count per head pack (compact=False), in the same run: what the compaction gains
+        rec["fixed_split_ms"] = _graph_time_ms([lambda: decode_attention(q, k, v, route, out=out, compact=False)])
     ctx.add(rec)
     torch.cuda.empty_cache()
 
@@ -344,13 +349,14 @@ def bench_attention(ctx, T, s, decode=False):
 def write_report(records, out_dir, tag):
     """Markdown table and PNG plot (speedup vs M per sparsity, ideal 1/(1-s) dashed)."""
     md = [f"# Routed kernels vs dense ({tag})", "",
-          "| op | M | B x T | N | K | G | s | dense ms | wide ms | speedup | ideal | of ideal |",
-          "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+          "| op | M | B x T | N | K | G | s | dense ms | wide ms | speedup | ideal | of ideal | active |",
+          "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for r in sorted(records, key=lambda r: (r["op"], r["G"], r["sparsity"], r["M"], r.get("T", 0))):
         bt = f"{r['B']} x {r['T']}" if "B" in r and "T" in r else "-"  # attention: batch x sequence length
         md.append(f"| {r['op']} | {r['M']} | {bt} | {r['N']} | {r['K']} | {r['G']} | {r['sparsity']:.2f} | "
                   f"{r['dense_ms']:.4f} | {r['wide_ms']:.4f} | {r['speedup']:.3f} | {r['ideal']:.2f} | "
-                  f"{r.get('fraction_of_ideal', float('nan')):.2f} |")
+                  f"{r.get('fraction_of_ideal', float('nan')):.2f} | "
+                  f"{format(r['active'], '.3f') if 'active' in r else '-'} |")
     with open(os.path.join(out_dir, f"kernels_{tag}.md"), "w") as f:
         f.write("\n".join(md) + "\n")
     try:

@@ -282,26 +282,67 @@ if HAS_TRITON:
         tl.store(out_ptr + offs, acc.to(out_ptr.dtype.element_ty), mask=msk)
 
     @triton.jit
+    def _pack_splits(route_ptr, PACKS, Hk, NG, REP, HPG, SPLITS, SMAX, Tk,
+                     PP: tl.constexpr, GPP: tl.constexpr, BN: tl.constexpr, COMPACT: tl.constexpr):
+        """``(act, rank, S, split_len)`` of the decode attention grid.  ``act`` int32 ``[PP]``: 1 where KV pack
+        ``p = b * Hk + hk`` has an active head (some head group it spans is routed), ``rank`` its 1-based rank among
+        the active packs (0 if inactive).  Without COMPACT every pack keeps SPLITS splits; with it the
+        ``PACKS * SPLITS`` programs (sized for the dense case) are shared by the A active packs:
+        ``S = clamp(PACKS * SPLITS // A, SPLITS, SMAX)``.  ``split_len``: keys per split, whole BN tiles."""
+        offs_p = tl.arange(0, PP)
+        pm = offs_p < PACKS
+        b = offs_p // Hk
+        h0 = (offs_p % Hk) * REP
+        g0 = h0 // HPG
+        g1 = (h0 + REP - 1) // HPG
+        act = tl.zeros((PP,), dtype=tl.int32)
+        for j in tl.static_range(GPP):  # the head groups a pack spans
+            on = pm & (g0 + j <= g1)
+            act = tl.maximum(act, (tl.load(route_ptr + b * NG + g0 + j, mask=on, other=0) != 0).to(tl.int32))
+        rank = tl.where(act != 0, tl.cumsum(act, axis=0), 0)
+        S = SPLITS
+        if COMPACT:
+            S = tl.minimum(tl.maximum((PACKS * SPLITS) // tl.maximum(tl.sum(act, axis=0), 1), SPLITS), SMAX)
+        split_len = tl.cdiv(tl.cdiv(Tk, S), BN) * BN
+        return act, rank, S, split_len
+
+    @triton.jit
     def _decode_attn_split_kernel(q_ptr, k_ptr, v_ptr, route_ptr, lp_ptr, mpart_ptr, lpart_ptr, opart_ptr,
-                                  Hq, Hk, Tk, NG, REP, HPG, SPLITS, split_len, scale,
+                                  Hq, Hk, Tk, NG, REP, HPG, PACKS, SPLITS, SMAX, scale,
                                   sqb, sqh, skb, skh, skt, svb, svh, svt,
-                                  D: tl.constexpr, RP: tl.constexpr, BN: tl.constexpr, HAS_LP: tl.constexpr):
+                                  D: tl.constexpr, RP: tl.constexpr, BN: tl.constexpr, HAS_LP: tl.constexpr,
+                                  PP: tl.constexpr, GPP: tl.constexpr, COMPACT: tl.constexpr):
+        # 1-D grid of PACKS * SPLITS programs.  Program p runs KV split sp of the q-th active pack (q = p // S,
+        # sp = p % S; see _pack_splits): with COMPACT the active packs are numbered on the device (no host
+        # sync), so at sparsity s the programs of skipped packs become more splits of the active ones and
+        # about as many programs stream K / V as in the dense case; without it pack q = p // SPLITS, and the
+        # programs of an inactive pack exit.  Partials go to slot sp of (b, h) in [B, Hq, SMAX].
         pid = tl.program_id(0)
-        sp = tl.program_id(1)
-        b = pid // Hk
-        hk = pid % Hk
-        offs_r = tl.arange(0, RP)
-        hmask = offs_r < REP
-        h = hk * REP + offs_r
-        act = tl.load(route_ptr + b * NG + h // HPG, mask=hmask, other=0) != 0
-        if tl.max(act.to(tl.int32), axis=0) != 0:  # skip KV reads of an inactive head group pack
+        act_p, rank, S, split_len = _pack_splits(route_ptr, PACKS, Hk, NG, REP, HPG, SPLITS, SMAX, Tk, PP, GPP, BN,
+                                                 COMPACT)
+        qi = pid // S
+        sp = pid - qi * S
+        offs_pk = tl.arange(0, PP)
+        if COMPACT:
+            pk = tl.sum(tl.where(rank == qi + 1, offs_pk, 0), axis=0)  # the qi-th active pack
+            run = qi < tl.sum(act_p, axis=0)
+        else:
+            pk = qi
+            run = tl.sum(tl.where(offs_pk == qi, act_p, 0), axis=0) != 0
+        b = pk // Hk
+        hk = pk % Hk
+        start = sp * split_len
+        if run & (start < Tk):  # skip KV reads of an inactive head group pack
+            offs_r = tl.arange(0, RP)
+            hmask = offs_r < REP
+            h = hk * REP + offs_r
+            act = tl.load(route_ptr + b * NG + h // HPG, mask=hmask, other=0) != 0
             offs_d = tl.arange(0, D)
             q = tl.load(q_ptr + b.to(tl.int64) * sqb + h[:, None].to(tl.int64) * sqh + offs_d[None, :],
                         mask=(hmask & act)[:, None], other=0.0)
             lo = 0
             if HAS_LP:
                 lo = tl.load(lp_ptr + b).to(tl.int32)
-            start = sp * split_len
             end = tl.minimum(start + split_len, Tk)
             jstart = tl.maximum(start, (lo // BN) * BN)
             m_i = tl.full((RP,), -1.0e30, dtype=tl.float32)
@@ -325,14 +366,18 @@ if HAS_TRITON:
                              other=0.0)
                 acc = acc * alpha[:, None] + mm(p.to(vt.dtype), vt)
                 m_i = m_new
-            pidx = (b * Hq + h) * SPLITS + sp
+            pidx = (b * Hq + h) * SMAX + sp
             tl.store(mpart_ptr + pidx, m_i, mask=hmask)
             tl.store(lpart_ptr + pidx, l_i, mask=hmask)
             tl.store(opart_ptr + pidx[:, None].to(tl.int64) * D + offs_d[None, :], acc, mask=hmask[:, None])
 
     @triton.jit
-    def _decode_attn_combine_kernel(route_ptr, mpart_ptr, lpart_ptr, opart_ptr, out_ptr, Hq, NG, HPG, SPLITS,
-                                    sob, soh, D: tl.constexpr, SP: tl.constexpr):
+    def _decode_attn_combine_kernel(route_ptr, mpart_ptr, lpart_ptr, opart_ptr, out_ptr, Hq, Hk, Tk, NG, REP, HPG,
+                                    PACKS, SPLITS, SMAX, sob, soh, D: tl.constexpr, SP: tl.constexpr,
+                                    PP: tl.constexpr, GPP: tl.constexpr, BN: tl.constexpr,
+                                    COMPACT: tl.constexpr):
+        # merges the splits of (b, h) by log-sum-exp; the split count is recomputed from the route exactly as
+        # the split kernel did (_pack_splits)
         pid = tl.program_id(0)
         b = pid // Hq
         h = pid % Hq
@@ -340,9 +385,11 @@ if HAS_TRITON:
         offs_d = tl.arange(0, D)
         o_ptrs = out_ptr + b.to(tl.int64) * sob + h.to(tl.int64) * soh + offs_d
         if act:
+            _a, _r, S, split_len = _pack_splits(route_ptr, PACKS, Hk, NG, REP, HPG, SPLITS, SMAX, Tk, PP, GPP, BN,
+                                                COMPACT)
             offs_s = tl.arange(0, SP)
-            smask = offs_s < SPLITS
-            base = (b * Hq + h) * SPLITS
+            smask = offs_s < tl.cdiv(Tk, split_len)  # splits that start before Tk (the others wrote nothing)
+            base = (b * Hq + h) * SMAX
             m = tl.load(mpart_ptr + base + offs_s, mask=smask, other=-1.0e30)
             l = tl.load(lpart_ptr + base + offs_s, mask=smask, other=0.0)
             o = tl.load(opart_ptr + (base + offs_s)[:, None].to(tl.int64) * D + offs_d[None, :],
@@ -744,7 +791,8 @@ def gemv_k(a: torch.Tensor, w: torch.Tensor, route: torch.Tensor, G: int, *,
 
 def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, route: torch.Tensor, *,
                      left_pad: torch.Tensor | None = None, scale: float | None = None,
-                     out: torch.Tensor | None = None, splits: int | None = None) -> torch.Tensor:
+                     out: torch.Tensor | None = None, splits: int | None = None, max_splits: int | None = None,
+                     compact: bool = True) -> torch.Tensor:
     """Split-KV routed decode attention (``Tq == 1``) with GQA packing (Eq. 2; Algorithm 4, decode variant).
 
     For each batch row b and query head h of head group ``g = h // (Hq / N_G)``::
@@ -768,8 +816,14 @@ def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, route: t
             slots of the engine's reversed-slot cache).
         scale: softmax scale (default ``1/sqrt(d)``).
         out: optional contiguous ``[B, Hq, 1, d]`` output in q's dtype on q's device.
-        splits: number of KV splits, an int ``>= 1`` (default: enough programs to fill the GPU, 2 under the
-            interpreter); rounded so that every split covers a whole number of key tiles.
+        splits: number of KV splits per head pack in the dense case, an int ``>= 1`` (default: enough programs
+            to fill the GPU, 2 under the interpreter); rounded so that every split covers a whole number of key
+            tiles.  The grid is ``B * Hk * splits`` programs whatever the route.
+        max_splits: with ``compact``, the most splits an active pack may get (default: ``4 * splits``, at most
+            one split per two key tiles); at least ``splits``.
+        compact: True (default): the programs of the skipped packs become more KV splits of the active ones
+            (see below); False: every pack keeps ``splits`` splits and the programs of a skipped pack exit (the
+            layout before session 13, kept for A/B benchmarks).
 
     Returns:
         ``out`` (or a new tensor shaped and typed like q), fp32-accumulated: 0 for an inactive (row, head group)
@@ -783,7 +837,11 @@ def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, route: t
     FlashAttention (running max m, sum z, fp32 accumulator) over the key tiles of its split from
     ``max(split start, left_pad[b])``; a second kernel merges the splits by log-sum-exp
     (``out = sum_s exp(m_s - M) O_s / sum_s exp(m_s - M) z_s``) and writes 0 for inactive heads and for rows
-    without a visible key.  Grid sizes come from shapes only: no host sync, CUDA-graph capturable.  CPU
+    without a visible key.  With ``compact``, both kernels number the active packs on the device (a cumsum over
+    the ``B * Hk`` pack flags) and give each of the A active packs ``S = clamp(B * Hk * splits // A, splits,
+    max_splits)`` splits, so at sparsity s about as many programs stream K / V as in the dense case instead of
+    ``(1 - s)`` of them (a fixed split count leaves few, long programs and a ragged last wave when few packs
+    are active).  Grid sizes come from shapes only: no host sync, CUDA-graph capturable.  CPU
     without ``TRITON_INTERPRET=1`` (or without Triton) falls back to
     :func:`wide.kernels.reference.attention_ref`.
 
@@ -793,8 +851,8 @@ def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, route: t
             q's dtype or shaped differently from each other or not ``[B, Hk, Tk, d]``, Hq not a multiple of
             Hk, d not a power of two in [16, 256], a last dim that is not contiguous, route not bool
             ``[B, 1, N_G]`` with N_G dividing Hq, left_pad not int32/int64 ``[B]``, tensors on different
-            devices, or ``out`` of the wrong shape, dtype or device, or not contiguous.  (``splits`` is not
-            checked: it must be a positive int.)
+            devices, or ``out`` of the wrong shape, dtype or device, or not contiguous.  (``splits`` and
+            ``max_splits`` are not checked: they must be positive ints.)
     """
     from .attention import _validate as _validate_attention
 
@@ -821,18 +879,26 @@ def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, route: t
             splits = max(1, min(triton.cdiv(Tk, 128), triton.cdiv(8 * sms, B * Hk)))
     bn = 16 if interpret_mode() else 64
     split_len = triton.cdiv(triton.cdiv(Tk, splits), bn) * bn
-    splits = triton.cdiv(Tk, split_len)
-    mpart = torch.empty((B, Hq, splits), dtype=torch.float32, device=q.device)
+    splits = triton.cdiv(Tk, split_len)  # the dense split count: no split starts past Tk
+    if max_splits is None:
+        max_splits = min(triton.cdiv(Tk, 2 * bn), 4 * splits)
+    smax = max(splits, min(int(max_splits), triton.cdiv(Tk, bn))) if compact else splits
+    mpart = torch.empty((B, Hq, smax), dtype=torch.float32, device=q.device)
     lpart = torch.empty_like(mpart)
-    opart = torch.empty((B, Hq, splits, D), dtype=torch.float32, device=q.device)
+    opart = torch.empty((B, Hq, smax, D), dtype=torch.float32, device=q.device)
     rp = max(16, next_pow2(rep))
+    packs = B * Hk
+    pp = max(2, next_pow2(packs))
+    gpp = max((hk * rep + rep - 1) // hpg - (hk * rep) // hpg + 1 for hk in range(Hk))
     lp = left_pad if left_pad is not None else mpart  # dummy pointer when unused
     opts = {} if interpret_mode() else {"num_warps": 4, "num_stages": 3}
-    _decode_attn_split_kernel[(B * Hk, splits)](
-        q, k, v, route, lp, mpart, lpart, opart, Hq, Hk, Tk, NG, rep, hpg, splits, split_len, scale,
+    geo = dict(PP=pp, GPP=gpp, BN=bn, COMPACT=bool(compact))
+    _decode_attn_split_kernel[(packs * splits,)](
+        q, k, v, route, lp, mpart, lpart, opart, Hq, Hk, Tk, NG, rep, hpg, packs, splits, smax, scale,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), k.stride(2), v.stride(0), v.stride(1), v.stride(2),
-        D=D, RP=rp, BN=bn, HAS_LP=left_pad is not None, **opts)
-    _decode_attn_combine_kernel[(B * Hq,)](route, mpart, lpart, opart, out, Hq, NG, hpg, splits,
-                                           out.stride(0), out.stride(1), D=D, SP=max(2, next_pow2(splits)),
+        D=D, RP=rp, HAS_LP=left_pad is not None, **geo, **opts)
+    _decode_attn_combine_kernel[(B * Hq,)](route, mpart, lpart, opart, out, Hq, Hk, Tk, NG, rep, hpg, packs,
+                                           splits, smax, out.stride(0), out.stride(1), D=D,
+                                           SP=max(2, next_pow2(smax)), **geo,
                                            **({} if interpret_mode() else {"num_warps": 1}))
     return out
