@@ -79,14 +79,14 @@ def test_attention_shapes(model, Tq, Tk, causal):
 
 @pytest.mark.parametrize("model", list(MODELS))
 @pytest.mark.parametrize("p", [0.5, 0.1])
-@pytest.mark.parametrize("compact", [True, False])
-def test_decode_attention_batch_shapes(model, p, compact):
-    # a decode batch whose skipped head packs hand their programs to the active ones (compact: up to 4x the
-    # dense split count here), or keep a fixed split count; left padding in some rows
+@pytest.mark.parametrize("wave", [1, 264, 100000])
+def test_decode_attention_batch_shapes(model, p, wave):
+    # a decode batch whose skipped head packs keep their split count (wave 1), round their programs up to waves
+    # of 264, or get every program of the grid (up to 4x the dense split count here); left padding in some rows
     from wide.kernels import decode_attention
 
     _, _, Hq, Hk, d = MODELS[model]
-    gen = _gen("decode_batch", model, p, compact)
+    gen = _gen("decode_batch", model, p, wave)
     B, Tk = 16, 3000
     q = _rand((B, Hq, 1, d), gen)
     k = _rand((B, Hk, Tk, d), gen)
@@ -95,7 +95,7 @@ def test_decode_attention_batch_shapes(model, p, compact):
     lp = torch.zeros(B, dtype=torch.int64, device="cuda")
     lp[::3] = 1234
     out = torch.full_like(q, float("nan"))
-    decode_attention(q, k, v, route, left_pad=lp, out=out, compact=compact)
+    decode_attention(q, k, v, route, left_pad=lp, out=out, wave=wave)
     check_close(out, attention_ref(q.double(), k.double(), v.double(), route, False, lp))
 
 

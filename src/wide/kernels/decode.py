@@ -282,13 +282,14 @@ if HAS_TRITON:
         tl.store(out_ptr + offs, acc.to(out_ptr.dtype.element_ty), mask=msk)
 
     @triton.jit
-    def _pack_splits(route_ptr, PACKS, Hk, NG, REP, HPG, SPLITS, SMAX, Tk,
-                     PP: tl.constexpr, GPP: tl.constexpr, BN: tl.constexpr, COMPACT: tl.constexpr):
+    def _pack_splits(route_ptr, PACKS, Hk, NG, REP, HPG, SPLITS, SMAX, WAVE, Tk,
+                     PP: tl.constexpr, GPP: tl.constexpr, BN: tl.constexpr):
         """``(act, rank, S, split_len)`` of the decode attention grid.  ``act`` int32 ``[PP]``: 1 where KV pack
         ``p = b * Hk + hk`` has an active head (some head group it spans is routed), ``rank`` its 1-based rank among
-        the active packs (0 if inactive).  Without COMPACT every pack keeps SPLITS splits; with it the
-        ``PACKS * SPLITS`` programs (sized for the dense case) are shared by the A active packs:
-        ``S = clamp(PACKS * SPLITS // A, SPLITS, SMAX)``.  ``split_len``: keys per split, whole BN tiles."""
+        the active packs (0 if inactive).  The A active packs get ``S`` splits each: their ``A * SPLITS`` programs
+        rounded up to whole waves of WAVE programs, ``S = ceil(A * SPLITS / WAVE) * WAVE // A``, within
+        ``[1, min(SMAX, PACKS * SPLITS // A)]`` (the grid).  WAVE = 1 keeps ``S = SPLITS``.  ``split_len``: keys
+        per split, whole BN tiles."""
         offs_p = tl.arange(0, PP)
         pm = offs_p < PACKS
         b = offs_p // Hk
@@ -300,35 +301,29 @@ if HAS_TRITON:
             on = pm & (g0 + j <= g1)
             act = tl.maximum(act, (tl.load(route_ptr + b * NG + g0 + j, mask=on, other=0) != 0).to(tl.int32))
         rank = tl.where(act != 0, tl.cumsum(act, axis=0), 0)
-        S = SPLITS
-        if COMPACT:
-            S = tl.minimum(tl.maximum((PACKS * SPLITS) // tl.maximum(tl.sum(act, axis=0), 1), SPLITS), SMAX)
+        A = tl.maximum(tl.sum(act, axis=0), 1)
+        S = tl.cdiv(A * SPLITS, WAVE) * WAVE // A
+        S = tl.maximum(tl.minimum(tl.minimum(S, SMAX), (PACKS * SPLITS) // A), 1)
         split_len = tl.cdiv(tl.cdiv(Tk, S), BN) * BN
         return act, rank, S, split_len
 
     @triton.jit
     def _decode_attn_split_kernel(q_ptr, k_ptr, v_ptr, route_ptr, lp_ptr, mpart_ptr, lpart_ptr, opart_ptr,
-                                  Hq, Hk, Tk, NG, REP, HPG, PACKS, SPLITS, SMAX, scale,
+                                  Hq, Hk, Tk, NG, REP, HPG, PACKS, SPLITS, SMAX, WAVE, scale,
                                   sqb, sqh, skb, skh, skt, svb, svh, svt,
                                   D: tl.constexpr, RP: tl.constexpr, BN: tl.constexpr, HAS_LP: tl.constexpr,
-                                  PP: tl.constexpr, GPP: tl.constexpr, COMPACT: tl.constexpr):
-        # 1-D grid of PACKS * SPLITS programs.  Program p runs KV split sp of the q-th active pack (q = p // S,
-        # sp = p % S; see _pack_splits): with COMPACT the active packs are numbered on the device (no host
-        # sync), so at sparsity s the programs of skipped packs become more splits of the active ones and
-        # about as many programs stream K / V as in the dense case; without it pack q = p // SPLITS, and the
-        # programs of an inactive pack exit.  Partials go to slot sp of (b, h) in [B, Hq, SMAX].
+                                  PP: tl.constexpr, GPP: tl.constexpr):
+        # 1-D grid of PACKS * SPLITS programs.  The active packs are numbered on the device (no host sync);
+        # program p runs KV split sp = p % S of the q-th active pack (q = p // S; S from _pack_splits), so the
+        # programs of skipped packs can become more splits of the active ones; programs past A * S exit.
+        # Partials go to slot sp of (b, h) in [B, Hq, SMAX].
         pid = tl.program_id(0)
-        act_p, rank, S, split_len = _pack_splits(route_ptr, PACKS, Hk, NG, REP, HPG, SPLITS, SMAX, Tk, PP, GPP, BN,
-                                                 COMPACT)
+        act_p, rank, S, split_len = _pack_splits(route_ptr, PACKS, Hk, NG, REP, HPG, SPLITS, SMAX, WAVE, Tk, PP,
+                                                 GPP, BN)
         qi = pid // S
         sp = pid - qi * S
-        offs_pk = tl.arange(0, PP)
-        if COMPACT:
-            pk = tl.sum(tl.where(rank == qi + 1, offs_pk, 0), axis=0)  # the qi-th active pack
-            run = qi < tl.sum(act_p, axis=0)
-        else:
-            pk = qi
-            run = tl.sum(tl.where(offs_pk == qi, act_p, 0), axis=0) != 0
+        pk = tl.sum(tl.where(rank == qi + 1, tl.arange(0, PP), 0), axis=0)  # the qi-th active pack
+        run = qi < tl.sum(act_p, axis=0)
         b = pk // Hk
         hk = pk % Hk
         start = sp * split_len
@@ -373,9 +368,8 @@ if HAS_TRITON:
 
     @triton.jit
     def _decode_attn_combine_kernel(route_ptr, mpart_ptr, lpart_ptr, opart_ptr, out_ptr, Hq, Hk, Tk, NG, REP, HPG,
-                                    PACKS, SPLITS, SMAX, sob, soh, D: tl.constexpr, SP: tl.constexpr,
-                                    PP: tl.constexpr, GPP: tl.constexpr, BN: tl.constexpr,
-                                    COMPACT: tl.constexpr):
+                                    PACKS, SPLITS, SMAX, WAVE, sob, soh, D: tl.constexpr, SP: tl.constexpr,
+                                    PP: tl.constexpr, GPP: tl.constexpr, BN: tl.constexpr):
         # merges the splits of (b, h) by log-sum-exp; the split count is recomputed from the route exactly as
         # the split kernel did (_pack_splits)
         pid = tl.program_id(0)
@@ -385,8 +379,8 @@ if HAS_TRITON:
         offs_d = tl.arange(0, D)
         o_ptrs = out_ptr + b.to(tl.int64) * sob + h.to(tl.int64) * soh + offs_d
         if act:
-            _a, _r, S, split_len = _pack_splits(route_ptr, PACKS, Hk, NG, REP, HPG, SPLITS, SMAX, Tk, PP, GPP, BN,
-                                                COMPACT)
+            _a, _r, S, split_len = _pack_splits(route_ptr, PACKS, Hk, NG, REP, HPG, SPLITS, SMAX, WAVE, Tk, PP, GPP,
+                                                BN)
             offs_s = tl.arange(0, SP)
             smask = offs_s < tl.cdiv(Tk, split_len)  # splits that start before Tk (the others wrote nothing)
             base = (b * Hq + h) * SMAX
@@ -402,6 +396,10 @@ if HAS_TRITON:
             tl.store(o_ptrs, res.to(out_ptr.dtype.element_ty))
         else:
             tl.store(o_ptrs, tl.zeros((D,), dtype=out_ptr.dtype.element_ty))
+
+
+DECODE_ATTN_WAVE = 1
+"""Default ``wave`` of :func:`decode_attention` (programs per wave the active packs' splits round up to)."""
 
 
 def _check_small(x, M, what):
@@ -792,7 +790,7 @@ def gemv_k(a: torch.Tensor, w: torch.Tensor, route: torch.Tensor, G: int, *,
 def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, route: torch.Tensor, *,
                      left_pad: torch.Tensor | None = None, scale: float | None = None,
                      out: torch.Tensor | None = None, splits: int | None = None, max_splits: int | None = None,
-                     compact: bool = True) -> torch.Tensor:
+                     wave: int | None = None) -> torch.Tensor:
     """Split-KV routed decode attention (``Tq == 1``) with GQA packing (Eq. 2; Algorithm 4, decode variant).
 
     For each batch row b and query head h of head group ``g = h // (Hq / N_G)``::
@@ -819,11 +817,13 @@ def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, route: t
         splits: number of KV splits per head pack in the dense case, an int ``>= 1`` (default: enough programs
             to fill the GPU, 2 under the interpreter); rounded so that every split covers a whole number of key
             tiles.  The grid is ``B * Hk * splits`` programs whatever the route.
-        max_splits: with ``compact``, the most splits an active pack may get (default: ``4 * splits``, at most
-            one split per two key tiles); at least ``splits``.
-        compact: True (default): the programs of the skipped packs become more KV splits of the active ones
-            (see below); False: every pack keeps ``splits`` splits and the programs of a skipped pack exit (the
-            layout before session 13, kept for A/B benchmarks).
+        max_splits: the most splits an active pack may get (default: ``4 * splits``, at most one split per two
+            key tiles); at least ``splits``.
+        wave: programs per wave (an int ``>= 1``; default :data:`DECODE_ATTN_WAVE`): the ``A * splits`` programs
+            of the A active packs are rounded up to whole waves, ``S = ceil(A * splits / wave) * wave // A``
+            splits per active pack (within ``[1, max_splits]`` and the grid).  ``wave=1`` keeps ``splits`` per
+            pack (the layout before session 13); ``wave = B * Hk * splits`` hands every program of the grid
+            to the active packs.
 
     Returns:
         ``out`` (or a new tensor shaped and typed like q), fp32-accumulated: 0 for an inactive (row, head group)
@@ -837,11 +837,9 @@ def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, route: t
     FlashAttention (running max m, sum z, fp32 accumulator) over the key tiles of its split from
     ``max(split start, left_pad[b])``; a second kernel merges the splits by log-sum-exp
     (``out = sum_s exp(m_s - M) O_s / sum_s exp(m_s - M) z_s``) and writes 0 for inactive heads and for rows
-    without a visible key.  With ``compact``, both kernels number the active packs on the device (a cumsum over
-    the ``B * Hk`` pack flags) and give each of the A active packs ``S = clamp(B * Hk * splits // A, splits,
-    max_splits)`` splits, so at sparsity s about as many programs stream K / V as in the dense case instead of
-    ``(1 - s)`` of them (a fixed split count leaves few, long programs and a ragged last wave when few packs
-    are active).  Grid sizes come from shapes only: no host sync, CUDA-graph capturable.  CPU
+    without a visible key.  Both kernels number the active packs on the device (a cumsum over the ``B * Hk``
+    pack flags) and give each of the A active packs S splits (``wave`` above): a fixed split count leaves
+    ``(1 - s)`` of the dense grid's programs, whose last wave on the SMs can be nearly empty.  Grid sizes come from shapes only: no host sync, CUDA-graph capturable.  CPU
     without ``TRITON_INTERPRET=1`` (or without Triton) falls back to
     :func:`wide.kernels.reference.attention_ref`.
 
@@ -882,7 +880,8 @@ def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, route: t
     splits = triton.cdiv(Tk, split_len)  # the dense split count: no split starts past Tk
     if max_splits is None:
         max_splits = min(triton.cdiv(Tk, 2 * bn), 4 * splits)
-    smax = max(splits, min(int(max_splits), triton.cdiv(Tk, bn))) if compact else splits
+    smax = max(splits, min(int(max_splits), triton.cdiv(Tk, bn)))
+    wave = DECODE_ATTN_WAVE if wave is None else int(wave)
     mpart = torch.empty((B, Hq, smax), dtype=torch.float32, device=q.device)
     lpart = torch.empty_like(mpart)
     opart = torch.empty((B, Hq, smax, D), dtype=torch.float32, device=q.device)
@@ -892,13 +891,13 @@ def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, route: t
     gpp = max((hk * rep + rep - 1) // hpg - (hk * rep) // hpg + 1 for hk in range(Hk))
     lp = left_pad if left_pad is not None else mpart  # dummy pointer when unused
     opts = {} if interpret_mode() else {"num_warps": 4, "num_stages": 3}
-    geo = dict(PP=pp, GPP=gpp, BN=bn, COMPACT=bool(compact))
+    geo = dict(PP=pp, GPP=gpp, BN=bn)
     _decode_attn_split_kernel[(packs * splits,)](
-        q, k, v, route, lp, mpart, lpart, opart, Hq, Hk, Tk, NG, rep, hpg, packs, splits, smax, scale,
+        q, k, v, route, lp, mpart, lpart, opart, Hq, Hk, Tk, NG, rep, hpg, packs, splits, smax, wave, scale,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), k.stride(2), v.stride(0), v.stride(1), v.stride(2),
         D=D, RP=rp, HAS_LP=left_pad is not None, **geo, **opts)
     _decode_attn_combine_kernel[(B * Hq,)](route, mpart, lpart, opart, out, Hq, Hk, Tk, NG, rep, hpg, packs,
-                                           splits, smax, out.stride(0), out.stride(1), D=D,
+                                           splits, smax, wave, out.stride(0), out.stride(1), D=D,
                                            SP=max(2, next_pow2(smax)), **geo,
                                            **({} if interpret_mode() else {"num_warps": 1}))
     return out
