@@ -29,8 +29,9 @@ def _parse(argv):
     p.add_argument("--batch", default="1,4,8,16,32,64")
     p.add_argument("--T", default="1024,4096,16384", help="KV lengths")
     p.add_argument("--sparsity", default="0,0.5,0.75")
-    p.add_argument("--waves", default="1,1,2,3,4,grid", help="wave rules: 1 (fixed), k (k programs per SM), grid;"
-                   " the first '1' is the fixed split count, later integers are programs per SM")
+    p.add_argument("--waves", default="1,1,2,3,4,grid,default",
+                   help="wave rules: 1 (fixed), k (k programs per SM), grid, default (decode_attention's own); the "
+                   "first '1' is the fixed split count, later integers are programs per SM")
     p.add_argument("--split-mult", default="0.5,1,2", help="multiples of the default dense split count")
     p.add_argument("--budget", type=float, default=300.0, help="seconds after which pending points are skipped")
     return p.parse_args(argv)
@@ -49,8 +50,9 @@ def main(argv=None) -> int:
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     Hq, Hk, d = 32, 8, 128
     waves = args.waves.split(",")
-    rules = [("fixed", 1)] + [(f"{w}/SM", int(w) * sms) for w in waves[1:] if w != "grid"]
+    rules = [("fixed", 1)] + [(f"{w}/SM", int(w) * sms) for w in waves[1:] if w not in ("grid", "default")]
     rules += [("grid", None)] if "grid" in waves else []
+    rules += [("default", "default")] if "default" in waves else []
     t0 = time.time()
     records = []
     cmd = "python3 benchmarks/kernels/decode_attn_waves.py " + " ".join(argv if argv is not None else sys.argv[1:])
@@ -73,11 +75,14 @@ def main(argv=None) -> int:
                 for mult in (float(x) for x in args.split_mult.split(",")):
                     splits = max(1, int(round(base * mult)))
                     for name, wave in rules:
-                        w = B * Hk * splits if wave is None else wave
+                        w = B * Hk * splits if wave is None else None if wave == "default" else wave
                         fn = lambda: decode_attention(q, k, v, route, out=out, splits=splits, wave=w)  # noqa: E731
                         ms = _graph_time_ms([fn])
                         fn()
                         err = float((out[:2].float() - ref).norm() / ref.norm().clamp_min(1e-30))
+                        if w is None:  # the default: the occupancy wave decode_attention computed
+                            from wide.kernels._common import _RESIDENT
+                            w = sms * next(iter(_RESIDENT.values()))
                         rec = dict(op="attention_decode", B=B, T=T, sparsity=s, active=round(act, 4),
                                    splits=splits, split_mult=mult, rule=name, wave=w, dense_ms=round(dense_ms, 5),
                                    wide_ms=round(ms, 5), speedup=round(dense_ms / ms, 4), rel_err=round(err, 5),

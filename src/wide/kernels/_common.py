@@ -369,6 +369,33 @@ def pick_config(op: str, key: tuple, device: torch.device, candidates: Sequence[
     return dict(best)
 
 
+_RESIDENT: dict = {}
+
+
+def resident_programs(kernel, key: tuple, device: torch.device, args: tuple, consts: dict, opts: dict,
+                      fallback: int = 2) -> int:
+    """Programs of ``kernel`` (a ``triton.jit`` function) that run at once on the whole GPU: SMs x the programs one
+    SM holds, limited by its shared memory, registers and threads for the compiled kernel (no launch; cached per
+    ``key``).  ``args`` / ``consts`` / ``opts`` (``num_warps`` / ``num_stages``) are those of the real launch.
+    ``fallback`` programs per SM if the compiled kernel cannot be inspected."""
+    props = torch.cuda.get_device_properties(device)
+    key = (device.index, *key)
+    if key not in _RESIDENT:
+        warps = opts.get("num_warps", 4)
+        try:
+            k = kernel.warmup(*args, grid=(1,), **consts, **opts)
+            k._init_handles()
+            smem = getattr(props, "shared_memory_per_multiprocessor", 0) or 228 * 1024
+            regs = getattr(props, "regs_per_multiprocessor", 0) or 65536
+            threads = getattr(props, "max_threads_per_multi_processor", 0) or 2048
+            shared = int(getattr(k.metadata, "shared", 0)) + 1024  # + the 1 KB the driver reserves per block
+            per_sm = min(smem // shared, regs // max(1, int(k.n_regs) * 32 * warps), threads // (32 * warps), 32)
+        except Exception:  # an inspection API that moved: the estimate only sets how work is split
+            per_sm = fallback
+        _RESIDENT[key] = max(1, int(per_sm))
+    return _RESIDENT[key] * props.multi_processor_count
+
+
 def cfg_kwargs(cfg: dict) -> dict:
     return {k: v for k, v in cfg.items() if k not in ("num_warps", "num_stages")}
 

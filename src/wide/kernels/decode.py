@@ -17,8 +17,8 @@ import torch
 
 from . import reference
 from ._common import (
-    HAS_TRITON, check_out, fail, interpret_mode, launch_opts, next_pow2, pick_config, pow2_part, tile_counters,
-    use_triton,
+    HAS_TRITON, check_out, fail, interpret_mode, launch_opts, next_pow2, pick_config, pow2_part, resident_programs,
+    tile_counters, use_triton,
 )
 
 if HAS_TRITON:
@@ -396,10 +396,6 @@ if HAS_TRITON:
             tl.store(o_ptrs, res.to(out_ptr.dtype.element_ty))
         else:
             tl.store(o_ptrs, tl.zeros((D,), dtype=out_ptr.dtype.element_ty))
-
-
-DECODE_ATTN_WAVE = 1
-"""Default ``wave`` of :func:`decode_attention` (programs per wave the active packs' splits round up to)."""
 
 
 def _check_small(x, M, what):
@@ -819,11 +815,14 @@ def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, route: t
             tiles.  The grid is ``B * Hk * splits`` programs whatever the route.
         max_splits: the most splits an active pack may get (default: ``4 * splits``, at most one split per two
             key tiles); at least ``splits``.
-        wave: programs per wave (an int ``>= 1``; default :data:`DECODE_ATTN_WAVE`): the ``A * splits`` programs
-            of the A active packs are rounded up to whole waves, ``S = ceil(A * splits / wave) * wave // A``
-            splits per active pack (within ``[1, max_splits]`` and the grid).  ``wave=1`` keeps ``splits`` per
-            pack (the layout before session 13); ``wave = B * Hk * splits`` hands every program of the grid
-            to the active packs.
+        wave: programs per wave (an int ``>= 1``; default: the programs of the split kernel that the GPU holds
+            at once, SMs x per-SM occupancy of the compiled kernel, :func:`wide.kernels._common.resident_programs`;
+            2 under the interpreter): the ``A * splits`` programs of the A active packs are rounded up to whole
+            waves, ``S = ceil(A * splits / wave) * wave // A`` splits per active pack (within ``[1, max_splits]``
+            and the grid), so the last wave is not nearly empty.  ``wave=1`` keeps ``splits`` per pack (the
+            layout before session 13); ``wave = B * Hk * splits`` hands every program of the grid to the active
+            packs.  On the H200 (``benchmarks/kernels/decode_attn_waves.md``) the occupancy wave was the best
+            rule on average at s > 0, and ~7 % faster than a fixed split count at B = 8-16 and s = 0.5-0.75.
 
     Returns:
         ``out`` (or a new tensor shaped and typed like q), fp32-accumulated: 0 for an inactive (row, head group)
@@ -881,7 +880,6 @@ def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, route: t
     if max_splits is None:
         max_splits = min(triton.cdiv(Tk, 2 * bn), 4 * splits)
     smax = max(splits, min(int(max_splits), triton.cdiv(Tk, bn)))
-    wave = DECODE_ATTN_WAVE if wave is None else int(wave)
     mpart = torch.empty((B, Hq, smax), dtype=torch.float32, device=q.device)
     lpart = torch.empty_like(mpart)
     opart = torch.empty((B, Hq, smax, D), dtype=torch.float32, device=q.device)
@@ -892,10 +890,15 @@ def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, route: t
     lp = left_pad if left_pad is not None else mpart  # dummy pointer when unused
     opts = {} if interpret_mode() else {"num_warps": 4, "num_stages": 3}
     geo = dict(PP=pp, GPP=gpp, BN=bn)
-    _decode_attn_split_kernel[(packs * splits,)](
-        q, k, v, route, lp, mpart, lpart, opart, Hq, Hk, Tk, NG, rep, hpg, packs, splits, smax, wave, scale,
-        q.stride(0), q.stride(1), k.stride(0), k.stride(1), k.stride(2), v.stride(0), v.stride(1), v.stride(2),
-        D=D, RP=rp, HAS_LP=left_pad is not None, **geo, **opts)
+    consts = dict(D=D, RP=rp, HAS_LP=left_pad is not None, **geo)
+    args = [q, k, v, route, lp, mpart, lpart, opart, Hq, Hk, Tk, NG, rep, hpg, packs, splits, smax, 3, scale,
+            q.stride(0), q.stride(1), k.stride(0), k.stride(1), k.stride(2), v.stride(0), v.stride(1), v.stride(2)]
+    if wave is None:
+        wave = 2 if interpret_mode() else resident_programs(
+            _decode_attn_split_kernel, ("decode_attn", q.dtype, D, rp, bn, left_pad is not None), q.device,
+            tuple(args), consts, opts)
+    args[17] = int(wave)
+    _decode_attn_split_kernel[(packs * splits,)](*args, **consts, **opts)
     _decode_attn_combine_kernel[(B * Hq,)](route, mpart, lpart, opart, out, Hq, Hk, Tk, NG, rep, hpg, packs,
                                            splits, smax, wave, out.stride(0), out.stride(1), D=D,
                                            SP=max(2, next_pow2(smax)), **geo,
