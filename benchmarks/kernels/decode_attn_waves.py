@@ -33,7 +33,6 @@ def _parse(argv):
                    help="wave rules: 1 (fixed), k (k programs per SM), grid, default (decode_attention's own); the "
                    "first '1' is the fixed split count, later integers are programs per SM")
     p.add_argument("--split-mult", default="0.5,1,2", help="multiples of the default dense split count")
-    p.add_argument("--unfused", action="store_true", help="also time each variant with the second merge kernel")
     p.add_argument("--budget", type=float, default=300.0, help="seconds after which pending points are skipped")
     return p.parse_args(argv)
 
@@ -79,10 +78,6 @@ def main(argv=None) -> int:
                         w = B * Hk * splits if wave is None else None if wave == "default" else wave
                         fn = lambda: decode_attention(q, k, v, route, out=out, splits=splits, wave=w)  # noqa: E731
                         ms = _graph_time_ms([fn])
-                        extra = {}
-                        if args.unfused:
-                            extra["unfused_ms"] = round(_graph_time_ms([lambda: decode_attention(
-                                q, k, v, route, out=out, splits=splits, wave=w, fused=False)]), 5)
                         fn()
                         err = float((out[:2].float() - ref).norm() / ref.norm().clamp_min(1e-30))
                         if w is None:  # the default: the occupancy wave decode_attention computed
@@ -92,7 +87,7 @@ def main(argv=None) -> int:
                                    splits=splits, split_mult=mult, rule=name, wave=w, dense_ms=round(dense_ms, 5),
                                    wide_ms=round(ms, 5), speedup=round(dense_ms / ms, 4), rel_err=round(err, 5),
                                    gpu=torch.cuda.get_device_name(),
-                                   date=time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), command=cmd, **extra)
+                                   date=time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), command=cmd)
                         records.append(rec)
                 print(f"B={B} T={T} done ({time.time() - t0:.0f} s)", flush=True)
             del q, k, v

@@ -103,8 +103,7 @@ def main() -> None:
                                                                                                      BLOCK=1024))
     compile_sm90(decode._decode_attn_split_kernel,
                  types_of(decode._decode_attn_split_kernel, route_ptr=b, lp_ptr=i32, mpart_ptr=f32, lpart_ptr=f32,
-                          opart_ptr=f32, cnt_ptr=i32), dict(D=128, RP=16, BN=64, HAS_LP=True, PP=128, GPP=1,
-                                                            FUSED=True))
+                          opart_ptr=f32), dict(D=128, RP=16, BN=64, HAS_LP=True, PP=128, GPP=1))
     compile_sm90(decode._decode_attn_combine_kernel,
                  types_of(decode._decode_attn_combine_kernel, route_ptr=b, mpart_ptr=f32, lpart_ptr=f32,
                           opart_ptr=f32), dict(D=128, SP=32, PP=128, GPP=1, BN=64),

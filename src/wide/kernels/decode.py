@@ -308,43 +308,31 @@ if HAS_TRITON:
         return act, rank, S, split_len
 
     @triton.jit
-    def _decode_attn_split_kernel(q_ptr, k_ptr, v_ptr, route_ptr, lp_ptr, mpart_ptr, lpart_ptr, opart_ptr, out_ptr,
-                                  cnt_ptr, Hq, Hk, Tk, NG, REP, HPG, PACKS, SPLITS, SMAX, WAVE, scale,
-                                  sqb, sqh, skb, skh, skt, svb, svh, svt, sob, soh,
+    def _decode_attn_split_kernel(q_ptr, k_ptr, v_ptr, route_ptr, lp_ptr, mpart_ptr, lpart_ptr, opart_ptr,
+                                  Hq, Hk, Tk, NG, REP, HPG, PACKS, SPLITS, SMAX, WAVE, scale,
+                                  sqb, sqh, skb, skh, skt, svb, svh, svt,
                                   D: tl.constexpr, RP: tl.constexpr, BN: tl.constexpr, HAS_LP: tl.constexpr,
-                                  PP: tl.constexpr, GPP: tl.constexpr, FUSED: tl.constexpr):
+                                  PP: tl.constexpr, GPP: tl.constexpr):
         # 1-D grid of PACKS * SPLITS programs.  The active packs are numbered on the device (no host sync);
         # program p runs KV split sp = p % S of the q-th active pack (q = p // S; S from _pack_splits), so the
         # programs of skipped packs can become more splits of the active ones; programs past A * S exit.
-        # Partials go to slot sp of (b, h) in [B, Hq, SMAX].  FUSED: the split of a pack that arrives last
-        # (arrival counter cnt_ptr[pack]) merges the pack's partials by log-sum-exp and writes out (a pack with
-        # one split writes out directly), and program p also writes the zeros of the p-th skipped pack; else
-        # _decode_attn_combine_kernel does both.
+        # Partials go to slot sp of (b, h) in [B, Hq, SMAX].
         pid = tl.program_id(0)
         act_p, rank, S, split_len = _pack_splits(route_ptr, PACKS, Hk, NG, REP, HPG, SPLITS, SMAX, WAVE, Tk, PP,
                                                  GPP, BN)
-        offs_pk = tl.arange(0, PP)
-        n_act = tl.sum(act_p, axis=0)
-        offs_r = tl.arange(0, RP)
-        hmask = offs_r < REP
-        offs_d = tl.arange(0, D)
-        if FUSED:
-            if pid < PACKS - n_act:  # zeros of the pid-th skipped pack
-                inact = tl.where(offs_pk < PACKS, 1 - act_p, 0)
-                rank_i = tl.where(inact != 0, tl.cumsum(inact, axis=0), 0)
-                pz = tl.sum(tl.where(rank_i == pid + 1, offs_pk, 0), axis=0)
-                hz = (pz % Hk) * REP + offs_r
-                tl.store(out_ptr + (pz // Hk).to(tl.int64) * sob + hz[:, None].to(tl.int64) * soh + offs_d[None, :],
-                         tl.zeros((RP, D), dtype=out_ptr.dtype.element_ty), mask=hmask[:, None])
         qi = pid // S
         sp = pid - qi * S
-        pk = tl.sum(tl.where(rank == qi + 1, offs_pk, 0), axis=0)  # the qi-th active pack
+        pk = tl.sum(tl.where(rank == qi + 1, tl.arange(0, PP), 0), axis=0)  # the qi-th active pack
+        run = qi < tl.sum(act_p, axis=0)
         b = pk // Hk
         hk = pk % Hk
         start = sp * split_len
-        if (qi < n_act) & (start < Tk):  # skip KV reads of an inactive head group pack
+        if run & (start < Tk):  # skip KV reads of an inactive head group pack
+            offs_r = tl.arange(0, RP)
+            hmask = offs_r < REP
             h = hk * REP + offs_r
             act = tl.load(route_ptr + b * NG + h // HPG, mask=hmask, other=0) != 0
+            offs_d = tl.arange(0, D)
             q = tl.load(q_ptr + b.to(tl.int64) * sqb + h[:, None].to(tl.int64) * sqh + offs_d[None, :],
                         mask=(hmask & act)[:, None], other=0.0)
             lo = 0
@@ -373,38 +361,10 @@ if HAS_TRITON:
                              other=0.0)
                 acc = acc * alpha[:, None] + mm(p.to(vt.dtype), vt)
                 m_i = m_new
-            nsplit = tl.cdiv(Tk, split_len)  # splits of this pack that run
-            o_ptrs = out_ptr + b.to(tl.int64) * sob + h[:, None].to(tl.int64) * soh + offs_d[None, :]
-            if FUSED and nsplit == 1:
-                res = tl.where((l_i > 0)[:, None], acc / tl.where(l_i > 0, l_i, 1.0)[:, None], 0.0)
-                tl.store(o_ptrs, tl.where(act[:, None], res, 0.0).to(out_ptr.dtype.element_ty), mask=hmask[:, None])
-            else:
-                pidx = (b * Hq + h) * SMAX + sp
-                tl.store(mpart_ptr + pidx, m_i, mask=hmask)
-                tl.store(lpart_ptr + pidx, l_i, mask=hmask)
-                tl.store(opart_ptr + pidx[:, None].to(tl.int64) * D + offs_d[None, :], acc, mask=hmask[:, None])
-                if FUSED:
-                    tl.debug_barrier()
-                    arrived = tl.atomic_add(cnt_ptr + pk, 1, sem="acq_rel", scope="gpu")
-                    if arrived == nsplit - 1:  # the last split of the pack: merge by log-sum-exp, in split order
-                        base = (b * Hq + h) * SMAX
-                        mm_ = tl.full((RP,), -1.0e30, dtype=tl.float32)
-                        for t in range(0, nsplit):
-                            mm_ = tl.maximum(mm_, tl.load(mpart_ptr + base + t, mask=hmask, other=-1.0e30,
-                                                          cache_modifier=".cg"))
-                        den = tl.zeros((RP,), dtype=tl.float32)
-                        num = tl.zeros((RP, D), dtype=tl.float32)
-                        for t in range(0, nsplit):
-                            wgt = tl.exp2(tl.load(mpart_ptr + base + t, mask=hmask, other=-1.0e30,
-                                                  cache_modifier=".cg") - mm_)
-                            den += wgt * tl.load(lpart_ptr + base + t, mask=hmask, other=0.0, cache_modifier=".cg")
-                            num += wgt[:, None] * tl.load(opart_ptr + (base + t)[:, None].to(tl.int64) * D
-                                                          + offs_d[None, :], mask=hmask[:, None], other=0.0,
-                                                          cache_modifier=".cg")
-                        res = tl.where((den > 0)[:, None], num / tl.where(den > 0, den, 1.0)[:, None], 0.0)
-                        tl.store(o_ptrs, tl.where(act[:, None], res, 0.0).to(out_ptr.dtype.element_ty),
-                                 mask=hmask[:, None])
-                        tl.atomic_xchg(cnt_ptr + pk, 0, sem="relaxed", scope="gpu")
+            pidx = (b * Hq + h) * SMAX + sp
+            tl.store(mpart_ptr + pidx, m_i, mask=hmask)
+            tl.store(lpart_ptr + pidx, l_i, mask=hmask)
+            tl.store(opart_ptr + pidx[:, None].to(tl.int64) * D + offs_d[None, :], acc, mask=hmask[:, None])
 
     @triton.jit
     def _decode_attn_combine_kernel(route_ptr, mpart_ptr, lpart_ptr, opart_ptr, out_ptr, Hq, Hk, Tk, NG, REP, HPG,
@@ -826,7 +786,7 @@ def gemv_k(a: torch.Tensor, w: torch.Tensor, route: torch.Tensor, G: int, *,
 def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, route: torch.Tensor, *,
                      left_pad: torch.Tensor | None = None, scale: float | None = None,
                      out: torch.Tensor | None = None, splits: int | None = None, max_splits: int | None = None,
-                     wave: int | None = None, fused: bool = True) -> torch.Tensor:
+                     wave: int | None = None) -> torch.Tensor:
     """Split-KV routed decode attention (``Tq == 1``) with GQA packing (Eq. 2; Algorithm 4, decode variant).
 
     For each batch row b and query head h of head group ``g = h // (Hq / N_G)``::
@@ -863,8 +823,6 @@ def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, route: t
             layout before session 13); ``wave = B * Hk * splits`` hands every program of the grid to the active
             packs.  On the H200 (``benchmarks/kernels/decode_attn_waves.md``) the occupancy wave was the best
             rule on average at s > 0, and ~7 % faster than a fixed split count at B = 8-16 and s = 0.5-0.75.
-        fused: True (default): the last split of each pack merges the splits (one launch); False: a second
-            kernel merges them (the layout before session 13, kept for A/B benchmarks).
 
     Returns:
         ``out`` (or a new tensor shaped and typed like q), fp32-accumulated: 0 for an inactive (row, head group)
@@ -876,14 +834,11 @@ def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, route: t
     decoding (Tq = 1), mask reordering is bypassed ..."), and a pack with no active head reads no K/V at all.
     Inactive heads of an admitted pack load no Q (level 1).  Each program runs the online softmax of
     FlashAttention (running max m, sum z, fp32 accumulator) over the key tiles of its split from
-    ``max(split start, left_pad[b])``; the split of a pack that finishes last (an arrival counter per pack)
-    merges the pack's splits by log-sum-exp (``out = sum_s exp(m_s - M) O_s / sum_s exp(m_s - M) z_s``, in split
-    order, so the result does not depend on which split is last) and writes 0 for inactive heads and rows without
-    a visible key; the programs left over write the zeros of the skipped packs: one launch in all.  The active
-    packs are numbered on the device (a cumsum over the ``B * Hk`` pack flags) and each of the A active packs
-    gets S splits (``wave`` above): a fixed split count leaves ``(1 - s)`` of the dense grid's programs, whose
-    last wave on the SMs can be nearly empty.  Grid sizes come from shapes only: no host sync, CUDA-graph
-    capturable.  CPU
+    ``max(split start, left_pad[b])``; a second kernel merges the splits by log-sum-exp
+    (``out = sum_s exp(m_s - M) O_s / sum_s exp(m_s - M) z_s``) and writes 0 for inactive heads and for rows
+    without a visible key.  Both kernels number the active packs on the device (a cumsum over the ``B * Hk``
+    pack flags) and give each of the A active packs S splits (``wave`` above): a fixed split count leaves
+    ``(1 - s)`` of the dense grid's programs, whose last wave on the SMs can be nearly empty.  Grid sizes come from shapes only: no host sync, CUDA-graph capturable.  CPU
     without ``TRITON_INTERPRET=1`` (or without Triton) falls back to
     :func:`wide.kernels.reference.attention_ref`.
 
@@ -935,20 +890,17 @@ def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, route: t
     lp = left_pad if left_pad is not None else mpart  # dummy pointer when unused
     opts = {} if interpret_mode() else {"num_warps": 4, "num_stages": 3}
     geo = dict(PP=pp, GPP=gpp, BN=bn)
-    consts = dict(D=D, RP=rp, HAS_LP=left_pad is not None, FUSED=bool(fused), **geo)
-    cnt = tile_counters(q.device, packs) if fused else mpart
-    args = [q, k, v, route, lp, mpart, lpart, opart, out, cnt, Hq, Hk, Tk, NG, rep, hpg, packs, splits, smax, 3,
-            scale, q.stride(0), q.stride(1), k.stride(0), k.stride(1), k.stride(2), v.stride(0), v.stride(1),
-            v.stride(2), out.stride(0), out.stride(1)]
+    consts = dict(D=D, RP=rp, HAS_LP=left_pad is not None, **geo)
+    args = [q, k, v, route, lp, mpart, lpart, opart, Hq, Hk, Tk, NG, rep, hpg, packs, splits, smax, 3, scale,
+            q.stride(0), q.stride(1), k.stride(0), k.stride(1), k.stride(2), v.stride(0), v.stride(1), v.stride(2)]
     if wave is None:
         wave = 2 if interpret_mode() else resident_programs(
-            _decode_attn_split_kernel, ("decode_attn", q.dtype, D, rp, bn, left_pad is not None, bool(fused)),
-            q.device, tuple(args), consts, opts)
-    args[19] = int(wave)
+            _decode_attn_split_kernel, ("decode_attn", q.dtype, D, rp, bn, left_pad is not None), q.device,
+            tuple(args), consts, opts)
+    args[17] = int(wave)
     _decode_attn_split_kernel[(packs * splits,)](*args, **consts, **opts)
-    if not fused:
-        _decode_attn_combine_kernel[(B * Hq,)](route, mpart, lpart, opart, out, Hq, Hk, Tk, NG, rep, hpg, packs,
-                                               splits, smax, wave, out.stride(0), out.stride(1), D=D,
-                                               SP=max(2, next_pow2(smax)), **geo,
-                                               **({} if interpret_mode() else {"num_warps": 1}))
+    _decode_attn_combine_kernel[(B * Hq,)](route, mpart, lpart, opart, out, Hq, Hk, Tk, NG, rep, hpg, packs,
+                                           splits, smax, wave, out.stride(0), out.stride(1), D=D,
+                                           SP=max(2, next_pow2(smax)), **geo,
+                                           **({} if interpret_mode() else {"num_warps": 1}))
     return out
