@@ -9,8 +9,8 @@ engine timed in the same round:
   (:meth:`Engine.overlaps_gate_up_router`, with the few-row rule of ``naxis_dense_above(router_beside=True)``);
 * ``gu+q``: also the attention router beside a cuBLAS Q projection (:meth:`Engine.overlaps_q_router`);
 * ``fixed-split`` (session 13): ``gu+q`` with the decode attention of before session 13, a fixed number of KV
-  splits per head pack and a second kernel merging them (``decode_attention(wave=1, fused=False)``), against
-  ``gu+q``'s default (occupancy-wave splits merged by the last split of each pack).
+  splits per head pack (``decode_attention(wave=1)``), against ``gu+q``'s default (the active packs' splits
+  rounded up to whole waves of the GPU's resident programs).
 
 Prefill TTFT and decode TPOT as in ``wide bench e2e`` (CUDA-graph replay, median of 50 after warm-up); the
 variants are timed in turn, ``--rounds`` times, and the median over rounds is reported, so slow drift of the
@@ -63,7 +63,7 @@ def _fixed_split(on: bool):
 
     orig = decode.decode_attention
     if on:
-        decode.decode_attention = functools.partial(orig, wave=1, fused=False)
+        decode.decode_attention = functools.partial(orig, wave=1)
     try:
         yield
     finally:
