@@ -17,13 +17,17 @@ def test_pack_keeps_eos(tokenizer):
 
 
 def test_pack_too_short(tokenizer):
-    with pytest.raises(WideError, match="shorter than one sequence of 64"):
+    with pytest.raises(WideError, match="^text has 3 tokens, shorter than one sequence of 64"):
         pack(["w1 w2"], tokenizer, seq_len=64)
+    with pytest.raises(WideError, match="^text 'notes/a.txt' has 3 tokens, shorter than one sequence of 64"):
+        pack(["w1 w2"], tokenizer, seq_len=64, source="notes/a.txt")
 
 
 def test_windows_too_short(tokenizer):
-    with pytest.raises(WideError, match="shorter than one window of --ctx 2048"):
+    with pytest.raises(WideError, match="^text has 2 tokens, shorter than one window of --ctx 2048"):
         ppl_windows(["w1 w2"], tokenizer, ctx=2048)
+    with pytest.raises(WideError, match="^text 'b.jsonl' has 2 tokens, shorter than one window of --ctx 2048"):
+        ppl_windows(["w1 w2"], tokenizer, ctx=2048, source="b.jsonl")
 
 
 def test_text_formats(tmp_path):

@@ -255,7 +255,7 @@ def test_eval_ppl_text_shorter_than_ctx_is_refused_before_the_weights_load(tmp_p
     short.write_text("w1 w2 w3")
     rc, _, err = run(["eval-ppl", "--model", model_dir, "--text", short, "--ctx", "32", "--device", "cpu",
                       *(["--wide", ckpt] if wide else [])], capsys)
-    one_line_error(rc, err, "eval-ppl", "text has 3 tokens, shorter than one window of --ctx 32")
+    one_line_error(rc, err, "eval-ppl", f"text {str(short)!r} has 3 tokens, shorter than one window of --ctx 32")
 
 
 @pytest.mark.parametrize("wide", [False, True])

@@ -469,7 +469,8 @@ def cmd_calibrate(args) -> int:
                              procs=procs)
 
     model, tok, src = _load(args, cfg, then=lambda tok: packed.setdefault(
-        "blocks", pack(docs, tok, args.seq_len, max_blocks=args.max_blocks)), env=env, hf_check=hf_check)
+        "blocks", pack(docs, tok, args.seq_len, max_blocks=args.max_blocks, source=_text_name(args.text))), env=env,
+        hf_check=hf_check)
     blocks = packed["blocks"]
     torch.manual_seed(args.seed)  # identical router initialization on every rank
     wm = WideModel(model, cfg)
@@ -494,6 +495,13 @@ def _data_source(args) -> str:
 
 #: parsed names that are not options of a training run: never stored with its state, nor taken from it on --resume
 _NOT_RUN_OPTIONS = ("command", "func", "argv", "output", "resume", "overwrite")
+
+
+def _text_name(spec) -> str:
+    """The ``--text`` as given (the default text's name when none was), for messages about it."""
+    from .data import DEFAULT_TEXT
+
+    return DEFAULT_TEXT if spec is None else str(spec)
 
 
 def _absolute(spec: str | None, name: str | None = None) -> str | None:
@@ -608,7 +616,7 @@ def cmd_lora(args) -> int:
         wm = load(args.wide, model=base) if env.is_main else WideModel(base, read_config(args.wide, base))
     else:
         wm, tok = load(args.wide, model=args.model, device=args.device, tokenizer=True, check=fits)
-    blocks = pack(docs, tok, args.seq_len, max_blocks=args.max_blocks)
+    blocks = pack(docs, tok, args.seq_len, max_blocks=args.max_blocks, source=_text_name(args.text))
     say(f"LoRA recovery on {args.wide} ({info['model']}): {blocks.shape[0]} sequences x {blocks.shape[1]} tokens, "
         f"r={settings.r} alpha={settings.alpha} dropout={settings.dropout}, routers "
         f"{'frozen' if args.freeze_router else 'trained'}, {targs.steps} steps, {env.world_size} process(es), "
@@ -662,7 +670,8 @@ def cmd_eval_ppl(args) -> int:
 
     def check(hf, tok):  # on the config and the tokenizer, before any weight is read
         fits(hf, tok)
-        data["win"] = win = ppl_windows(docs, tok, args.ctx, max_tokens=args.max_tokens)
+        data["win"] = win = ppl_windows(docs, tok, args.ctx, max_tokens=args.max_tokens,
+                                        source=_text_name(args.text))
         if args.memory_check:
             from .checkpoint import read_base_info
             from .memory import check_eval_memory
@@ -756,8 +765,10 @@ def cmd_demo(args) -> int:
     data = {}
 
     def prepare(tok):
-        data["win"] = ppl_windows(load_texts(args.text, split="eval"), tok, ctx, max_tokens=eval_tokens)
-        data["blocks"] = pack(load_texts(args.text, split="calib"), tok, seq_len, max_blocks=args.max_blocks)
+        data["win"] = ppl_windows(load_texts(args.text, split="eval"), tok, ctx, max_tokens=eval_tokens,
+                                  source=_text_name(args.text))
+        data["blocks"] = pack(load_texts(args.text, split="calib"), tok, seq_len, max_blocks=args.max_blocks,
+                              source=_text_name(args.text))
 
     model, tok, src = _load(args, cfg, then=prepare, hf_check=_fits_context("--ctx", ctx))
     win, blocks = data["win"], data["blocks"]
@@ -873,7 +884,7 @@ def cmd_prune_static(args) -> int:
         check_group_sizes(dims_of(hf), args.attn_group_size, args.ffn_group_size)
 
     model, tok, src = _load(args, hf_check=group_sizes, then=lambda tok: data.setdefault(
-        "blocks", pack(docs, tok, args.seq_len, max_blocks=args.calib_blocks)))
+        "blocks", pack(docs, tok, args.seq_len, max_blocks=args.calib_blocks, source=_text_name(args.text))))
     torch.manual_seed(0)
     t0 = time.time()
     p = prune(model, data["blocks"], args.sparsity, attn_group_size=args.attn_group_size,

@@ -117,11 +117,17 @@ def load_texts(spec: str | None, split: str = "calib") -> list[str]:
     return docs
 
 
-def pack(docs: list[str], tokenizer, seq_len: int, max_blocks: int | None = None) -> torch.Tensor:
+def _text(source: str | None) -> str:
+    """``text`` or ``text 'PATH'`` for messages about a ``--text`` (``source``: its spec, None when unknown)."""
+    return "text" if source is None else f"text {str(source)!r}"
+
+
+def pack(docs: list[str], tokenizer, seq_len: int, max_blocks: int | None = None,
+         source: str | None = None) -> torch.Tensor:
     """Tokenize documents, append EOS to each, concatenate and cut into ``[N, seq_len]`` int64 blocks.
 
     Real EOS tokens stay in the blocks (and so in the loss); no padding is used. The tail shorter than
-    ``seq_len`` is dropped.
+    ``seq_len`` is dropped.  ``source`` (the ``--text`` given) names the text in the error.
 
     Raises:
         WideError: ``seq_len < 2`` or text shorter than one block.
@@ -141,11 +147,12 @@ def pack(docs: list[str], tokenizer, seq_len: int, max_blocks: int | None = None
     if max_blocks is not None:
         n = min(n, max_blocks)
     if n < 1:
-        raise WideError(f"text has {len(ids)} tokens, shorter than one sequence of {seq_len}")
+        raise WideError(f"{_text(source)} has {len(ids)} tokens, shorter than one sequence of {seq_len}")
     return torch.tensor(ids[: n * seq_len], dtype=torch.long).view(n, seq_len)
 
 
-def ppl_windows(docs: list[str], tokenizer, ctx: int, max_tokens: int | None = None) -> torch.Tensor:
+def ppl_windows(docs: list[str], tokenizer, ctx: int, max_tokens: int | None = None,
+                source: str | None = None) -> torch.Tensor:
     """Join documents with blank lines, tokenize once, keep the first ``max_tokens`` tokens, and cut them into
     non-overlapping windows of ``ctx`` tokens (a tail shorter than a window is dropped).
 
@@ -155,6 +162,7 @@ def ppl_windows(docs: list[str], tokenizer, ctx: int, max_tokens: int | None = N
         ctx: tokens per window (>= 2).
         max_tokens: evaluate at most this many tokens (>= 2; None = all). When it is below ``ctx`` the result is
             one window of ``max_tokens`` tokens.
+        source: the ``--text`` given, to name the text in the error (None: unnamed).
 
     Returns:
         int64 ``[N, min(ctx, max_tokens)]`` token ids; ``N * width <= max_tokens``.
@@ -174,5 +182,5 @@ def ppl_windows(docs: list[str], tokenizer, ctx: int, max_tokens: int | None = N
     n = len(ids) // width
     if n < 1:
         window = f"--ctx {ctx}" if width == ctx else f"{width} tokens (--max-tokens {max_tokens})"
-        raise WideError(f"text has {len(ids)} tokens, shorter than one window of {window}")
+        raise WideError(f"{_text(source)} has {len(ids)} tokens, shorter than one window of {window}")
     return torch.tensor(ids[: n * width], dtype=torch.long).view(n, width)
