@@ -105,3 +105,9 @@ def test_direct_entry_points_validate():
     kv = torch.zeros(1, 2, 8, 16, dtype=torch.bfloat16, device=DEVICE)
     with pytest.raises(ValueError, match="Tq == 1"):
         decode_attention(q, kv, kv, torch.ones(1, 2, 2, dtype=torch.bool, device=DEVICE))
+    q1 = q[:, :, :1]
+    r1 = torch.ones(1, 1, 2, dtype=torch.bool, device=DEVICE)
+    for kw, shown in ((dict(splits=0), "splits=0"), (dict(wave=0), "wave=0"), (dict(max_splits=-1), "max_splits=-1"),
+                      (dict(wave=2.5), "wave=2.5"), (dict(splits=True), "splits=True")):
+        with pytest.raises(ValueError, match=f"{shown} must be an int >= 1"):
+            decode_attention(q1, kv, kv, r1, **kw)

@@ -848,8 +848,8 @@ def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, route: t
             q's dtype or shaped differently from each other or not ``[B, Hk, Tk, d]``, Hq not a multiple of
             Hk, d not a power of two in [16, 256], a last dim that is not contiguous, route not bool
             ``[B, 1, N_G]`` with N_G dividing Hq, left_pad not int32/int64 ``[B]``, tensors on different
-            devices, or ``out`` of the wrong shape, dtype or device, or not contiguous.  (``splits`` and
-            ``max_splits`` are not checked: they must be positive ints.)
+            devices, or ``out`` of the wrong shape, dtype or device, or not contiguous; ``splits``,
+            ``max_splits`` or ``wave`` not None and not an int >= 1.
     """
     from .attention import _validate as _validate_attention
 
@@ -860,6 +860,9 @@ def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, route: t
     NG = route.shape[-1]
     if Tq != 1:
         fail(f"decode_attention needs Tq == 1, got Tq={Tq}")
+    for name, val in (("splits", splits), ("max_splits", max_splits), ("wave", wave)):
+        if val is not None and (isinstance(val, bool) or not isinstance(val, int) or val < 1):
+            fail(f"decode_attention: {name}={val!r} must be an int >= 1 (or None for the default)")
     scale = 1.0 / math.sqrt(D) if scale is None else float(scale)
     if out is None:
         out = torch.empty_like(q)
