@@ -108,3 +108,30 @@ def test_lora_resume_takes_the_stage1_directory_and_lora_options(tmp_path, model
     assert "already complete: step 2 of 2" in stdout
     rc, _, err = run(["lora", "-o", out, "--resume", "--lora-r", "4"], capsys)
     error_after_loading(rc, err, "lora", "written with other settings", "lora.r: saved 2, now 4")
+
+
+def test_an_interrupted_demo_is_finished_by_calibrate_resume_alone(tmp_path, model_dir, text_file, capsys,
+                                                                    monkeypatch):
+    demo = ["--model", model_dir, "--text", text_file, "--device", "cpu", "--steps", "4", "--save-every", "2",
+            "--batch-size", "1", "--seq-len", "32", "--ctx", "32", "--eval-tokens", "64", "--ffn-group-size", "32",
+            "--lr", "0.02", "--seed", "4"]
+    a, b = tmp_path / "a", tmp_path / "b"
+    rc, _, err = run(["demo", "-o", a, *demo], capsys)
+    assert rc == 0, err
+    interrupt_at(monkeypatch, 3)  # in step 3; the state of step 2 is saved
+    rc, _, err = run(["demo", "-o", b, *demo], capsys)
+    assert rc == 130, err
+    last = err.strip().splitlines()[-1]  # after the progress bars
+    assert last.startswith("wide demo: interrupted; ") and f"`wide calibrate -o {b} --resume` finishes it" in last, err
+    monkeypatch.undo()
+
+    rc, stdout, err = run(["calibrate", "-o", b, "--resume"], capsys)
+    assert rc == 0, err
+    line = _saved_line(stdout)
+    for words in (f"--model {model_dir}", f"--text {text_file}", "--steps 4", "--seq-len 32", "--lr 0.02",
+                  "--seed 4", "--batch-size 1", "--ffn-group-size 32"):
+        assert words in line, line
+    assert "resuming from step 2 of 4" in stdout
+    assert _records(b) == _records(a) and [r["step"] for r in _records(b)] == [1, 2, 3, 4]
+    ra, rb = load_file(a / "routers.safetensors"), load_file(b / "routers.safetensors")
+    assert ra.keys() == rb.keys() and all(torch.equal(ra[k], rb[k]) for k in ra)

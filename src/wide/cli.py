@@ -730,6 +730,20 @@ def _demo_settings(args, gpu: bool) -> tuple[int, int, int, int | None]:
     return ctx, seq_len, steps, eval_tokens
 
 
+def _demo_calibrate_options(args, steps: int, seq_len: int) -> dict:
+    """The ``wide calibrate`` options that run the demo's calibration, kept with its training state so that
+    ``wide calibrate -o DIR --resume`` alone continues an interrupted demo (:func:`_run_options`): calibrate's
+    defaults, every option the demo shares with it as the demo ran it, ``--steps`` / ``--seq-len`` as resolved."""
+    from . import distributed as D
+
+    ns = build_parser().parse_args(["calibrate", "-o", str(args.output)])
+    for dest in vars(ns):
+        if dest not in _NOT_RUN_OPTIONS and hasattr(args, dest):
+            setattr(ns, dest, getattr(args, dest))
+    ns.steps, ns.seq_len = steps, seq_len
+    return _run_options(ns, D.current())
+
+
 def cmd_demo(args) -> int:
     """``wide demo``: dense perplexity, a short stage-1 calibration, WIDE perplexity and the per-layer table, saved
     to ``-o`` (settings: :func:`_demo_settings`).
@@ -793,7 +807,8 @@ def cmd_demo(args) -> int:
     _print(f"      dense ppl {dense['ppl']:.3f}")
     _print(f"[3/5] calibrating routers to S={cfg.target_sparsity}: {steps} steps x {args.batch_size} x {seq_len} tokens "
            f"({blocks.shape[0]} calibration sequences)")
-    calibrate(wm, blocks, targs, out, src.ref)
+    calibrate(wm, blocks, targs, out, src.ref, data_source=_data_source(args),
+              options=_demo_calibrate_options(args, steps, seq_len))
     _print("[4/5] WIDE perplexity (argmax routing)")
     wide = perplexity(wm, win, args.batch_size)
     _print(_summary_line("dense", dense))
@@ -1142,6 +1157,13 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     except KeyboardInterrupt:
         hint = ""
+        if args.command == "demo":
+            from .training import has_train_state
+
+            if has_train_state(args.output):
+                hint = (f"; the calibration's last saved state is in {str(args.output)!r}: `wide calibrate -o "
+                        f"{shlex.quote(str(args.output))} --resume` finishes it (then `wide eval-ppl --wide "
+                        f"{shlex.quote(str(args.output))}`)")
         if args.command in ("calibrate", "lora"):
             from .training import has_train_state
 
