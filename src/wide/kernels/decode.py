@@ -822,7 +822,8 @@ def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, route: t
             and the grid), so the last wave is not nearly empty.  ``wave=1`` keeps ``splits`` per pack (the
             layout before session 13); ``wave = B * Hk * splits`` hands every program of the grid to the active
             packs.  On the H200 (``benchmarks/kernels/decode_attn_waves.md``) the occupancy wave was the best
-            rule on average at s > 0, and ~7 % faster than a fixed split count at B = 8-16 and s = 0.5-0.75.
+            rule on average at s > 0, and 5-7 % faster (geometric mean) than a fixed split count at B = 8-16 and
+            s = 0.5-0.75.
 
     Returns:
         ``out`` (or a new tensor shaped and typed like q), fp32-accumulated: 0 for an inactive (row, head group)
