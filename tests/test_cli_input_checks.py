@@ -623,6 +623,7 @@ def test_info_points_to_a_real_next_step(model_dir, capsys):
     (["nosuch"], "wide", "argument command: invalid choice: 'nosuch'"),
     (["eval-ppl", "--mode", "global"], "wide eval-ppl", "unrecognized arguments: --mode global"),  # not --model
     ([], "wide", "the following arguments are required: command"),
+    (["bench"], "wide bench", "the following arguments are required: {kernels,e2e}"),  # names the choices
 ])
 def test_usage_errors_are_one_line(capsys, argv, prog, msg):
     with pytest.raises(SystemExit) as e:

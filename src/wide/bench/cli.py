@@ -37,7 +37,8 @@ def _runner(name: str, module: str):
 def register(sub) -> None:
     """Add ``bench <name>`` to the ``wide`` subcommands (``sub`` from ``ArgumentParser.add_subparsers``)."""
     b = sub.add_parser("bench", help="benchmarks: " + ", ".join(BENCHMARKS))
-    bsub = b.add_subparsers(dest="bench", required=True)
+    bsub = b.add_subparsers(dest="bench", required=True, metavar="{" + ",".join(BENCHMARKS) + "}",
+                            title="benchmark (one of)")
     for name, (module, help_) in BENCHMARKS.items():
         s = bsub.add_parser(name, help=help_)
         importlib.import_module(module).add_arguments(s)
