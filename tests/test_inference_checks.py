@@ -199,7 +199,8 @@ def test_cli_generate_checks_sizes_before_loading(model_dir, tmp_path, capsys, m
                         lambda *a, **k: (_ for _ in ()).throw(AssertionError("config read")))
     for argv, msg in [(["--max-new-tokens", "5", "--max-cache-len", "3"],
                        "a prompt of at least 1 token + --max-new-tokens 5 does not fit the KV cache "
-                       "(--max-cache-len 3)"),
+                       "(--max-cache-len 3); use --max-cache-len >= 5 + the prompt's tokens (known once the "
+                       "tokenizer has read it) or fewer new tokens"),  # not a bound that fails again later
                       (["--max-new-tokens", "0"], "--max-new-tokens 0 must be >= 1"),
                       (["--max-cache-len", "0"], "--max-cache-len 0 must be >= 1")]:
         rc, _, err = _generate(capsys, *m, "--prompt", "w1", *argv)

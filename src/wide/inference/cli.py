@@ -62,8 +62,10 @@ def check_sizes(args, hf_config=None, longest: int | None = None) -> None:
         if lo > cap:
             raise WideError(f"{prompt} is longer than the KV cache (--max-cache-len {cap})")
         if lo + n > cap:
+            need_cap = (f">= {lo + n}" if longest is not None else
+                        f">= {n} + the prompt's tokens (known once the tokenizer has read it)")
             raise WideError(f"{prompt} + --max-new-tokens {n} does not fit the KV cache (--max-cache-len {cap}); "
-                            f"use --max-cache-len >= {lo + n} or fewer new tokens")
+                            f"use --max-cache-len {need_cap} or fewer new tokens")
     if hf_config is None:
         return
     from .engine import sliding_window
