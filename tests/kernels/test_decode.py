@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from kernel_testutil import DEVICE, check_close, make_mask, poisoned, randn, seed_for
-from wide.kernels import decode_attention, gemv_k, gemv_mn, gemv_swiglu
+from wide.kernels import decode_attention, gemv_k, gemv_mn, gemv_swiglu, routed_attention
 from wide.kernels.reference import attention_ref, gemm_k_ref, gemm_mn_ref, swiglu_ref
 
 
@@ -111,3 +111,8 @@ def test_direct_entry_points_validate():
                       (dict(wave=2.5), "wave=2.5"), (dict(splits=True), "splits=True")):
         with pytest.raises(ValueError, match=f"{shown} must be an int >= 1"):
             decode_attention(q1, kv, kv, r1, **kw)
+    for bad in (float("nan"), float("inf"), "x"):  # both attention entry points
+        with pytest.raises(ValueError, match="must be a finite number"):
+            decode_attention(q1, kv, kv, r1, scale=bad)
+        with pytest.raises(ValueError, match="must be a finite number"):
+            routed_attention(q, kv, kv, torch.ones(1, 2, 2, dtype=torch.bool, device=DEVICE), scale=bad)

@@ -8,6 +8,7 @@ public ops then run the plain PyTorch reference (see :func:`use_triton`).
 from __future__ import annotations
 
 import json
+import math
 import os
 import statistics
 import tempfile
@@ -157,6 +158,22 @@ def check_out(out, shape, dtype, device, name: str = "out"):
     if not out.is_contiguous():
         fail(f"{name} must be contiguous")
     return out
+
+
+def softmax_scale(scale, head_dim: int) -> float:
+    """The attention softmax scale: ``1 / sqrt(head_dim)`` when ``scale`` is None, else ``float(scale)``.
+
+    Raises:
+        ValueError (:class:`KernelArgumentError`): a scale that is not a finite number (NaN, inf, not a number)."""
+    if scale is None:
+        return 1.0 / math.sqrt(head_dim)
+    try:
+        val = float(scale)
+    except (TypeError, ValueError):
+        val = float("nan")
+    if not math.isfinite(val) or isinstance(scale, bool):
+        fail(f"scale={scale!r} must be a finite number (default: 1/sqrt(head_dim))")
+    return val
 
 
 def pow2_part(G: int) -> int:

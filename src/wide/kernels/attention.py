@@ -18,14 +18,12 @@ query rows of one (b, query head):
 
 from __future__ import annotations
 
-import math
-
 import torch
 
 from . import reference
 from ._common import (
     HALF_DTYPES, HAS_TRITON, Reordered, check_out, check_reordered, check_same_device, check_tensor, fail,
-    interpret_mode, use_triton,
+    interpret_mode, softmax_scale, use_triton,
 )
 
 if HAS_TRITON:
@@ -195,11 +193,11 @@ def routed_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, route: t
 
     Raises:
         ValueError: bad ranks/shapes/dtypes/devices, Hq not a multiple of Hk, N_G not dividing Hq,
-            Tq > Tk, unsupported head_dim, malformed left_pad/reordered/out.
+            Tq > Tk, unsupported head_dim, malformed left_pad/reordered/out, a scale that is not a finite number.
     """
     B, Hq, Tq, D, Hk, Tk, NG = _validate(q, k, v, route, left_pad)
     check_out(out, (B, Hq, Tq, D), q.dtype, q.device)
-    scale = 1.0 / math.sqrt(D) if scale is None else float(scale)
+    scale = softmax_scale(scale, D)
     if not use_triton(q):
         res = reference.attention_ref(q, k, v, route, causal, left_pad, scale)
         return out.copy_(res) if out is not None else res

@@ -11,14 +11,12 @@ their weight tiles, split over many programs.  Outputs of inactive (row, group) 
 
 from __future__ import annotations
 
-import math
-
 import torch
 
 from . import reference
 from ._common import (
     HAS_TRITON, check_out, fail, interpret_mode, launch_opts, next_pow2, pick_config, pow2_part, resident_programs,
-    tile_counters, use_triton,
+    softmax_scale, tile_counters, use_triton,
 )
 
 if HAS_TRITON:
@@ -850,7 +848,7 @@ def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, route: t
             Hk, d not a power of two in [16, 256], a last dim that is not contiguous, route not bool
             ``[B, 1, N_G]`` with N_G dividing Hq, left_pad not int32/int64 ``[B]``, tensors on different
             devices, or ``out`` of the wrong shape, dtype or device, or not contiguous; ``splits``,
-            ``max_splits`` or ``wave`` not None and not an int >= 1.
+            ``max_splits`` or ``wave`` not None and not an int >= 1, or a ``scale`` that is not a finite number.
     """
     from .attention import _validate as _validate_attention
 
@@ -864,7 +862,7 @@ def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, route: t
     for name, val in (("splits", splits), ("max_splits", max_splits), ("wave", wave)):
         if val is not None and (isinstance(val, bool) or not isinstance(val, int) or val < 1):
             fail(f"decode_attention: {name}={val!r} must be an int >= 1 (or None for the default)")
-    scale = 1.0 / math.sqrt(D) if scale is None else float(scale)
+    scale = softmax_scale(scale, D)
     if out is None:
         out = torch.empty_like(q)
     if not use_triton(q):
