@@ -49,7 +49,8 @@ BAD = [
     (["--ffn-group-size", "256"], "G=256 does not divide the intermediate size 128"),
     (["--attn-group-size", "24"], "G=24 must be a multiple of head_dim=16"),
     (["--text", "EMPTY"], "is empty"),
-    (["--text", "SHORT"], "short.txt' has 4 tokens, shorter than one sequence of 32"),  # names the file
+    (["--text", "SHORT"], "short.txt' has 4 tokens (with an end-of-text token after each document), "
+                          "shorter than one sequence of 32"),  # names the file
     (["--text", "/no/such/file.txt"], "text '/no/such/file.txt' not found"),
     (["--resume"], "--resume: no train_state.pt"),
     (["-o", "AFILE"], "is a file; give a directory"),

@@ -17,9 +17,10 @@ def test_pack_keeps_eos(tokenizer):
 
 
 def test_pack_too_short(tokenizer):
-    with pytest.raises(WideError, match="^text has 3 tokens, shorter than one sequence of 64"):
+    with pytest.raises(WideError, match=r"^text has 3 tokens \(with an end-of-text token after each document\), "
+                                        r"shorter than one sequence of 64"):
         pack(["w1 w2"], tokenizer, seq_len=64)
-    with pytest.raises(WideError, match="^text 'notes/a.txt' has 3 tokens, shorter than one sequence of 64"):
+    with pytest.raises(WideError, match="^text 'notes/a.txt' has 3 tokens .*, shorter than one sequence of 64"):
         pack(["w1 w2"], tokenizer, seq_len=64, source="notes/a.txt")
 
 

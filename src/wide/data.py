@@ -147,7 +147,8 @@ def pack(docs: list[str], tokenizer, seq_len: int, max_blocks: int | None = None
     if max_blocks is not None:
         n = min(n, max_blocks)
     if n < 1:
-        raise WideError(f"{_text(source)} has {len(ids)} tokens, shorter than one sequence of {seq_len}")
+        eos_note = " (with an end-of-text token after each document)" if eos is not None else ""
+        raise WideError(f"{_text(source)} has {len(ids)} tokens{eos_note}, shorter than one sequence of {seq_len}")
     return torch.tensor(ids[: n * seq_len], dtype=torch.long).view(n, seq_len)
 
 
