@@ -129,7 +129,8 @@ def test_resume_two_processes_to_one(tmp_path, reference):
     from wide.errors import WideError
 
     # global batch 2 x 2 = 4, saved with 2 x 2 x 2 = 8: the message names the one setting that differs
-    with pytest.raises(WideError, match=r"other settings: train\.global_batch: saved 8, now 4$"):
+    with pytest.raises(WideError, match=r"other settings: train\.global_batch: saved 8, now 4 "
+                                        r"\(to continue it, give the saved values"):
         _calibrate(tmp_path, batch_size=2, resume=True)
     bad = tmp_path.parent / (tmp_path.name + "-corrupt")
     shutil.copytree(tmp_path, bad)

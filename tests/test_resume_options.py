@@ -65,8 +65,8 @@ def test_resume_refuses_an_option_given_that_differs_from_the_saved_run(tmp_path
     rc, stdout, err = run(["calibrate", "-o", out, "--resume", "-S", "0.5"], capsys)
     error_after_loading(rc, err, "calibrate", "--resume", "written with other settings",
                         "config.target_sparsity: saved 0.3, now 0.5",
-                        "; drop the options that differ to continue it (the saved run's own are reused), or use "
-                        "--overwrite to start over")
+                        "0.5 (to continue it, drop the options that differ and the saved run's own are reused; or "
+                        "start over with --overwrite)")
     assert "--sparsity" not in _saved_line(stdout) and "--steps 4" in _saved_line(stdout)
     # an option that may change on resume (not part of the resume key) is still accepted when given
     rc, stdout, err = run(["calibrate", "-o", out, "--resume", "--save-every", "7"], capsys)
@@ -88,7 +88,7 @@ def test_a_state_saved_without_options_resumes_as_before(tmp_path, model_dir, te
     assert "already complete: step 2 of 2" in stdout and SAVED not in stdout
     rc, stdout, err = run([*calibrate_args(model_dir, text_file, out, "--steps", "2"), "--resume"], capsys)
     error_after_loading(rc, err, "calibrate", "written with other settings", "train.seed: saved 3, now 0",
-                        "; give the saved values to continue it, or use --overwrite to start over")  # no options kept
+                        "now 0 (to continue it, give the saved values; or start over with --overwrite)")  # no options kept
 
 
 def test_lora_resume_takes_the_stage1_directory_and_lora_options(tmp_path, model_dir, text_file, capsys):

@@ -492,10 +492,9 @@ def _load_state(wm: WideModel, opt, output: Path, key: dict, env: D.DistEnv) -> 
                   if "data.tokens_sha256:" in diff and "data.seq_len:" not in diff else None)
         hint = f" (the saved run used {source}; pass the same to resume it)" if isinstance(source, str) else ""
         kept = isinstance((st if use_pt else meta).get("options"), dict)
-        fix = ("drop the options that differ to continue it (the saved run's own are reused)" if kept else
-               "give the saved values to continue it")
-        raise WideError(f"--resume: {src} was written with other settings: {diff}{hint}; {fix}, or use "
-                        f"--overwrite to start over")
+        fix = "drop the options that differ and the saved run's own are reused" if kept else "give the saved values"
+        raise WideError(f"--resume: {src} was written with other settings: {diff}{hint} (to continue it, {fix}; "
+                        f"or start over with --overwrite)")
     names = {n for n, p in wm.named_parameters() if p.requires_grad}
     if use_pt:
         msd, osd, step = st["model"], st["optimizer"], int(st["step"])
