@@ -349,8 +349,15 @@ def cmd_info(args) -> int:
     _print(f"router params      {router_param_count(dims, rc):,}  (rank r={rc.router_rank}, routed: {rc.routed}, "
            f"method: {rc.method})")
     given = [shlex.quote(str(a)) for a in (getattr(args, "argv", None) or ["info"])[1:]]
-    _print(f"next step          wide calibrate {' '.join([*given, '-o', 'OUT_DIR'])}   (trains routers of this "
-           f"layout to -S 0.5; see wide calibrate --help)")
+    import torch
+
+    if torch.cuda.is_available():
+        sized, note = [], ""
+    else:  # the defaults (500 steps of 8 x 2048 tokens) are sized for a GPU: the CPU demo's short run instead
+        sized, note = ["--steps", "80", "--batch-size", "4", "--seq-len", "256", "--lr", "0.01"], \
+            "; no GPU here: the CPU demo's short run, not the GPU-sized defaults"
+    _print(f"next step          wide calibrate {' '.join([*given, *sized, '-o', 'OUT_DIR'])}   (trains routers of "
+           f"this layout to -S 0.5{note}; see wide calibrate --help)")
     return 0
 
 
