@@ -75,7 +75,8 @@ def _add_model(p: argparse.ArgumentParser, device: bool = True) -> None:
 def _add_method(p: argparse.ArgumentParser, sparsity_default: float = 0.5) -> None:
     """The WideConfig options of a training command: the calibration objective and the router layout."""
     g = p.add_argument_group("WIDE method (WideConfig)")
-    g.add_argument("--sparsity", "-S", type=float, default=sparsity_default, help=f"target sparsity S in [0, 1) (default: {sparsity_default})")
+    g.add_argument("--sparsity", "-S", type=float, default=sparsity_default,
+                   help=f"target sparsity S in [0, 1) (default: {sparsity_default})")
     g.add_argument("--alpha", type=float, default=20.0, help="sparsity-loss weight (>= 0; default 20.0)")
     g.add_argument("--tau-start", type=float, default=5.0,
                    help="Gumbel-softmax temperature at the first calibration step (1e-3 to 1e3; default 5.0)")
@@ -90,7 +91,8 @@ def _add_layout(g) -> None:
     """The options that decide the routers' shape and count (all ``wide info`` needs)."""
     g.add_argument("--attn-group-size", type=int, default=None,
                    help="attention G: multiple of head_dim dividing the attention width (default: the GQA group)")
-    g.add_argument("--ffn-group-size", type=int, default=128, help="FFN G: power of two >= 16 dividing the FFN size (default: 128)")
+    g.add_argument("--ffn-group-size", type=int, default=128,
+                   help="FFN G: power of two >= 16 dividing the FFN size (default: 128)")
     g.add_argument("--rank", type=int, default=16, help="router bottleneck rank r (default: 16)")
     g.add_argument("--routed", choices=["both", "attn", "ffn"], default="both",
                    help="which sublayers get routers (default: both)")

@@ -282,12 +282,12 @@ if HAS_TRITON:
     @triton.jit
     def _pack_splits(route_ptr, PACKS, Hk, NG, REP, HPG, SPLITS, SMAX, WAVE, Tk,
                      PP: tl.constexpr, GPP: tl.constexpr, BN: tl.constexpr):
-        """``(act, rank, S, split_len)`` of the decode attention grid.  ``act`` int32 ``[PP]``: 1 where KV pack
-        ``p = b * Hk + hk`` has an active head (some head group it spans is routed), ``rank`` its 1-based rank among
-        the active packs (0 if inactive).  The A active packs get ``S`` splits each: their ``A * SPLITS`` programs
-        rounded up to whole waves of WAVE programs, ``S = ceil(A * SPLITS / WAVE) * WAVE // A``, within
-        ``[1, min(SMAX, PACKS * SPLITS // A)]`` (the grid).  WAVE = 1 keeps ``S = SPLITS``.  ``split_len``: keys
-        per split, whole BN tiles."""
+        """``(n_act, rank, S, split_len)`` of the decode attention grid.  A KV pack ``p = b * Hk + hk`` is active
+        when some head group it spans is routed; ``n_act`` counts them, ``rank`` (int32 ``[PP]``) is each pack's
+        1-based rank among the active packs (0 if inactive).  The A active packs get ``S`` splits each: their
+        ``A * SPLITS`` programs rounded up to whole waves of WAVE programs, ``S = ceil(A * SPLITS / WAVE) * WAVE
+        // A``, within ``[1, min(SMAX, PACKS * SPLITS // A)]`` (the grid).  WAVE = 1 keeps ``S = SPLITS``.
+        ``split_len``: keys per split, whole BN tiles."""
         offs_p = tl.arange(0, PP)
         pm = offs_p < PACKS
         b = offs_p // Hk
@@ -299,11 +299,12 @@ if HAS_TRITON:
             on = pm & (g0 + j <= g1)
             act = tl.maximum(act, (tl.load(route_ptr + b * NG + g0 + j, mask=on, other=0) != 0).to(tl.int32))
         rank = tl.where(act != 0, tl.cumsum(act, axis=0), 0)
-        A = tl.maximum(tl.sum(act, axis=0), 1)
+        n_act = tl.sum(act, axis=0)
+        A = tl.maximum(n_act, 1)
         S = tl.cdiv(A * SPLITS, WAVE) * WAVE // A
         S = tl.maximum(tl.minimum(tl.minimum(S, SMAX), (PACKS * SPLITS) // A), 1)
         split_len = tl.cdiv(tl.cdiv(Tk, S), BN) * BN
-        return act, rank, S, split_len
+        return n_act, rank, S, split_len
 
     @triton.jit
     def _decode_attn_split_kernel(q_ptr, k_ptr, v_ptr, route_ptr, lp_ptr, mpart_ptr, lpart_ptr, opart_ptr,
@@ -316,12 +317,12 @@ if HAS_TRITON:
         # programs of skipped packs can become more splits of the active ones; programs past A * S exit.
         # Partials go to slot sp of (b, h) in [B, Hq, SMAX].
         pid = tl.program_id(0)
-        act_p, rank, S, split_len = _pack_splits(route_ptr, PACKS, Hk, NG, REP, HPG, SPLITS, SMAX, WAVE, Tk, PP,
+        n_act, rank, S, split_len = _pack_splits(route_ptr, PACKS, Hk, NG, REP, HPG, SPLITS, SMAX, WAVE, Tk, PP,
                                                  GPP, BN)
         qi = pid // S
         sp = pid - qi * S
         pk = tl.sum(tl.where(rank == qi + 1, tl.arange(0, PP), 0), axis=0)  # the qi-th active pack
-        run = qi < tl.sum(act_p, axis=0)
+        run = qi < n_act
         b = pk // Hk
         hk = pk % Hk
         start = sp * split_len
@@ -377,7 +378,7 @@ if HAS_TRITON:
         offs_d = tl.arange(0, D)
         o_ptrs = out_ptr + b.to(tl.int64) * sob + h.to(tl.int64) * soh + offs_d
         if act:
-            _a, _r, S, split_len = _pack_splits(route_ptr, PACKS, Hk, NG, REP, HPG, SPLITS, SMAX, WAVE, Tk, PP, GPP,
+            _n, _r, S, split_len = _pack_splits(route_ptr, PACKS, Hk, NG, REP, HPG, SPLITS, SMAX, WAVE, Tk, PP, GPP,
                                                 BN)
             offs_s = tl.arange(0, SP)
             smask = offs_s < tl.cdiv(Tk, split_len)  # splits that start before Tk (the others wrote nothing)
@@ -819,9 +820,9 @@ def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, route: t
             waves, ``S = ceil(A * splits / wave) * wave // A`` splits per active pack (within ``[1, max_splits]``
             and the grid), so the last wave is not nearly empty.  ``wave=1`` keeps ``splits`` per pack (the
             layout before session 13); ``wave = B * Hk * splits`` hands every program of the grid to the active
-            packs.  On the H200 (``benchmarks/kernels/decode_attn_waves.md``) the occupancy wave was the best
-            rule on average at s > 0, and 5-7 % faster (geometric mean) than a fixed split count at B = 8-16 and
-            s = 0.5-0.75.
+            packs.  On the H200 (``benchmarks/kernels/decode_attn_waves_h200-s13*.md``) the occupancy wave was
+            the best rule on average at s > 0, and 5-7 % faster (geometric mean) than a fixed split count at
+            B = 8-16 and s = 0.5-0.75.
 
     Returns:
         ``out`` (or a new tensor shaped and typed like q), fp32-accumulated: 0 for an inactive (row, head group)
@@ -837,9 +838,9 @@ def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, route: t
     (``out = sum_s exp(m_s - M) O_s / sum_s exp(m_s - M) z_s``) and writes 0 for inactive heads and for rows
     without a visible key.  Both kernels number the active packs on the device (a cumsum over the ``B * Hk``
     pack flags) and give each of the A active packs S splits (``wave`` above): a fixed split count leaves
-    ``(1 - s)`` of the dense grid's programs, whose last wave on the SMs can be nearly empty.  Grid sizes come from shapes only: no host sync, CUDA-graph capturable.  CPU
-    without ``TRITON_INTERPRET=1`` (or without Triton) falls back to
-    :func:`wide.kernels.reference.attention_ref`.
+    ``(1 - s)`` of the dense grid's programs, whose last wave on the SMs can be nearly empty.  Grid sizes come
+    from shapes only: no host sync, CUDA-graph capturable.  CPU without ``TRITON_INTERPRET=1`` (or without
+    Triton) falls back to :func:`wide.kernels.reference.attention_ref`.
 
     Raises:
         ValueError: (:class:`~wide.kernels.KernelArgumentError`, a :class:`wide.errors.WideError`) Tq != 1, or
@@ -893,14 +894,17 @@ def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, route: t
     opts = {} if interpret_mode() else {"num_warps": 4, "num_stages": 3}
     geo = dict(PP=pp, GPP=gpp, BN=bn)
     consts = dict(D=D, RP=rp, HAS_LP=left_pad is not None, **geo)
-    args = [q, k, v, route, lp, mpart, lpart, opart, Hq, Hk, Tk, NG, rep, hpg, packs, splits, smax, 3, scale,
-            q.stride(0), q.stride(1), k.stride(0), k.stride(1), k.stride(2), v.stride(0), v.stride(1), v.stride(2)]
-    if wave is None:
+
+    def args(w):  # the split kernel's runtime arguments with WAVE = w
+        return (q, k, v, route, lp, mpart, lpart, opart, Hq, Hk, Tk, NG, rep, hpg, packs, splits, smax, w, scale,
+                q.stride(0), q.stride(1), k.stride(0), k.stride(1), k.stride(2), v.stride(0), v.stride(1),
+                v.stride(2))
+
+    if wave is None:  # compiled (not launched) with a WAVE of the same specialization as any real one
         wave = 2 if interpret_mode() else resident_programs(
             _decode_attn_split_kernel, ("decode_attn", q.dtype, D, rp, bn, left_pad is not None), q.device,
-            tuple(args), consts, opts)
-    args[17] = int(wave)
-    _decode_attn_split_kernel[(packs * splits,)](*args, **consts, **opts)
+            args(3), consts, opts)
+    _decode_attn_split_kernel[(packs * splits,)](*args(wave), **consts, **opts)
     _decode_attn_combine_kernel[(B * Hq,)](route, mpart, lpart, opart, out, Hq, Hk, Tk, NG, rep, hpg, packs,
                                            splits, smax, wave, out.stride(0), out.stride(1), D=D,
                                            SP=max(2, next_pow2(smax)), **geo,
