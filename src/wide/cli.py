@@ -356,8 +356,11 @@ def cmd_info(args) -> int:
     if torch.cuda.is_available():
         sized, note = [], ""
     else:  # the defaults (500 steps of 8 x 2048 tokens) are sized for a GPU: the CPU demo's short run instead
-        sized, note = ["--steps", "80", "--batch-size", "4", "--seq-len", "256", "--lr", "0.01"], \
-            "; no GPU here: the CPU demo's short run, not the GPU-sized defaults"
+        demo = build_parser().parse_args(["demo"])
+        _, seq_len, steps, _ = _demo_settings(demo, gpu=False)
+        sized = ["--steps", str(steps), "--batch-size", str(demo.batch_size), "--seq-len", str(seq_len),
+                 "--lr", str(demo.lr)]
+        note = "; no GPU here: the CPU demo's short run, not the GPU-sized defaults"
     _print(f"next step          wide calibrate {' '.join([*given, *sized, '-o', 'OUT_DIR'])}   (trains routers of "
            f"this layout to -S 0.5{note}; see wide calibrate --help)")
     return 0
@@ -1166,16 +1169,13 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     except KeyboardInterrupt:
         hint = ""
-        if args.command == "demo":
-            from .training import has_train_state
+        from .training import has_train_state
 
-            if has_train_state(args.output):
-                hint = (f"; the calibration's last saved state is in {str(args.output)!r}: `wide calibrate -o "
-                        f"{shlex.quote(str(args.output))} --resume` finishes it (then `wide eval-ppl --wide "
-                        f"{shlex.quote(str(args.output))}`)")
+        if args.command == "demo" and has_train_state(args.output):
+            hint = (f"; the calibration's last saved state is in {str(args.output)!r}: `wide calibrate -o "
+                    f"{shlex.quote(str(args.output))} --resume` finishes it (then `wide eval-ppl --wide "
+                    f"{shlex.quote(str(args.output))}`)")
         if args.command in ("calibrate", "lora"):
-            from .training import has_train_state
-
             hint = (f"; the last state saved (every --save-every {args.save_every} steps) is in "
                     f"{str(args.output)!r}: add --resume to continue from it" if has_train_state(args.output)
                     else f"; nothing was saved yet (the first save is at step "
