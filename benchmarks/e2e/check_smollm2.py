@@ -24,6 +24,14 @@ Run on the CPU (float32, PyTorch references of the kernels; ``TRITON_INTERPRET=0
 default, ``--dtype float32`` for an exact check of the Triton kernels and CUDA graphs on the real model)::
 
     PYTHONPATH=src python benchmarks/e2e/check_smollm2.py --steps 64 --out benchmarks/e2e/check_smollm2_cpu.json
+
+The per-prompt checks run the masking path one token at a time in Python (20-30 s a prompt on a GPU), so a run
+can be split: ``--shard i/n`` still generates every prompt with the engine in one batch but checks only the
+prompts ``b`` with ``b % n == i``; ``--merge A.json B.json ... --out ALL.json`` joins the shards' per-prompt
+records (in prompt order) and recomputes the summary::
+
+    python benchmarks/e2e/check_smollm2.py --device cuda --shard 0/2 --out s0.json &   # and --shard 1/2
+    python benchmarks/e2e/check_smollm2.py --merge s0.json s1.json --out check.json
 """
 
 from __future__ import annotations
@@ -67,7 +75,20 @@ def main(argv=None) -> int:
     p.add_argument("--truth", action="store_true",
                    help="also compare the engine and the masking path with the masking path in float32")
     p.add_argument("--out", default=None, help="JSON file for the summary (written after every prompt)")
+    p.add_argument("--shard", default="0/1", type=_shard,
+                   help="i/n: check only the prompts b with b %% n == i (the engine still generates all of them "
+                        "in one batch); default 0/1, every prompt")
+    p.add_argument("--merge", nargs="+", default=None, metavar="JSON",
+                   help="join the summaries of shards written with --shard (and --out) into --out; runs nothing")
     args = p.parse_args(argv)
+    if args.merge:
+        if not args.out:
+            p.error("--merge needs --out")
+        try:
+            return _merge(args.merge, args.out)
+        except (OSError, ValueError, KeyError) as e:
+            print(f"check_smollm2: error: --merge: {e}", file=sys.stderr)
+            return 2
     if not 1 <= args.prompts <= len(PROMPTS):
         p.error(f"--prompts {args.prompts}: choose 1 to {len(PROMPTS)}")
     if args.steps < 1:
@@ -77,6 +98,79 @@ def main(argv=None) -> int:
     except WideError as e:
         print(f"check_smollm2: error: {e}", file=sys.stderr)
         return 2
+
+
+def _shard(text: str) -> tuple[int, int]:
+    """``"i/n"`` -> ``(i, n)`` with ``0 <= i < n``."""
+    try:
+        i, n = (int(x) for x in text.split("/"))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r}: expected i/n, e.g. 0/2") from None
+    if not 0 <= i < n:
+        raise argparse.ArgumentTypeError(f"{text!r}: needs 0 <= i < n")
+    return i, n
+
+
+_TRUTH_KEYS = ("reference_greedy_positions_equal_fp32", "engine_greedy_positions_equal_fp32",
+               "reference_next_token_agreement_fp32", "reference_incremental_next_token_agreement_fp32",
+               "engine_next_token_agreement_fp32", "reference_mask_agreement_fp32", "engine_mask_agreement_fp32")
+
+
+def _aggregate(per_prompt: list[dict], steps: int, engine: bool, truth: bool) -> dict:
+    """The summary statistics over the per-prompt records (means, minima and maxima as named)."""
+    n = len(per_prompt)
+    out = {
+        "prompts": n, "steps": steps,
+        "reference_incremental_max_rel_logit_err": max(r["reference_incremental_max_rel_logit_err"] for r in per_prompt),
+        "reference_incremental_mask_agreement_min": min(r["reference_incremental_mask_agreement"] for r in per_prompt),
+        "reference_incremental_next_token_agreement": sum(r["reference_incremental_next_token_agreement"]
+                                                          for r in per_prompt) / n,
+    }
+    if engine:
+        out.update({
+            "greedy_positions_equal": sum(r["equal_positions"] for r in per_prompt) / (n * steps),
+            "prompts_fully_equal": sum(r["first_divergence"] is None for r in per_prompt),
+            "teacher_forced_max_rel_logit_err": max(r["teacher_forced_max_rel_logit_err"] for r in per_prompt),
+            "teacher_forced_mask_agreement_min": min(r["teacher_forced_mask_agreement"] for r in per_prompt),
+            "fixed_masks_max_rel_logit_err": max(r["fixed_masks_max_rel_logit_err"] for r in per_prompt),
+            "teacher_forced_next_token_agreement": sum(r["teacher_forced_next_token_agreement"]
+                                                       for r in per_prompt) / n})
+    if truth:
+        def mean(k):
+            vals = [r[k] for r in per_prompt if k in r]
+            return sum(vals) / len(vals) if vals else None
+
+        out["vs_fp32"] = {k: mean(k) for k in _TRUTH_KEYS}
+    return out
+
+
+def _merge(paths: list[str], out_path: str) -> int:
+    """Join shard summaries (same checkpoint, dtype and steps) into one, per-prompt records in prompt order."""
+    parts = []
+    for path in paths:
+        with open(path) as f:
+            parts.append(json.load(f))
+    first = parts[0]
+    for path, part in zip(paths, parts):
+        for key in ("checkpoint", "dtype", "steps", "path", "prompts_planned"):
+            if part.get(key) != first.get(key):
+                raise ValueError(f"{path}: {key}={part.get(key)!r} differs from {paths[0]}'s {first.get(key)!r}")
+    per_prompt = sorted((r for part in parts for r in part["per_prompt"]), key=lambda r: r["index"])
+    idx = [r["index"] for r in per_prompt]
+    if len(set(idx)) != len(idx):
+        raise ValueError(f"prompt indices overlap between the shards: {idx}")
+    summary = {k: v for k, v in first.items() if k not in ("per_prompt", "shard", "command", "seconds", "date")}
+    summary.update(_aggregate(per_prompt, first["steps"], "greedy_positions_equal" in first, "vs_fp32" in first))
+    summary.update({"seconds": max(p["seconds"] for p in parts), "date": max(p["date"] for p in parts),
+                    "merged_from": [{"file": os.path.basename(p), "shard": part.get("shard"),
+                                     "command": part["command"]} for p, part in zip(paths, parts)],
+                    "command": "python " + " ".join(sys.argv), "per_prompt": per_prompt})
+    print(json.dumps({k: v for k, v in summary.items() if k not in ("per_prompt", "merged_from")}, indent=1))
+    tmp = out_path + ".tmp"
+    with open(tmp, "w") as f:
+        json.dump(summary, f, indent=1)
+    os.replace(tmp, out_path)
+    return 0
 
 
 def _check(args) -> int:
@@ -106,40 +200,16 @@ def _check(args) -> int:
     per_prompt = []
     def summarize(final: bool) -> None:
         """Write the summary of the prompts done so far (after each prompt: a killed run keeps its part)."""
-        total = len(per_prompt) * args.steps
         summary = {
             "checkpoint": args.ckpt, "device": str(dev),
             "gpu": torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu",
             "dtype": str(next(wm.base.parameters()).dtype),
-            "path": res.path if res is not None else "reference only", "prompts": len(per_prompt),
-            "prompts_planned": len(prompts), "steps": args.steps,
-            "reference_incremental_max_rel_logit_err": max(r["reference_incremental_max_rel_logit_err"]
-                                                           for r in per_prompt),
-            "reference_incremental_mask_agreement_min": min(r["reference_incremental_mask_agreement"]
-                                                            for r in per_prompt),
-            "reference_incremental_next_token_agreement": sum(r["reference_incremental_next_token_agreement"]
-                                                              for r in per_prompt) / len(per_prompt),
+            "path": res.path if res is not None else "reference only", "prompts_planned": len(prompts),
+            "shard": f"{args.shard[0]}/{args.shard[1]}",
+            **_aggregate(per_prompt, args.steps, res is not None, wm32 is not None),
         }
         if res is not None:
-            summary.update({
-                "greedy_positions_equal": sum(r["equal_positions"] for r in per_prompt) / total,
-                "prompts_fully_equal": sum(r["first_divergence"] is None for r in per_prompt),
-                "teacher_forced_max_rel_logit_err": max(r["teacher_forced_max_rel_logit_err"] for r in per_prompt),
-                "teacher_forced_mask_agreement_min": min(r["teacher_forced_mask_agreement"] for r in per_prompt),
-                "fixed_masks_max_rel_logit_err": max(r["fixed_masks_max_rel_logit_err"] for r in per_prompt),
-                "teacher_forced_next_token_agreement": sum(r["teacher_forced_next_token_agreement"]
-                                                           for r in per_prompt) / len(per_prompt),
-                "engine_realized_sparsity": res.sparsity})
-        if wm32 is not None:
-            def mean(k):
-                vals = [r[k] for r in per_prompt if k in r]
-                return sum(vals) / len(vals) if vals else None
-
-            summary["vs_fp32"] = {k: mean(k) for k in (
-                "reference_greedy_positions_equal_fp32", "engine_greedy_positions_equal_fp32",
-                "reference_next_token_agreement_fp32", "reference_incremental_next_token_agreement_fp32",
-                "engine_next_token_agreement_fp32", "reference_mask_agreement_fp32",
-                "engine_mask_agreement_fp32")}
+            summary["engine_realized_sparsity"] = res.sparsity
         summary.update({
             "seconds": round(time.time() - t0, 1),
             "date": dt.datetime.now(dt.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"),
@@ -171,6 +241,8 @@ def _check(args) -> int:
 
     with torch.no_grad():
         for b, p in enumerate(prompts):
+            if b % args.shard[1] != args.shard[0]:
+                continue
             ids = torch.tensor([tok(p)["input_ids"]], device=dev)
             n_prompt = ids.shape[1]
             ref_tokens = greedy(wm, ids)  # free-running greedy of the masking path, with its own KV cache
@@ -214,7 +286,7 @@ def _check(args) -> int:
                            for s, x in enumerate(inc_logits))
             ref_next = ref_logits[n_prompt - 1:n_prompt - 1 + args.steps].argmax(-1)
             inc_next = torch.stack(inc_logits).argmax(-1)
-            rec = {"prompt": p, "reference_incremental_max_rel_logit_err": self_err,
+            rec = {"index": b, "prompt": p, "reference_incremental_max_rel_logit_err": self_err,
                    "reference_incremental_mask_agreement": inc_agree / max(inc_n, 1),
                    # the floor of the teacher-forced next-token agreement below
                    "reference_incremental_next_token_agreement": float((inc_next == ref_next).float().mean()),
