@@ -174,7 +174,7 @@ def test_resume_refuses_other_seq_len_or_text_and_says_where_it_resumes(tmp_path
     args = calibrate_args(model_dir, text_file, out, "--resume")
     args[args.index("--seq-len") + 1] = "16"
     rc, _, err = run(args, capsys)
-    error_after_loading(rc, err, "calibrate", "written with other settings", "data.seq_len: saved 32, now 16")
+    one_line_error(rc, err, "calibrate", "written with other settings", "--seq-len: saved 32, now 16")  # unloaded
     assert "the saved run used" not in err  # the tokens differ because of --seq-len, not the text: no --text hint
     other = tmp_path / "other.txt"
     other.write_text(text_file.read_text()[::-1])
@@ -481,6 +481,34 @@ def test_calibrate_refuses_a_batch_too_large_for_memory(tmp_path, model_dir, tex
     assert rc == 0, err
     rc, _, err = run([*args, "--no-memory-check", "--overwrite"], capsys)  # and the check can be skipped
     assert rc == 0, err
+
+
+def test_calibrate_names_a_too_short_text_before_the_memory_check(tmp_path, model_dir, capsys, monkeypatch):
+    """A few words of --text with a batch that does not fit: the text is what to fix first, so it is named."""
+    _fake_memory(monkeypatch, 2 ** 20)
+    short = tmp_path / "short.txt"
+    short.write_text("a few words")
+    out = tmp_path / "o"
+    rc, _, err = run([*calibrate_args(model_dir, short, out), "--batch-size", "8"], capsys)
+    error_after_loading(rc, err, "calibrate", "text", "short.txt' has", "shorter than one sequence of 32")
+    assert "needs about" not in err and not out.exists()
+
+
+def test_calibrate_notes_a_text_with_fewer_sequences_than_the_batch(tmp_path, model_dir, text_file, capsys):
+    from transformers import AutoTokenizer
+
+    from wide.data import load_texts, pack
+
+    tok = AutoTokenizer.from_pretrained(model_dir)
+    n = pack(load_texts(str(text_file)), tok, 32).shape[0]  # sequences of 32 tokens in the text
+    out = tmp_path / "o"
+    rc, stdout, err = run([*calibrate_args(model_dir, text_file, out), "--batch-size", str(n + 1)], capsys)
+    assert rc == 0, err
+    assert (f"note: the text gives {n} sequences of 32 tokens, fewer than the global batch of {n + 1}: every step "
+            "repeats some of them") in stdout
+    rc, stdout, err = run([*calibrate_args(model_dir, text_file, tmp_path / "p"), "--batch-size", str(n)], capsys)
+    assert rc == 0, err
+    assert "note: the text gives" not in stdout  # a batch of every sequence repeats none
 
 
 def test_demo_checks_memory_before_its_dense_evaluation(tmp_path, model_dir, text_file, capsys, monkeypatch):

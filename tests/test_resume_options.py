@@ -1,6 +1,7 @@
 """``--resume`` takes every option not on the command line from the saved run (kept with its training state), so
 ``wide calibrate -o DIR --resume`` alone continues it exactly; an option given that differs from the saved run is
-still refused with the one-line resume error, and a state saved without options resumes as before."""
+still refused with a one-line error (before the model loads when it is one of the run options), and a state saved
+without options resumes as before."""
 
 import json
 
@@ -62,12 +63,20 @@ def test_resume_refuses_an_option_given_that_differs_from_the_saved_run(tmp_path
     rc, _, err = run(calibrate_args(model_dir, text_file, out, *RUN), capsys)
     assert rc == 0, err
     # -S 0.5 is the default: given on the command line it still counts, and differs from the saved 0.3
-    rc, stdout, err = run(["calibrate", "-o", out, "--resume", "-S", "0.5"], capsys)
-    error_after_loading(rc, err, "calibrate", "--resume", "written with other settings",
-                        "config.target_sparsity: saved 0.3, now 0.5",
-                        "0.5 (to continue it, drop the options that differ and the saved run's own are reused; or "
+    # refused before the model loads (one line, nothing else printed), naming the flags
+    rc, stdout, err = run(["calibrate", "-o", out, "--resume", "-S", "0.5", "--seed", "9"], capsys)
+    one_line_error(rc, err, "calibrate", f"--resume: the run in {str(out)!r} was written with other settings: "
+                   "--sparsity: saved 0.3, now 0.5; --seed: saved 5, now 9 (to continue it, drop the options that "
+                   "differ and the saved run's own are reused; or start over with --overwrite)")
+    assert stdout == ""
+    # a setting outside the options (here the text's tokens) is still refused by the check after loading
+    other = tmp_path / "other.txt"
+    other.write_text(text_file.read_text()[::-1])
+    rc, stdout, err = run(["calibrate", "-o", out, "--resume", "--text", other], capsys)
+    error_after_loading(rc, err, "calibrate", "--resume", "written with other settings", "data.tokens_sha256: saved",
+                        "(to continue it, drop the options that differ and the saved run's own are reused; or "
                         "start over with --overwrite)")
-    assert "--sparsity" not in _saved_line(stdout) and "--steps 4" in _saved_line(stdout)
+    assert "--text" not in _saved_line(stdout) and "--steps 4" in _saved_line(stdout)
     # an option that may change on resume (not part of the resume key) is still accepted when given
     rc, stdout, err = run(["calibrate", "-o", out, "--resume", "--save-every", "7"], capsys)
     assert rc == 0, err
@@ -109,8 +118,9 @@ def test_lora_resume_takes_the_stage1_directory_and_lora_options(tmp_path, model
         assert words in line, line
     assert "--model" not in line  # not given: the stage-1 checkpoint's base model, as before
     assert "already complete: step 2 of 2" in stdout
-    rc, _, err = run(["lora", "-o", out, "--resume", "--lora-r", "4"], capsys)
-    error_after_loading(rc, err, "lora", "written with other settings", "lora.r: saved 2, now 4")
+    rc, stdout, err = run(["lora", "-o", out, "--resume", "--lora-r", "4"], capsys)
+    one_line_error(rc, err, "lora", "written with other settings", "--lora-r: saved 2, now 4")  # before loading
+    assert stdout == ""
 
 
 def test_an_interrupted_demo_is_finished_by_calibrate_resume_alone(tmp_path, model_dir, text_file, capsys,

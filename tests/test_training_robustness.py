@@ -270,7 +270,7 @@ def test_lora_resume_with_another_base_model_is_refused(tmp_path, model_dir, tex
     other, stage1b = _other_model_dir(tmp_path), tmp_path / "s1b"
     rc, _, err = run(calibrate_args(other, text_file, stage1b), capsys)
     assert rc == 0, err
-    args = [*lora, "--steps", "2", "--resume"]
+    args = [*lora, "--resume"]  # the same options: only the base model differs
     args[args.index("--wide") + 1] = stage1b
     rc, _, err = run(args, capsys)
     error_after_loading(rc, err, "lora", "--resume", f"trained on base model {str(model_dir)!r}",
@@ -381,7 +381,7 @@ def test_resume_on_other_text_names_the_text_of_the_saved_run(tmp_path, model_di
     assert rc == 0, err
     other = tmp_path / "other.txt"
     other.write_text("\n\n".join(random_text(300, seed=s + 10) for s in range(4)))
-    args = calibrate_args(model_dir, other, out, "--steps", "3", "--save-every", "1", "--resume")
+    args = calibrate_args(model_dir, other, out, "--steps", "2", "--save-every", "1", "--resume")  # only the text differs
     rc, _, err = run(args, capsys)
     error_after_loading(rc, err, "calibrate", "data.tokens_sha256: saved",
                         f"the saved run used --text {str(text_file.resolve())!r}")

@@ -468,8 +468,13 @@ def cmd_calibrate(args) -> int:
     packed = {}
     fits = _fits_context("--seq-len", args.seq_len)
 
+    def pack_text(tok):
+        return packed.setdefault("blocks", pack(docs, tok, args.seq_len, max_blocks=args.max_blocks,
+                                                source=_text_name(args.text)))
+
     def hf_check(hf, tok):  # on the config, before any weight is read
         fits(hf, tok)
+        pack_text(tok)  # a text too short for one sequence is named before the memory check speaks
         if targs.memory_check:  # a batch far too large fails here, not after the weights load
             from .memory import check_train_fits, train_memory_from_config
             from .modeling import default_device
@@ -480,15 +485,14 @@ def cmd_calibrate(args) -> int:
                              device=device, grad_checkpoint=targs.grad_checkpoint, grad_accum=targs.grad_accum,
                              procs=procs)
 
-    model, tok, src = _load(args, cfg, then=lambda tok: packed.setdefault(
-        "blocks", pack(docs, tok, args.seq_len, max_blocks=args.max_blocks, source=_text_name(args.text))), env=env,
-        hf_check=hf_check)
+    model, tok, src = _load(args, cfg, then=pack_text, env=env, hf_check=hf_check)
     blocks = packed["blocks"]
     torch.manual_seed(args.seed)  # identical router initialization on every rank
     wm = WideModel(model, cfg)
     say(f"calibrating {src.ref}: {blocks.shape[0]} sequences x {blocks.shape[1]} tokens, S={cfg.target_sparsity}, "
         f"G_attn={wm.config.attn_group_size}, G_ffn={wm.config.ffn_group_size}, {targs.steps} steps, "
         f"{env.world_size} process(es), global batch {targs.batch_size * targs.grad_accum * env.world_size}")
+    _note_repeats(say, blocks, targs.batch_size * targs.grad_accum * env.world_size)
     t0 = time.time()
     recs = calibrate(wm, blocks, targs, out, src.ref, resume=args.resume, data_source=_data_source(args),
                      options=_run_options(args, env))
@@ -507,6 +511,12 @@ def _data_source(args) -> str:
 
 #: parsed names that are not options of a training run: never stored with its state, nor taken from it on --resume
 _NOT_RUN_OPTIONS = ("command", "func", "argv", "output", "resume", "overwrite")
+#: options that enter a run's resume key as given (its WideConfig, CalibrationArgs, sequence length, LoRA settings):
+#: given with --resume and unlike the saved run's value, they are refused before the model loads. The resume check
+#: after loading compares everything else (the text's tokens, the base model's weights, the global batch).
+_RESUME_FIXED = ("sparsity", "alpha", "tau_start", "tau_end", "mode", "attn_group_size", "ffn_group_size", "rank",
+                 "routed", "method", "skipgpt_rank", "steps", "lr", "warmup_steps", "seed", "seq_len", "lora_r",
+                 "lora_alpha", "lora_dropout", "freeze_router")
 
 
 def _text_name(spec) -> str:
@@ -545,14 +555,16 @@ def _take_saved_options(args) -> None:
     saved run's value (the options kept with its training state, :func:`wide.training.saved_options`), and one
     line names those that differ from their defaults, e.g. ``resuming with the saved settings: --sparsity 0.3
     --steps 4``. An option on the command line keeps its value: one that differs from the saved run is refused
-    by the resume check as before (or allowed where a run may change, e.g. ``--batch-size`` with the same global
-    batch). "On the command line" is read from ``args.argv``, parsed again with every default suppressed, never
-    from a value equal to the default. A state saved without options, an option it lacks, and a saved ``None``
-    (an automatic value) leave the option as parsed. The line comes from a process outside torchrun only (with
-    ``--nproc``, the launcher).
+    here, before the model loads, if it is one of ``_RESUME_FIXED`` (e.g. ``--sparsity``), else by the resume check
+    after loading (or allowed where a run may change, e.g. ``--batch-size`` with the same global batch). "On the
+    command line" is read from ``args.argv``, parsed again with every default suppressed, never from a value equal
+    to the default. A state saved without options, an option it lacks, and a saved ``None`` (an automatic value)
+    leave the option as parsed. The line comes from a process outside torchrun only (with ``--nproc``, the
+    launcher).
 
     Raises:
-        WideError: a corrupt training state (as :func:`wide.training.load_train_state`).
+        WideError: a corrupt training state (as :func:`wide.training.load_train_state`); ``--resume: the run in
+            <dir> was written with other settings: --sparsity: saved 0.3, now 0.5 (to continue it, ...)``.
     """
     if not getattr(args, "resume", False) or getattr(args, "overwrite", False) or not str(args.output).strip():
         return  # --resume with --overwrite or an empty -o: refused by _check_output
@@ -568,16 +580,37 @@ def _take_saved_options(args) -> None:
     for a in sub._actions:
         a.default = argparse.SUPPRESS
     given = set(vars(parser.parse_args(args.argv)))
+
+    def flag(action):
+        return next(o for o in action.option_strings if o.startswith("--"))
+
+    def same(a, b):
+        return (list(a) if isinstance(a, tuple) else a) == (list(b) if isinstance(b, tuple) else b)
+
+    differ = [f"{flag(actions[d])}: saved {saved[d]!r}, now {getattr(args, d)!r}" for d in _RESUME_FIXED
+              if d in given and d in actions and saved.get(d) is not None and not same(saved[d], getattr(args, d))]
+    if differ:
+        raise WideError(f"--resume: the run in {str(args.output)!r} was written with other settings: "
+                        f"{'; '.join(differ)} (to continue it, drop the options that differ and the saved run's own "
+                        f"are reused; or start over with --overwrite)")
     taken = []
     for dest, value in saved.items():
         action = actions.get(dest)
         if action is None or dest in given or value is None or value == getattr(args, dest, None):
             continue
         setattr(args, dest, value)
-        flag = next(o for o in action.option_strings if o.startswith("--"))
-        taken.append(flag if action.nargs == 0 else f"{flag} {shlex.quote(str(value))}")
+        taken.append(flag(action) if action.nargs == 0 else f"{flag(action)} {shlex.quote(str(value))}")
     if taken and not launched_by_torchrun():
         _print(f"resuming with the saved settings: {' '.join(taken)}")
+
+
+def _note_repeats(say, blocks, global_batch: int) -> None:
+    """One line when the text gives fewer sequences than one global batch: every step then repeats some."""
+    n = int(blocks.shape[0])
+    if n < global_batch:
+        say(f"note: the text gives {n} sequence{'s' if n != 1 else ''} of {int(blocks.shape[1])} tokens, fewer "
+            f"than the global batch of {global_batch}: every step repeats some of them (more text, a smaller "
+            f"--seq-len or a smaller --batch-size avoids it)")
 
 
 def _say_done(say, recs: list[dict], t0: float) -> None:
@@ -633,6 +666,7 @@ def cmd_lora(args) -> int:
         f"r={settings.r} alpha={settings.alpha} dropout={settings.dropout}, routers "
         f"{'frozen' if args.freeze_router else 'trained'}, {targs.steps} steps, {env.world_size} process(es), "
         f"global batch {targs.batch_size * targs.grad_accum * env.world_size}")
+    _note_repeats(say, blocks, targs.batch_size * targs.grad_accum * env.world_size)
     t0 = time.time()
     recs = recover(wm, blocks, targs, out, info["model"] if args.model is None else args.model, settings=settings,
                    freeze_router=args.freeze_router, stage1=args.wide, resume=args.resume,
