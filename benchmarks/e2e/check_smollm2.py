@@ -121,7 +121,8 @@ def _aggregate(per_prompt: list[dict], steps: int, engine: bool, truth: bool) ->
     n = len(per_prompt)
     out = {
         "prompts": n, "steps": steps,
-        "reference_incremental_max_rel_logit_err": max(r["reference_incremental_max_rel_logit_err"] for r in per_prompt),
+        "reference_incremental_max_rel_logit_err": max(r["reference_incremental_max_rel_logit_err"]
+                                                        for r in per_prompt),
         "reference_incremental_mask_agreement_min": min(r["reference_incremental_mask_agreement"] for r in per_prompt),
         "reference_incremental_next_token_agreement": sum(r["reference_incremental_next_token_agreement"]
                                                           for r in per_prompt) / n,

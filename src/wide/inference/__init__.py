@@ -1,5 +1,5 @@
 """WIDE inference: the routed forward pass from the kernels, a static KV cache, CUDA-graph decode and
-streaming greedy generation (issue 5; paper §3.3, §4.4, Appendix B).
+streaming generation, greedy or sampled (issue 5; paper §3.3, §4.4, Appendix B).
 
 ::
 
@@ -9,13 +9,14 @@ streaming greedy generation (issue 5; paper §3.3, §4.4, Appendix B).
     result = generate(engine, tokenizer, ["Hello"], max_new_tokens=32)
 
 Modules: ``engine`` (the forward pass), ``cache`` (static KV cache), ``graphs`` (CUDA-graph decode per
-batch-size bucket), ``generation`` (streaming greedy generation), ``cli`` (``wide generate``).
+batch-size bucket), ``generation`` (streaming generation), ``sampling`` (greedy / temperature / top-k / top-p),
+``cli`` (``wide generate``).
 Imports are lazy so that ``wide --help`` does not load torch.
 """
 
 _EXPORTS = {
     "Engine": "engine", "batch_reorder_view": "engine", "StaticKVCache": "cache",
-    "generate": "generation", "GenerationResult": "generation", "DecodeRunner": "graphs",
+    "generate": "generation", "GenerationResult": "generation", "DecodeRunner": "graphs", "Sampling": "sampling",
 }
 __all__ = sorted(_EXPORTS)
 

@@ -1,5 +1,6 @@
-"""``wide generate``: stream greedy tokens from a dense model or a WIDE checkpoint through the inference engine,
-then print TTFT, TPOT, tokens/s and the realized sparsity.  This module imports no torch at import time."""
+"""``wide generate``: stream tokens (greedy, or sampled with ``--temperature`` / ``--top-k`` / ``--top-p``) from a
+dense model or a WIDE checkpoint through the inference engine, then print TTFT, TPOT, tokens/s and the realized
+sparsity.  This module imports no torch at import time."""
 
 from __future__ import annotations
 
@@ -27,7 +28,35 @@ def add_arguments(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
     p.add_argument("--no-graphs", action="store_true", help="decode eagerly instead of replaying CUDA graphs")
     p.add_argument("--chat", action="store_true", help="wrap each prompt in the tokenizer's chat template")
     p.add_argument("--no-stream", action="store_true", help="print the texts at the end only")
+    p.add_argument("--temperature", type=float, default=0.0,
+                   help="sample with this softmax temperature (> 0); 0 = greedy (default: 0)")
+    p.add_argument("--top-k", type=int, default=0,
+                   help="with --temperature: sample among the k most likely tokens (default: 0 = all)")
+    p.add_argument("--top-p", type=float, default=1.0,
+                   help="with --temperature: sample among the most likely tokens whose probability sums to p "
+                        "(nucleus, 0 < p <= 1; default: 1 = all)")
+    p.add_argument("--seed", type=int, default=None,
+                   help="with --temperature: seed of the sampling, for reproducible tokens (default: random)")
     return p
+
+
+def sampling_from(args):
+    """The :class:`~wide.inference.sampling.Sampling` of ``--temperature`` / ``--top-k`` / ``--top-p`` / ``--seed``.
+
+    Raises:
+        WideError: a value out of range (as :class:`~wide.inference.sampling.Sampling`), or ``--top-k``,
+            ``--top-p`` or ``--seed`` given at temperature 0, where generation is greedy and they would do nothing.
+    """
+    from .sampling import Sampling
+
+    sampling = Sampling(args.temperature, args.top_k, args.top_p, args.seed)
+    if args.temperature == 0:
+        unused = [f for f, on in (("--top-k", args.top_k != 0), ("--top-p", args.top_p != 1.0),
+                                  ("--seed", args.seed is not None)) if on]
+        if unused:
+            raise WideError(f"{', '.join(unused)} only apply when sampling: add --temperature T > 0 (e.g. 0.7); at "
+                            f"temperature 0, the default, generation is greedy")
+    return sampling
 
 
 def check_sizes(args, hf_config=None, longest: int | None = None) -> None:
@@ -127,7 +156,8 @@ def run(args) -> int:
 
     Raises:
         WideError: empty prompt, prompt longer than the cache, a cache longer than the model's context, a
-            checkpoint made for another base model, bad sizes, ``--chat`` without a chat template.  (A bad
+            checkpoint made for another base model, bad sizes, bad sampling options (:func:`sampling_from`),
+            ``--chat`` without a chat template.  (A bad
             ``--device`` is refused earlier, by :func:`wide.cli.main`'s :func:`wide.cli.check_device`.)
     """
     from ..modeling import load_base_model
@@ -135,6 +165,7 @@ def run(args) -> int:
     from .generation import generate
 
     check_sizes(args)
+    sampling = sampling_from(args)
     if any(p.strip() == "" for p in args.prompt):
         raise WideError("empty prompt: every --prompt needs some text")
     dev = args.device  # already checked by wide.cli.main (check_device), before any command runs
@@ -165,7 +196,7 @@ def run(args) -> int:
 
     graphs = None if not args.no_graphs else False
     res = generate(engine, tok, prompts, args.max_new_tokens, max_len=args.max_cache_len, graphs=graphs,
-                   on_token=on_token)
+                   on_token=on_token, sampling=sampling)
     if stream:
         print()
     else:
@@ -182,7 +213,7 @@ def run(args) -> int:
 
 def register(sub) -> None:
     """Add ``generate`` to the ``wide`` subcommands (``sub`` from ``ArgumentParser.add_subparsers``)."""
-    s = sub.add_parser("generate", help="stream greedy tokens through the WIDE inference engine (TTFT, TPOT, "
-                                        "tokens/s, realized sparsity)")
+    s = sub.add_parser("generate", help="stream tokens (greedy or sampled) through the WIDE inference engine "
+                                        "(TTFT, TPOT, tokens/s, realized sparsity)")
     add_arguments(s)
     s.set_defaults(func=run)

@@ -1,5 +1,6 @@
-"""Streaming greedy generation with the inference engine: batched left-padded prefill, then decode steps
-(under CUDA graphs on a GPU), with TTFT, TPOT, tokens/s and realized sparsity."""
+"""Streaming generation with the inference engine (greedy, or sampled with temperature / top-k / top-p):
+batched left-padded prefill, then decode steps (under CUDA graphs on a GPU), with TTFT, TPOT, tokens/s and
+realized sparsity."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ import torch
 from ..errors import WideError
 from .engine import _tokens
 from .graphs import runner_for
+from .sampling import Sampling, next_tokens
 
 
 @dataclass
@@ -20,7 +22,7 @@ class GenerationResult:
     Attributes:
         tokens: generated token ids per prompt (up to and including EOS when it was produced).
         texts: their decoded text (when a tokenizer was given, else empty strings).
-        ttft_s: time to first token, seconds: prefill of the batch + first greedy token on the host.
+        ttft_s: time to first token, seconds: prefill of the batch + first token on the host.
         tpot_s: time per output token, seconds: mean wall time of one batched decode step (0 if none).
         tokens_per_s: generated tokens of all prompts / (TTFT + decode time).
         sparsity: realized skipped fractions over valid tokens, ``{"attn", "ffn", "overall"}`` (empty when
@@ -112,8 +114,9 @@ def left_pad(seqs: list[torch.Tensor], pad_id: int) -> tuple[torch.Tensor, torch
 
 @torch.no_grad()
 def generate(engine, tokenizer, prompts, max_new_tokens: int = 32, *, max_len: int | None = None,
-             graphs: bool | None = None, stop_at_eos: bool = True, on_token=None) -> GenerationResult:
-    """Greedy generation for a batch of prompts (left-padded prefill, then batched decode steps).
+             graphs: bool | None = None, stop_at_eos: bool = True, on_token=None,
+             sampling: Sampling | None = None) -> GenerationResult:
+    """Generation for a batch of prompts (left-padded prefill, then batched decode steps), greedy by default.
 
     Args:
         engine: an :class:`~wide.inference.engine.Engine`.
@@ -124,6 +127,10 @@ def generate(engine, tokenizer, prompts, max_new_tokens: int = 32, *, max_len: i
         graphs: replay decode steps from a CUDA graph (default: when the engine runs on CUDA).
         stop_at_eos: stop a row at the tokenizer's / model's EOS; the loop ends when every row stopped.
         on_token: optional ``callback(row, token_id, text_so_far)`` called as tokens arrive (streaming).
+        sampling: a :class:`~wide.inference.sampling.Sampling` (temperature, top-k, top-p, seed); default greedy.
+            Greedy decode steps take the ``argmax`` inside the CUDA graph; a sampled step replays the graph and
+            then draws from its logits with device ops (a few small launches per step, no host sync). With a
+            ``seed`` the tokens are reproducible on one device.
 
     Returns:
         :class:`GenerationResult`.
@@ -189,15 +196,19 @@ def generate(engine, tokenizer, prompts, max_new_tokens: int = 32, *, max_len: i
 
     _sync(dev)
     t0 = time.perf_counter()
+    sampling = sampling if sampling is not None else Sampling()
+    gen = sampling.generator(dev)
     logits = engine.prefill(ids, mask, cache)
-    first = logits.argmax(-1)
+    first = next_tokens(logits, sampling, gen)
     runner.tokens[:B] = first
     emit(first.tolist())  # host sync: the first token is out
     t1 = time.perf_counter()
     res.ttft_s = t1 - t0
     steps = 0
     while steps < max_new_tokens - 1 and not all(done):
-        nxt = runner.step()
+        nxt = runner.step()  # greedy tokens of the step (argmax in the graph)
+        if not sampling.greedy:
+            nxt = runner.tokens.copy_(next_tokens(runner.logits, sampling, gen))
         emit(nxt[:B].tolist())
         steps += 1
     t2 = time.perf_counter()
