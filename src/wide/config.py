@@ -125,6 +125,9 @@ class WideConfig:
             executes or skips the whole module). For ``"skipgpt"`` :meth:`resolve` sets both group sizes to
             the full module width (``N_G = 1``), whatever they were; same loss (Eq. 6 / Eq. 22), same
             routers (Eq. 4-5). Configs saved before this field existed load as ``"wide"``.
+
+    Raises:
+        WideError: on construction, a value outside the ranges above (:meth:`validate`).
     """
 
     attn_group_size: int | None = None
@@ -143,10 +146,12 @@ class WideConfig:
 
     @property
     def route_attn(self) -> bool:
+        """True when the attention sublayers get routers (``routed`` is ``"both"`` or ``"attn"``)."""
         return self.routed in ("both", "attn")
 
     @property
     def route_ffn(self) -> bool:
+        """True when the FFN sublayers get routers (``routed`` is ``"both"`` or ``"ffn"``)."""
         return self.routed in ("both", "ffn")
 
     def validate(self) -> None:

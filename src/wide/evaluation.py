@@ -41,6 +41,8 @@ class SparsityMeter:
                 t[i] += n_valid * n_groups
 
     def layer_sparsity(self, kind: str) -> list[float]:
+        """Skipped fraction of the routing groups of each layer for ``kind`` (``"attn"`` / ``"ffn"``) over the
+        valid tokens seen, one float in [0, 1] per layer; ``[]`` when that kind has no routers."""
         if kind not in self.total:
             return []
         return [1.0 - k / t if t else 0.0 for k, t in zip(self.kept[kind], self.total[kind])]

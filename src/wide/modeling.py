@@ -276,6 +276,7 @@ def dims_of(hf_config) -> ModelDims:
 
 
 def default_device() -> torch.device:
+    """``cuda`` when a CUDA GPU is available, else ``cpu``."""
     return torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
 
 
@@ -386,7 +387,11 @@ def quiet_bpe_cleanup(tokenizer):
 
 
 def decoder_layers(model: nn.Module) -> nn.ModuleList:
-    """The decoder layers of a supported ``*ForCausalLM`` (also through a peft wrapper)."""
+    """The decoder layers of a supported ``*ForCausalLM`` (also through a peft wrapper).
+
+    Raises:
+        WideError: no ``layers`` list below ``model`` through its ``model`` / ``base_model`` attributes.
+    """
     inner = model
     while not hasattr(inner, "layers"):
         nxt = getattr(inner, "model", None) or getattr(inner, "base_model", None)
@@ -581,6 +586,7 @@ class WideModel(nn.Module):
             self.fixed_masks = old
 
     def router_parameters(self) -> list[nn.Parameter]:
+        """The routers' parameters (attention routers first, then FFN routers): what stage 1 trains."""
         return [*self.attn_routers.parameters(), *self.ffn_routers.parameters()]
 
     def router_state_dict(self) -> dict[str, torch.Tensor]:
@@ -604,6 +610,7 @@ class WideModel(nn.Module):
             mods.load_state_dict({k[len(kind) + 1:]: v for k, v in sd.items() if k.startswith(kind + ".")})
 
     def router_param_count(self) -> int:
+        """Number of router parameters of this model (as :func:`router_param_count` of its dims and config)."""
         return sum(p.numel() for p in self.router_parameters())
 
 

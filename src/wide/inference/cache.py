@@ -49,6 +49,7 @@ class StaticKVCache:
 
     @property
     def device(self) -> torch.device:
+        """The device of the K and V buffers."""
         return self.k.device
 
     def nbytes(self) -> int:

@@ -18,7 +18,11 @@ BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128)
 
 
 def bucket_for(batch: int) -> int:
-    """Smallest bucket in :data:`BUCKETS` holding ``batch`` rows (``batch`` itself above the largest)."""
+    """Smallest bucket in :data:`BUCKETS` holding ``batch`` rows (``batch`` itself above the largest).
+
+    Raises:
+        WideError: ``batch < 1``.
+    """
     if batch < 1:
         raise WideError(f"batch size {batch} must be >= 1")
     for b in BUCKETS:

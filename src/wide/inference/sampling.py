@@ -27,6 +27,9 @@ class Sampling:
         top_p: keep the smallest set of most probable tokens whose probability sums to at least ``p``
             (``0 < p <= 1``; ``1`` = all); always at least one token.
         seed: seed of the sampling generator (``None``: a random seed from the default generator).
+
+    Raises:
+        WideError: on construction, a value outside the ranges above, or a seed that is not an int.
     """
 
     temperature: float = 0.0
