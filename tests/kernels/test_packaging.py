@@ -53,6 +53,25 @@ def test_cpu_without_interpreter_falls_back_to_reference():
     assert res.returncode == 0 and "ok" in res.stdout, res.stderr
 
 
+def test_a_gpu_tensor_without_triton_warns_once(monkeypatch):
+    """Without Triton a CUDA tensor takes the reference path (no pruned work skipped): one RuntimeWarning says so;
+    a CPU tensor (the documented reference fallback) does not warn. A stand-in for a CUDA tensor: no GPU here."""
+    from types import SimpleNamespace
+
+    monkeypatch.setattr(_common, "HAS_TRITON", False)
+    monkeypatch.setattr(_common, "_WARNED_NO_TRITON", [])
+    fake_cuda = SimpleNamespace(is_cuda=True, device=torch.device("cuda", 0))
+    with pytest.warns(RuntimeWarning, match=r"Triton is not installed, so the routed ops on cuda:0 run their PyTorch "
+                                            r"references .*pip install -e '\.\[kernels\]'"):
+        assert not _common.use_triton(fake_cuda)
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert not _common.use_triton(fake_cuda)  # once per process
+        assert not _common.use_triton(torch.zeros(1))  # CPU: no warning
+
+
 def test_autotune_cache_roundtrip(tmp_path, monkeypatch):
     monkeypatch.setenv("WIDE_CACHE_DIR", str(tmp_path))
     monkeypatch.setattr(_common, "_CACHE", None)

@@ -88,13 +88,30 @@ def use_triton(t: torch.Tensor) -> bool:
 
     Triton runs on CUDA tensors, or on CPU tensors under ``TRITON_INTERPRET=1``.  Otherwise
     (no Triton, or CPU without the interpreter) the public ops fall back to the PyTorch reference
-    in :mod:`wide.kernels.reference`, computed in float32 and returned in the input dtype.
+    in :mod:`wide.kernels.reference`, computed in float32 and returned in the input dtype.  A CUDA tensor
+    without Triton installed gets one ``RuntimeWarning`` per process: the GPU then skips no pruned work.
     """
     if not HAS_TRITON:
+        if t.is_cuda:
+            _warn_no_triton(t.device)
         return False
     if t.is_cuda:
         return True
     return interpret_mode() and t.device.type == "cpu"
+
+
+_WARNED_NO_TRITON = []
+
+
+def _warn_no_triton(device) -> None:
+    """One RuntimeWarning per process: routed ops on a GPU fall back to the references (Triton missing)."""
+    if not _WARNED_NO_TRITON:
+        _WARNED_NO_TRITON.append(True)
+        import warnings
+
+        warnings.warn(f"wide.kernels: Triton is not installed, so the routed ops on {device} run their PyTorch "
+                      f"references (no pruned work is skipped; slower than dense). Install Triton: the project's 'kernels' "
+                      f"extra, pip install -e '.[kernels]' (triton==3.6.0)", RuntimeWarning, stacklevel=3)
 
 
 def fail(msg: str) -> None:
