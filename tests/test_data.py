@@ -39,6 +39,10 @@ def test_text_formats(tmp_path):
     (tmp_path / "c.jsonl").write_text('{"body": "x"}\n')
     with pytest.raises(WideError, match="line 1 is not a JSON object with a 'text' field"):
         load_texts(str(tmp_path / "c.jsonl"))
+    (tmp_path / "d.jsonl").write_text(json.dumps({"text": "one"}) + "\nplain words\n")
+    with pytest.raises(WideError, match=r"d.jsonl: line 2 is not valid JSON \(Expecting value at column 1\); each "
+                                        r"line must be a JSON object with a 'text' field"):
+        load_texts(str(tmp_path / "d.jsonl"))
     (tmp_path / "e.txt").write_text("  \n")
     with pytest.raises(WideError, match="is empty"):
         load_texts(str(tmp_path / "e.txt"))

@@ -148,3 +148,32 @@ def test_bpe_cleanup_warning_silenced(tmp_path, monkeypatch):
     forced = _bpe_tokenizer(clean_up=True)
     forced.clean_up_tokenization_spaces_for_bpe_even_though_it_will_corrupt_output = True
     assert quiet_bpe_cleanup(forced).clean_up_tokenization_spaces is True
+
+
+@pytest.mark.parametrize("make,words", [
+    (lambda x: x[0], "input_ids must be an integer tensor [B, T] (batch, tokens), got (12,); a single sequence"),
+    (lambda x: x.float(), "input_ids must hold integer token ids, got dtype torch.float32"),
+    (lambda x: x[:, :0], "input_ids of shape (2, 0) has no tokens"),
+    (lambda x: x.tolist(), "input_ids must be an integer tensor [B, T] (batch, tokens), got list"),
+    (lambda x: torch.where(x == x[0, 3], 128, x), "to 128; the model's vocabulary is 0..127"),
+    (lambda x: torch.where(x == x[0, 3], -1, x), "input_ids hold token ids from -1 to"),
+])
+def test_forward_refuses_bad_input_ids_in_one_line(model, make, words):
+    wm = WideModel(model, WideConfig(ffn_group_size=32))
+    x = ids()
+    assert int(x.max()) < 128 == model.get_input_embeddings().num_embeddings
+    with pytest.raises(WideError) as e, torch.no_grad():
+        wm(make(x))
+    assert words in str(e.value)
+
+
+def test_forward_refuses_a_mask_that_does_not_fit(model):
+    wm = WideModel(model, WideConfig(ffn_group_size=32))
+    x = ids()
+    with pytest.raises(WideError, match=r"attention_mask of shape \(2, 11\) does not fit input_ids \(2, 12\)"):
+        wm(x, attention_mask=torch.ones(2, 11, dtype=torch.int64))
+    with pytest.raises(WideError, match=r"attention_mask of shape \(1, 12\) does not fit"):
+        wm(x, attention_mask=torch.ones(1, 12, dtype=torch.int64))
+    with torch.no_grad():  # a longer mask is what incremental decoding with past_key_values passes
+        out = wm(x, use_cache=True)
+        wm(x[:, :1], attention_mask=torch.ones(2, 13, dtype=torch.int64), past_key_values=out.past_key_values)

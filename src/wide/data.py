@@ -99,8 +99,13 @@ def load_texts(spec: str | None, split: str = "calib") -> list[str]:
                     if not line.strip():
                         continue
                     try:
-                        text = json.loads(line)["text"]
-                    except (json.JSONDecodeError, KeyError, TypeError, IndexError):
+                        obj = json.loads(line)
+                    except json.JSONDecodeError as e:
+                        raise WideError(f"{spec}: line {n} is not valid JSON ({e.msg} at column {e.colno}); each "
+                                        f"line must be a JSON object with a 'text' field") from None
+                    try:
+                        text = obj["text"]
+                    except (KeyError, TypeError, IndexError):
                         raise WideError(f"{spec}: line {n} is not a JSON object with a 'text' field") from None
                     if not isinstance(text, str):
                         shown = "" if text is None else f" ({json.dumps(text)[:40]})"

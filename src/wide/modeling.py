@@ -559,14 +559,22 @@ class WideModel(nn.Module):
         """Run the base model with routing.
 
         Args:
-            input_ids: int64 ``[B, T]``.
-            attention_mask: optional ``[B, T]`` (1 = real token, 0 = padding); padding is excluded
-                from the keep ratios.
+            input_ids: integer ``[B, T]`` token ids in ``[0, vocab)``, ``T >= 1`` (or None with ``inputs_embeds``
+                in ``kwargs``).
+            attention_mask: optional ``[B, T]`` (1 = real token, 0 = padding; ``[B, past + T]`` with
+                ``past_key_values``); padding is excluded from the keep ratios.
             **kwargs: passed to the Hugging Face model (``labels``, ``past_key_values``, ...).
 
         Returns:
             the Hugging Face ``CausalLMOutput``; ``self.record`` holds this pass's routing.
+
+        Raises:
+            WideError: ``input_ids`` not an integer tensor ``[B, T]`` with ``T >= 1``, ids outside the vocabulary
+                (one host sync, skipped while a CUDA graph is captured), or a 2-D ``attention_mask`` whose batch
+                differs or that is shorter than ``T``.
         """
+        if input_ids is not None or "inputs_embeds" not in kwargs:
+            self._check_inputs(input_ids, attention_mask)
         self.record = RoutingRecord()
         self._cur = {}
         self._valid = attention_mask.bool() if attention_mask is not None else None
@@ -574,6 +582,31 @@ class WideModel(nn.Module):
             return self.base(input_ids=input_ids, attention_mask=attention_mask, **kwargs)
         finally:
             self._valid = None
+
+    def _check_inputs(self, input_ids, attention_mask) -> None:
+        """The checks of :meth:`forward`'s ``Raises`` (one line each, before the model runs)."""
+        if not isinstance(input_ids, torch.Tensor) or input_ids.dim() != 2:
+            shape = tuple(input_ids.shape) if isinstance(input_ids, torch.Tensor) else type(input_ids).__name__
+            raise WideError(f"input_ids must be an integer tensor [B, T] (batch, tokens), got {shape}; a single "
+                            f"sequence is ids.unsqueeze(0)")
+        if input_ids.dtype.is_floating_point or input_ids.dtype.is_complex or input_ids.dtype == torch.bool:
+            raise WideError(f"input_ids must hold integer token ids, got dtype {input_ids.dtype}")
+        B, T = input_ids.shape
+        if B == 0 or T == 0:
+            raise WideError(f"input_ids of shape {(B, T)} has no tokens")
+        if isinstance(attention_mask, torch.Tensor) and attention_mask.dim() == 2 and (
+                attention_mask.shape[0] != B or attention_mask.shape[1] < T):
+            raise WideError(f"attention_mask of shape {tuple(attention_mask.shape)} does not fit input_ids "
+                            f"{(B, T)}: it needs [B, T] (or [B, past + T] with past_key_values)")
+        try:
+            if torch.cuda.is_current_stream_capturing():
+                return
+        except Exception:  # noqa: BLE001 - no CUDA
+            pass
+        vocab = self.base.get_input_embeddings().num_embeddings
+        if bool(((input_ids < 0) | (input_ids >= vocab)).any()):
+            raise WideError(f"input_ids hold token ids from {int(input_ids.min())} to {int(input_ids.max())}; the "
+                            f"model's vocabulary is 0..{vocab - 1}")
 
     @contextmanager
     def masks_fixed(self, attn=None, ffn=None):

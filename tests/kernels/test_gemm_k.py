@@ -61,6 +61,9 @@ def test_errors():
     with pytest.raises(ValueError, match="reordered"):
         gemm_k(a, w, torch.ones(8, 2, dtype=torch.bool, device=DEVICE), 32, path="sparse",
                reordered=reorder(torch.ones(8, 4, dtype=torch.bool, device=DEVICE)))
+    for rows in (8, 2):  # refused on every path (the CPU reference fallback and the few-row GEMV too)
+        with pytest.raises(ValueError, match="reordered must be a Reordered"):
+            gemm_k(a[:rows], w, torch.ones(rows, 2, dtype=torch.bool, device=DEVICE), 32, reordered=(1, 2))
 
 
 @pytest.mark.parametrize("G,M,path", [(48, 37, "sparse"), (48, 37, "dense"), (192, 21, "auto"), (192, 3, "auto")])

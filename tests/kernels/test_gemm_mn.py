@@ -74,6 +74,12 @@ def test_errors():
         gemm_mn(x, w[:, :16], r, 32)
     with pytest.raises(ValueError, match="out"):
         gemm_mn(x, w, r, 32, out=torch.empty(8, 63, dtype=torch.bfloat16, device=DEVICE))
+    # a malformed reorder is refused on every path: the CPU reference fallback and the few-row GEMV too
+    for rows in (8, 3):
+        with pytest.raises(ValueError, match="reordered must be a Reordered"):
+            gemm_mn(x[:rows], w, r[:rows], 32, reordered="x")
+        with pytest.raises(ValueError, match=r"reordered.index must be int32 with shape \(%d, 2\)" % rows):
+            gemm_mn(x[:rows], w, r[:rows], 32, reordered=reorder(torch.ones(9, 2, dtype=torch.bool, device=DEVICE)))
 
 
 @pytest.mark.parametrize("G,M", [(48, 37), (192, 21), (192, 2)])

@@ -53,6 +53,25 @@ def test_cpu_without_interpreter_falls_back_to_reference():
     assert res.returncode == 0 and "ok" in res.stdout, res.stderr
 
 
+def test_cpu_reference_fallback_checks_reordered_as_the_kernels_do():
+    """A malformed ``reordered`` is refused on the CPU fallback too (code that runs on the CPU runs on a GPU)."""
+    code = ("import torch, wide.kernels as K\n"
+            "x = torch.randn(8, 32); w = torch.randn(64, 32); r = torch.rand(8, 2) < 0.5\n"
+            "for op in (lambda rr: K.gemm_mn(x, w, r, 32, reordered=rr),\n"
+            "           lambda rr: K.swiglu(x, w, w, r, 32, reordered=rr),\n"
+            "           lambda rr: K.gemm_k(torch.randn(8, 64), w.T.contiguous(), r, 32, reordered=rr)):\n"
+            "    for bad in ('x', K.reorder(torch.ones(9, 2, dtype=torch.bool))):\n"
+            "        try:\n"
+            "            op(bad)\n"
+            "        except ValueError as e:\n"
+            "            assert 'reordered' in str(e), e\n"
+            "        else:\n"
+            "            raise SystemExit('accepted')\n"
+            "print('ok')\n")
+    res = subprocess.run([sys.executable, "-c", code], env=_env(), capture_output=True, text=True, timeout=120)
+    assert res.returncode == 0 and "ok" in res.stdout, res.stderr + res.stdout
+
+
 def test_a_gpu_tensor_without_triton_warns_once(monkeypatch):
     """Without Triton a CUDA tensor takes the reference path (no pruned work skipped): one RuntimeWarning says so;
     a CPU tensor (the documented reference fallback) does not warn. A stand-in for a CUDA tensor: no GPU here."""

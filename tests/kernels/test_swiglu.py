@@ -52,6 +52,11 @@ def test_errors():
     r = torch.ones(8, 2, dtype=torch.bool, device=DEVICE)
     with pytest.raises(ValueError, match="w_up"):
         swiglu(x, w, w[:, :16], r, 32)
+    # a w_up with fewer rows is named as such (it used to read as a route of the wrong shape)
+    with pytest.raises(ValueError, match=r"w_up shape \(32, 32\) must equal w_gate shape \(64, 32\)"):
+        swiglu(x, w, w[:32], r, 32)
+    with pytest.raises(ValueError, match="reordered must be a Reordered"):
+        swiglu(x, w, w, r, 32, reordered="x")
     with pytest.raises(ValueError, match="multiple of 16"):
         swiglu(x, w, w, torch.ones(8, 3, dtype=torch.bool, device=DEVICE), 21)
 

@@ -222,6 +222,8 @@ def gemm_k(a: torch.Tensor, w: torch.Tensor, route: torch.Tensor, G: int, *,
     check_out(out, (M, N), a.dtype, a.device)
     if path not in ("auto", "sparse", "dense", "splitk"):
         fail(f"path={path!r}; allowed: 'auto', 'sparse', 'dense', 'splitk'")
+    if reordered is not None:  # checked on every path, so that code that runs on the CPU runs on a GPU too
+        check_reordered(reordered, (M, NG))
     from .decode import gemv_k
 
     done = small_or_fallback(a, M, N, out, lambda: reference.gemm_k_ref(a, w, route, G),

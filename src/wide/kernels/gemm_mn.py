@@ -243,6 +243,8 @@ def gemm_mn(x: torch.Tensor, w: torch.Tensor, route: torch.Tensor, G: int, *,
     """
     M, N, K = _validate(x, w, route, G)
     check_out(out, (M, N), x.dtype, x.device)
+    if reordered is not None:  # checked on every path, so that code that runs on the CPU runs on a GPU too
+        check_reordered(reordered, (M, N // G))
     from .decode import gemv_mn
 
     done = small_or_fallback(x, M, N, out, lambda: reference.gemm_mn_ref(x, w, route, G),

@@ -9,7 +9,7 @@ from __future__ import annotations
 import torch
 
 from . import reference
-from ._common import Reordered, check_out, fail, small_or_fallback
+from ._common import Reordered, check_out, check_reordered, fail, small_or_fallback
 from .gemm_mn import _validate, launch_gemm_mn
 
 
@@ -36,10 +36,12 @@ def swiglu(x: torch.Tensor, w_gate: torch.Tensor, w_up: torch.Tensor, route: tor
         ValueError: shapes, dtypes or devices of x/w_gate/w_up/route disagree, or G is illegal.
     """
     M, N, K = _validate(x, w_gate, route, G, "w_gate")
-    _validate(x, w_up, route, G, "w_up")
-    if w_up.shape != w_gate.shape:
+    if isinstance(w_up, torch.Tensor) and w_up.shape != w_gate.shape:
         fail(f"w_up shape {tuple(w_up.shape)} must equal w_gate shape {tuple(w_gate.shape)}")
+    _validate(x, w_up, route, G, "w_up")
     check_out(out, (M, N), x.dtype, x.device)
+    if reordered is not None:  # checked on every path, so that code that runs on the CPU runs on a GPU too
+        check_reordered(reordered, (M, N // G))
     from .decode import gemv_swiglu
 
     done = small_or_fallback(x, M, N, out, lambda: reference.swiglu_ref(x, w_gate, w_up, route, G),
