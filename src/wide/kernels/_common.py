@@ -110,8 +110,8 @@ def _warn_no_triton(device) -> None:
         import warnings
 
         warnings.warn(f"wide.kernels: Triton is not installed, so the routed ops on {device} run their PyTorch "
-                      f"references (no pruned work is skipped; slower than dense). Install Triton: the project's 'kernels' "
-                      f"extra, pip install -e '.[kernels]' (triton==3.6.0)", RuntimeWarning, stacklevel=3)
+                      f"references (no pruned work is skipped; slower than dense). Install Triton: the project's "
+                      f"'kernels' extra, pip install -e '.[kernels]' (triton==3.6.0)", RuntimeWarning, stacklevel=3)
 
 
 def fail(msg: str) -> None:
