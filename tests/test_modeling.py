@@ -159,12 +159,23 @@ def test_bpe_cleanup_warning_silenced(tmp_path, monkeypatch):
     (lambda x: torch.where(x == x[0, 3], -1, x), "input_ids hold token ids from -1 to"),
 ])
 def test_forward_refuses_bad_input_ids_in_one_line(model, make, words):
-    wm = WideModel(model, WideConfig(ffn_group_size=32))
+    wm = WideModel(model, WideConfig(ffn_group_size=32)).eval()  # as wide.load returns it
     x = ids()
     assert int(x.max()) < 128 == model.get_input_embeddings().num_embeddings
     with pytest.raises(WideError) as e, torch.no_grad():
         wm(make(x))
     assert words in str(e.value)
+
+
+def test_vocabulary_check_is_an_eval_mode_check(model):
+    """Out-of-vocabulary ids are refused in eval mode (a user's call); a training forward skips the host sync."""
+    wm = WideModel(model, WideConfig(ffn_group_size=32)).eval()
+    bad = torch.full((1, 4), 128)
+    with pytest.raises(WideError, match="vocabulary is 0..127"), torch.no_grad():
+        wm(bad)
+    wm.train()
+    with pytest.raises(IndexError):  # the embedding's own error: no sync was spent on the check
+        wm(bad)
 
 
 def test_forward_refuses_a_mask_that_does_not_fit(model):

@@ -275,6 +275,29 @@ def dims_of(hf_config) -> ModelDims:
     )
 
 
+def check_token_ids(input_ids) -> None:
+    """Shape and dtype of a batch of token ids (no host sync): an integer tensor ``[B, T]`` with ``B, T >= 1``.
+
+    Raises:
+        WideError: not a 2-D tensor (a single sequence is ``ids.unsqueeze(0)``), a float / bool / complex
+            dtype, or no token.
+    """
+    if not isinstance(input_ids, torch.Tensor) or input_ids.dim() != 2:
+        shape = tuple(input_ids.shape) if isinstance(input_ids, torch.Tensor) else type(input_ids).__name__
+        raise WideError(f"input_ids must be an integer tensor [B, T] (batch, tokens), got {shape}; a single "
+                        f"sequence is ids.unsqueeze(0)")
+    if input_ids.dtype.is_floating_point or input_ids.dtype.is_complex or input_ids.dtype == torch.bool:
+        raise WideError(f"input_ids must hold integer token ids, got dtype {input_ids.dtype}")
+    if input_ids.shape[0] == 0 or input_ids.shape[1] == 0:
+        raise WideError(f"empty prompt: input_ids of shape {tuple(input_ids.shape)} has no tokens")
+
+
+def outside_vocab(input_ids: torch.Tensor, vocab: int) -> WideError:
+    """The error for token ids outside ``[0, vocab)`` (reads their range: a host sync)."""
+    return WideError(f"input_ids hold token ids from {int(input_ids.min())} to {int(input_ids.max())}; the model's "
+                     f"vocabulary is 0..{vocab - 1}")
+
+
 def default_device() -> torch.device:
     """``cuda`` when a CUDA GPU is available, else ``cpu``."""
     return torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
@@ -570,8 +593,9 @@ class WideModel(nn.Module):
 
         Raises:
             WideError: ``input_ids`` not an integer tensor ``[B, T]`` with ``T >= 1``, ids outside the vocabulary
-                (one host sync, skipped while a CUDA graph is captured), or a 2-D ``attention_mask`` whose batch
-                differs or that is shorter than ``T``.
+                (in eval mode: one host sync, skipped while a CUDA graph is captured; training batches come from
+                the project's own tokenization and keep the GPU queue free of syncs), or a 2-D ``attention_mask``
+                whose batch differs or that is shorter than ``T``.
         """
         if input_ids is not None or "inputs_embeds" not in kwargs:
             self._check_inputs(input_ids, attention_mask)
@@ -585,19 +609,14 @@ class WideModel(nn.Module):
 
     def _check_inputs(self, input_ids, attention_mask) -> None:
         """The checks of :meth:`forward`'s ``Raises`` (one line each, before the model runs)."""
-        if not isinstance(input_ids, torch.Tensor) or input_ids.dim() != 2:
-            shape = tuple(input_ids.shape) if isinstance(input_ids, torch.Tensor) else type(input_ids).__name__
-            raise WideError(f"input_ids must be an integer tensor [B, T] (batch, tokens), got {shape}; a single "
-                            f"sequence is ids.unsqueeze(0)")
-        if input_ids.dtype.is_floating_point or input_ids.dtype.is_complex or input_ids.dtype == torch.bool:
-            raise WideError(f"input_ids must hold integer token ids, got dtype {input_ids.dtype}")
+        check_token_ids(input_ids)
         B, T = input_ids.shape
-        if B == 0 or T == 0:
-            raise WideError(f"input_ids of shape {(B, T)} has no tokens")
         if isinstance(attention_mask, torch.Tensor) and attention_mask.dim() == 2 and (
                 attention_mask.shape[0] != B or attention_mask.shape[1] < T):
             raise WideError(f"attention_mask of shape {tuple(attention_mask.shape)} does not fit input_ids "
                             f"{(B, T)}: it needs [B, T] (or [B, past + T] with past_key_values)")
+        if self.training:
+            return
         try:
             if torch.cuda.is_current_stream_capturing():
                 return
@@ -605,8 +624,7 @@ class WideModel(nn.Module):
             pass
         vocab = self.base.get_input_embeddings().num_embeddings
         if bool(((input_ids < 0) | (input_ids >= vocab)).any()):
-            raise WideError(f"input_ids hold token ids from {int(input_ids.min())} to {int(input_ids.max())}; the "
-                            f"model's vocabulary is 0..{vocab - 1}")
+            raise outside_vocab(input_ids, vocab)
 
     @contextmanager
     def masks_fixed(self, attn=None, ffn=None):

@@ -36,7 +36,7 @@ from torch import nn
 from ..errors import WideError
 from ..kernels import Reordered, gemm_k, gemm_mn, gemv_mn, reorder, routed_attention, swiglu
 from ..kernels._common import use_triton
-from ..modeling import check_architecture, decoder_layers, dims_of
+from ..modeling import check_architecture, check_token_ids, decoder_layers, dims_of, outside_vocab
 from .cache import StaticKVCache
 from .fused import add_rmsnorm, masked_swiglu_act, rope_cache, router_mask, zero_skipped_heads_
 
@@ -857,14 +857,9 @@ class Engine:
 
     # --- forward passes --------------------------------------------------------------------------
     def _check_ids(self, input_ids: torch.Tensor) -> None:
-        if not isinstance(input_ids, torch.Tensor) or input_ids.dim() != 2:
-            raise WideError(f"input_ids must be an int tensor [B, T], got {getattr(input_ids, 'shape', input_ids)!r}")
-        if input_ids.dtype.is_floating_point or input_ids.dtype.is_complex or input_ids.dtype == torch.bool:
-            raise WideError(f"input_ids must be an integer tensor (token ids), got dtype {input_ids.dtype}")
+        check_token_ids(input_ids)
         if input_ids.device != self.device:
             raise WideError(f"input_ids are on {input_ids.device}, the engine's model is on {self.device}")
-        if input_ids.shape[1] == 0 or input_ids.shape[0] == 0:
-            raise WideError("empty prompt: input_ids has no tokens")
 
     def _check_values(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None) -> None:
         """Token ids inside the vocabulary and a left-padded 0/1 mask with a real token in every row: one host
@@ -881,8 +876,7 @@ class Engine:
             checks += [~((m == 0) | (m == 1)).all(), (m[:, 1:] < m[:, :-1]).any(), (m[:, -1] != 1).any()]
         bad = torch.stack(checks).tolist()
         if bad[0]:
-            lo, hi = int(input_ids.min()), int(input_ids.max())
-            raise WideError(f"input_ids hold token ids from {lo} to {hi}; the model's vocabulary is 0..{vocab - 1}")
+            raise outside_vocab(input_ids, vocab)
         if any(bad[1:]):
             raise WideError("attention_mask must be left-padded, each row [0]*pad + [1]*n with n >= 1 real tokens "
                             "(0/1 values); set tokenizer.padding_side = 'left'")
