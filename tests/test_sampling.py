@@ -139,7 +139,7 @@ def test_cli_sampling_options(tmp_path, model_dir, capsys, reference_path):
         outs.append(out.splitlines()[0])
     assert outs[0] == outs[1] and outs[0].startswith("[0] ")  # the same seed, the same text
     for extra, words in [
-        (["--top-p", "0.9"], "--top-p only apply when sampling: add --temperature T > 0"),
+        (["--top-p", "0.9"], "--top-p only applies when sampling: add --temperature T > 0"),
         (["--top-k", "5", "--seed", "1"], "--top-k, --seed only apply when sampling"),
         (["--temperature", "-0.5"], "temperature -0.5 must be a finite number >= 0"),
         (["--temperature", "1", "--top-p", "0"], "top-p 0.0 must be in (0, 1]"),

@@ -54,8 +54,8 @@ def sampling_from(args):
         unused = [f for f, on in (("--top-k", args.top_k != 0), ("--top-p", args.top_p != 1.0),
                                   ("--seed", args.seed is not None)) if on]
         if unused:
-            raise WideError(f"{', '.join(unused)} only apply when sampling: add --temperature T > 0 (e.g. 0.7); at "
-                            f"temperature 0, the default, generation is greedy")
+            raise WideError(f"{', '.join(unused)} only appl{'y' if len(unused) > 1 else 'ies'} when sampling: add "
+                            f"--temperature T > 0 (e.g. 0.7); at temperature 0, the default, generation is greedy")
     return sampling
 
 
