@@ -489,10 +489,11 @@ def cmd_calibrate(args) -> int:
     blocks = packed["blocks"]
     torch.manual_seed(args.seed)  # identical router initialization on every rank
     wm = WideModel(model, cfg)
+    global_batch = targs.batch_size * targs.grad_accum * env.world_size
     say(f"calibrating {src.ref}: {blocks.shape[0]} sequences x {blocks.shape[1]} tokens, S={cfg.target_sparsity}, "
         f"G_attn={wm.config.attn_group_size}, G_ffn={wm.config.ffn_group_size}, {targs.steps} steps, "
-        f"{env.world_size} process(es), global batch {targs.batch_size * targs.grad_accum * env.world_size}")
-    _note_repeats(say, blocks, targs.batch_size * targs.grad_accum * env.world_size)
+        f"{env.world_size} process(es), global batch {global_batch}")
+    _note_repeats(say, blocks, global_batch)
     t0 = time.time()
     recs = calibrate(wm, blocks, targs, out, src.ref, resume=args.resume, data_source=_data_source(args),
                      options=_run_options(args, env))
@@ -584,11 +585,8 @@ def _take_saved_options(args) -> None:
     def flag(action):
         return next(o for o in action.option_strings if o.startswith("--"))
 
-    def same(a, b):
-        return (list(a) if isinstance(a, tuple) else a) == (list(b) if isinstance(b, tuple) else b)
-
     differ = [f"{flag(actions[d])}: saved {saved[d]!r}, now {getattr(args, d)!r}" for d in _RESUME_FIXED
-              if d in given and d in actions and saved.get(d) is not None and not same(saved[d], getattr(args, d))]
+              if d in given and d in actions and saved.get(d) is not None and saved[d] != getattr(args, d)]
     if differ:
         raise WideError(f"--resume: the run in {str(args.output)!r} was written with other settings: "
                         f"{'; '.join(differ)} (to continue it, drop the options that differ and the saved run's own "
@@ -662,11 +660,12 @@ def cmd_lora(args) -> int:
     else:
         wm, tok = load(args.wide, model=args.model, device=args.device, tokenizer=True, check=fits)
     blocks = pack(docs, tok, args.seq_len, max_blocks=args.max_blocks, source=_text_name(args.text))
+    global_batch = targs.batch_size * targs.grad_accum * env.world_size
     say(f"LoRA recovery on {args.wide} ({info['model']}): {blocks.shape[0]} sequences x {blocks.shape[1]} tokens, "
         f"r={settings.r} alpha={settings.alpha} dropout={settings.dropout}, routers "
         f"{'frozen' if args.freeze_router else 'trained'}, {targs.steps} steps, {env.world_size} process(es), "
-        f"global batch {targs.batch_size * targs.grad_accum * env.world_size}")
-    _note_repeats(say, blocks, targs.batch_size * targs.grad_accum * env.world_size)
+        f"global batch {global_batch}")
+    _note_repeats(say, blocks, global_batch)
     t0 = time.time()
     recs = recover(wm, blocks, targs, out, info["model"] if args.model is None else args.model, settings=settings,
                    freeze_router=args.freeze_router, stage1=args.wide, resume=args.resume,
