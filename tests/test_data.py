@@ -5,6 +5,7 @@ import torch
 
 from wide.data import load_texts, pack, ppl_windows, split_default
 from wide.errors import WideError
+from wide_testutil import needs_bundled_text
 
 
 def test_pack_keeps_eos(tokenizer):
@@ -56,6 +57,7 @@ def test_saved_dataset_folder(tmp_path):
     assert load_texts(str(tmp_path / "ds")) == ["a b", "c d"]
 
 
+@needs_bundled_text
 def test_default_text_split_is_disjoint_and_deterministic():
     calib, evals = load_texts(None, "calib"), load_texts(None, "eval")
     assert len(calib) > 1000 and len(evals) > 300

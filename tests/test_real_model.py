@@ -2,8 +2,9 @@
 
 import pytest
 import torch
+from wide_testutil import needs_bundled_model
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, needs_bundled_model]
 
 
 @pytest.fixture(scope="module")
