@@ -448,6 +448,8 @@ def _check_output(args, stage: str | None = "router") -> None:
 
 
 def cmd_calibrate(args) -> int:
+    """``wide calibrate``: stage-1 router calibration (Eq. 10-13), atomic checkpoints to ``-o``, ``--resume``
+    from the last one; returns the exit code (0, or 2 after a one-line error)."""
     import torch
 
     from . import distributed as D
@@ -620,6 +622,8 @@ def _say_done(say, recs: list[dict], t0: float) -> None:
 
 
 def cmd_lora(args) -> int:
+    """``wide lora``: stage-2 LoRA recovery (peft, all 7 projections) on top of a stage-1 checkpoint; atomic
+    checkpoints, ``--resume``; returns the exit code."""
     from . import distributed as D
     from .checkpoint import load
     from .data import load_texts, pack
@@ -871,6 +875,9 @@ def cmd_demo(args) -> int:
 
 
 def cmd_eval(args) -> int:
+    """``wide eval``: zero-shot accuracy through lm-evaluation-harness on the bundled offline tasks (and, with
+    ``--tasks all``, WikiText-2 word perplexity) of the dense ``--model`` or a WIDE / SkipGPT checkpoint; returns
+    the exit code."""
     _need_extra("lm_eval", "wide eval")
     from .config import atomic_write_text
     from .lm_eval_adapter import WideLM, evaluate, resolve_tasks
@@ -917,6 +924,8 @@ def cmd_eval(args) -> int:
 
 
 def cmd_prune_static(args) -> int:
+    """``wide prune-static``: the static width baseline (the same head / FFN groups removed for every token,
+    scored on calibration text), saved as a smaller HF model; returns the exit code."""
     import torch
 
     from .baselines.static import check_group_sizes, param_count, prune, save_pruned, slice_model
@@ -1156,6 +1165,8 @@ def _term_as_interrupt():
 
 
 def main(argv: list[str] | None = None) -> int:
+    """Entry point of the ``wide`` command: parse ``argv`` (default ``sys.argv[1:]``), run the subcommand and
+    return its exit code (2 with one ``wide <command>: error: ...`` line for bad input)."""
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     raw = list(sys.argv[1:] if argv is None else argv)

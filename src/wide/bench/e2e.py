@@ -368,6 +368,11 @@ def _realized(engine, ids):
 
 
 def bench_prefill(ctx, model_name, base, wide_eng, dense_eng, B, T, extra):
+    """Time one prefill point: ``B`` random prompts of ``T`` tokens through the dense engine, the WIDE engine
+    (every op as its kernel) and the auto engine (CUDA events, median of ``--runs`` after warm-up, ms), plus HF
+    eager unless ``--no-hf``; adds one record (``phase="prefill"``, ``dense_ms``, ``wide_ms``, ``speedup`` =
+    dense / WIDE, ``wide_auto_ms``, ``speedup_auto``, ``hf_eager_ms``, ``realized_sparsity``, ``extra``) to
+    ``ctx``.  Raises what the engines raise (the caller records the point as failed and goes on)."""
     import torch
 
     g = torch.Generator(device=DEVICE).manual_seed(B * 100003 + T)
@@ -391,6 +396,10 @@ def bench_prefill(ctx, model_name, base, wide_eng, dense_eng, B, T, extra):
 
 
 def bench_decode(ctx, model_name, base, wide_eng, dense_eng, B, T, extra):
+    """Time one decode point: one step of ``B`` rows over a KV cache of ``T`` random keys / values, replayed
+    from each engine's CUDA graph (median of at least 50 replays, ms), plus HF eager with a ``DynamicCache`` of
+    the same keys unless ``--no-hf``; adds one ``phase="decode"`` record with the fields of
+    :func:`bench_prefill` to ``ctx``.  Raises what the engines raise (the caller records the point as failed)."""
     import torch
 
     cache = wide_eng.new_cache(B, T + 8)

@@ -184,6 +184,11 @@ def _reorder_ms(ctx, shape, s, n_sets):
 
 
 def bench_gemm(ctx, op, M, G, s):
+    """Time ``op`` (``"gemm_mn"``, ``"swiglu"`` or ``"gemm_k"``) on Llama-3.1-8B shapes with ``M`` rows, group
+    size ``G`` and a Bernoulli(1 - ``s``) route against cuBLAS in the same process (CUDA-graph replay, median,
+    ms; the reorder's time shared over the ops of one routing decision), check it against the fp32 reference up
+    to 4096 rows (``rel_err``), and add one record (``op``, ``M``, ``N``, ``K``, ``G``, ``sparsity``, ``dense_ms``, ``wide_ms``, ``speedup``) to
+    ``ctx``."""
     import torch
     import torch.nn.functional as F
 
@@ -291,6 +296,10 @@ def _sdpa(torch, q, k, v, causal, gqa):
 
 
 def bench_attention(ctx, T, s, decode=False):
+    """Time routed prefill attention over ``T`` tokens (or, with ``decode``, split-KV decode attention over a
+    ``T``-key cache) with head-group routes of sparsity ``s`` against SDPA's flash backend in the same process
+    (CUDA-graph replay, median, ms), check it against the fp32 reference where that fits in memory
+    (``rel_err``), and add one record (``op`` = ``attention_prefill`` / ``attention_decode``) to ``ctx``."""
     import torch
 
     from wide.kernels import reorder, routed_attention

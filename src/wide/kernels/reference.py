@@ -129,7 +129,10 @@ def attention_ref(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, route: torc
 
 
 def naive_gather_scatter_n(A: torch.Tensor, B: torch.Tensor, I_N: torch.Tensor, G: int) -> torch.Tensor:
-    """Appendix A, naive N-axis gather-scatter (Eq. 15): materialises ``B_sub [M, R*G, K]``."""
+    """Appendix A, naive N-axis gather-scatter (Eq. 15): materialises ``B_sub [M, R*G, K]``.
+
+    A ``[M, K]``, B ``[N, K]`` (float, one dtype), I_N int64 ``[M, R]`` (the R active N groups of each row) ->
+    ``[M, N]`` in A's dtype, 0 outside the selected groups."""
     M = A.shape[0]
     N = B.shape[0]
     R = I_N.shape[1]
@@ -143,7 +146,10 @@ def naive_gather_scatter_n(A: torch.Tensor, B: torch.Tensor, I_N: torch.Tensor, 
 
 
 def naive_gather_scatter_k(A: torch.Tensor, B: torch.Tensor, I_K: torch.Tensor, G: int) -> torch.Tensor:
-    """Appendix A, naive K-axis gather-scatter (Eq. 18): materialises ``B_sub [M, N, R*G]``."""
+    """Appendix A, naive K-axis gather-scatter (Eq. 18): materialises ``B_sub [M, N, R*G]``.
+
+    A ``[M, K]``, B ``[N, K]`` (float, one dtype), I_K int64 ``[M, R]`` (the R active K groups of each row) ->
+    ``[M, N]`` in A's dtype: the sum over the selected groups only."""
     M = A.shape[0]
     R = I_K.shape[1]
     offset = torch.arange(G, device=A.device)
@@ -154,10 +160,14 @@ def naive_gather_scatter_k(A: torch.Tensor, B: torch.Tensor, I_K: torch.Tensor, 
 
 
 def naive_mask_multiply_n(A: torch.Tensor, B: torch.Tensor, route: torch.Tensor, G: int) -> torch.Tensor:
-    """Mask-multiply dense N-axis baseline: dense GEMM, then zero the inactive groups."""
+    """Mask-multiply dense N-axis baseline (Appendix A): dense GEMM, then zero the inactive groups.
+
+    A ``[M, K]``, B ``[N, K]``, route bool ``[M, N // G]`` -> ``[M, N]`` in A's dtype (as :func:`gemm_mn_ref`)."""
     return (A @ B.T) * expand_route(route, G).to(A.dtype)
 
 
 def naive_mask_multiply_k(A: torch.Tensor, B: torch.Tensor, route: torch.Tensor, G: int) -> torch.Tensor:
-    """Mask-multiply dense K-axis baseline: zero the inactive input groups, then dense GEMM."""
+    """Mask-multiply dense K-axis baseline (Appendix A): zero the inactive input groups, then dense GEMM.
+
+    A ``[M, K]``, B ``[N, K]``, route bool ``[M, K // G]`` -> ``[M, N]`` in A's dtype (as :func:`gemm_k_ref`)."""
     return (A * expand_route(route, G).to(A.dtype)) @ B.T
