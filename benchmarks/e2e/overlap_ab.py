@@ -59,15 +59,15 @@ VARIANTS = ("old", "gu", "gu+q", "fixed-split")
 def _fixed_split(on: bool):
     """While on: the engine's decode attention keeps a fixed split count per head pack (graphs captured inside
     keep it)."""
-    from wide.kernels import decode
+    from wide.kernels import decode_attn
 
-    orig = decode.decode_attention
+    orig = decode_attn.decode_attention
     if on:
-        decode.decode_attention = functools.partial(orig, wave=1)
+        decode_attn.decode_attention = functools.partial(orig, wave=1)
     try:
         yield
     finally:
-        decode.decode_attention = orig
+        decode_attn.decode_attention = orig
 
 
 def _pts(s):

@@ -41,6 +41,7 @@ def main() -> None:
     fused = importlib.import_module("wide.inference.fused")
     reorder = importlib.import_module("wide.kernels.reorder")
     decode = importlib.import_module("wide.kernels.decode")
+    decode_attn = importlib.import_module("wide.kernels.decode_attn")
     attention = importlib.import_module("wide.kernels.attention")
     f32, i32, b = "*fp32", "*i32", "*i1"
 
@@ -101,11 +102,11 @@ def main() -> None:
                                                  FUSE_SUM=False, BM=128), num_warps=8, num_stages=3)
     compile_sm90(decode._splitk_sum_kernel, types_of(decode._splitk_sum_kernel, part_ptr=f32), dict(SPLITS=8,
                                                                                                      BLOCK=1024))
-    compile_sm90(decode._decode_attn_split_kernel,
-                 types_of(decode._decode_attn_split_kernel, route_ptr=b, lp_ptr=i32, mpart_ptr=f32, lpart_ptr=f32,
+    compile_sm90(decode_attn._decode_attn_split_kernel,
+                 types_of(decode_attn._decode_attn_split_kernel, route_ptr=b, lp_ptr=i32, mpart_ptr=f32, lpart_ptr=f32,
                           opart_ptr=f32), dict(D=128, RP=16, BN=64, HAS_LP=True, PP=128, GPP=1))
-    compile_sm90(decode._decode_attn_combine_kernel,
-                 types_of(decode._decode_attn_combine_kernel, route_ptr=b, mpart_ptr=f32, lpart_ptr=f32,
+    compile_sm90(decode_attn._decode_attn_combine_kernel,
+                 types_of(decode_attn._decode_attn_combine_kernel, route_ptr=b, mpart_ptr=f32, lpart_ptr=f32,
                           opart_ptr=f32), dict(D=128, SP=32, PP=128, GPP=1, BN=64),
                  num_warps=1)
     compile_sm90(attention._attn_fwd_kernel, types_of(attention._attn_fwd_kernel, idx_ptr=i32, cnt_ptr=i32,

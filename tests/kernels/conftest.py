@@ -15,7 +15,7 @@ if not torch.cuda.is_available():
     _was = os.environ.get("TRITON_INTERPRET")
     os.environ["TRITON_INTERPRET"] = "1"
     if _was != "1" and "wide.kernels" in sys.modules:  # decorated without the interpreter: re-decorate
-        for name in ("_common", "reference", "reorder", "gemm_mn", "swiglu", "gemm_k", "decode", "attention"):
+        for name in ("_common", "reference", "reorder", "gemm_mn", "swiglu", "gemm_k", "decode", "decode_attn", "attention"):
             mod = sys.modules.get(f"wide.kernels.{name}")
             if mod is not None:
                 importlib.reload(mod)

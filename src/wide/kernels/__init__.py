@@ -9,6 +9,7 @@ Public ops (mask convention: bool ``[M, N_G]``, True = execute):
 * :func:`gemm_k` — K-axis routed GEMM (O / down; Algorithm 3).
 * :func:`routed_attention` — routed flash attention prefill (Algorithm 4) and split-KV decode.
 * :mod:`wide.kernels.decode` — GEMV paths for M <= 4 (used automatically by the ops above).
+* :func:`decode_attention` (:mod:`wide.kernels.decode_attn`) — split-KV routed decode attention with GQA packing.
 * :mod:`wide.kernels.reference` — plain PyTorch references and the Appendix-A naive baselines.
 
 Triton is optional at import time.  On CPU without ``TRITON_INTERPRET=1`` (or without Triton)
@@ -17,7 +18,8 @@ every op falls back to its PyTorch reference (float32 compute, input dtype out).
 
 from ._common import HAS_TRITON, KernelArgumentError, Reordered, cache_dir
 from .attention import routed_attention
-from .decode import decode_attention, gemv_k, gemv_mn, gemv_swiglu
+from .decode import gemv_k, gemv_mn, gemv_swiglu
+from .decode_attn import decode_attention
 from .gemm_k import gemm_k
 from .gemm_mn import gemm_mn
 from .reorder import reorder

@@ -13,7 +13,7 @@ query rows of one (b, query head):
   (``delta = Tk - Tq``); tiles wholly below the smallest query position skip the element-wise
   mask (fully-valid fast path); left padding starts the stream at ``left_pad[b]``.
 
-``Tq == 1`` dispatches to the split-KV decode kernel (:func:`wide.kernels.decode.decode_attention`).
+``Tq == 1`` dispatches to the split-KV decode kernel (:func:`wide.kernels.decode_attn.decode_attention`).
 """
 
 from __future__ import annotations
@@ -206,7 +206,7 @@ def routed_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, route: t
     if B * Tq == 0:
         return out
     if Tq == 1:
-        from .decode import decode_attention
+        from .decode_attn import decode_attention
         return decode_attention(q, k, v, route, left_pad=left_pad, scale=scale, out=out)
     if reordered is None:
         from .reorder import reorder
