@@ -123,6 +123,37 @@ def test_new_cache_refuses_bad_sizes(engine):
     assert c.batch == 2 and c.max_len == 5 and c.lengths.tolist() == [0, 0]
 
 
+def test_new_cache_refuses_a_cache_beyond_the_context(engine):
+    ctx = engine.base.config.max_position_embeddings
+    assert engine.new_cache(1, ctx).max_len == ctx
+    with pytest.raises(WideError, match=f"a KV cache of {10 ** 7} tokens exceeds the model's context of {ctx} "
+                                        "tokens \\(max_position_embeddings\\)"):
+        engine.new_cache(1, 10 ** 7)  # refused before ~230 GB are asked of the allocator
+
+
+def test_engine_and_generate_refuse_misused_arguments(engine):
+    from wide.inference import Engine, Sampling, generate
+
+    for bad in ["x", 3, torch.nn.Linear(2, 2)]:
+        with pytest.raises(WideError, match=f"Engine needs a WideModel \\(wide.load\\) or a Hugging Face causal "
+                                            f"LM; got {type(bad).__name__}"):
+            Engine(bad)
+    tok = tiny_tokenizer()
+    for args, kw, msg in [
+        ((["w1"], "3"), {}, "max_new_tokens='3' must be an int >= 1"),
+        ((["w1"], 2.5), {}, "max_new_tokens=2.5 must be an int >= 1"),
+        ((["w1"], True), {}, "max_new_tokens=True must be an int >= 1"),
+        ((["w1"], 2), {"sampling": 0.7}, "sampling=0.7 must be a wide.inference.Sampling"),
+        ((["w1"], 2), {"sampling": {"temperature": 0.7}}, "sampling=\\{'temperature': 0.7\\} must be a"),
+        ((5, 2), {}, "prompts must be a string, a token tensor, or a list of them; got int"),
+        ((["w1", 7], 2), {}, "prompt 1 is a int: a prompt is a string, a 1-D token tensor or a list of int token ids"),
+        (([[1, 2.5]], 2), {}, "prompt 0 is a list"),
+    ]:
+        with pytest.raises(WideError, match=msg):
+            generate(engine, tok, *args, **kw)
+    assert generate(engine, tok, [[5, 6]], 2, sampling=Sampling(), graphs=False).tokens[0]  # the good forms run
+
+
 def test_new_cache_refuses_a_cache_beyond_the_sliding_window(reference_path):
     from wide.inference import Engine
 

@@ -185,6 +185,13 @@ def test_forward_refuses_a_mask_that_does_not_fit(model):
         wm(x, attention_mask=torch.ones(2, 11, dtype=torch.int64))
     with pytest.raises(WideError, match=r"attention_mask of shape \(1, 12\) does not fit"):
         wm(x, attention_mask=torch.ones(1, 12, dtype=torch.int64))
+    with pytest.raises(WideError, match=r"attention_mask of shape \(2, 1, 12, 12\): WIDE takes a 2-D \[B, T\] padding "
+                                        r"mask .* not a 4-D one"):
+        wm(x, attention_mask=torch.ones(2, 1, 12, 12, dtype=torch.bool).tril())
+    with pytest.raises(WideError, match=r"attention_mask of shape \(12,\): .* not a 1-D one"):
+        wm(x, attention_mask=torch.ones(12, dtype=torch.int64))
+    with pytest.raises(WideError, match=r"attention_mask must be a \[B, T\] tensor .* got list"):
+        wm(x, attention_mask=[[1] * 12] * 2)
     with torch.no_grad():  # a longer mask is what incremental decoding with past_key_values passes
         out = wm(x, use_cache=True)
         wm(x[:, :1], attention_mask=torch.ones(2, 13, dtype=torch.int64), past_key_values=out.past_key_values)

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from wide import WideError
-from wide.inference.sampling import Sampling, next_tokens
+from wide.inference.sampling import Sampling, filtered_scores, next_tokens
 from wide_testutil import tiny_tokenizer
 
 N_DRAWS = 40000
@@ -72,12 +72,34 @@ def test_greedy_settings_take_the_argmax():
     ({"top_p": 0.0}, "top-p 0.0 must be in (0, 1]"),
     ({"top_p": 1.5}, "top-p 1.5 must be in (0, 1]"),
     ({"top_p": float("nan")}, "top-p nan must be in (0, 1]"),
-    ({"seed": "1"}, "seed '1' must be an int or None"),
+    ({"seed": "1"}, "seed '1' must be an integer from 0 to 4294967295 (2**32 - 1), or None"),
+    ({"seed": -1}, "seed -1 must be an integer from 0 to 4294967295"),
+    ({"seed": 2 ** 32}, "seed 4294967296 must be an integer from 0 to 4294967295"),
+    ({"seed": 10 ** 23}, f"seed {10 ** 23} must be an integer from 0"),
 ])
 def test_bad_values_are_refused(kwargs, words):
     with pytest.raises(WideError) as e:
         Sampling(**kwargs)
     assert words in str(e.value)
+
+
+@pytest.mark.parametrize("T", [1e-20, 1e-37, 1e-40, 5e-324])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_tiny_temperature_is_greedy(T, dtype):
+    """T -> 0 is the argmax: the row's max is subtracted before dividing by T, so a tiny T cannot overflow every
+    positive logit to +inf (which made every draw token 0), and a T below float32's smallest normal is greedy."""
+    logits = (torch.randn(64, 300, generator=torch.Generator().manual_seed(3), dtype=torch.float64) * 4).to(dtype)
+    logits[:, 0] = -50.0  # token 0 is never the answer
+    s = Sampling(temperature=T, seed=1)
+    assert s.greedy == (T < 1.1754943508222875e-38)
+    if not s.greedy:
+        scores = filtered_scores(logits, s)
+        assert (scores.max(-1).values == 0).all() and not scores.isnan().any()
+    want = logits.double().argmax(-1)
+    unique = (logits.double() == logits.double().max(-1, keepdim=True).values).sum(-1) == 1
+    assert unique.float().mean() > 0.9
+    got = next_tokens(logits, s, s.generator(torch.device("cpu")))
+    assert torch.equal(got[unique], want[unique])  # the smallest gap (1 fp32 ulp of 16, ~1e-6) over T is huge
 
 
 @pytest.fixture
@@ -144,6 +166,8 @@ def test_cli_sampling_options(tmp_path, model_dir, capsys, reference_path):
         (["--temperature", "-0.5"], "temperature -0.5 must be a finite number >= 0"),
         (["--temperature", "1", "--top-p", "0"], "top-p 0.0 must be in (0, 1]"),
         (["--temperature", "1", "--top-k", "-1"], "top-k -1 must be an int >= 0"),
+        (["--temperature", "1", "--seed", str(10 ** 23)], f"seed {10 ** 23} must be an integer from 0 to 4294967295"),
+        (["--temperature", "1", "--seed", "-1"], "seed -1 must be an integer from 0 to 4294967295"),
     ]:
         rc = main([*base, *extra])
         _, err = capsys.readouterr()

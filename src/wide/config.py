@@ -18,6 +18,10 @@ from pathlib import Path
 
 from .errors import WideError
 
+#: Every ``--seed`` (calibration, LoRA, sampling) lies in ``[0, SEED_MAX]`` (the data order seeds a 64-bit generator
+#: with ``seed * 1_000_003 + epoch``).
+SEED_MAX = 2 ** 32 - 1
+
 CONFIG_NAME = "wide_config.json"
 SPARSITY_MODES = ("global", "uniform")
 #: the Gumbel-softmax temperature a training run accepts (:meth:`WideConfig.check_training`): the router

@@ -594,7 +594,8 @@ class WideModel(nn.Module):
         Raises:
             WideError: ``input_ids`` not an integer tensor ``[B, T]`` with ``T >= 1``, ids outside the vocabulary
                 (in eval mode: one host sync, skipped while a CUDA graph is captured; training batches come from
-                the project's own tokenization and keep the GPU queue free of syncs), or a 2-D ``attention_mask``
+                the project's own tokenization and keep the GPU queue free of syncs), or an ``attention_mask`` that
+                is not a 2-D tensor (a 3-D / 4-D custom mask is refused: routing needs the padding of each token),
                 whose batch differs or that is shorter than ``T``.
         """
         if input_ids is not None or "inputs_embeds" not in kwargs:
@@ -611,8 +612,14 @@ class WideModel(nn.Module):
         """The checks of :meth:`forward`'s ``Raises`` (one line each, before the model runs)."""
         check_token_ids(input_ids)
         B, T = input_ids.shape
-        if isinstance(attention_mask, torch.Tensor) and attention_mask.dim() == 2 and (
-                attention_mask.shape[0] != B or attention_mask.shape[1] < T):
+        if attention_mask is not None and not isinstance(attention_mask, torch.Tensor):
+            raise WideError(f"attention_mask must be a [B, T] tensor (1 = real token, 0 = padding) or None; got "
+                            f"{type(attention_mask).__name__}")
+        if attention_mask is not None and attention_mask.dim() != 2:
+            raise WideError(f"attention_mask of shape {tuple(attention_mask.shape)}: WIDE takes a 2-D [B, T] padding "
+                            f"mask (1 = real token, 0 = padding; the model adds the causal mask), not a "
+                            f"{attention_mask.dim()}-D one")
+        if attention_mask is not None and (attention_mask.shape[0] != B or attention_mask.shape[1] < T):
             raise WideError(f"attention_mask of shape {tuple(attention_mask.shape)} does not fit input_ids "
                             f"{(B, T)}: it needs [B, T] (or [B, past + T] with past_key_values)")
         if self.training:

@@ -39,7 +39,7 @@ import torch
 
 from . import distributed as D
 from .checkpoint import save_wide
-from .config import atomic_write
+from .config import SEED_MAX, atomic_write
 from .errors import WideError, WideWarning
 from .memory import check_train_memory
 from .modeling import WideModel, fingerprint, fingerprint_like
@@ -52,8 +52,6 @@ STAGES = ("router", "lora")
 #: the largest --lr accepted: AdamW moves every parameter by about lr per step, so above 1 one step moves the
 #: router weights (initialized near 0.02) far beyond their scale and training diverges
 LR_MAX = 1.0
-#: --seed must lie in [0, SEED_MAX] (the data order seeds a 64-bit generator with ``seed * 1_000_003 + epoch``)
-SEED_MAX = 2 ** 32 - 1
 
 
 @dataclass

@@ -78,6 +78,8 @@ def test_errors():
     for rows in (8, 3):
         with pytest.raises(ValueError, match="reordered must be a Reordered"):
             gemm_mn(x[:rows], w, r[:rows], 32, reordered="x")
+        with pytest.raises(ValueError, match="reordered must be a Reordered.* got tuple of int, int, int"):
+            gemm_mn(x[:rows], w, r[:rows], 32, reordered=(1, 2, 3))
         with pytest.raises(ValueError, match=r"reordered.index must be int32 with shape \(%d, 2\)" % rows):
             gemm_mn(x[:rows], w, r[:rows], 32, reordered=reorder(torch.ones(9, 2, dtype=torch.bool, device=DEVICE)))
 

@@ -257,9 +257,9 @@ class Engine:
             of the last call (prefill masks include padding rows).
 
     Raises:
-        WideError: unsupported architecture, activation other than SiLU, a wrapped
-            (unmerged LoRA) projection, an unknown ``ops`` / ``kaxis`` / ``naxis`` / ``attn``, or an
-            ``overlap`` that is not a bool.
+        WideError: ``model`` neither a WideModel nor a Hugging Face model, unsupported architecture, activation
+            other than SiLU, a wrapped (unmerged LoRA) projection, an unknown ``ops`` / ``kaxis`` / ``naxis`` /
+            ``attn``, or an ``overlap`` that is not a bool.
     """
 
     def __init__(self, model: nn.Module, ops: str = "routed", track_sparsity: bool = True, fused: bool = True,
@@ -279,6 +279,9 @@ class Engine:
         self.expected_active: dict = {}  # {(kind, layer): executed fraction}, see measure_activity
         from ..modeling import WideModel
 
+        if not isinstance(model, WideModel) and not (isinstance(model, nn.Module) and hasattr(model, "config")):
+            raise WideError(f"Engine needs a WideModel (wide.load) or a Hugging Face causal LM; got "
+                            f"{type(model).__name__}")
         self.wide = model if isinstance(model, WideModel) else None
         base = self.wide.base if self.wide is not None else model
         check_architecture(base.config)
@@ -337,11 +340,15 @@ class Engine:
             a :class:`StaticKVCache` with K/V buffers ``[L, batch, H_k, max_len, d]`` and all lengths 0.
 
         Raises:
-            WideError: ``batch`` or ``max_len`` not an int or below 1, or ``max_len`` beyond the model's sliding
-                attention window (not supported).  (Buffers too large for the device's memory raise PyTorch's
+            WideError: ``batch`` or ``max_len`` not an int or below 1, or ``max_len`` beyond the model's context
+                (``max_position_embeddings``) or its sliding attention window (not supported).  (Buffers too large for the device's memory raise PyTorch's
                 ``torch.OutOfMemoryError`` on a GPU, ``RuntimeError`` on the CPU.)
         """
         batch, max_len = _positive_int("batch", batch), _positive_int("max_len", max_len)
+        ctx = getattr(self.base.config, "max_position_embeddings", None)
+        if ctx is not None and max_len > ctx:
+            raise WideError(f"a KV cache of {max_len} tokens exceeds the model's context of {ctx} tokens "
+                            "(max_position_embeddings)")
         if self.window is not None and max_len > self.window:
             raise WideError(f"a KV cache of {max_len} tokens exceeds the model's sliding attention window "
                             f"({self.window}); sliding-window attention is not supported by the inference engine")

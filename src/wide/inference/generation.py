@@ -68,10 +68,13 @@ def encode_prompts(prompts, tokenizer, device: torch.device) -> list[torch.Tenso
     tensors on their own device).
 
     Raises:
-        WideError: no prompt, an empty prompt, strings without a tokenizer, or token tensors on mixed devices.
+        WideError: no prompt, an empty prompt, strings without a tokenizer, token tensors on mixed devices, or
+            prompts that are not a string, a token tensor, a list of token ids, or a list / tuple of these.
     """
     if isinstance(prompts, (str, torch.Tensor)):
         prompts = [prompts]
+    if not isinstance(prompts, (list, tuple)):
+        raise WideError(f"prompts must be a string, a token tensor, or a list of them; got {type(prompts).__name__}")
     prompts = list(prompts)
     if not prompts:
         raise WideError("no prompt given")
@@ -93,8 +96,11 @@ def encode_prompts(prompts, tokenizer, device: torch.device) -> list[torch.Tenso
                 raise WideError(f"empty prompt (prompt {i} has no tokens)")
             out.append(t)
             continue
-        else:
+        elif isinstance(p, (list, tuple)) and all(isinstance(x, int) and not isinstance(x, bool) for x in p):
             t = torch.tensor(list(p), dtype=torch.int64)
+        else:
+            raise WideError(f"prompt {i} is a {type(p).__name__}: a prompt is a string, a 1-D token tensor or a list "
+                            "of int token ids")
         if t.numel() == 0:
             raise WideError(f"empty prompt (prompt {i} has no tokens)")
         out.append(t.to(device))
@@ -136,12 +142,16 @@ def generate(engine, tokenizer, prompts, max_new_tokens: int = 32, *, max_len: i
         :class:`GenerationResult`.
 
     Raises:
-        WideError: empty prompt, mixed devices, ``max_new_tokens < 1``, a cache longer than the model's
+        WideError: empty prompt, mixed devices, ``max_new_tokens`` not an int >= 1, ``sampling`` not a
+            :class:`~wide.inference.sampling.Sampling` or None, a cache longer than the model's
             context (``max_position_embeddings``), a prompt (+ new tokens) longer than
             the cache, or ``graphs=True`` without a GPU.
     """
-    if max_new_tokens < 1:
-        raise WideError(f"max_new_tokens={max_new_tokens} must be >= 1")
+    if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 1:
+        raise WideError(f"max_new_tokens={max_new_tokens!r} must be an int >= 1")
+    if sampling is not None and not isinstance(sampling, Sampling):
+        raise WideError(f"sampling={sampling!r} must be a wide.inference.Sampling (e.g. Sampling(temperature=0.7)) "
+                        "or None for greedy")
     dev = engine.device
     if graphs and (not torch.cuda.is_available() or dev.type != "cuda"):
         raise WideError("CUDA-graph decode needs a CUDA GPU and the model on it; this run is on "

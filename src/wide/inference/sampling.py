@@ -14,6 +14,7 @@ from dataclasses import dataclass
 
 import torch
 
+from ..config import SEED_MAX
 from ..errors import WideError
 
 
@@ -22,14 +23,16 @@ class Sampling:
     """How the next token is chosen.
 
     Attributes:
-        temperature: ``0`` for greedy (the default); else the softmax temperature ``T > 0`` (logits / T).
+        temperature: ``0`` for greedy (the default); else the softmax temperature ``T > 0`` (logits / T; below
+            ~1.2e-38, float32's smallest normal, greedy: the limit T -> 0).
         top_k: keep the ``k`` highest-scoring tokens (``0`` = all).
         top_p: keep the smallest set of most probable tokens whose probability sums to at least ``p``
             (``0 < p <= 1``; ``1`` = all); always at least one token.
-        seed: seed of the sampling generator (``None``: a random seed from the default generator).
+        seed: seed of the sampling generator, an int in ``[0, 2**32 - 1]`` as every ``--seed`` of the project
+            (``None``: a random seed from the default generator).
 
     Raises:
-        WideError: on construction, a value outside the ranges above, or a seed that is not an int.
+        WideError: on construction, a value outside the ranges above, or a seed that is not such an int.
     """
 
     temperature: float = 0.0
@@ -48,13 +51,16 @@ class Sampling:
         p = self.top_p
         if isinstance(p, bool) or not isinstance(p, (int, float)) or not (0 < p <= 1):
             raise WideError(f"top-p {p!r} must be in (0, 1] (1 = no top-p filtering)")
-        if self.seed is not None and (isinstance(self.seed, bool) or not isinstance(self.seed, int)):
-            raise WideError(f"seed {self.seed!r} must be an int or None")
+        if self.seed is not None and (isinstance(self.seed, bool) or not isinstance(self.seed, int)
+                                      or not 0 <= self.seed <= SEED_MAX):
+            raise WideError(f"seed {self.seed!r} must be an integer from 0 to {SEED_MAX} (2**32 - 1), or None")
 
     @property
     def greedy(self) -> bool:
-        """True when the next token is the ``argmax`` (``temperature == 0``, or ``top_k == 1``)."""
-        return self.temperature == 0 or self.top_k == 1
+        """True when the next token is the ``argmax``: ``temperature == 0``, ``top_k == 1``, or a temperature
+        below float32's smallest normal number (~1.2e-38), where the scores' float32 division would break down
+        and the distribution is the argmax's anyway (T -> 0)."""
+        return self.temperature < torch.finfo(torch.float32).tiny or self.top_k == 1
 
     def generator(self, device: torch.device) -> torch.Generator | None:
         """A generator on ``device`` seeded with :attr:`seed` (a fresh random seed when None); None when greedy."""
@@ -73,10 +79,12 @@ def filtered_scores(logits: torch.Tensor, sampling: Sampling) -> torch.Tensor:
         sampling: a non-greedy :class:`Sampling`.
 
     Returns:
-        float32 ``[B, V]``: ``logits / T``, ``-inf`` outside the kept tokens; ``softmax`` of a row is the
-        distribution a token is drawn from.
+        float32 ``[B, V]``: ``(logits - max) / T`` (the row's max subtracted first, which ``softmax`` ignores, so
+        that a tiny T sends the other tokens to ``-inf`` instead of every positive logit to ``+inf``: T -> 0 is
+        greedy), ``-inf`` outside the kept tokens; ``softmax`` of a row is the distribution a token is drawn from.
     """
-    scores = logits.float() / sampling.temperature
+    x = logits.float()
+    scores = (x - x.amax(dim=-1, keepdim=True)) / sampling.temperature
     V = scores.shape[-1]
     if 0 < sampling.top_k < V:
         kth = scores.topk(sampling.top_k, dim=-1).values[..., -1:]

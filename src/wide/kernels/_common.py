@@ -154,8 +154,14 @@ def check_route(route: torch.Tensor, M: int, NG: int, name: str = "route") -> No
 
 
 def check_reordered(r, shape: tuple, name: str = "reordered") -> Reordered:
-    if not isinstance(r, tuple) or len(r) != 3:
-        fail(f"{name} must be a Reordered(index, mask, counts) from wide.kernels.reorder")
+    """``r`` as a :class:`Reordered` whose index is int32 ``shape`` and counts int32 ``shape[:-2] + shape[-1:]``.
+
+    Raises:
+        ValueError (:class:`KernelArgumentError`): anything else, e.g. a tuple that does not hold three tensors.
+    """
+    if not isinstance(r, tuple) or len(r) != 3 or not all(isinstance(t, torch.Tensor) for t in r):
+        fail(f"{name} must be a Reordered(index, mask, counts) from wide.kernels.reorder; got "
+             f"{type(r).__name__}{'' if not isinstance(r, tuple) else ' of ' + ', '.join(type(t).__name__ for t in r)}")
     r = Reordered(*r)
     if tuple(r.index.shape) != tuple(shape) or r.index.dtype != torch.int32:
         fail(f"{name}.index must be int32 with shape {tuple(shape)}, got {r.index.dtype} {tuple(r.index.shape)}")
