@@ -60,6 +60,20 @@ def test_garbled_router_payload(tmp_path, model):
         load(path, model=tiny_model())
 
 
+def test_integer_router_tensors_are_refused(tmp_path, model):
+    """A routers file whose tensors were rewritten as integers (fresh user, session 15) is not a set of routers."""
+    from safetensors.torch import load_file, save_file
+
+    _, path = _saved(tmp_path, model)
+    tensors = load_file(path / ROUTERS_NAME)
+    name = sorted(tensors)[0]
+    tensors[name] = tensors[name].to(torch.int32)
+    save_file(tensors, path / ROUTERS_NAME)
+    with pytest.raises(WideError, match=f"corrupt checkpoint file .*: tensor '{name}' is int32; router weights are "
+                                        "floating point"):
+        load(path, model=tiny_model())
+
+
 def test_other_base_model_weights(tmp_path, model):
     _, path = _saved(tmp_path, model)
     with pytest.raises(WideError, match="was made for base model 'tiny'"):

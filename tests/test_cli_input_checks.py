@@ -99,12 +99,21 @@ def test_bad_config_value_names_the_file(tmp_path, model_dir, text_file, capsys,
 
 def test_prune_static_summary_shows_the_sparsities_used(tmp_path, model_dir, text_file, capsys):
     out = tmp_path / "static"
-    rc, stdout, err = run(["prune-static", "--model", model_dir, "--text", text_file, "-S", "0.1", "-o", out,
-                           "--attn-sparsity", "0.5", "--ffn-sparsity", "0.25", "--ffn-group-size", "16",
-                           "--calib-blocks", "2", "--seq-len", "32", "--device", "cpu"], capsys)
+    split = ["--attn-sparsity", "0.5", "--ffn-sparsity", "0.25", "--ffn-group-size", "16", "--calib-blocks", "2",
+             "--seq-len", "32", "--device", "cpu"]
+    # an -S that is not the two fractions' mean is refused, not silently dropped (fresh user, session 15)
+    rc, _, err = run(["prune-static", "--model", model_dir, "--text", text_file, "-S", "0.1", "-o", out, *split],
+                     capsys)
+    one_line_error(rc, err, "prune-static", "-S 0.1 conflicts with --attn-sparsity 0.5 --ffn-sparsity 0.25 (their "
+                   "mean, the overall S, is 0.375): give -S alone, or the two fractions")
+    assert not out.exists()
+    rc, _, err = run(["prune-static", "--model", model_dir, "--text", text_file, "-o", out], capsys)
+    one_line_error(rc, err, "prune-static", "give the target sparsity -S (or the two fractions --attn-sparsity and "
+                   "--ffn-sparsity)")
+    rc, stdout, err = run(["prune-static", "--model", model_dir, "--text", text_file, "-o", out, *split], capsys)
     assert rc == 0, err
     line = next(ln for ln in stdout.splitlines() if ln.startswith("static pruning of"))
-    assert "(--attn-sparsity 0.5 --ffn-sparsity 0.25)" in line and "S=0.1" not in line
+    assert "(--attn-sparsity 0.5 --ffn-sparsity 0.25)" in line and "S=" not in line
     assert "removed attention 0.500" in line and "FFN 0.250" in line and "overall 0.375" in line
     rc, stdout, err = run(["prune-static", "--model", model_dir, "--text", text_file, "-S", "0.5", "-o",
                            tmp_path / "s50", "--ffn-group-size", "16", "--calib-blocks", "2", "--seq-len", "32",

@@ -282,6 +282,13 @@ def test_cli_generate_one_cpu_line_and_a_truthful_path(model_dir, capsys, refere
     assert out.strip().splitlines()[-1].endswith("| path: dense")
 
 
+def test_cli_generate_one_token_has_no_tpot(model_dir, capsys, reference_path):
+    rc, out, err = _generate(capsys, "--model", model_dir, "--prompt", "w1 w2", "--max-new-tokens", "1")
+    assert rc == 0, err
+    last = out.strip().splitlines()[-1]
+    assert "| TPOT n/a (no decode step) |" in last and "(1 token, batch 1)" in last, last
+
+
 def test_cli_cpu_notice_names_the_path_and_why(monkeypatch):
     from wide.inference.cli import _cpu_notice
 

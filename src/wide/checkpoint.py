@@ -271,7 +271,7 @@ def load(path: str | os.PathLike, model: str | torch.nn.Module | None = None, de
         WideError: missing directory or files, a file where the directory is expected, corrupt files (a bad value in ``wide_config.json``, including
             group sizes that do not fit the model, or a field of ``base_model.json`` that is missing or of the
             wrong type, names the file and the field, before any weight loads; router weights that are not
-            finite), a
+            floating point or not finite), a
             checkpoint made for another base model, router keys or shapes that do not fit (the message counts and names
             the missing / unexpected keys; checked before any weight loads when ``base_model.json`` records the
             dims), a missing / corrupt LoRA
@@ -303,7 +303,10 @@ def load(path: str | os.PathLike, model: str | torch.nn.Module | None = None, de
     if saved is not None:  # router keys and shapes that the recorded model and config need, before any weight
         _check_routers(routers, router_shapes(saved, config), path)
     for name, t in routers.items():  # a garbled payload parses but holds NaN / inf: unusable routers
-        if t.is_floating_point() and not bool(torch.isfinite(t).all()):
+        if not t.is_floating_point():  # router weights are float (fp32 as saved); an int tensor is not a router
+            raise WideError(f"corrupt checkpoint file {path / ROUTERS_NAME}: tensor {name!r} is "
+                            f"{str(t.dtype).replace('torch.', '')}; router weights are floating point")
+        if not bool(torch.isfinite(t).all()):
             bad = int((~torch.isfinite(t)).sum())
             raise WideError(f"corrupt checkpoint file {path / ROUTERS_NAME}: tensor {name!r} holds {bad} NaN or "
                             f"infinite values")

@@ -66,5 +66,7 @@ def test_errors():
                          torch.ones(1, 9, 2, dtype=torch.bool, device=DEVICE))
     with pytest.raises(ValueError, match="left_pad"):
         routed_attention(q, k, k, r, left_pad=torch.zeros(2, dtype=torch.int32, device=DEVICE))
-    with pytest.raises(ValueError, match="dtype"):
+    with pytest.raises(ValueError, match="k has dtype float16, q bfloat16: k and v must have q's dtype"):
         routed_attention(q, k.half(), k, r)
+    with pytest.raises(ValueError, match="causal='yes' must be True or False"):
+        routed_attention(q, k, k, r, causal="yes")

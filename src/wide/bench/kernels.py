@@ -44,10 +44,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                         help="skip ratios s in [0, 1) (default: 0,0.25,0.5,0.75)")
     parser.add_argument("--T", default="1024,4096,16384", type=int_list(1),
                         help="attention lengths (default: 1024,4096,16384)")
-    parser.add_argument("--decode-batch", default=16, type=int_at_least(1), help="batch for decode attention")
-    parser.add_argument("--tokens", default=16384, type=int_at_least(1), help="B*T for prefill attention")
-    parser.add_argument("--out-dir", default="benchmarks/kernels")
-    parser.add_argument("--tag", default="h200")
+    parser.add_argument("--decode-batch", default=16, type=int_at_least(1),
+                        help="batch B of the decode-attention points (default: 16)")
+    parser.add_argument("--tokens", default=16384, type=int_at_least(1),
+                        help="B*T of the prefill-attention points: B = tokens / T sequences of T (default: 16384)")
+    parser.add_argument("--out-dir", default="benchmarks/kernels", help="where results go (default: benchmarks/kernels)")
+    parser.add_argument("--tag", default="h200", help="result file stem kernels_<tag> (default: h200)")
     parser.add_argument("--time-budget", default=520.0, type=float_above(0),
                         help="seconds; the sweep stops (keeping what it measured) past this")
     parser.add_argument("--report-only", action="store_true", help="only rebuild table and plot from the JSON")

@@ -121,8 +121,9 @@ def build_parser() -> argparse.ArgumentParser:
     s = sub.add_parser("prune-static", help="static width baseline: remove the same head groups / FFN groups for "
                                             "every token, scored on calibration text; saves a smaller HF model")
     _add_model(s)
-    s.add_argument("--sparsity", "-S", type=float, required=True,
-                   help="target S in [0, 1): mean over attention and FFN modules of the removed fraction")
+    s.add_argument("--sparsity", "-S", type=float, default=None,
+                   help="target S in [0, 1): mean over attention and FFN modules of the removed fraction, split "
+                        "between them by the calibration loss (or give --attn-sparsity and --ffn-sparsity instead)")
     s.add_argument("--output", "-o", required=True, help="output directory (a HF checkpoint usable as --model)")
     s.add_argument("--text", default=None, help="calibration text (default: BoolQ passages, calibration split)")
     s.add_argument("--attn-group-size", type=int, default=None, help="multiple of the GQA group (default: it)")

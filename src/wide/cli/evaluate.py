@@ -217,12 +217,22 @@ def cmd_prune_static(args) -> int:
     from ..config import WideConfig
 
     _check_ffn_group_size(args)
-    WideConfig(target_sparsity=args.sparsity, ffn_group_size=args.ffn_group_size)  # S and G_ffn, before loading
     for name, v in (("--attn-sparsity", args.attn_sparsity), ("--ffn-sparsity", args.ffn_sparsity)):
         if v is not None and not 0.0 <= v < 1.0:
             raise WideError(f"{name} {v!r} is outside [0, 1)")
     if (args.attn_sparsity is None) != (args.ffn_sparsity is None):
         raise WideError("give both --attn-sparsity and --ffn-sparsity, or neither")
+    split = args.attn_sparsity is not None
+    if args.sparsity is None and not split:
+        raise WideError("give the target sparsity -S (or the two fractions --attn-sparsity and --ffn-sparsity)")
+    if split:
+        mean = 0.5 * (args.attn_sparsity + args.ffn_sparsity)
+        if args.sparsity is not None and abs(args.sparsity - mean) > 1e-9:
+            raise WideError(f"-S {args.sparsity:g} conflicts with --attn-sparsity {args.attn_sparsity:g} "
+                            f"--ffn-sparsity {args.ffn_sparsity:g} (their mean, the overall S, is {mean:g}): give "
+                            "-S alone, or the two fractions")
+        args.sparsity = mean
+    WideConfig(target_sparsity=args.sparsity, ffn_group_size=args.ffn_group_size)  # S and G_ffn, before loading
     _check_output(args, stage=None)
     docs = load_texts(args.text, split="calib")
     data = {}

@@ -195,8 +195,13 @@ def run(args) -> int:
             shown[0] = text
 
     graphs = None if not args.no_graphs else False
-    res = generate(engine, tok, prompts, args.max_new_tokens, max_len=args.max_cache_len, graphs=graphs,
-                   on_token=on_token, sampling=sampling)
+    try:
+        res = generate(engine, tok, prompts, args.max_new_tokens, max_len=args.max_cache_len, graphs=graphs,
+                       on_token=on_token, sampling=sampling)
+    except KeyboardInterrupt:
+        if stream and shown[0]:
+            print(flush=True)  # end the streamed line: "wide generate: interrupted" goes on a line of its own
+        raise
     if stream:
         print()
     else:
@@ -206,8 +211,9 @@ def run(args) -> int:
     sp_txt = (f"attn {sp['attn']:.3f}, ffn {sp['ffn']:.3f}, overall {sp['overall']:.3f}" if len(sp) == 3 else
               ", ".join(f"{k} {v:.3f}" for k, v in sp.items()) or "0 (dense)")
     n = sum(len(t) for t in res.tokens)
-    print(f"TTFT {res.ttft_s * 1e3:.1f} ms | TPOT {res.tpot_s * 1e3:.1f} ms | {res.tokens_per_s:.1f} tokens/s "
-          f"({n} tokens, batch {len(prompts)}) | realized sparsity: {sp_txt} | path: {res.path}")
+    tpot = f"{res.tpot_s * 1e3:.1f} ms" if max(len(t) for t in res.tokens) > 1 else "n/a (no decode step)"
+    print(f"TTFT {res.ttft_s * 1e3:.1f} ms | TPOT {tpot} | {res.tokens_per_s:.1f} tokens/s "
+          f"({n} token{'' if n == 1 else 's'}, batch {len(prompts)}) | realized sparsity: {sp_txt} | path: {res.path}")
     return 0
 
 

@@ -131,8 +131,12 @@ if HAS_TRITON:
 
 def _validate(q, k, v, route, left_pad):
     check_tensor("q", q, 4, HALF_DTYPES + (torch.float32,))
-    check_tensor("k", k, 4, (q.dtype,))
-    check_tensor("v", v, 4, (q.dtype,))
+    check_tensor("k", k, 4)
+    check_tensor("v", v, 4)
+    for name, t in (("k", k), ("v", v)):
+        if t.dtype != q.dtype:
+            fail(f"{name} has dtype {str(t.dtype).replace('torch.', '')}, q {str(q.dtype).replace('torch.', '')}: "
+                 "k and v must have q's dtype")
     B, Hq, Tq, D = q.shape
     if k.shape != v.shape:
         fail(f"k and v must have the same shape, got {tuple(k.shape)} and {tuple(v.shape)}")
@@ -192,10 +196,13 @@ def routed_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, route: t
     :func:`reference.attention_ref`.
 
     Raises:
-        ValueError: bad ranks/shapes/dtypes/devices, Hq not a multiple of Hk, N_G not dividing Hq,
-            Tq > Tk, unsupported head_dim, malformed left_pad/reordered/out, a scale that is not a finite number.
+        ValueError: bad ranks/shapes/dtypes/devices (k, v not in q's dtype), Hq not a multiple of Hk, N_G not
+            dividing Hq, Tq > Tk, unsupported head_dim, malformed left_pad/reordered/out, a scale that is not a
+            finite number, or a ``causal`` that is not a bool.
     """
     B, Hq, Tq, D, Hk, Tk, NG = _validate(q, k, v, route, left_pad)
+    if not isinstance(causal, bool):
+        fail(f"causal={causal!r} must be True or False")
     check_out(out, (B, Hq, Tq, D), q.dtype, q.device)
     scale = softmax_scale(scale, D)
     if not use_triton(q):
