@@ -36,6 +36,23 @@ def test_auto_path_either_side_of_threshold(p, monkeypatch):
     _run(50, 48, 256, 64, torch.bfloat16, "random", "auto", p=p)
 
 
+@pytest.mark.parametrize("G", [16, 32])
+@pytest.mark.parametrize("kind", ["random", "none"])
+def test_auto_small_groups_run_dense_without_reorder(G, kind, monkeypatch):
+    # DENSE_ABOVE is 0 for G <= 32: the device would pick the dense kernel for any route with an active entry,
+    # so the auto path runs it directly (no reorder, no fp32 workspace), all-False routes included
+    monkeypatch.setattr(gemm_k_mod, "SPARSE_MIN_M", 0)
+    assert gemm_k_mod.DENSE_ABOVE[G] == 0.0
+    assert not gemm_k_mod.uses_reorder(4096, G) and gemm_k_mod.uses_reorder(4096, 128)
+    assert gemm_k_mod.uses_reorder(4096) and not gemm_k_mod.uses_reorder(gemm_k_mod.SPARSE_MIN_M - 1, 128)
+
+    def no_reorder(route):
+        raise AssertionError("the auto path reordered a G <= 32 route")
+
+    monkeypatch.setattr(importlib.import_module("wide.kernels.reorder"), "reorder", no_reorder)
+    _run(40, 32, 128, G, torch.bfloat16, kind, "auto")
+
+
 @pytest.mark.parametrize("M", [1, 2, 3, 4])
 @pytest.mark.parametrize("G", [16, 128])
 def test_decode_rows(M, G):

@@ -205,7 +205,10 @@ def bench_gemm(ctx, op, M, G, s):
         NG = N // G
     nw = 2 if op == "swiglu" else 1
     if op == "gemm_k":
-        from wide.kernels.gemm_k import uses_reorder
+        from wide.kernels.gemm_k import uses_reorder as uses_k
+
+        def uses_reorder(M):
+            return uses_k(M, G)
     else:
         from wide.kernels.gemm_mn import uses_reorder
     bytes_set = 2 * (M * K + nw * N * K + M * N)

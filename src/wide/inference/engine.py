@@ -153,10 +153,10 @@ def _gemm_mn_uses_reorder(M: int) -> bool:
     return uses_reorder(M)
 
 
-def _gemm_k_uses_reorder(M: int) -> bool:
+def _gemm_k_uses_reorder(M: int, G: int) -> bool:
     from ..kernels.gemm_k import uses_reorder
 
-    return uses_reorder(M)
+    return uses_reorder(M, G)
 
 
 def batch_reorder_view(flat: Reordered, mask: torch.Tensor) -> Reordered:
@@ -403,16 +403,16 @@ class Engine:
             cache[key] = torch.ones(shape, dtype=torch.bool, device=device)
         return cache[key]
 
-    def _reorders(self, mask: torch.Tensor, attention: bool, mn_kernel: bool = True, k_kernel: bool = True):
+    def _reorders(self, mask: torch.Tensor, attention: bool, mn_kernel: bool, k_kernel: bool, G: int):
         """One reorder per routing decision: ``(flat [B*T, N_G] or None, per-sequence [B, T, N_G] or None)``.
 
         The flat one only where a GEMM that runs as a routed kernel (``mn_kernel``: the N-axis op, ``k_kernel``:
-        the K-axis op) consumes it at this row count."""
+        the K-axis op, of group size ``G``) consumes it at this row count."""
         if mask is None or not use_triton(mask):
             return None, None
         B, T, N = mask.shape
         M = B * T
-        need_flat = (mn_kernel and _gemm_mn_uses_reorder(M)) or (k_kernel and _gemm_k_uses_reorder(M))
+        need_flat = (mn_kernel and _gemm_mn_uses_reorder(M)) or (k_kernel and _gemm_k_uses_reorder(M, G))
         need_attn = attention and T > 1
         flat = reorder(mask.view(M, N)) if need_flat else None
         per = None
@@ -568,7 +568,7 @@ class Engine:
             M = st["x"].shape[0] * st["x"].shape[1]
             st["am_flat"], st["am_per"] = self._reorders(st["am"], not self.attn_dense(i, phase),
                                                          not self.naxis_dense("attn", i, M),
-                                                         not self.kaxis_dense(M, self.g_attn))
+                                                         not self.kaxis_dense(M, self.g_attn), self.g_attn)
 
         def q_dense(st):  # cuBLAS: the routed attention ignores skipped head groups, so the same function
             x = st["x"]
@@ -684,7 +684,7 @@ class Engine:
         def ffn_reorder(st):
             M = st["x_ffn"].shape[0] * st["x_ffn"].shape[1]
             st["fm_flat"], _ = self._reorders(st["fm"], False, not self.naxis_dense("ffn", i, M),
-                                              not self.kaxis_dense(M, self.g_ffn))
+                                              not self.kaxis_dense(M, self.g_ffn), self.g_ffn)
 
         def gate_up(st):
             x = st["x_ffn"]

@@ -31,11 +31,12 @@ from ._common import (
 SPARSE_MIN_M = 512
 
 
-def uses_reorder(M: int) -> bool:
-    """Whether ``gemm_k(path="auto")`` consumes a reorder for M rows.  Below ``SPARSE_MIN_M`` rows
-    every weight group is needed by some row with high probability, so the auto path is the
-    route-predicated dense kernel, which needs no reorder."""
-    return M >= SPARSE_MIN_M
+def uses_reorder(M: int, G: int | None = None) -> bool:
+    """Whether ``gemm_k(path="auto")`` consumes a reorder for M rows (and group size G, if given).  Below
+    ``SPARSE_MIN_M`` rows every weight group is needed by some row with high probability, so the auto path
+    is the route-predicated dense kernel, which needs no reorder; so it is at every M for a G whose
+    ``DENSE_ABOVE`` threshold is 0 (16, 32)."""
+    return M >= SPARSE_MIN_M and (G is None or DENSE_ABOVE.get(G, 0.8) > 0.0)
 
 
 # Active fraction above which the auto path runs the dense (mask-predicated) kernel, per G.
@@ -192,14 +193,16 @@ def gemm_k(a: torch.Tensor, w: torch.Tensor, route: torch.Tensor, G: int, *,
             M <= 4.
         out: optional preallocated contiguous ``[M, N]`` output (a's dtype); every element written.
         path: ``"auto"`` (default: for M < ``SPARSE_MIN_M`` the faster of ``splitk`` and ``dense`` for this
-            shape, autotuned once; else chosen on the device from the active fraction, see ``DENSE_ABOVE``),
+            shape, autotuned once; else chosen on the device from the active fraction, see ``DENSE_ABOVE``;
+            where that threshold is 0, G <= 32, always the dense kernel, with no reorder and no workspace),
             ``"sparse"`` (atomic scatter-add, Algorithm 3), ``"dense"`` (route-predicated dense pipeline) or
             ``"splitk"`` (:func:`wide.kernels.decode.splitk_k`: per row tile, only the groups some row executes
             are read, split over K; no reorder).  All paths give the same function.
 
     Returns:
         ``[M, N]`` in a's dtype, accumulated in fp32 (the result does not depend on the order of the
-        atomics beyond fp32 rounding).  The sparse path needs an fp32 ``[M, N]`` workspace.
+        atomics beyond fp32 rounding).  The sparse path, and ``auto`` from ``SPARSE_MIN_M`` rows where the
+        device may pick it (G >= 64), allocate an fp32 ``[M, N]`` workspace.
 
     M <= 4 uses :func:`wide.kernels.decode.gemv_k`.  CPU without ``TRITON_INTERPRET=1`` falls back to
     :func:`reference.gemm_k_ref`.
@@ -237,7 +240,7 @@ def gemm_k(a: torch.Tensor, w: torch.Tensor, route: torch.Tensor, G: int, *,
     route = route.contiguous()
     if out is None:
         out = torch.empty((M, N), dtype=a.dtype, device=a.device)
-    if path == "splitk" or (path == "auto" and not uses_reorder(M)):
+    if path == "splitk" or (path == "auto" and M < SPARSE_MIN_M):
         from .decode import _dense_tuner, splitk_cands, splitk_k
 
         def run_small(cfg, route=route):
@@ -257,7 +260,9 @@ def gemm_k(a: torch.Tensor, w: torch.Tensor, route: torch.Tensor, G: int, *,
     thr_ppm = int(round(thr * 1_000_000))
     ng_p2 = max(16, next_pow2(NG))
 
-    if path == "dense":
+    # a threshold of 0 (G <= 32) picks the dense kernel for every route with an active entry, and for an
+    # all-False route the dense kernel's zeros are the sparse path's too: no reorder, no fp32 workspace
+    if path == "dense" or thr <= 0.0:
         # no reorder needed at all
         cnt = torch.zeros(1, dtype=torch.int32, device=a.device)
         def run_dense(cfg):
