@@ -101,7 +101,26 @@ def read_records(path: str) -> list:
         raise WideError(f"--report-only: {path} is not a readable JSON file ({e})") from None
     if not isinstance(recs, list):
         raise WideError(f"--report-only: {path} holds a {type(recs).__name__}, not a list of records")
+    for i, r in enumerate(recs):
+        if not isinstance(r, dict):
+            raise WideError(f"--report-only: record {i} of {path} is a {type(r).__name__}, not a JSON object")
     return recs
+
+
+def report_only(path: str, write_report, out_dir: str, tag: str) -> int:
+    """``--report-only``: rebuild the table and plot of ``tag`` in ``out_dir`` from the records at ``path``.
+
+    Raises:
+        WideError: as :func:`read_records`, or a record without a field the report needs (named)."""
+    from ..errors import WideError
+
+    recs = read_records(path)
+    try:
+        write_report(recs, out_dir, tag)
+    except KeyError as e:
+        raise WideError(f"--report-only: a record of {path} lacks the field {e}; the file is not this "
+                        "benchmark's output") from None
+    return 0
 
 
 def float_above(lo: float):

@@ -38,7 +38,7 @@ import statistics
 import sys
 import time
 
-from ._args import choice_list, float_above, group_list, int_at_least, int_list, read_records, sparsity_list
+from ._args import choice_list, float_above, group_list, int_at_least, int_list, report_only, sparsity_list
 
 PAPER_SPLIT = (0.66, 0.285)  # attention / FFN sparsity at overall 0.4725 (§4.4)
 LLAMA8B = dict(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
@@ -725,8 +725,7 @@ def run(args) -> int:
     from wide.errors import WideError
 
     if args.report_only:
-        write_report(read_records(os.path.join(args.out_dir, f"e2e_{args.tag}.json")), args.out_dir, args.tag)
-        return 0
+        return report_only(os.path.join(args.out_dir, f"e2e_{args.tag}.json"), write_report, args.out_dir, args.tag)
     import torch
 
     if not torch.cuda.is_available():

@@ -25,7 +25,7 @@ import sys
 import time
 import zlib
 
-from ._args import choice_list, float_above, group_list, int_at_least, int_list, read_records, sparsity_list
+from ._args import choice_list, float_above, group_list, int_at_least, int_list, report_only, sparsity_list
 
 OPS = ("gemm_mn", "gemm_k", "swiglu", "attention_prefill", "attention_decode")
 LLAMA = dict(hidden=4096, ffn=14336, hq=32, hk=8, d=128)
@@ -415,8 +415,7 @@ def run(args) -> int:
     """Run the sweep described by ``args`` (see :func:`add_arguments`); returns an exit code."""
     out_json = os.path.join(args.out_dir, f"kernels_{args.tag}.json")
     if args.report_only:
-        write_report(read_records(out_json), args.out_dir, args.tag)
-        return 0
+        return report_only(out_json, write_report, args.out_dir, args.tag)
     os.makedirs(args.out_dir, exist_ok=True)
     import torch
 

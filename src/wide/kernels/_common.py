@@ -153,11 +153,14 @@ def check_route(route: torch.Tensor, M: int, NG: int, name: str = "route") -> No
         fail(f"{name} must have shape [M, N_G] = [{M}, {NG}], got {tuple(route.shape)}")
 
 
-def check_reordered(r, shape: tuple, name: str = "reordered") -> Reordered:
-    """``r`` as a :class:`Reordered` whose index is int32 ``shape`` and counts int32 ``shape[:-2] + shape[-1:]``.
+def check_reordered(r, shape: tuple, device: torch.device | None = None, name: str = "reordered") -> Reordered:
+    """``r`` as a :class:`Reordered` whose index is int32 ``shape`` and counts int32 ``shape[:-2] + shape[-1:]``,
+    on ``device`` (the route's) when given; index and counts are returned contiguous (the kernels index them
+    row-major; a no-op for what :func:`wide.kernels.reorder` returns).
 
     Raises:
-        ValueError (:class:`KernelArgumentError`): anything else, e.g. a tuple that does not hold three tensors.
+        ValueError (:class:`KernelArgumentError`): anything else, e.g. a tuple that does not hold three tensors,
+            or tensors on another device than the route.
     """
     if not isinstance(r, tuple) or len(r) != 3 or not all(isinstance(t, torch.Tensor) for t in r):
         fail(f"{name} must be a Reordered(index, mask, counts) from wide.kernels.reorder; got "
@@ -168,10 +171,42 @@ def check_reordered(r, shape: tuple, name: str = "reordered") -> Reordered:
     if tuple(r.counts.shape) != tuple(shape[:-2]) + (shape[-1],) or r.counts.dtype != torch.int32:
         fail(f"{name}.counts must be int32 with shape {tuple(shape[:-2]) + (shape[-1],)}, got "
              f"{r.counts.dtype} {tuple(r.counts.shape)}")
-    return r
+    if device is not None and (r.index.device != device or r.counts.device != device):
+        fail(f"{name} must be on the route's device {device}; got index on {r.index.device}, counts on "
+             f"{r.counts.device}")
+    return Reordered(r.index.contiguous(), r.mask, r.counts.contiguous())
 
 
-def check_out(out, shape, dtype, device, name: str = "out"):
+def check_no_overlap(out: torch.Tensor | None, **inputs: torch.Tensor | None) -> None:
+    """Refuse an ``out`` whose memory overlaps one of ``inputs``: the kernels write tiles of ``out`` while other
+    programs still read the inputs, so an aliased ``out`` would give a wrong result on the GPU (and the CPU
+    reference, which computes before it copies, would hide it).
+
+    Raises:
+        ValueError (:class:`KernelArgumentError`): naming the overlapping input."""
+    if out is None or out.numel() == 0 or out.device.type == "meta":
+        return
+
+    def span(t):
+        extent = sum((n - 1) * abs(st) for n, st in zip(t.shape, t.stride())) + 1
+        return t.data_ptr(), t.data_ptr() + extent * t.element_size()
+
+    o0, o1 = span(out)
+    for name, t in inputs.items():
+        if t is None or t.numel() == 0 or t.device != out.device:
+            continue
+        t0, t1 = span(t)
+        if o0 < t1 and t0 < o1:
+            fail(f"out overlaps {name} in memory; the kernels read {name} while they write out: pass a separate "
+                 "out tensor (or none)")
+
+
+def check_out(out, shape, dtype, device, name: str = "out", **inputs):
+    """``out`` (None allowed) must be a contiguous ``shape`` tensor of ``dtype`` on ``device`` that overlaps none of
+    ``inputs`` (name = tensor, see :func:`check_no_overlap`).
+
+    Raises:
+        ValueError (:class:`KernelArgumentError`): naming what is wrong with ``out``."""
     if out is None:
         return None
     check_tensor(name, out)
@@ -180,6 +215,7 @@ def check_out(out, shape, dtype, device, name: str = "out"):
              f"got {str(out.dtype).replace('torch.', '')} {tuple(out.shape)} on {out.device}")
     if not out.is_contiguous():
         fail(f"{name} must be contiguous")
+    check_no_overlap(out, **inputs)
     return out
 
 

@@ -95,7 +95,8 @@ if HAS_TRITON:
             delta = Tk - Tq
             lo = 0
             if HAS_LP:
-                lo = tl.load(lp_ptr + b).to(tl.int32)
+                # clamped to [0, Tk] before the int32 cast: a negative pad masks nothing, one >= Tk every key
+                lo = tl.minimum(tl.maximum(tl.load(lp_ptr + b), 0), Tk).to(tl.int32)
             qpos = rows + delta
             if CAUSAL:
                 last_row = tl.load(col_ptr + (tl.minimum(m0 + BM, cnt) - 1).to(tl.int64) * NG)
@@ -180,7 +181,8 @@ def routed_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, route: t
             multiple of d; the paper's GQA choice is N_G = Hk).
         causal: query i (0-based) sits at key position ``i + delta``, ``delta = Tk - Tq`` (chunked
             prefill / prefix cache), and sees keys ``j <= i + delta``.
-        left_pad: optional int32/int64 ``[B]``: keys ``j < left_pad[b]`` are padding and masked.
+        left_pad: optional int32/int64 ``[B]``: keys ``j < left_pad[b]`` are padding and masked (a negative
+            value masks nothing, one ``>= Tk`` every key; any strides).
         scale: softmax scale, default ``1 / sqrt(d)``.
         reordered: optional :func:`wide.kernels.reorder` result of ``route`` (shared with the Q and
             O projections' routing after the appropriate reshape); computed here when None.
@@ -197,13 +199,16 @@ def routed_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, route: t
 
     Raises:
         ValueError: bad ranks/shapes/dtypes/devices (k, v not in q's dtype), Hq not a multiple of Hk, N_G not
-            dividing Hq, Tq > Tk, unsupported head_dim, malformed left_pad/reordered/out, a scale that is not a
-            finite number, or a ``causal`` that is not a bool.
+            dividing Hq, Tq > Tk, unsupported head_dim, malformed left_pad/reordered/out (checked on every path,
+            the CPU fallback and ``Tq == 1`` too), an ``out`` that overlaps q, k, v, route or left_pad in memory, a
+            scale that is not a finite number, or a ``causal`` that is not a bool.
     """
     B, Hq, Tq, D, Hk, Tk, NG = _validate(q, k, v, route, left_pad)
     if not isinstance(causal, bool):
         fail(f"causal={causal!r} must be True or False")
-    check_out(out, (B, Hq, Tq, D), q.dtype, q.device)
+    check_out(out, (B, Hq, Tq, D), q.dtype, q.device, q=q, k=k, v=v, route=route, left_pad=left_pad)
+    if reordered is not None:  # checked on every path, so that code that runs on the CPU runs on a GPU too
+        reordered = check_reordered(reordered, (B, Tq, NG), route.device)
     scale = softmax_scale(scale, D)
     if not use_triton(q):
         res = reference.attention_ref(q, k, v, route, causal, left_pad, scale)
@@ -218,8 +223,8 @@ def routed_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, route: t
     if reordered is None:
         from .reorder import reorder
         reordered = reorder(route)
-    else:
-        reordered = check_reordered(reordered, (B, Tq, NG))
+    if left_pad is not None:
+        left_pad = left_pad.contiguous()  # the kernel reads left_pad[b] at offset b
     if interpret_mode():
         bm, bn, opts = 16, 16, {}
     else:

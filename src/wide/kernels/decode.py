@@ -462,12 +462,14 @@ def gemv_mn(x: torch.Tensor, w: torch.Tensor, route: torch.Tensor, G: int, *,
 
     _validate(x, w, route, G)
     if w2 is not None:
-        _validate(x, w2, route, G, "w2")
-        if w2.shape != w.shape:
+        if isinstance(w2, torch.Tensor) and w2.shape != w.shape:
             fail(f"w2 shape {tuple(w2.shape)} must equal w shape {tuple(w.shape)}")
+        _validate(x, w2, route, G, "w2")
     if isinstance(tail, torch.Tensor):
         fail(f"gemv_mn: tail must be a tuple of up to two [N_t, K] weights, got one tensor {tuple(tail.shape)} "
              f"(write tail=(w,))")
+    if not isinstance(tail, (tuple, list)):
+        fail(f"gemv_mn: tail must be a tuple of up to two [N_t, K] weights (() for none), got {type(tail).__name__}")
     tail = tuple(tail)
     if tail and w2 is not None:
         fail("gemv_mn: tail weights are not supported with w2 (fused SwiGLU)")
@@ -484,7 +486,8 @@ def gemv_mn(x: torch.Tensor, w: torch.Tensor, route: torch.Tensor, G: int, *,
     M, K = x.shape
     N = w.shape[0]
     NT = sum(t.shape[0] for t in tail)
-    check_out(out, (M, N + NT), x.dtype, x.device)
+    check_out(out, (M, N + NT), x.dtype, x.device, x=x, w=w, w2=w2, route=route,
+              **{f"tail[{j}]": t for j, t in enumerate(tail)})
     _check_small(x, M, "gemv_mn")
     if out is None:
         out = torch.empty((M, N + NT), dtype=x.dtype, device=x.device)
@@ -639,7 +642,7 @@ def gemv_k(a: torch.Tensor, w: torch.Tensor, route: torch.Tensor, G: int, *,
     check_group(G, a.shape[1], "K (input features)")
     check_route(route, a.shape[0], a.shape[1] // G)
     check_same_device(a=a, w=w, route=route)
-    check_out(out, (a.shape[0], w.shape[0]), a.dtype, a.device)
+    check_out(out, (a.shape[0], w.shape[0]), a.dtype, a.device, a=a, w=w, route=route)
     M, K = a.shape
     N = w.shape[0]
     _check_small(a, M, "gemv_k")

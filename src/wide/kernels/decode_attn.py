@@ -76,7 +76,8 @@ if HAS_TRITON:
                         mask=(hmask & act)[:, None], other=0.0)
             lo = 0
             if HAS_LP:
-                lo = tl.load(lp_ptr + b).to(tl.int32)
+                # clamped to [0, Tk] before the int32 cast: a negative pad masks nothing, one >= Tk every key
+                lo = tl.minimum(tl.maximum(tl.load(lp_ptr + b), 0), Tk).to(tl.int32)
             end = tl.minimum(start + split_len, Tk)
             jstart = tl.maximum(start, (lo // BN) * BN)
             m_i = tl.full((RP,), -1.0e30, dtype=tl.float32)
@@ -161,7 +162,8 @@ def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, route: t
             (``N_G`` divides Hq, so ``G = Hq * d / N_G`` is a multiple of d; the paper's GQA choice is
             ``N_G = Hk``).
         left_pad: optional int32/int64 ``[B]``: keys ``j < left_pad[b]`` are masked (padding, or the empty
-            slots of the engine's reversed-slot cache).
+            slots of the engine's reversed-slot cache; a negative value masks nothing, one ``>= Tk`` every key;
+            any strides).
         scale: softmax scale (default ``1/sqrt(d)``).
         out: optional contiguous ``[B, Hq, 1, d]`` output in q's dtype on q's device.
         splits: number of KV splits per head pack in the dense case, an int ``>= 1`` (default: enough programs
@@ -203,13 +205,14 @@ def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, route: t
             q's dtype or shaped differently from each other or not ``[B, Hk, Tk, d]``, Hq not a multiple of
             Hk, d not a power of two in [16, 256], a last dim that is not contiguous, route not bool
             ``[B, 1, N_G]`` with N_G dividing Hq, left_pad not int32/int64 ``[B]``, tensors on different
-            devices, or ``out`` of the wrong shape, dtype or device, or not contiguous; ``splits``,
+            devices, or ``out`` of the wrong shape, dtype or device, not contiguous, or overlapping an input
+            in memory; ``splits``,
             ``max_splits`` or ``wave`` not None and not an int >= 1, or a ``scale`` that is not a finite number.
     """
     from .attention import _validate as _validate_attention
 
     _validate_attention(q, k, v, route, left_pad)
-    check_out(out, tuple(q.shape), q.dtype, q.device)
+    check_out(out, tuple(q.shape), q.dtype, q.device, q=q, k=k, v=v, route=route, left_pad=left_pad)
     B, Hq, Tq, D = q.shape
     Hk, Tk = k.shape[1], k.shape[2]
     NG = route.shape[-1]
@@ -223,6 +226,10 @@ def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, route: t
         out = torch.empty_like(q)
     if not use_triton(q):
         return out.copy_(reference.attention_ref(q, k, v, route, False, left_pad, scale))
+    if B * Hq == 0:
+        return out
+    if left_pad is not None:
+        left_pad = left_pad.contiguous()  # the kernel reads left_pad[b] at offset b
     rep = Hq // Hk
     hpg = Hq // NG
     route = route.contiguous()

@@ -222,11 +222,11 @@ def gemm_k(a: torch.Tensor, w: torch.Tensor, route: torch.Tensor, G: int, *,
     NG = K // G
     check_route(route, M, NG)
     check_same_device(a=a, w=w, route=route)
-    check_out(out, (M, N), a.dtype, a.device)
+    check_out(out, (M, N), a.dtype, a.device, a=a, w=w, route=route)
     if path not in ("auto", "sparse", "dense", "splitk"):
         fail(f"path={path!r}; allowed: 'auto', 'sparse', 'dense', 'splitk'")
     if reordered is not None:  # checked on every path, so that code that runs on the CPU runs on a GPU too
-        check_reordered(reordered, (M, NG))
+        check_reordered(reordered, (M, NG), route.device)
     from .decode import gemv_k
 
     done = small_or_fallback(a, M, N, out, lambda: reference.gemm_k_ref(a, w, route, G),
@@ -276,7 +276,7 @@ def gemm_k(a: torch.Tensor, w: torch.Tensor, route: torch.Tensor, G: int, *,
         from .reorder import reorder
         reordered = reorder(route)
     else:
-        reordered = check_reordered(reordered, (M, NG))
+        reordered = check_reordered(reordered, (M, NG), route.device)
     idx, cnt = reordered.index, reordered.counts
     ws = torch.empty((M, N), dtype=torch.float32, device=a.device)
     total = M * N

@@ -180,7 +180,7 @@ def launch_gemm_mn(x, w, w2, route, G, reordered, out, swiglu):
         from .reorder import reorder
         reordered = reorder(route)
     else:
-        reordered = check_reordered(reordered, (M, NG))
+        reordered = check_reordered(reordered, (M, NG), route.device)
     if x.stride(1) != 1:
         x = x.contiguous()
     if w.stride(1) != 1:
@@ -242,9 +242,9 @@ def gemm_mn(x: torch.Tensor, w: torch.Tensor, route: torch.Tensor, G: int, *,
             route not bool ``[M, N // G]``, malformed ``reordered`` or ``out``.
     """
     M, N, K = _validate(x, w, route, G)
-    check_out(out, (M, N), x.dtype, x.device)
+    check_out(out, (M, N), x.dtype, x.device, x=x, w=w, route=route)
     if reordered is not None:  # checked on every path, so that code that runs on the CPU runs on a GPU too
-        check_reordered(reordered, (M, N // G))
+        check_reordered(reordered, (M, N // G), route.device)
     from .decode import gemv_mn
 
     done = small_or_fallback(x, M, N, out, lambda: reference.gemm_mn_ref(x, w, route, G),
