@@ -60,7 +60,8 @@ def _parse(argv):
     p.add_argument("--replays", type=int, default=15, help="timed graph replays (median)")
     p.add_argument("--B", default="1,4", help="comma-separated decode batch sizes (rows; default: 1,4)")
     p.add_argument("--parts", default="router,gemv",
-                   help="comma-separated parts to run: router, gemv (the GEMV ops and their configs); default both")
+                   help="comma-separated parts to run: router, gemv (the GEMV ops and their configs), mn-up (every gemv_mn "
+                   "config at the up shape, s = 0 and 0.5); default router,gemv")
     return p.parse_args(argv)
 
 
@@ -280,7 +281,7 @@ class Probe:
         finally:
             decode._gemv_k_cands = orig
 
-    def mn_configs(self, swiglu, N, K, G, B, s):
+    def mn_configs(self, swiglu, N, K, G, B, s, name="q_proj"):
         """Every ``_gemv_mn_cands`` config of gemv_mn (one [N, K] weight) or gemv_swiglu (gate + up), forced in
         turn, vs cuBLAS (x @ w.T, or gate and up)."""
         nw = 2 if swiglu else 1
@@ -303,7 +304,7 @@ class Probe:
             label = f"gemv_swiglu config (N={N},K={K},G={G})"
         else:
             fn = lambda i, o: gemv_mn(a, ws[0][i % ncopy], route, G, out=o)  # noqa: E731
-            label = f"gemv_mn config q_proj (N={N},K={K},G={G})"
+            label = f"gemv_mn config {name} (N={N},K={K},G={G})"
         j = (n - 1) % ncopy
         ref = (swiglu_ref(a.double(), ws[0][j].double(), ws[1][j].double(), route, G) if swiglu
                else gemm_mn_ref(a.double(), ws[0][j].double(), route, G))
@@ -370,6 +371,9 @@ class Probe:
             for B in Bs:
                 self.part(f"router B={B}", lambda B=B: (self.router("attn", S["NG_ATT"], B),
                                                         self.router("ffn", FF // GF, B)))
+        if "mn-up" in want:  # one weight of the up shape: which config serves s = 0 and s = 0.5 alike
+            for s in (0.0, 0.5):
+                self.part(f"gemv_mn configs up B=1 s={s}", lambda s=s: self.mn_configs(False, FF, D, GF, 1, s, "up"))
         if "gemv" not in want:
             return
         for B in Bs:
