@@ -231,3 +231,23 @@ def test_a_wide_checkpoint_given_as_the_base_model_points_to_wide(tmp_path, mode
     _, path = _saved(tmp_path, model)
     with pytest.raises(WideError, match="is a WIDE checkpoint .* give it as --wide"):
         resolve_model(str(path))
+
+
+def test_load_in_float16(tmp_path, model, model_dir):
+    """fp16 rounds weights differently from the bf16 values the fingerprint hashes: wide.load(dtype=float16) checks
+    an fp32 load, then casts; a module already in fp16 is refused with the way out named."""
+    wm, path = _saved(tmp_path, model)
+    from wide.modeling import fingerprint
+
+    half = tiny_model().half()
+    assert fingerprint(half) != fingerprint(tiny_model())  # the case this test is about
+    wm16 = load(path, model=str(model_dir), dtype=torch.float16, device="cpu")
+    assert {p.dtype for p in wm16.base.parameters()} == {torch.float16}
+    assert {p.dtype for p in wm16.router_parameters()} == {torch.float32}
+    x = torch.randint(0, 128, (2, 9))
+    with torch.no_grad():
+        ref = wm.eval()(x).logits.double()
+        got = wm16(x).logits.double()
+    assert ((got - ref).norm() / ref.norm()).item() < 1e-2
+    with pytest.raises(WideError, match="already loaded in float16 cannot be checked"):
+        load(path, model=half)

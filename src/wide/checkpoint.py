@@ -22,7 +22,7 @@ import torch
 from .config import CONFIG_NAME, ModelDims, WideConfig, atomic_write, atomic_write_text
 from .errors import WideError, WideWarning
 from .modeling import (DEFAULT_MODEL, WideModel, check_architecture, check_device, check_router_weights, dims_of,
-                       fingerprint, fingerprint_like, load_base_model, router_shapes)
+                       default_device, fingerprint, fingerprint_like, load_base_model, router_shapes)
 
 ROUTERS_NAME = "routers.safetensors"
 BASE_NAME = "base_model.json"
@@ -252,7 +252,10 @@ def load(path: str | os.PathLike, model: str | torch.nn.Module | None = None, de
             already loaded Hugging Face model.
         device: ``"cpu"``, ``"cuda"``, ``"cuda:1"`` or a ``torch.device``; default CUDA when available.
         dtype: the base model's parameter dtype (``torch.bfloat16`` / ``float16`` / ``float32``); default
-            bf16 on a GPU, fp32 on the CPU. The routers stay fp32 whatever the dtype.
+            bf16 on a GPU, fp32 on the CPU. The routers stay fp32 whatever the dtype. With ``float16`` the base
+            model is loaded in fp32 on the CPU, checked against the checkpoint's fingerprint, then cast and moved
+            (fp16 rounds the weights differently from the bf16 values the fingerprint hashes), so the CPU needs
+            4 bytes a parameter for the time of the load.
         tokenizer: also return the tokenizer (then ``model`` must not be a module).
         merge_lora: if the directory holds a stage-2 LoRA adapter (``adapter/``, peft format), fold it into
             the base weights with peft's own merge and scale (``lora_alpha / r``); otherwise (default) keep
@@ -321,10 +324,14 @@ def load(path: str | os.PathLike, model: str | torch.nn.Module | None = None, de
     if model is None and recorded != DEFAULT_MODEL and not Path(recorded).expanduser().exists():
         raise WideError(f"checkpoint {str(path)!r} records base model {recorded!r} ({BASE_NAME}), which is not "
                         f"there any more: give the base model explicitly (--model, or model= in Python)")
+    # fp16 rounds the weights differently from the bf16 rounding that the fingerprint hashes, so an fp16 model is
+    # loaded in fp32 on the CPU, checked, then cast (the CPU holds the fp32 copy for the time of the check)
+    half = dtype == torch.float16 and not isinstance(model, torch.nn.Module)
     if isinstance(model, torch.nn.Module):
         base = model
     else:
-        base, tok, _ = load_base_model(model if model is not None else info["model"], device=device, dtype=dtype,
+        base, tok, _ = load_base_model(model if model is not None else info["model"],
+                                       device="cpu" if half else device, dtype=torch.float32 if half else dtype,
                                        check=check)
     dims = dims_of(base.config)
     if info.get("dims") and info["dims"] != dims.__dict__:
@@ -334,8 +341,14 @@ def load(path: str | os.PathLike, model: str | torch.nn.Module | None = None, de
     saved_fp = str(info["fingerprint"])
     fp = fingerprint_like(base, saved_fp)
     if fp != saved_fp:
+        hint = ""
+        if next(base.parameters()).dtype == torch.float16:
+            hint = ("; a model already loaded in float16 cannot be checked (its weights round differently): pass "
+                    "model=None or a --model string with dtype=torch.float16, which loads, checks, then casts")
         raise WideError(f"checkpoint {str(path)!r} was made for base model {info['model']!r} "
-                        f"(fingerprint {info['fingerprint']}), not this one (fingerprint {fp})")
+                        f"(fingerprint {info['fingerprint']}), not this one (fingerprint {fp}){hint}")
+    if half:
+        base = base.to(device=torch.device(device) if device is not None else default_device(), dtype=torch.float16)
     wm = WideModel(base, config)
     _check_routers(routers, {k: tuple(v.shape) for k, v in wm.router_state_dict().items()}, path)
     wm.load_router_state_dict(routers)
