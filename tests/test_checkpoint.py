@@ -251,3 +251,18 @@ def test_load_in_float16(tmp_path, model, model_dir):
     assert ((got - ref).norm() / ref.norm()).item() < 1e-2
     with pytest.raises(WideError, match="already loaded in float16 cannot be checked"):
         load(path, model=half)
+
+
+def test_router_file_that_is_a_directory_and_edited_dims_are_named(tmp_path, model):
+    import json
+
+    _, path = _saved(tmp_path, model)
+    info = json.loads((path / "base_model.json").read_text())
+    info["dims"]["intermediate_size"] = 2 * info["dims"]["intermediate_size"]
+    (path / "base_model.json").write_text(json.dumps(info))
+    with pytest.raises(WideError, match="the shapes it needs come from the dims recorded in .*base_model.json"):
+        load(path, model=tiny_model())
+    (path / ROUTERS_NAME).unlink()
+    (path / ROUTERS_NAME).mkdir()
+    with pytest.raises(WideError, match="routers.safetensors is a directory; it must be the safetensors file"):
+        load(path, model=tiny_model())

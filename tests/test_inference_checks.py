@@ -301,3 +301,102 @@ def test_cli_cpu_notice_names_the_path_and_why(monkeypatch):
     assert "routed Triton kernels in the Triton interpreter on the CPU" in _cpu_notice(eng, args)
     eng = types.SimpleNamespace(ops="dense", uses_kernels=True)
     assert "dense PyTorch ops on the CPU, its few Triton kernels" in _cpu_notice(eng, args)
+
+
+def test_generate_refuses_prompt_tensors_it_would_misread(engine):
+    """A padded [B, T] tensor used to become one prompt of B * T tokens; float / bool tensors were truncated / read
+    as 0 and 1; an id beyond int64, a max_len that is not an int, an on_token that is not callable and a model in
+    place of the engine raised bare Python errors."""
+    from wide.inference import generate
+
+    cases = [
+        (torch.tensor([[0, 0, 5], [4, 3, 7]]), "shape \\(2, 3\\): a prompt is one 1-D token tensor"),
+        (torch.tensor([5.7, 3.2]), "prompt 0 is a float32 tensor; token ids are integers"),
+        (torch.tensor([True, False]), "prompt 0 is a bool tensor"),
+        ([[2 ** 70]], "prompt 0 holds a token id beyond int64"),
+    ]
+    for prompts, msg in cases:
+        with pytest.raises(WideError, match=msg):
+            generate(engine, None, prompts, 2)
+    for kw, msg in [({"max_len": "10"}, "max_len='10' must be an int >= 1"), ({"max_len": True}, "max_len=True"),
+                    ({"on_token": 5}, "on_token=5 must be callable")]:
+        with pytest.raises(WideError, match=msg):
+            generate(engine, None, [[5, 6]], 2, **kw)
+    with pytest.raises(WideError, match="engine must be a wide.inference.Engine .* got WideModel"):
+        generate(WideModel(tiny_model(), WideConfig(ffn_group_size=32)), None, [[5, 6]], 2)
+    # a [1, T] tensor is one prompt, as before
+    one = generate(engine, None, torch.tensor([[5, 6, 7]]), 2).tokens
+    assert one == generate(engine, None, [[5, 6, 7]], 2).tokens
+
+
+def test_generate_text_prompts_name_whitespace_and_untokenizable(engine):
+    from wide.inference import generate
+
+    tok = tiny_tokenizer()
+    with pytest.raises(WideError, match="empty prompt \\(prompt 0 is only whitespace\\)"):
+        generate(engine, tok, "   ", 2)
+
+    with pytest.raises(WideError, match="prompt 0 cannot be tokenized \\(TextEncodeInput"):
+        generate(engine, _Untokenizable(tok), "\ud800abc", 2)
+
+
+class _Untokenizable:
+    """A tokenizer whose encoding fails as the fast tokenizers do on a lone surrogate."""
+
+    def __init__(self, tok):
+        self.pad_token_id, self.eos_token_id = tok.pad_token_id, tok.eos_token_id
+
+    def __call__(self, *a, **k):
+        raise TypeError("TextEncodeInput must be Union[TextInputSequence, Tuple[InputSequence, InputSequence]]")
+
+
+def test_eos_is_the_union_of_the_tokenizer_and_the_model():
+    """SmolLM2-Instruct's GGUF tokenizer says EOS = <|im_start|> (1), its generation config <|im_end|> (2): a chat
+    reply must stop at either."""
+    from wide.inference.generation import eos_ids
+
+    model = types.SimpleNamespace(config=types.SimpleNamespace(eos_token_id=2),
+                                  generation_config=types.SimpleNamespace(eos_token_id=[2, 7]))
+    assert eos_ids(model, types.SimpleNamespace(eos_token_id=1)) == {1, 2, 7}
+    assert eos_ids(model) == {2, 7}
+    assert eos_ids(types.SimpleNamespace(config=types.SimpleNamespace(eos_token_id=None))) == set()
+
+
+def test_generation_stops_at_the_generation_configs_eos(engine):
+    from wide.inference import generate
+
+    free = generate(engine, None, [[5, 6, 7]], 6, stop_at_eos=False).tokens[0]
+    stop_tok = free[2]
+    engine.base.config.eos_token_id = None
+    engine.base.generation_config.eos_token_id = stop_tok
+    tok = types.SimpleNamespace(eos_token_id=None, pad_token_id=0, decode=lambda ids, **k: "")
+    got = generate(engine, tok, [[5, 6, 7]], 6).tokens[0]
+    assert got == free[:free.index(stop_tok) + 1]
+
+
+def test_stream_delta_holds_back_a_split_character():
+    """The decoded prefixes of two rocket emoji over six tokens: U+FFFD until a character completes."""
+    from wide.inference.generation import stream_delta
+
+    shown, printed = "", []
+    for text in ["\ufffd", "\ufffd", "\U0001F680", "\U0001F680\ufffd", "\U0001F680\ufffd", "\U0001F680\U0001F680"]:
+        delta, shown = stream_delta(shown, text)
+        printed.append(delta)
+    assert "".join(printed) == "\U0001F680\U0001F680"
+    assert printed == ["", "", "\U0001F680", "", "", "\U0001F680"]
+    assert stream_delta("ab", "abc") == ("c", "abc")
+
+
+def test_new_cache_beyond_the_available_memory_is_refused(engine, monkeypatch):
+    """Linux overcommits a huge CPU allocation and kills the process while zeroing it: refuse it first."""
+    import wide.memory as M
+
+    monkeypatch.setattr(M, "available_memory", lambda device: (10 * 2**20, "a test's 10 MiB"))
+    d = engine.dims
+    need = 2 * d.num_layers * 4 * d.num_kv_heads * 64 * d.head_dim * engine.dtype.itemsize
+    assert need < 10 * 2**20
+    engine.new_cache(4, 64)  # fits
+    rows = 10 * 2**20 // (2 * d.num_layers * d.num_kv_heads * 64 * d.head_dim * engine.dtype.itemsize) + 1
+    with pytest.raises(WideError, match=f"a KV cache of {rows} x 64 tokens needs .* GiB on cpu, more than the "
+                                        "0.01 GiB available \\(a test's 10 MiB\\)"):
+        engine.new_cache(rows, 64)

@@ -72,7 +72,7 @@ def test_greedy_settings_take_the_argmax():
     ({"top_p": 0.0}, "top-p 0.0 must be in (0, 1]"),
     ({"top_p": 1.5}, "top-p 1.5 must be in (0, 1]"),
     ({"top_p": float("nan")}, "top-p nan must be in (0, 1]"),
-    ({"seed": "1"}, "seed '1' must be an integer from 0 to 4294967295 (2**32 - 1), or None"),
+    ({"seed": "1"}, "seed '1' must be an integer from 0 to 4294967295 (2**32 - 1); leave it out"),
     ({"seed": -1}, "seed -1 must be an integer from 0 to 4294967295"),
     ({"seed": 2 ** 32}, "seed 4294967296 must be an integer from 0 to 4294967295"),
     ({"seed": 10 ** 23}, f"seed {10 ** 23} must be an integer from 0"),

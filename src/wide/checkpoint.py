@@ -49,6 +49,8 @@ def read_safetensors(path: str | os.PathLike) -> dict[str, torch.Tensor]:
     from safetensors.torch import load_file
 
     path = Path(path)
+    if path.is_dir():
+        raise WideError(f"checkpoint file {path} is a directory; it must be the safetensors file")
     if not path.is_file():
         raise WideError(f"missing checkpoint file {path}")
     try:
@@ -220,12 +222,15 @@ def check_directory(path: Path, what: str, expected: str) -> None:
         raise WideError(f"{what} {str(path)!r} not found (expected {expected}, a directory with {CONFIG_NAME})")
 
 
-def _check_routers(routers: dict[str, torch.Tensor], shapes: dict[str, tuple[int, ...]], path: Path) -> None:
-    """:func:`wide.modeling.check_router_weights`, its WideError prefixed with the router file."""
+def _check_routers(routers: dict[str, torch.Tensor], shapes: dict[str, tuple[int, ...]], path: Path,
+                   source: str | None = None) -> None:
+    """:func:`wide.modeling.check_router_weights`, its WideError prefixed with the router file (and followed by
+    where the needed shapes come from, ``source``, when that is not the loaded model)."""
     try:
         check_router_weights(routers, shapes)
     except WideError as e:
-        raise WideError(f"{path / ROUTERS_NAME}: {e}") from None
+        raise WideError(f"{path / ROUTERS_NAME}: {e}" + (f" (the shapes it needs come from {source})" if source
+                                                          else "")) from None
 
 
 def _saved_dims(info: dict) -> ModelDims | None:
@@ -304,7 +309,8 @@ def load(path: str | os.PathLike, model: str | torch.nn.Module | None = None, de
         _check_fits(config, saved, path)
     routers = read_safetensors(path / ROUTERS_NAME)  # fail on a corrupt file before loading any model
     if saved is not None:  # router keys and shapes that the recorded model and config need, before any weight
-        _check_routers(routers, router_shapes(saved, config), path)
+        _check_routers(routers, router_shapes(saved, config), path,
+                       f"the dims recorded in {path / BASE_NAME} and the group sizes of {path / CONFIG_NAME}")
     for name, t in routers.items():  # a garbled payload parses but holds NaN / inf: unusable routers
         if not t.is_floating_point():  # router weights are float (fp32 as saved); an int tensor is not a router
             raise WideError(f"corrupt checkpoint file {path / ROUTERS_NAME}: tensor {name!r} is "

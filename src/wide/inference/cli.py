@@ -162,7 +162,7 @@ def run(args) -> int:
     """
     from ..modeling import load_base_model
     from .engine import Engine
-    from .generation import generate
+    from .generation import generate, stream_delta
 
     check_sizes(args)
     sampling = sampling_from(args)
@@ -190,9 +190,10 @@ def run(args) -> int:
 
     def on_token(row, tok_id, text):
         if stream and row == 0:
-            sys.stdout.write(text[len(shown[0]):])
-            sys.stdout.flush()
-            shown[0] = text
+            delta, shown[0] = stream_delta(shown[0], text)
+            if delta:
+                sys.stdout.write(delta)
+                sys.stdout.flush()
 
     graphs = None if not args.no_graphs else False
     try:

@@ -341,8 +341,9 @@ class Engine:
 
         Raises:
             WideError: ``batch`` or ``max_len`` not an int or below 1, or ``max_len`` beyond the model's context
-                (``max_position_embeddings``) or its sliding attention window (not supported).  (Buffers too large for the device's memory raise PyTorch's
-                ``torch.OutOfMemoryError`` on a GPU, ``RuntimeError`` on the CPU.)
+                (``max_position_embeddings``) or its sliding attention window (not supported), or K/V buffers
+                (``2 * L * batch * H_k * max_len * d`` elements) larger than the device's available memory
+                (:func:`wide.memory.available_memory`).
         """
         batch, max_len = _positive_int("batch", batch), _positive_int("max_len", max_len)
         ctx = getattr(self.base.config, "max_position_embeddings", None)
@@ -353,6 +354,14 @@ class Engine:
             raise WideError(f"a KV cache of {max_len} tokens exceeds the model's sliding attention window "
                             f"({self.window}); sliding-window attention is not supported by the inference engine")
         d = self.dims
+        nbytes = 2 * d.num_layers * batch * d.num_kv_heads * max_len * d.head_dim * self.dtype.itemsize
+        from ..memory import available_memory
+
+        avail = available_memory(self.device)
+        if avail is not None and nbytes > avail[0]:  # the CPU would overcommit, then be killed while zeroing
+            raise WideError(f"a KV cache of {batch} x {max_len} tokens needs {nbytes / 2**30:.2f} GiB on {self.device}, "
+                            f"more than the {avail[0] / 2**30:.2f} GiB available ({avail[1]}): lower the batch or "
+                            "max_len (--max-cache-len)")
         return StaticKVCache(d.num_layers, batch, d.num_kv_heads, d.head_dim, max_len, self.dtype, self.device)
 
     def reset_stats(self) -> None:

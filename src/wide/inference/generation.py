@@ -68,8 +68,10 @@ def encode_prompts(prompts, tokenizer, device: torch.device) -> list[torch.Tenso
     tensors on their own device).
 
     Raises:
-        WideError: no prompt, an empty prompt, strings without a tokenizer, token tensors on mixed devices, or
-            prompts that are not a string, a token tensor, a list of token ids, or a list / tuple of these.
+        WideError: no prompt, an empty prompt, strings without a tokenizer or that it cannot encode, token tensors
+            on mixed devices, a token tensor that is not integer or not one row (a padded ``[B, T]`` batch: pass one
+            1-D tensor per prompt), a token id beyond int64, or prompts that are not a string, a token tensor, a list
+            of token ids, or a list / tuple of these.
     """
     if isinstance(prompts, (str, torch.Tensor)):
         prompts = [prompts]
@@ -86,18 +88,30 @@ def encode_prompts(prompts, tokenizer, device: torch.device) -> list[torch.Tenso
         if isinstance(p, str):
             if tokenizer is None:
                 raise WideError("text prompts need a tokenizer")
-            ids = tokenizer(p, add_special_tokens=True)["input_ids"]
             if p.strip() == "":
-                ids = []
+                raise WideError(f"empty prompt (prompt {i} is {'empty' if not p else 'only whitespace'})")
+            try:
+                ids = tokenizer(p, add_special_tokens=True)["input_ids"]
+            except (TypeError, ValueError, UnicodeError) as e:
+                raise WideError(f"prompt {i} cannot be tokenized ({' '.join(str(e).split())[:200]})") from None
             t = torch.tensor(ids, dtype=torch.int64)
         elif isinstance(p, torch.Tensor):
+            if p.is_floating_point() or p.is_complex() or p.dtype == torch.bool:
+                raise WideError(f"prompt {i} is a {str(p.dtype).replace('torch.', '')} tensor; token ids are integers")
+            if p.dim() != 1 and not (p.dim() == 2 and p.shape[0] == 1):
+                raise WideError(f"prompt {i} is a tensor of shape {tuple(p.shape)}: a prompt is one 1-D token tensor "
+                                "(or [1, T]); for a batch pass a list of them (a padded [B, T] tensor would make its "
+                                "padding part of the prompts)")
             t = p.reshape(-1).to(torch.int64)  # stays on its own device (checked by the caller)
             if t.numel() == 0:
                 raise WideError(f"empty prompt (prompt {i} has no tokens)")
             out.append(t)
             continue
         elif isinstance(p, (list, tuple)) and all(isinstance(x, int) and not isinstance(x, bool) for x in p):
-            t = torch.tensor(list(p), dtype=torch.int64)
+            try:
+                t = torch.tensor(list(p), dtype=torch.int64)
+            except (OverflowError, RuntimeError, ValueError):
+                raise WideError(f"prompt {i} holds a token id beyond int64; token ids lie in [0, vocab size)") from None
         else:
             raise WideError(f"prompt {i} is a {type(p).__name__}: a prompt is a string, a 1-D token tensor or a list "
                             "of int token ids")
@@ -105,6 +119,29 @@ def encode_prompts(prompts, tokenizer, device: torch.device) -> list[torch.Tenso
             raise WideError(f"empty prompt (prompt {i} has no tokens)")
         out.append(t.to(device))
     return out
+
+
+def eos_ids(model, tokenizer=None) -> set[int]:
+    """The token ids that end a row: the union of the tokenizer's EOS and the model's ``config`` /
+    ``generation_config`` ``eos_token_id`` (an int or a list; a chat model's end-of-turn token is often only
+    in the latter, e.g. SmolLM2-Instruct's ``<|im_end|>`` while its GGUF tokenizer's EOS is ``<|im_start|>``)."""
+    ids: set[int] = set()
+    for src in (tokenizer, getattr(model, "config", None), getattr(model, "generation_config", None)):
+        e = getattr(src, "eos_token_id", None) if src is not None else None
+        for x in (e if isinstance(e, (list, tuple)) else [e]):
+            if isinstance(x, int) and not isinstance(x, bool):
+                ids.add(x)
+    return ids
+
+
+def stream_delta(shown: str, text: str) -> tuple[str, str]:
+    """For streaming ``text`` (the decoded tokens so far) after ``shown`` was printed: ``(new text to print, the
+    new shown)``.  A multi-byte character split over tokens decodes to U+FFFD until its last token arrives, so
+    trailing U+FFFD are held back, and the completed character is printed once it is there."""
+    stable = text.rstrip("\ufffd")
+    if len(stable) <= len(shown):
+        return "", shown
+    return stable[len(shown):], stable
 
 
 def left_pad(seqs: list[torch.Tensor], pad_id: int) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -147,8 +184,17 @@ def generate(engine, tokenizer, prompts, max_new_tokens: int = 32, *, max_len: i
             context (``max_position_embeddings``), a prompt (+ new tokens) longer than
             the cache, or ``graphs=True`` without a GPU.
     """
+    from .engine import Engine
+
+    if not isinstance(engine, Engine):
+        raise WideError(f"engine must be a wide.inference.Engine (e.g. Engine(wide.load(ckpt))), got "
+                        f"{type(engine).__name__}")
     if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 1:
         raise WideError(f"max_new_tokens={max_new_tokens!r} must be an int >= 1")
+    if max_len is not None and (isinstance(max_len, bool) or not isinstance(max_len, int) or max_len < 1):
+        raise WideError(f"max_len={max_len!r} must be an int >= 1 (tokens per sequence) or None")
+    if on_token is not None and not callable(on_token):
+        raise WideError(f"on_token={on_token!r} must be callable as on_token(row, token_id, text) or None")
     if sampling is not None and not isinstance(sampling, Sampling):
         raise WideError(f"sampling={sampling!r} must be a wide.inference.Sampling (e.g. Sampling(temperature=0.7)) "
                         "or None for greedy")
@@ -174,13 +220,9 @@ def generate(engine, tokenizer, prompts, max_new_tokens: int = 32, *, max_len: i
                         f"--max-cache-len) exceeds the model's context of {ctx} tokens (max_position_embeddings)")
     graphs = (dev.type == "cuda") if graphs is None else graphs
     pad_id = 0
-    eos = None
     if tokenizer is not None:
         pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else (tokenizer.eos_token_id or 0)
-        eos = tokenizer.eos_token_id
-    if eos is None:
-        eos = getattr(engine.base.config, "eos_token_id", None)
-    eos_set = set(eos if isinstance(eos, (list, tuple)) else ([eos] if eos is not None else []))
+    eos_set = eos_ids(engine.base, tokenizer)
     ids, mask = left_pad(seqs, pad_id)
     B = ids.shape[0]
 

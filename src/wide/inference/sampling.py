@@ -53,7 +53,8 @@ class Sampling:
             raise WideError(f"top-p {p!r} must be in (0, 1] (1 = no top-p filtering)")
         if self.seed is not None and (isinstance(self.seed, bool) or not isinstance(self.seed, int)
                                       or not 0 <= self.seed <= SEED_MAX):
-            raise WideError(f"seed {self.seed!r} must be an integer from 0 to {SEED_MAX} (2**32 - 1), or None")
+            raise WideError(f"seed {self.seed!r} must be an integer from 0 to {SEED_MAX} (2**32 - 1); leave it out "
+                            "(None) for a random seed")
 
     @property
     def greedy(self) -> bool:
