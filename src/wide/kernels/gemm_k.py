@@ -226,7 +226,7 @@ def gemm_k(a: torch.Tensor, w: torch.Tensor, route: torch.Tensor, G: int, *,
     if path not in ("auto", "sparse", "dense", "splitk"):
         fail(f"path={path!r}; allowed: 'auto', 'sparse', 'dense', 'splitk'")
     if reordered is not None:  # checked on every path, so that code that runs on the CPU runs on a GPU too
-        check_reordered(reordered, (M, NG), route.device)
+        reordered = check_reordered(reordered, (M, NG), route.device)
     from .decode import gemv_k
 
     done = small_or_fallback(a, M, N, out, lambda: reference.gemm_k_ref(a, w, route, G),
@@ -275,8 +275,6 @@ def gemm_k(a: torch.Tensor, w: torch.Tensor, route: torch.Tensor, G: int, *,
     if reordered is None:
         from .reorder import reorder
         reordered = reorder(route)
-    else:
-        reordered = check_reordered(reordered, (M, NG), route.device)
     idx, cnt = reordered.index, reordered.counts
     ws = torch.empty((M, N), dtype=torch.float32, device=a.device)
     total = M * N

@@ -168,7 +168,8 @@ def _validate(x, w, route, G, name_w="w"):
 
 
 def launch_gemm_mn(x, w, w2, route, G, reordered, out, swiglu):
-    """Shared launcher of the GEMM-MN / fused-SwiGLU tile kernel (M > 4 path)."""
+    """Shared launcher of the GEMM-MN / fused-SwiGLU tile kernel (M > 4 path); arguments checked by the caller
+    (``reordered`` by :func:`check_reordered`)."""
     M, K = x.shape
     N = w.shape[0]
     NG = N // G
@@ -179,8 +180,6 @@ def launch_gemm_mn(x, w, w2, route, G, reordered, out, swiglu):
     elif reordered is None:
         from .reorder import reorder
         reordered = reorder(route)
-    else:
-        reordered = check_reordered(reordered, (M, NG), route.device)
     if x.stride(1) != 1:
         x = x.contiguous()
     if w.stride(1) != 1:
@@ -244,7 +243,7 @@ def gemm_mn(x: torch.Tensor, w: torch.Tensor, route: torch.Tensor, G: int, *,
     M, N, K = _validate(x, w, route, G)
     check_out(out, (M, N), x.dtype, x.device, x=x, w=w, route=route)
     if reordered is not None:  # checked on every path, so that code that runs on the CPU runs on a GPU too
-        check_reordered(reordered, (M, N // G), route.device)
+        reordered = check_reordered(reordered, (M, N // G), route.device)
     from .decode import gemv_mn
 
     done = small_or_fallback(x, M, N, out, lambda: reference.gemm_mn_ref(x, w, route, G),

@@ -41,7 +41,7 @@ def swiglu(x: torch.Tensor, w_gate: torch.Tensor, w_up: torch.Tensor, route: tor
     _validate(x, w_up, route, G, "w_up")
     check_out(out, (M, N), x.dtype, x.device, x=x, w_gate=w_gate, w_up=w_up, route=route)
     if reordered is not None:  # checked on every path, so that code that runs on the CPU runs on a GPU too
-        check_reordered(reordered, (M, N // G), route.device)
+        reordered = check_reordered(reordered, (M, N // G), route.device)
     from .decode import gemv_swiglu
 
     done = small_or_fallback(x, M, N, out, lambda: reference.swiglu_ref(x, w_gate, w_up, route, G),
