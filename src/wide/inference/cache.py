@@ -52,6 +52,12 @@ class StaticKVCache:
         """The device of the K and V buffers."""
         return self.k.device
 
+    @staticmethod
+    def buffer_bytes(num_layers: int, batch: int, num_kv_heads: int, head_dim: int, max_len: int,
+                     dtype: torch.dtype) -> int:
+        """Bytes the K and V buffers of a cache of these sizes take (what :meth:`nbytes` reports once made)."""
+        return 2 * num_layers * batch * num_kv_heads * max_len * head_dim * dtype.itemsize
+
     def nbytes(self) -> int:
         """Bytes held by the K and V buffers."""
         return 2 * self.k.numel() * self.k.element_size()

@@ -354,7 +354,7 @@ class Engine:
             raise WideError(f"a KV cache of {max_len} tokens exceeds the model's sliding attention window "
                             f"({self.window}); sliding-window attention is not supported by the inference engine")
         d = self.dims
-        nbytes = 2 * d.num_layers * batch * d.num_kv_heads * max_len * d.head_dim * self.dtype.itemsize
+        nbytes = StaticKVCache.buffer_bytes(d.num_layers, batch, d.num_kv_heads, d.head_dim, max_len, self.dtype)
         from ..memory import available_memory
 
         avail = available_memory(self.device)

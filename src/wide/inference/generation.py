@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 import torch
 
 from ..errors import WideError
-from .engine import _tokens
+from .engine import Engine, _tokens
 from .graphs import runner_for
 from .sampling import Sampling, next_tokens
 
@@ -184,8 +184,6 @@ def generate(engine, tokenizer, prompts, max_new_tokens: int = 32, *, max_len: i
             context (``max_position_embeddings``), a prompt (+ new tokens) longer than
             the cache, or ``graphs=True`` without a GPU.
     """
-    from .engine import Engine
-
     if not isinstance(engine, Engine):
         raise WideError(f"engine must be a wide.inference.Engine (e.g. Engine(wide.load(ckpt))), got "
                         f"{type(engine).__name__}")

@@ -520,6 +520,13 @@ if HAS_TRITON:
             return x.to(DT).to(tl.float32)
 
     @triton.jit
+    def left_pad_at(lp_ptr, b, Tk):
+        """``left_pad[b]`` clamped to ``[0, Tk]`` before the int32 cast (int32 or int64 ``left_pad``): a negative
+        pad masks no key, one ``>= Tk`` every key, as in :func:`wide.kernels.reference.attention_ref`, and no key
+        index leaves the K / V buffers."""
+        return tl.minimum(tl.maximum(tl.load(lp_ptr + b), 0), Tk).to(tl.int32)
+
+    @triton.jit
     def mm(a, b):
         """``a @ b`` in fp32 (fp32 operands: ``ieee``, as :func:`mma`)."""
         if DOT_F32:

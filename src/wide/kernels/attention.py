@@ -30,7 +30,7 @@ if HAS_TRITON:
     import triton
     import triton.language as tl
 
-    from ._common import mm, mma  # noqa: F401
+    from ._common import left_pad_at, mm, mma  # noqa: F401
 
     @triton.jit
     def _attn_inner(acc, l_i, m_i, q, kbase, vbase, skt, svt, start, end, qpos, lo, Tk, qk_scale,
@@ -95,8 +95,7 @@ if HAS_TRITON:
             delta = Tk - Tq
             lo = 0
             if HAS_LP:
-                # clamped to [0, Tk] before the int32 cast: a negative pad masks nothing, one >= Tk every key
-                lo = tl.minimum(tl.maximum(tl.load(lp_ptr + b), 0), Tk).to(tl.int32)
+                lo = left_pad_at(lp_ptr, b, Tk)
             qpos = rows + delta
             if CAUSAL:
                 last_row = tl.load(col_ptr + (tl.minimum(m0 + BM, cnt) - 1).to(tl.int64) * NG)

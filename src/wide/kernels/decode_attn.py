@@ -17,7 +17,7 @@ if HAS_TRITON:
     import triton
     import triton.language as tl
 
-    from ._common import mm  # noqa: F401
+    from ._common import left_pad_at, mm  # noqa: F401
 
     @triton.jit
     def _pack_splits(route_ptr, PACKS, Hk, NG, REP, HPG, SPLITS, SMAX, WAVE, Tk,
@@ -76,8 +76,7 @@ if HAS_TRITON:
                         mask=(hmask & act)[:, None], other=0.0)
             lo = 0
             if HAS_LP:
-                # clamped to [0, Tk] before the int32 cast: a negative pad masks nothing, one >= Tk every key
-                lo = tl.minimum(tl.maximum(tl.load(lp_ptr + b), 0), Tk).to(tl.int32)
+                lo = left_pad_at(lp_ptr, b, Tk)
             end = tl.minimum(start + split_len, Tk)
             jstart = tl.maximum(start, (lo // BN) * BN)
             m_i = tl.full((RP,), -1.0e30, dtype=tl.float32)
