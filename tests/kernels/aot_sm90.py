@@ -20,11 +20,14 @@ from triton.compiler import ASTSource  # noqa: E402
 TARGET = GPUTarget("cuda", 90, 32)
 
 
-def compile_sm90(fn, types: dict, consts: dict, num_warps: int = 4, **options):
-    """Compile ``fn`` for sm_90: ``types`` maps every runtime argument to a Triton type string ("*bf16", "i32").
+def compile_sm90(fn, types: dict, consts: dict, num_warps: int = 4, div16: tuple = (), **options):
+    """Compile ``fn`` for sm_90: ``types`` maps every runtime argument to a Triton type string ("*bf16", "i32");
+    ``div16`` names the arguments a real launch specializes as divisible by 16 (16-byte aligned pointers, strides
+    and sizes that are multiples of 16), without which the loads compile unvectorized and unpipelined.
     Returns the compiled kernel (``.asm["ptx"]`` holds its PTX)."""
     sig = {n: ("constexpr" if n in consts else types[n]) for n in fn.arg_names}
-    k = triton.compile(ASTSource(fn=fn, signature=sig, constexprs=consts), target=TARGET,
+    attrs = {(fn.arg_names.index(n),): [["tt.divisibility", 16]] for n in div16}
+    k = triton.compile(ASTSource(fn=fn, signature=sig, constexprs=consts, attrs=attrs), target=TARGET,
                        options={"num_warps": num_warps, **options})
     print(f"ok {fn.__name__} {consts}", flush=True)
     return k
@@ -109,6 +112,22 @@ def main() -> None:
                  types_of(decode_attn._decode_attn_combine_kernel, route_ptr=b, mpart_ptr=f32, lpart_ptr=f32,
                           opart_ptr=f32), dict(D=128, SP=32, PP=128, GPP=1, BN=64),
                  num_warps=1)
+    # gemm_mn's many-row tiles with TMA weight tiles, as on the H200 (Llama-3.1-8B up shape): the 128 x 256 tile, and
+    # the swapped-operand tile of groups <= 128 wide (weight rows x 256 tokens; its gathered token loads must
+    # pipeline through cp.async and its transposed store vectorize: checked in the PTX)
+    gemm_mn = importlib.import_module("wide.kernels.gemm_mn")
+    gt = types_of(gemm_mn._gemm_mn_kernel, idx_ptr=i32, cnt_ptr=i32, route_ptr=b)
+    div = ("x_ptr", "w_ptr", "w2_ptr", "out_ptr", "idx_ptr", "cnt_ptr", "N", "K", "stride_xm", "stride_wn", "stride_om")
+    for bm, bn, warps, swap, swiglu in ((128, 256, 8, False, False), (256, 128, 8, True, False),
+                                        (256, 64, 8, True, True)):
+        gt.update(w_desc=f"tensordesc<bf16[{bn}, 64]>", w2_desc=f"tensordesc<bf16[{bn}, 64]>")
+        k = compile_sm90(gemm_mn._gemm_mn_kernel, gt, dict(BM=bm, BN=bn, BK=64, GROUP_M=8, EVEN_K=True, SWIGLU=swiglu,
+                                                           DIRECT=False, USE_TMA=True, SWAP=swap),
+                         num_warps=warps, num_stages=3, div16=div)
+        ptx = k.asm["ptx"]
+        if "cp.async.cg.shared.global" not in ptx or "st.global.v4" not in ptx or "wgmma.mma_async" not in ptx:
+            raise RuntimeError(f"gemm_mn tile {bm}x{bn} swap={swap}: expected cp.async token loads, wgmma and "
+                               "16-byte stores in its PTX")
     compile_sm90(attention._attn_fwd_kernel, types_of(attention._attn_fwd_kernel, idx_ptr=i32, cnt_ptr=i32,
                                                       lp_ptr=i32), dict(D=128, BM=128, BN=64, CAUSAL=True,
                                                                          HAS_LP=False), num_warps=8, num_stages=3)

@@ -91,13 +91,16 @@ def test_head_group_widths(G, M, mode):
 
 
 @pytest.mark.parametrize("swiglu", [False, True])
-def test_tma_weight_tiles(swiglu, monkeypatch):
-    # the candidate that loads the weight tile through a tensor descriptor (TMA on Hopper)
+@pytest.mark.parametrize("tma,swap,K", [(True, False, 40), (False, True, 40), (True, True, 64), (False, True, 48)])
+def test_forced_tile_variants(swiglu, tma, swap, K, monkeypatch):
+    # the candidates the GPU autotuner may pick: the weight tile through a tensor descriptor (TMA on Hopper),
+    # and the swapped-operand tile (W_tile @ X_rows^T, stored transposed); K = 40 / 48 leave a ragged last K tile
     orig = gemm_mn_mod._candidates
-    monkeypatch.setattr(gemm_mn_mod, "_candidates", lambda G, M, sw: [dict(orig(G, M, sw)[0], TMA=True)])
+    monkeypatch.setattr(gemm_mn_mod, "_candidates",
+                        lambda G, M, sw: [dict(orig(G, M, sw)[0], TMA=tma, SWAP=swap)])
     monkeypatch.setattr(gemm_mn_mod, "DIRECT_MAX_M", 0)
-    gen = seed_for("tma", swiglu)
-    M, N, K, G = 70, 128, 40, 32
+    gen = seed_for("tma", swiglu, tma, swap, K)
+    M, N, G = 70, 128, 32
     x = randn((M, K), torch.bfloat16, gen)
     w = randn((N, K), torch.bfloat16, gen)
     w2 = randn((N, K), torch.bfloat16, gen)
@@ -108,6 +111,7 @@ def test_tma_weight_tiles(swiglu, monkeypatch):
     ref = (swiglu_ref(x.double(), w.double(), w2.double(), route, G) if swiglu
            else gemm_mn_ref(x.double(), w.double(), route, G))
     check_close(out, ref)
+    assert (out[~expand_route(route, G)] == 0).all()
 
 
 def test_gpu_tile_candidates_fit_the_group(monkeypatch):

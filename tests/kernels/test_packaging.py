@@ -4,6 +4,7 @@ import json
 import os
 import subprocess
 import sys
+import types
 
 import pytest
 import torch
@@ -103,6 +104,29 @@ def test_autotune_cache_roundtrip(tmp_path, monkeypatch):
     # off the GPU the first candidate is used and nothing is tuned
     cfg = _common.pick_config("op", (1,), torch.device("cpu"), [{"a": 1}, {"a": 2}], lambda c: None)
     assert cfg == {"a": 1}
+
+
+def test_autotune_retunes_when_the_candidates_change(tmp_path, monkeypatch):
+    """The cached winner is reused for the same candidate list; a list that gains a config (a newer wide) re-tunes
+    instead of returning the old winner forever.  The GPU timing is replaced by fixed times per config."""
+    import triton.testing
+
+    monkeypatch.setenv("WIDE_CACHE_DIR", str(tmp_path))
+    monkeypatch.setattr(_common, "_CACHE", None)
+    monkeypatch.setattr(_common, "_device_tag", lambda d: "fake-gpu")
+    monkeypatch.setattr(_common, "_capturing", lambda: False)
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda *a, **k: None)
+    ran = []
+    monkeypatch.setattr(triton.testing, "do_bench", lambda fn, **kw: (fn(), {1: 2.0, 2: 1.0, 3: 0.5}[ran[-1]])[1])
+    dev = types.SimpleNamespace(type="cuda")
+    old = [{"a": 1}, {"a": 2}]
+    assert _common.pick_config("op", (7,), dev, old, lambda c: ran.append(c["a"])) == {"a": 2}
+    ran.clear()
+    assert _common.pick_config("op", (7,), dev, old, lambda c: ran.append(c["a"])) == {"a": 2}
+    assert ran == []  # cached: nothing timed
+    monkeypatch.setattr(_common, "_CACHE", None)  # a second process reads the file
+    assert _common.pick_config("op", (7,), dev, old, lambda c: ran.append(c["a"])) == {"a": 2} and ran == []
+    assert _common.pick_config("op", (7,), dev, old + [{"a": 3}], lambda c: ran.append(c["a"])) == {"a": 3}
 
 
 def test_first_launchable_skips_configs_that_run_out_of_resources():

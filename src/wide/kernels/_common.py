@@ -7,6 +7,7 @@ public ops then run the plain PyTorch reference (see :func:`use_triton`).
 
 from __future__ import annotations
 
+import hashlib
 import json
 import math
 import os
@@ -408,7 +409,11 @@ def pick_config(op: str, key: tuple, device: torch.device, candidates: Sequence[
     """
     if len(candidates) == 1 or device.type != "cuda":
         return dict(candidates[0])
-    skey = f"{op}|{_device_tag(device)}|triton{getattr(triton, '__version__', '?')}|" + ",".join(map(str, key))
+    # the candidate list is part of the key: a library version that adds a candidate re-tunes instead of reusing
+    # the old winner
+    cands_tag = hashlib.sha1(repr([sorted(c.items()) for c in candidates]).encode()).hexdigest()[:8]
+    skey = (f"{op}|{_device_tag(device)}|triton{getattr(triton, '__version__', '?')}|" + ",".join(map(str, key))
+            + f"|c{cands_tag}")
     with _CACHE_LOCK:
         cache = _load_cache()
         hit = cache.get(skey)
