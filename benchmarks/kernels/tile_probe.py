@@ -17,16 +17,13 @@ import json
 import sys
 import time
 
-CONFIGS = [  # BM, BN, BK, GROUP_M, warps, stages, TMA weights[, SWAP (weight rows x tokens MMA tile)]
+CONFIGS = [  # BM, BN, BK, GROUP_M, warps, stages, TMA weights
     (128, 128, 64, 8, 8, 3, False), (128, 128, 64, 8, 8, 4, False), (128, 128, 64, 8, 8, 5, False),
     (128, 128, 64, 8, 4, 4, False), (128, 128, 128, 8, 8, 3, False), (128, 128, 64, 8, 8, 4, True),
     (128, 128, 64, 16, 8, 4, True), (128, 128, 64, 8, 8, 5, True), (128, 128, 128, 8, 8, 3, True),
     (256, 128, 64, 8, 8, 3, False), (256, 128, 64, 8, 8, 4, False), (256, 128, 64, 8, 8, 3, True),
     (256, 128, 64, 8, 8, 4, True), (128, 256, 64, 8, 8, 3, False), (128, 256, 64, 8, 8, 3, True),
     (128, 256, 64, 8, 8, 4, True), (64, 256, 64, 8, 4, 4, True), (256, 64, 64, 8, 4, 4, False),
-    (256, 128, 64, 8, 8, 4, True, True), (256, 128, 64, 8, 8, 3, True, True), (256, 128, 64, 16, 8, 4, True, True),
-    (256, 128, 64, 8, 8, 4, False, True), (256, 64, 64, 8, 4, 4, True, True), (256, 64, 64, 8, 8, 3, True, True),
-    (128, 128, 64, 8, 4, 4, True, True),
 ]
 
 
@@ -35,7 +32,6 @@ def main(argv=None) -> int:
     p.add_argument("--M", type=int, default=16384)
     p.add_argument("--G", default="128,512", help="comma list of group sizes")
     p.add_argument("--sparsity", default="0,0.5", help="comma list")
-    p.add_argument("--only", default="all", choices=["all", "swap", "noswap"], help="which configs of the list")
     p.add_argument("--out", default=None)
     p.add_argument("--ops", default="gemm_mn,swiglu")
     p.add_argument("--time-budget", type=float, default=400)
@@ -71,17 +67,14 @@ def main(argv=None) -> int:
                 route = torch.rand(M, N // G, device=dev) >= s
                 ro = reorder(route)
                 p_act = route.float().mean().item()
-                for bm, bn, bk, gmm, wp, st, tma, *swap in CONFIGS:
-                    swap = bool(swap and swap[0])
+                for bm, bn, bk, gmm, wp, st, tma in CONFIGS:
                     if time.time() - t0 > a.time_budget:
                         break
-                    if bn > G or (a.only == "swap" and not swap) or (a.only == "noswap" and swap):
+                    if bn > G:
                         continue
                     cfg = dict(BM=bm, BN=bn, BK=bk, GROUP_M=gmm, num_warps=wp, num_stages=st)
                     if tma:
                         cfg["TMA"] = True
-                    if swap:
-                        cfg["SWAP"] = True
                     gm._candidates = lambda G_, M_, sw, c=cfg: [dict(c)]
                     fn = (lambda: gm.launch_gemm_mn(x, w, w2, route, G, ro, out, swiglu=True)) if op == "swiglu" \
                         else (lambda: gm.launch_gemm_mn(x, w, None, route, G, ro, out, swiglu=False))

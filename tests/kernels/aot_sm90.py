@@ -112,22 +112,30 @@ def main() -> None:
                  types_of(decode_attn._decode_attn_combine_kernel, route_ptr=b, mpart_ptr=f32, lpart_ptr=f32,
                           opart_ptr=f32), dict(D=128, SP=32, PP=128, GPP=1, BN=64),
                  num_warps=1)
-    # gemm_mn's many-row tiles with TMA weight tiles, as on the H200 (Llama-3.1-8B up shape): the 128 x 256 tile, and
-    # the swapped-operand tile of groups <= 128 wide (weight rows x 256 tokens; its gathered token loads must
-    # pipeline through cp.async and its transposed store vectorize: checked in the PTX)
+    # gemm_mn's many-row tiles with TMA weight tiles, as on the H200 (Llama-3.1-8B up shape), GEMM and fused SwiGLU:
+    # the gathered token loads must pipeline through cp.async and the scattered store vectorize (checked in the PTX)
     gemm_mn = importlib.import_module("wide.kernels.gemm_mn")
     gt = types_of(gemm_mn._gemm_mn_kernel, idx_ptr=i32, cnt_ptr=i32, route_ptr=b)
     div = ("x_ptr", "w_ptr", "w2_ptr", "out_ptr", "idx_ptr", "cnt_ptr", "N", "K", "stride_xm", "stride_wn", "stride_om")
-    for bm, bn, warps, swap, swiglu in ((128, 256, 8, False, False), (256, 128, 8, True, False),
-                                        (256, 64, 8, True, True)):
+    for bn, swiglu in ((256, False), (128, True)):
         gt.update(w_desc=f"tensordesc<bf16[{bn}, 64]>", w2_desc=f"tensordesc<bf16[{bn}, 64]>")
-        k = compile_sm90(gemm_mn._gemm_mn_kernel, gt, dict(BM=bm, BN=bn, BK=64, GROUP_M=8, EVEN_K=True, SWIGLU=swiglu,
-                                                           DIRECT=False, USE_TMA=True, SWAP=swap),
-                         num_warps=warps, num_stages=3, div16=div)
+        k = compile_sm90(gemm_mn._gemm_mn_kernel, gt, dict(BM=128, BN=bn, BK=64, GROUP_M=8, EVEN_K=True, SWIGLU=swiglu,
+                                                           DIRECT=False, USE_TMA=True), num_warps=8, num_stages=4,
+                         div16=div)
         ptx = k.asm["ptx"]
         if "cp.async.cg.shared.global" not in ptx or "st.global.v4" not in ptx or "wgmma.mma_async" not in ptx:
-            raise RuntimeError(f"gemm_mn tile {bm}x{bn} swap={swap}: expected cp.async token loads, wgmma and "
+            raise RuntimeError(f"gemm_mn tile 128x{bn} swiglu={swiglu}: expected cp.async token loads, wgmma and "
                                "16-byte stores in its PTX")
+    # gemm_k's dense-order kernel with A and weight tiles by TMA, the route applied in registers (down shape)
+    gemm_k = importlib.import_module("wide.kernels.gemm_k")
+    kt2 = types_of(gemm_k._gemm_k_dense_kernel, route_ptr=b, cnt_ptr=i32)
+    kt2.update(a_desc="tensordesc<bf16[128, 64]>", w_desc="tensordesc<bf16[256, 64]>")
+    k = compile_sm90(gemm_k._gemm_k_dense_kernel, kt2, dict(BM=128, BN=256, BK=64, GROUP_M=8, NG_P2=128, FORCE=False,
+                                                           USE_TMA=True), num_warps=8, num_stages=4,
+                     div16=("x_ptr", "w_ptr", "out_ptr", "route_ptr", "N", "K", "NG", "stride_xm", "stride_wn",
+                            "stride_om", "G"))
+    if "cp.async.bulk.tensor" not in k.asm["ptx"] or "wgmma.mma_async" not in k.asm["ptx"]:
+        raise RuntimeError("gemm_k dense TMA tile: expected bulk tensor copies and wgmma in its PTX")
     compile_sm90(attention._attn_fwd_kernel, types_of(attention._attn_fwd_kernel, idx_ptr=i32, cnt_ptr=i32,
                                                       lp_ptr=i32), dict(D=128, BM=128, BN=64, CAUSAL=True,
                                                                          HAS_LP=False), num_warps=8, num_stages=3)

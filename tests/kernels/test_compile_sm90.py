@@ -1,6 +1,6 @@
-"""The engine's kernels compile for sm_90 (H100 / H200) on this GPU-less machine (all but ``gemm_k``
-and the split decode GEMV, whose autotuned launches are covered on the GPU only; ``gemm_mn`` at its many-row
-TMA tiles).
+"""The engine's kernels compile for sm_90 (H100 / H200) on this GPU-less machine (all but ``gemm_k``'s
+sparse path and the split decode GEMV, whose autotuned launches are covered on the GPU only; ``gemm_mn`` and
+``gemm_k``'s dense kernel at their many-row TMA tiles).
 
 The interpreter that runs the other kernel tests on the CPU does not catch what only the GPU compiler rejects (a
 RoPE kernel that passed every CPU test once failed to compile on the H200); ``aot_sm90.py`` compiles them for the

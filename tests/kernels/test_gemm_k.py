@@ -87,3 +87,23 @@ def test_errors():
 def test_head_group_widths(G, M, path):
     # attention O projection: K-groups of the head-group width
     _run(M, 40, 2 * G, G, torch.bfloat16, "random", path)
+
+
+@pytest.mark.parametrize("aligned", [True, False])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_dense_tma_tiles(aligned, dtype, monkeypatch):
+    """The dense kernel's TMA candidate (A and weight tiles by tensor descriptor, the route applied in registers),
+    forced; M = 37 and N = 40 leave partial tiles that the descriptor fills with zeros.  An A whose rows are not
+    16-byte aligned (a column slice) runs the pointer-load variant of the same config."""
+    orig = gemm_k_mod._dense_candidates
+    monkeypatch.setattr(gemm_k_mod, "_dense_candidates", lambda G, M: [dict(orig(G, M)[0], TMA=True)])
+    gen = seed_for("gemm_k_tma", aligned, dtype)
+    M, N, K, G = 37, 40, 128, 32
+    a = randn((M, K + (0 if aligned else 3)), dtype, gen)[:, (0 if aligned else 3):]
+    w = randn((N, K), dtype, gen)
+    route = make_mask("random", (M, K // G), gen)
+    out = poisoned((M, N), dtype)
+    gemm_k(a, w, route, G, out=out, path="dense")
+    check_close(out, gemm_k_ref(a.double(), w.double(), route, G))
+    assert (out[~route.any(dim=1)] == 0).all()
+    assert gemm_k_mod.tma_aligned(a.contiguous(), w)

@@ -244,6 +244,14 @@ def pow2_part(G: int) -> int:
 TILE_COUNTERS: dict = {}  # (device, stream) -> int32 arrival counters, see tile_counters()
 
 
+def tma_aligned(*tensors: torch.Tensor) -> bool:
+    """Whether 2-D row-major ``tensors`` can be read through a TMA tensor descriptor: 16-byte aligned base and row
+    stride (the bulk tensor copy engine's rule).  A config that asks for TMA runs its pointer-load variant
+    otherwise."""
+    return all(t.data_ptr() % 16 == 0 and (t.stride(0) * t.element_size()) % 16 == 0 and t.stride(1) == 1
+               for t in tensors)
+
+
 def tile_counters(device: torch.device, n: int) -> torch.Tensor:
     """int32 arrival counters (at least ``n``, one per output tile) of the kernels whose last-arriving program
     finishes a tile (the split decode GEMVs, the split-D prefill router), one buffer per (device, stream).

@@ -25,7 +25,7 @@ from . import reference
 from ._common import (
     FLOAT_DTYPES, HAS_TRITON, Reordered, check_group, check_out, check_reordered, check_route,
     check_same_device, check_tensor, fail, interpret_mode, launch_opts, m_bucket, next_pow2,
-    pick_config, pow2_part, small_or_fallback,
+    pick_config, pow2_part, small_or_fallback, tma_aligned,
 )
 
 SPARSE_MIN_M = 512
@@ -100,7 +100,8 @@ if HAS_TRITON:
     def _gemm_k_dense_kernel(x_ptr, w_ptr, out_ptr, route_ptr, cnt_ptr, M, N, K, NG, THR_PPM,
                              stride_xm, stride_wn, stride_om, G,
                              BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
-                             GROUP_M: tl.constexpr, NG_P2: tl.constexpr, FORCE: tl.constexpr):
+                             GROUP_M: tl.constexpr, NG_P2: tl.constexpr, FORCE: tl.constexpr,
+                             a_desc, w_desc, USE_TMA: tl.constexpr):
         if not FORCE:
             if not _use_dense(cnt_ptr, M, NG, THR_PPM, NG_P2):
                 return
@@ -126,8 +127,16 @@ if HAS_TRITON:
         for kt in range(0, K // BK):
             g = (kt * BK) // G
             rm = tl.load(r_ptrs + g, mask=valid, other=0) != 0
-            a = tl.load(a_ptrs, mask=rm[:, None], other=0.0)
-            b = tl.load(b_ptrs, mask=nmask[None, :], other=0.0)
+            if USE_TMA:
+                # both tiles by the bulk tensor copy engine (rows past M / N arrive as zeros); the route then
+                # zeroes the inactive rows of the A tile in registers (a fused mask-multiply: no A bytes saved,
+                # but the loads run at the copy engine's rate)
+                a = a_desc.load([pid_m * BM, kt * BK])
+                a = tl.where(rm[:, None], a, tl.zeros_like(a))
+                b = w_desc.load([pid_n * BN, kt * BK]).T
+            else:
+                a = tl.load(a_ptrs, mask=rm[:, None], other=0.0)
+                b = tl.load(b_ptrs, mask=nmask[None, :], other=0.0)
             acc = mma(a, b, acc)
             a_ptrs += BK
             b_ptrs += BK
@@ -159,12 +168,20 @@ def _sparse_candidates(G):
 
 
 def _dense_candidates(G, M):
+    """Tile configs of the route-predicated dense kernel for M rows.  From 129 rows the list adds tiles whose A and
+    weight tiles both come by TMA, the route applied in registers (``TMA``)."""
     if interpret_mode():
         return [dict(BM=32, BN=32, BK=min(pow2_part(G), 32), GROUP_M=4)]
     base = [(128, 256, 64, 8, 3), (128, 128, 64, 8, 4), (64, 128, 64, 4, 4)]
     if M <= 64:
         base = [(64, 128, 64, 4, 4), (32, 64, 128, 4, 4), (64, 64, 128, 4, 3)]
-    return [dict(BM=bm, BN=bn, BK=min(bk, pow2_part(G)), GROUP_M=8, num_warps=w, num_stages=s) for bm, bn, bk, w, s in base]
+    cands = [dict(BM=bm, BN=bn, BK=min(bk, pow2_part(G)), GROUP_M=8, num_warps=w, num_stages=s)
+             for bm, bn, bk, w, s in base]
+    if M > 128 and HAS_TRITON and hasattr(tl, "tensor_descriptor") and pow2_part(G) >= 16:
+        cands += [dict(BM=128, BN=256, BK=min(64, pow2_part(G)), GROUP_M=8, num_warps=8, num_stages=s, TMA=True)
+                  for s in (3, 4)] + [dict(BM=128, BN=128, BK=min(64, pow2_part(G)), GROUP_M=8, num_warps=8,
+                                           num_stages=4, TMA=True)]
+    return cands
 
 
 def _launch_dense(a, w, out, route, cnt, G, thr_ppm, ng_p2, force, cfg):
@@ -173,9 +190,17 @@ def _launch_dense(a, w, out, route, cnt, G, thr_ppm, ng_p2, force, cfg):
     M, K = a.shape
     N = w.shape[0]
     grid = (triton.cdiv(M, cfg["BM"]) * triton.cdiv(N, cfg["BN"]),)
+    tma = bool(cfg.get("TMA", False)) and tma_aligned(a, w)
+    if tma:
+        from triton.tools.tensor_descriptor import TensorDescriptor
+
+        ad = TensorDescriptor.from_tensor(a, [cfg["BM"], cfg["BK"]])
+        wd = TensorDescriptor.from_tensor(w, [cfg["BN"], cfg["BK"]])
+    else:
+        ad, wd = a, w
     _gemm_k_dense_kernel[grid](a, w, out, route, cnt, M, N, K, K // G, thr_ppm, a.stride(0), w.stride(0),
                                out.stride(0), G, BM=cfg["BM"], BN=cfg["BN"], BK=cfg["BK"], GROUP_M=cfg["GROUP_M"],
-                               NG_P2=ng_p2, FORCE=force, **launch_opts(cfg))
+                               NG_P2=ng_p2, FORCE=force, a_desc=ad, w_desc=wd, USE_TMA=tma, **launch_opts(cfg))
 
 
 def gemm_k(a: torch.Tensor, w: torch.Tensor, route: torch.Tensor, G: int, *,

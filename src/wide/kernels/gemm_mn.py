@@ -21,7 +21,7 @@ from . import reference
 from ._common import (
     FLOAT_DTYPES, HAS_TRITON, Reordered, check_group, check_out, check_reordered, check_route,
     check_same_device, check_tensor, fail, interpret_mode, launch_opts, m_bucket, pick_config,
-    pow2_part, small_or_fallback,
+    pow2_part, small_or_fallback, tma_aligned,
 )
 
 if HAS_TRITON:
@@ -35,7 +35,7 @@ if HAS_TRITON:
                         M, N, K, NG, stride_xm, stride_wn, stride_om, G,
                         BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
                         GROUP_M: tl.constexpr, EVEN_K: tl.constexpr, SWIGLU: tl.constexpr,
-                        DIRECT: tl.constexpr, w_desc, w2_desc, USE_TMA: tl.constexpr, SWAP: tl.constexpr):
+                        DIRECT: tl.constexpr, w_desc, w2_desc, USE_TMA: tl.constexpr):
         pid = tl.program_id(0)
         num_pid_m = tl.cdiv(M, BM)
         num_pid_n = N // BN
@@ -69,79 +69,40 @@ if HAS_TRITON:
             tl.store(out_ptrs, tl.zeros((BM, BN), dtype=out_ptr.dtype.element_ty), mask=valid[:, None])
         else:
             offs_k = tl.arange(0, BK)
-            if SWAP:
-                # the MMA computes the transposed tile W_tile @ X_rows^T ([BN, BM]): the weight rows (at most G)
-                # are the MMA's M side and the gathered tokens its N side, so a 128-row group still gets the
-                # 128 x 256 tensor-core tile that BN <= 128 cannot.  Both tiles are loaded in the orientation the
-                # MMA reads ([BK, BM] tokens with k contiguous, [BN, BK] weights), so the loads pipeline.
-                xt_ptrs = x_ptr + rows[None, :] * stride_xm + offs_k[:, None]
-                wt_ptrs = w_ptr + offs_n[:, None].to(tl.int64) * stride_wn + offs_k[None, :]
-                wt2_ptrs = w2_ptr + offs_n[:, None].to(tl.int64) * stride_wn + offs_k[None, :]
-                acc = tl.zeros((BN, BM), dtype=tl.float32)
-                acc2 = tl.zeros((BN, BM), dtype=tl.float32)
-                for kt in range(0, tl.cdiv(K, BK)):
-                    if EVEN_K:
-                        xt = tl.load(xt_ptrs, mask=active[None, :], other=0.0)
-                    else:
-                        kmask = (kt * BK + offs_k) < K
-                        xt = tl.load(xt_ptrs, mask=active[None, :] & kmask[:, None], other=0.0)
+            a_ptrs = x_ptr + rows[:, None] * stride_xm + offs_k[None, :]
+            b_ptrs = w_ptr + offs_n[None, :].to(tl.int64) * stride_wn + offs_k[:, None]
+            acc = tl.zeros((BM, BN), dtype=tl.float32)
+            if SWIGLU:
+                b2_ptrs = w2_ptr + offs_n[None, :].to(tl.int64) * stride_wn + offs_k[:, None]
+                acc2 = tl.zeros((BM, BN), dtype=tl.float32)
+            for kt in range(0, tl.cdiv(K, BK)):
+                if EVEN_K:
+                    a = tl.load(a_ptrs, mask=active[:, None], other=0.0)
+                else:
+                    kmask = (kt * BK + offs_k) < K
+                    a = tl.load(a_ptrs, mask=active[:, None] & kmask[None, :], other=0.0)
+                if USE_TMA:  # dense weight tile through the bulk tensor copy engine
+                    b = w_desc.load([n0, kt * BK]).T
+                elif EVEN_K:
+                    b = tl.load(b_ptrs)
+                else:
+                    b = tl.load(b_ptrs, mask=kmask[:, None], other=0.0)
+                acc = mma(a, b, acc)
+                if SWIGLU:
                     if USE_TMA:
-                        wt = w_desc.load([n0, kt * BK])
+                        b2 = w2_desc.load([n0, kt * BK]).T
                     elif EVEN_K:
-                        wt = tl.load(wt_ptrs)
+                        b2 = tl.load(b2_ptrs)
                     else:
-                        wt = tl.load(wt_ptrs, mask=kmask[None, :], other=0.0)
-                    acc = mma(wt, xt, acc)
-                    if SWIGLU:
-                        if USE_TMA:
-                            wt2 = w2_desc.load([n0, kt * BK])
-                        elif EVEN_K:
-                            wt2 = tl.load(wt2_ptrs)
-                        else:
-                            wt2 = tl.load(wt2_ptrs, mask=kmask[None, :], other=0.0)
-                        acc2 = mma(wt2, xt, acc2)
-                        wt2_ptrs += BK
-                    xt_ptrs += BK
-                    wt_ptrs += BK
-                if SWIGLU:
-                    acc = swiglu_act(acc, acc2, out_ptr.dtype.element_ty)
-                res = tl.where(active[None, :], acc, 0.0).to(out_ptr.dtype.element_ty)
-                tl.store(out_ptr + rows[None, :] * stride_om + offs_n[:, None], res, mask=valid[None, :])
-            else:
-                a_ptrs = x_ptr + rows[:, None] * stride_xm + offs_k[None, :]
-                b_ptrs = w_ptr + offs_n[None, :].to(tl.int64) * stride_wn + offs_k[:, None]
-                acc = tl.zeros((BM, BN), dtype=tl.float32)
-                if SWIGLU:
-                    b2_ptrs = w2_ptr + offs_n[None, :].to(tl.int64) * stride_wn + offs_k[:, None]
-                    acc2 = tl.zeros((BM, BN), dtype=tl.float32)
-                for kt in range(0, tl.cdiv(K, BK)):
-                    if EVEN_K:
-                        a = tl.load(a_ptrs, mask=active[:, None], other=0.0)
-                    else:
-                        kmask = (kt * BK + offs_k) < K
-                        a = tl.load(a_ptrs, mask=active[:, None] & kmask[None, :], other=0.0)
-                    if USE_TMA:  # dense weight tile through the bulk tensor copy engine
-                        b = w_desc.load([n0, kt * BK]).T
-                    elif EVEN_K:
-                        b = tl.load(b_ptrs)
-                    else:
-                        b = tl.load(b_ptrs, mask=kmask[:, None], other=0.0)
-                    acc = mma(a, b, acc)
-                    if SWIGLU:
-                        if USE_TMA:
-                            b2 = w2_desc.load([n0, kt * BK]).T
-                        elif EVEN_K:
-                            b2 = tl.load(b2_ptrs)
-                        else:
-                            b2 = tl.load(b2_ptrs, mask=kmask[:, None], other=0.0)
-                        acc2 = mma(a, b2, acc2)
-                        b2_ptrs += BK
-                    a_ptrs += BK
-                    b_ptrs += BK
-                if SWIGLU:
-                    acc = swiglu_act(acc, acc2, out_ptr.dtype.element_ty)
-                res = tl.where(active[:, None], acc, 0.0).to(out_ptr.dtype.element_ty)
-                tl.store(out_ptrs, res, mask=valid[:, None])
+                        b2 = tl.load(b2_ptrs, mask=kmask[:, None], other=0.0)
+                    acc2 = mma(a, b2, acc2)
+                    b2_ptrs += BK
+                a_ptrs += BK
+                b_ptrs += BK
+            if SWIGLU:
+                acc = swiglu_act(acc, acc2, out_ptr.dtype.element_ty)
+            res = tl.where(active[:, None], acc, 0.0).to(out_ptr.dtype.element_ty)
+            tl.store(out_ptrs, res, mask=valid[:, None])
 
 
 DIRECT_MAX_M = 128
@@ -157,12 +118,11 @@ def uses_reorder(M: int) -> bool:
 def _candidates(G: int, M: int, swiglu: bool) -> list[dict]:
     """Tile configs the autotuner times for ``M`` rows.  The large-M lists lead with the winners of the H200
     tile probe (benchmarks/kernels/tile_probe.json, M = 16384): weight tiles by TMA with 4 stages, 128 x 256
-    tiles where the group allows (G >= 256), GROUP_M 16.  For groups of <= 128 weight rows the list adds the
-    swapped-operand tile (``SWAP``: weight rows x 256 gathered tokens, the accumulator stored transposed)."""
+    tiles where the group allows (G >= 256), GROUP_M 16."""
     if interpret_mode():
         bn = min(pow2_part(G), 64)
         return [dict(BM=32, BN=bn, BK=32, GROUP_M=4)]
-    # (BM, BN, BK, GROUP_M, warps, stages, TMA weights[, SWAP])
+    # (BM, BN, BK, GROUP_M, warps, stages, TMA weights)
     if M <= 64:
         base = [(64, 128, 64, 8, 4, 4, False), (32, 64, 128, 8, 4, 4, False), (64, 64, 128, 8, 4, 3, False)]
         if swiglu:
@@ -170,33 +130,24 @@ def _candidates(G: int, M: int, swiglu: bool) -> list[dict]:
     elif swiglu:
         base = [(128, 128, 64, 8, 8, 4, True), (128, 128, 64, 16, 8, 4, True), (128, 128, 64, 8, 8, 3, False),
                 (128, 64, 64, 8, 4, 4, False), (64, 128, 64, 8, 4, 4, False)]
-        if pow2_part(G) <= 64:  # two [64, 256] accumulators of the swapped tile
-            base.append((256, 64, 64, 8, 8, 3, True, True))
     else:
         base = [(128, 256, 64, 8, 8, 4, True), (128, 256, 64, 8, 8, 3, True), (128, 128, 64, 16, 8, 4, True),
                 (128, 128, 64, 8, 8, 3, False), (128, 128, 64, 8, 8, 4, False), (128, 64, 64, 8, 4, 4, False),
                 (64, 128, 64, 8, 4, 4, False)]
         if M >= 2048:
             base.append((256, 128, 64, 8, 8, 3, False))
-        if pow2_part(G) <= 128:
-            # groups of <= 128 weight rows: the swapped tile (weight rows x 256 gathered tokens)
-            base += [(256, 128, 64, 8, 8, 4, True, True), (256, 128, 64, 16, 8, 3, True, True),
-                     (256, 64, 64, 8, 4, 4, True, True)]
     tma_ok = M > 128 and HAS_TRITON and hasattr(tl, "tensor_descriptor")
     cands, seen = [], set()
-    for bm, bn, bk, gm, w, st, tma, *swap in base:
+    for bm, bn, bk, gm, w, st, tma in base:
         bn = min(bn, pow2_part(G))
         tma = tma and tma_ok and bn >= 16
-        swap = bool(swap and swap[0] and bn >= 64)  # the MMA's M side is BN: 64 at least for wgmma
-        key = (bm, bn, bk, gm, w, st, tma, swap)
+        key = (bm, bn, bk, gm, w, st, tma)
         if key in seen:
             continue
         seen.add(key)
         c = dict(BM=bm, BN=bn, BK=bk, GROUP_M=gm, num_warps=w, num_stages=st)
         if tma:
             c["TMA"] = True
-        if swap:
-            c["SWAP"] = True
         cands.append(c)
     return cands
 
@@ -244,7 +195,7 @@ def launch_gemm_mn(x, w, w2, route, G, reordered, out, swiglu):
 
     def run(cfg):
         grid = (triton.cdiv(M, cfg["BM"]) * (N // cfg["BN"]),)
-        tma = bool(cfg.get("TMA", False))
+        tma = bool(cfg.get("TMA", False)) and tma_aligned(w, w2_)
         if tma:
             from triton.tools.tensor_descriptor import TensorDescriptor
 
@@ -256,8 +207,7 @@ def launch_gemm_mn(x, w, w2, route, G, reordered, out, swiglu):
                               M, N, K, NG, x.stride(0), w.stride(0), out.stride(0), G,
                               BM=cfg["BM"], BN=cfg["BN"], BK=cfg["BK"], GROUP_M=cfg["GROUP_M"],
                               EVEN_K=(K % cfg["BK"] == 0), SWIGLU=swiglu, DIRECT=direct,
-                              w_desc=wd, w2_desc=w2d, USE_TMA=tma, SWAP=bool(cfg.get("SWAP", False)),
-                              **launch_opts(cfg))
+                              w_desc=wd, w2_desc=w2d, USE_TMA=tma, **launch_opts(cfg))
 
     op = "swiglu" if swiglu else "gemm_mn"
     cfg = pick_config(op, (m_bucket(M), N, K, G, str(x.dtype)), x.device, _candidates(G, M, swiglu), run)
