@@ -11,8 +11,10 @@ synchronisation; the path that is not taken exits at once):
   relaxed atomics into an fp32 workspace, which a last pass converts to the output dtype.
 * ``dense`` (fused mask-multiply): programs own an output tile in the original row order and
   run one dense K pipeline whose A loads are predicated by the route (inactive groups read no
-  A bytes, level 1).  No atomics, no workspace pass; used when the active fraction is high, where
-  the atomic epilogue of the sparse path would cost more than it saves.
+  A bytes, level 1), or, in the tile configs marked ``TMA`` (many rows, 16-byte aligned operands),
+  whose A and weight tiles arrive whole by tensor descriptor and the route zeroes the inactive
+  rows of the A tile in registers.  No atomics, no workspace pass; used when the active fraction
+  is high, where the atomic epilogue of the sparse path would cost more than it saves.
 
 For ``M <= 4`` the op dispatches to the reorder-free GEMV path in :mod:`wide.kernels.decode`.
 """
