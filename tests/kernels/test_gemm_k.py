@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from kernel_testutil import DEVICE, DTYPES, check_close, make_mask, poisoned, randn, seed_for
-from wide.kernels import gemm_k, reorder
+from wide.kernels import gemm_k, gemm_mn, reorder
 from wide.kernels.reference import gemm_k_ref
 
 gemm_k_mod = importlib.import_module("wide.kernels.gemm_k")  # the module, not the op it exports
@@ -95,8 +95,13 @@ def test_dense_tma_tiles(aligned, dtype, monkeypatch):
     """The dense kernel's TMA candidate (A and weight tiles by tensor descriptor, the route applied in registers),
     forced; M = 37 and N = 40 leave partial tiles that the descriptor fills with zeros.  An A whose rows are not
     16-byte aligned (a column slice) runs the pointer-load variant of the same config."""
+    from triton.tools.tensor_descriptor import TensorDescriptor
+
     orig = gemm_k_mod._dense_candidates
     monkeypatch.setattr(gemm_k_mod, "_dense_candidates", lambda G, M: [dict(orig(G, M)[0], TMA=True)])
+    made = []  # descriptors built: the TMA variant ran iff the operands are aligned
+    real = TensorDescriptor.from_tensor
+    monkeypatch.setattr(TensorDescriptor, "from_tensor", staticmethod(lambda t, b: made.append(b) or real(t, b)))
     gen = seed_for("gemm_k_tma", aligned, dtype)
     M, N, K, G = 37, 40, 128, 32
     a = randn((M, K + (0 if aligned else 3)), dtype, gen)[:, (0 if aligned else 3):]
@@ -106,4 +111,37 @@ def test_dense_tma_tiles(aligned, dtype, monkeypatch):
     gemm_k(a, w, route, G, out=out, path="dense")
     check_close(out, gemm_k_ref(a.double(), w.double(), route, G))
     assert (out[~route.any(dim=1)] == 0).all()
-    assert gemm_k_mod.tma_aligned(a.contiguous(), w)
+    assert len(made) == (2 if aligned else 0)
+
+
+def test_tma_aligned_rules():
+    from wide.kernels._common import tma_aligned
+
+    t = torch.zeros(8, 64, dtype=torch.bfloat16)
+    assert tma_aligned(t) and tma_aligned(t[2:], t.T.contiguous())
+    assert not tma_aligned(t[:, 3:])  # base and row stride off 16 bytes
+    assert not tma_aligned(torch.zeros(8, 12, dtype=torch.bfloat16))  # 24-byte rows
+    assert not tma_aligned(t[:, ::2])  # strided columns
+    assert not tma_aligned(torch.zeros(1, 64).expand(8, 64))  # broadcast rows (stride 0)
+    assert not tma_aligned(torch.zeros(0, 64))  # empty: no descriptor can be built
+
+
+@pytest.mark.parametrize("op", ["gemm_k", "gemm_mn"])
+def test_empty_output_with_tma_configs(op, monkeypatch):
+    # N = 0 with a TMA config forced: pointer-load variant (a descriptor of an empty tensor cannot be built)
+    gemm_mn_mod = importlib.import_module("wide.kernels.gemm_mn")
+    if op == "gemm_k":
+        orig = gemm_k_mod._dense_candidates
+        monkeypatch.setattr(gemm_k_mod, "_dense_candidates", lambda G, M: [dict(orig(G, M)[0], TMA=True)])
+        a = torch.randn(8, 64, device=DEVICE).bfloat16()
+        res = gemm_k(a, torch.zeros(0, 64, dtype=torch.bfloat16, device=DEVICE),
+                     torch.ones(8, 2, dtype=torch.bool, device=DEVICE), 32, path="dense")
+        assert res.shape == (8, 0)
+    else:
+        orig = gemm_mn_mod._candidates
+        monkeypatch.setattr(gemm_mn_mod, "_candidates", lambda G, M, sw: [dict(orig(G, M, sw)[0], TMA=True)])
+        monkeypatch.setattr(gemm_mn_mod, "DIRECT_MAX_M", 0)
+        x = torch.randn(200, 64, device=DEVICE).bfloat16()
+        res = gemm_mn(x, torch.zeros(0, 64, dtype=torch.bfloat16, device=DEVICE),
+                      torch.ones(200, 0, dtype=torch.bool, device=DEVICE), 32)
+        assert res.shape == (200, 0)

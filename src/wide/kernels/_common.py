@@ -245,11 +245,12 @@ TILE_COUNTERS: dict = {}  # (device, stream) -> int32 arrival counters, see tile
 
 
 def tma_aligned(*tensors: torch.Tensor) -> bool:
-    """Whether 2-D row-major ``tensors`` can be read through a TMA tensor descriptor: 16-byte aligned base and row
-    stride (the bulk tensor copy engine's rule).  A config that asks for TMA runs its pointer-load variant
+    """Whether 2-D row-major ``tensors`` can be read through a TMA tensor descriptor: non-empty, 16-byte aligned
+    base, a positive row stride that is a multiple of 16 bytes, unit column stride (the bulk tensor copy engine's
+    rules; a broadcast row stride of 0 is not allowed).  A config that asks for TMA runs its pointer-load variant
     otherwise."""
-    return all(t.data_ptr() % 16 == 0 and (t.stride(0) * t.element_size()) % 16 == 0 and t.stride(1) == 1
-               for t in tensors)
+    return all(t.numel() > 0 and t.data_ptr() % 16 == 0 and t.stride(0) > 0
+               and (t.stride(0) * t.element_size()) % 16 == 0 and t.stride(1) == 1 for t in tensors)
 
 
 def tile_counters(device: torch.device, n: int) -> torch.Tensor:
@@ -412,7 +413,9 @@ def pick_config(op: str, key: tuple, device: torch.device, candidates: Sequence[
     it.  Tuning never happens during CUDA-graph capture, under the interpreter, or with
     ``WIDE_AUTOTUNE=0``: then the cached winner is used, or else (``WIDE_AUTOTUNE=0``) the first
     candidate that launches (:func:`first_launchable`; remembered, so a later capture of the same
-    shape reuses it), or during a capture ``candidates[0]``.  ``run(cfg)`` must launch the op with
+    shape reuses it), or during a capture ``candidates[0]``.  The cache key holds ``op``, the GPU's name,
+    Triton's version, ``key`` and a hash of the candidate list, so a list that changes (a newer wide) is
+    tuned afresh rather than served the old winner.  ``run(cfg)`` must launch the op with
     config ``cfg`` and be repeatable (it may write scratch outputs).
     """
     if len(candidates) == 1 or device.type != "cuda":

@@ -170,8 +170,10 @@ def _sparse_candidates(G):
 
 
 def _dense_candidates(G, M):
-    """Tile configs of the route-predicated dense kernel for M rows.  From 129 rows the list adds tiles whose A and
-    weight tiles both come by TMA, the route applied in registers (``TMA``)."""
+    """Tile configs of the route-predicated dense kernel for M rows (the autotuner times them on the GPU).  From
+    129 rows the list adds tiles whose A and weight tiles both come by TMA, the route applied in registers
+    (``TMA``); such a config runs its pointer-load variant when an operand is not :func:`tma_aligned`.  Under the
+    interpreter: one small pointer-load config."""
     if interpret_mode():
         return [dict(BM=32, BN=32, BK=min(pow2_part(G), 32), GROUP_M=4)]
     base = [(128, 256, 64, 8, 3), (128, 128, 64, 8, 4), (64, 128, 64, 4, 4)]
@@ -179,7 +181,7 @@ def _dense_candidates(G, M):
         base = [(64, 128, 64, 4, 4), (32, 64, 128, 4, 4), (64, 64, 128, 4, 3)]
     cands = [dict(BM=bm, BN=bn, BK=min(bk, pow2_part(G)), GROUP_M=8, num_warps=w, num_stages=s)
              for bm, bn, bk, w, s in base]
-    if M > 128 and HAS_TRITON and hasattr(tl, "tensor_descriptor") and pow2_part(G) >= 16:
+    if M > 128 and HAS_TRITON and hasattr(tl, "tensor_descriptor"):
         cands += [dict(BM=128, BN=256, BK=min(64, pow2_part(G)), GROUP_M=8, num_warps=8, num_stages=s, TMA=True)
                   for s in (3, 4)] + [dict(BM=128, BN=128, BK=min(64, pow2_part(G)), GROUP_M=8, num_warps=8,
                                            num_stages=4, TMA=True)]
