@@ -32,18 +32,52 @@ def test_every_group_size(G, dtype, path):
 
 @pytest.mark.parametrize("p", [0.1, 0.9])
 def test_auto_path_either_side_of_threshold(p, monkeypatch):
+    # the on-device choice between the sparse path and the dense kernel (G > MASKED_AUTO_MAX_G on the GPU)
     monkeypatch.setattr(gemm_k_mod, "SPARSE_MIN_M", 0)
+    monkeypatch.setattr(gemm_k_mod, "MASKED_AUTO_MAX_G", 0)
     _run(50, 48, 256, 64, torch.bfloat16, "random", "auto", p=p)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("kind", ["random", "all", "none", "one_row"])
+def test_masked_path(dtype, kind):
+    _run(37, 40, 192, 64, dtype, kind, "masked")
+
+
+def test_masked_path_drops_inactive_values_and_runs_auto(monkeypatch):
+    """The masked path selects (not multiplies): inf / NaN in inactive groups never reach the result, as in the
+    kernels; from SPARSE_MIN_M rows auto takes it for G <= MASKED_AUTO_MAX_G without a reorder."""
+    gen = seed_for("gemm_k_masked_nan")
+    M, N, K, G = 20, 24, 128, 32
+    a = randn((M, K), torch.bfloat16, gen)
+    w = randn((N, K), torch.bfloat16, gen)
+    route = make_mask("random", (M, K // G), gen)
+    a.view(M, K // G, G)[~route] = float("nan")
+    a[~route.repeat_interleave(G, dim=1) & (torch.arange(K, device=DEVICE) % 7 == 0)] = float("inf")
+    ref = gemm_k_ref(a.double(), w.double(), route, G)
+    assert torch.isfinite(ref).all()
+    monkeypatch.setattr(gemm_k_mod, "SPARSE_MIN_M", 0)
+
+    def no_reorder(route):
+        raise AssertionError("the masked auto path reordered")
+
+    monkeypatch.setattr(importlib.import_module("wide.kernels.reorder"), "reorder", no_reorder)
+    for path in ("masked", "auto"):
+        out = poisoned((M, N), torch.bfloat16)
+        gemm_k(a, w, route, G, out=out, path=path)
+        check_close(out, ref)
+    assert not gemm_k_mod.uses_reorder(4096, gemm_k_mod.MASKED_AUTO_MAX_G)
+    assert gemm_k_mod.uses_reorder(4096, 2 * gemm_k_mod.MASKED_AUTO_MAX_G)
 
 
 @pytest.mark.parametrize("G", [16, 32])
 @pytest.mark.parametrize("kind", ["random", "none"])
 def test_auto_small_groups_run_dense_without_reorder(G, kind, monkeypatch):
-    # DENSE_ABOVE is 0 for G <= 32: the device would pick the dense kernel for any route with an active entry,
-    # so the auto path runs it directly (no reorder, no fp32 workspace), all-False routes included
+    # G <= MASKED_AUTO_MAX_G: from SPARSE_MIN_M rows the auto path runs the masked cuBLAS path (no reorder, no fp32
+    # workspace), all-False routes included
     monkeypatch.setattr(gemm_k_mod, "SPARSE_MIN_M", 0)
     assert gemm_k_mod.DENSE_ABOVE[G] == 0.0
-    assert not gemm_k_mod.uses_reorder(4096, G) and gemm_k_mod.uses_reorder(4096, 128)
+    assert not gemm_k_mod.uses_reorder(4096, G) and gemm_k_mod.uses_reorder(4096, 512)
     assert gemm_k_mod.uses_reorder(4096) and not gemm_k_mod.uses_reorder(gemm_k_mod.SPARSE_MIN_M - 1, 128)
 
     def no_reorder(route):
@@ -73,7 +107,7 @@ def test_errors():
         gemm_k(a[:, :48], w[:, :48], torch.ones(8, 1, dtype=torch.bool, device=DEVICE), 32)
     with pytest.raises(ValueError, match="route"):
         gemm_k(a, w, torch.ones(8, 4, dtype=torch.bool, device=DEVICE), 32)
-    with pytest.raises(ValueError, match="path"):
+    with pytest.raises(ValueError, match="path='fast'; allowed: .*'masked'"):
         gemm_k(a, w, torch.ones(8, 2, dtype=torch.bool, device=DEVICE), 32, path="fast")
     with pytest.raises(ValueError, match="reordered"):
         gemm_k(a, w, torch.ones(8, 2, dtype=torch.bool, device=DEVICE), 32, path="sparse",

@@ -220,7 +220,7 @@ def bench_gemm(ctx, op, M, G, s):
         w = torch.randn(N, K, device="cuda", dtype=torch.bfloat16, generator=gen) * 0.02
         w2 = torch.randn(N, K, device="cuda", dtype=torch.bfloat16, generator=gen) * 0.02 if nw == 2 else None
         route = _mask(torch, (M, NG), s, gen)
-        r = reorder(route) if uses_reorder(M) else None
+        r = reorder(route) if (uses_reorder(M) or (op == "gemm_k" and M >= 512)) else None  # forced sparse path
         sets.append(dict(x=x, w=w, w2=w2, route=route, r=r, o=torch.empty(M, N, device="cuda", dtype=torch.bfloat16),
                          t1=torch.empty(M, N, device="cuda", dtype=torch.bfloat16),
                          t2=torch.empty(M, N, device="cuda", dtype=torch.bfloat16)))
@@ -256,10 +256,13 @@ def bench_gemm(ctx, op, M, G, s):
     rec = dict(op=op, M=M, N=N, K=K, G=G, sparsity=s, dense_ms=dense_ms, wide_ms=op_ms + share * re_ms,
                kernel_ms=op_ms, reorder_ms=re_ms, reorder_share=share, n_input_sets=R)
     if op == "gemm_k" and M >= 512:
-        for path in ("sparse", "dense"):
+        # each path forced (the reorder share is charged to the sparse path only: the others read no reorder)
+        sparse_re = _reorder_ms(ctx, (M, NG), s, R)
+        for path in ("sparse", "dense", "masked"):
             rec[f"{path}_path_ms"] = _graph_time_ms([
                 lambda st=st, path=path: gemm_k(st["x"], st["w"], st["route"], G, reordered=st["r"], out=st["o"],
-                                                path=path) for st in sets]) + share * re_ms
+                                                path=path) for st in sets]) + (share * sparse_re if path == "sparse"
+                                                                               else 0.0)
     if op == "swiglu":
         rec["unfused_routed_ms"] = _graph_time_ms([lambda st=st: unfused(st) for st in sets]) + share * re_ms
     if M <= 4096:  # correctness of the tuned config at the real shape (fp32 reference)

@@ -9,6 +9,10 @@ synchronisation; the path that is not taken exits at once):
   K-groups, run a group-local pipeline over each active group (level-0 skip of inactive
   ``[BM, G]`` blocks), and scatter-add the fp32 partial tile through the reorder index with
   relaxed atomics into an fp32 workspace, which a last pass converts to the output dtype.
+* ``masked`` (Appendix A's mask-multiply dense, host-chosen): the inactive groups of ``a`` are zeroed
+  into a scratch copy (one elementwise pass) and one cuBLAS GEMM does the rest.  Nothing is skipped,
+  but it runs at cuBLAS's speed: the auto path takes it from ``SPARSE_MIN_M`` rows for G <=
+  ``MASKED_AUTO_MAX_G`` (measured below), and times it against the kernels for fewer rows.
 * ``dense`` (fused mask-multiply): programs own an output tile in the original row order and
   run one dense K pipeline whose A loads are predicated by the route (inactive groups read no
   A bytes, level 1), or, in the tile configs marked ``TMA`` (many rows, 16-byte aligned operands),
@@ -33,12 +37,36 @@ from ._common import (
 SPARSE_MIN_M = 512
 
 
+# From SPARSE_MIN_M rows, the auto path runs the masked cuBLAS path for G up to this (no reorder, no workspace):
+# there the sparse path wins only below p ~ 0.08 of groups executed (DENSE_ABOVE), where the masked path, at
+# cuBLAS's speed, is as fast; larger G keep the on-device choice between the sparse path and the dense kernel.
+MASKED_AUTO_MAX_G = 256
+
+
 def uses_reorder(M: int, G: int | None = None) -> bool:
     """Whether ``gemm_k(path="auto")`` consumes a reorder for M rows (and group size G, if given).  Below
     ``SPARSE_MIN_M`` rows every weight group is needed by some row with high probability, so the auto path
-    is the route-predicated dense kernel, which needs no reorder; so it is at every M for a G whose
-    ``DENSE_ABOVE`` threshold is 0 (16, 32)."""
-    return M >= SPARSE_MIN_M and (G is None or DENSE_ABOVE.get(G, 0.8) > 0.0)
+    is the split-K / dense kernel or the masked cuBLAS path, which need no reorder; so it is at every M for
+    G <= ``MASKED_AUTO_MAX_G`` (the masked path).  Without G: whether it may (True from ``SPARSE_MIN_M``)."""
+    return M >= SPARSE_MIN_M and (G is None or G > MASKED_AUTO_MAX_G)
+
+
+def masked_dense(a: torch.Tensor, w: torch.Tensor, route: torch.Tensor, G: int, out: torch.Tensor) -> torch.Tensor:
+    """GEMM-K as Appendix A's mask-multiply dense: ``out = (a with the inactive groups zeroed) @ w.T``.
+
+    Args:
+        a: ``[M, K]`` with unit column stride (bf16/fp16/fp32); w: ``[N, K]``, a's dtype; route: bool
+            ``[M, K // G]``; G: group size along K; out: contiguous ``[M, N]`` in a's dtype.
+
+    Returns:
+        ``out``.  The zeroed copy of ``a`` (a ``[M, K]`` scratch tensor) is a select, not a multiply, so values
+        of ``a`` in inactive groups (inf / NaN too) never reach the result, as in the kernels; the GEMM is
+        ``torch.mm`` (cuBLAS on a GPU, its fp32 accumulation).  CUDA-graph capturable, no host sync.
+        Inputs are not validated here (the public op does it).
+    """
+    M, K = a.shape
+    am = torch.where(route.view(M, K // G, 1), a.view(M, K // G, G), torch.zeros((), dtype=a.dtype, device=a.device))
+    return torch.mm(am.view(M, K), w.t(), out=out)
 
 
 # Active fraction above which the auto path runs the dense (mask-predicated) kernel, per G.
@@ -221,17 +249,20 @@ def gemm_k(a: torch.Tensor, w: torch.Tensor, route: torch.Tensor, G: int, *,
         reordered: optional shared :func:`wide.kernels.reorder` result of ``route``.  Ignored for
             M <= 4.
         out: optional preallocated contiguous ``[M, N]`` output (a's dtype); every element written.
-        path: ``"auto"`` (default: for M < ``SPARSE_MIN_M`` the faster of ``splitk`` and ``dense`` for this
-            shape, autotuned once; else chosen on the device from the active fraction, see ``DENSE_ABOVE``;
-            where that threshold is 0, G <= 32, always the dense kernel, with no reorder and no workspace),
-            ``"sparse"`` (atomic scatter-add, Algorithm 3), ``"dense"`` (route-predicated dense pipeline) or
-            ``"splitk"`` (:func:`wide.kernels.decode.splitk_k`: per row tile, only the groups some row executes
-            are read, split over K; no reorder).  All paths give the same function.
+        path: ``"auto"`` (default: for M < ``SPARSE_MIN_M`` the fastest of ``splitk``, ``dense`` and ``masked``
+            for this shape, autotuned once with every group executed; from ``SPARSE_MIN_M`` rows ``masked`` for
+            G <= ``MASKED_AUTO_MAX_G``, else chosen on the device from the active fraction, see
+            ``DENSE_ABOVE``), ``"sparse"`` (atomic scatter-add, Algorithm 3), ``"dense"`` (route-predicated
+            dense pipeline), ``"splitk"`` (:func:`wide.kernels.decode.splitk_k`: per row tile, only the groups
+            some row executes are read, split over K; no reorder) or ``"masked"`` (:func:`masked_dense`: the
+            inactive groups of ``a`` zeroed into a scratch copy, then one cuBLAS GEMM; no reorder).  All paths
+            give the same function.
 
     Returns:
         ``[M, N]`` in a's dtype, accumulated in fp32 (the result does not depend on the order of the
         atomics beyond fp32 rounding).  The sparse path, and ``auto`` from ``SPARSE_MIN_M`` rows where the
-        device may pick it (G >= 64), allocate an fp32 ``[M, N]`` workspace.
+        device may pick it (G > ``MASKED_AUTO_MAX_G``), allocate an fp32 ``[M, N]`` workspace; the masked path
+        an ``[M, K]`` copy of ``a``.
 
     M <= 4 uses :func:`wide.kernels.decode.gemv_k`.  CPU without ``TRITON_INTERPRET=1`` falls back to
     :func:`reference.gemm_k_ref`.
@@ -252,8 +283,8 @@ def gemm_k(a: torch.Tensor, w: torch.Tensor, route: torch.Tensor, G: int, *,
     check_route(route, M, NG)
     check_same_device(a=a, w=w, route=route)
     check_out(out, (M, N), a.dtype, a.device, a=a, w=w, route=route)
-    if path not in ("auto", "sparse", "dense", "splitk"):
-        fail(f"path={path!r}; allowed: 'auto', 'sparse', 'dense', 'splitk'")
+    if path not in ("auto", "sparse", "dense", "splitk", "masked"):
+        fail(f"path={path!r}; allowed: 'auto', 'sparse', 'dense', 'splitk', 'masked'")
     if reordered is not None:  # checked on every path, so that code that runs on the CPU runs on a GPU too
         reordered = check_reordered(reordered, (M, NG), route.device)
     from .decode import gemv_k
@@ -269,18 +300,25 @@ def gemm_k(a: torch.Tensor, w: torch.Tensor, route: torch.Tensor, G: int, *,
     route = route.contiguous()
     if out is None:
         out = torch.empty((M, N), dtype=a.dtype, device=a.device)
+    if path == "masked" or (path == "auto" and M >= SPARSE_MIN_M and G <= MASKED_AUTO_MAX_G):
+        return masked_dense(a, w, route, G, out)
     if path == "splitk" or (path == "auto" and M < SPARSE_MIN_M):
         from .decode import _dense_tuner, splitk_cands, splitk_k
 
         def run_small(cfg, route=route):
-            if cfg.pop("KIND", "splitk") == "splitk":
+            kind = cfg.pop("KIND", "splitk")
+            if kind == "splitk":
                 splitk_k(a, w, route, G, out, cfg)
+            elif kind == "masked":
+                masked_dense(a, w, route, G, out)
             else:
                 _launch_dense(a, w, out, route, route, G, -1, 16, True, cfg)
 
         cands = [dict(c, KIND="splitk") for c in splitk_cands(G, K, N, M)]
-        if path == "auto":  # the split-K kernel against the dense-order one, tuned with every group executed
+        if path == "auto":  # the split-K kernel against the dense-order one and cuBLAS, with every group executed
             cands += [dict(c, KIND="dense") for c in _dense_candidates(G, M)]
+            if not interpret_mode():
+                cands.append(dict(KIND="masked"))
         cfg = pick_config("gemm_k_small" if path == "auto" else "gemm_k_splitk", (m_bucket(M), N, K, G, str(a.dtype)),
                           a.device, cands, _dense_tuner(lambda c, r: run_small(dict(c), r), route), graph=True)
         run_small(cfg)
