@@ -12,7 +12,7 @@ synchronisation; the path that is not taken exits at once):
 * ``masked`` (Appendix A's mask-multiply dense, host-chosen): the inactive groups of ``a`` are zeroed
   into a scratch copy (one elementwise pass) and one cuBLAS GEMM does the rest.  Nothing is skipped,
   but it runs at cuBLAS's speed: the auto path takes it from ``SPARSE_MIN_M`` rows for G <=
-  ``MASKED_AUTO_MAX_G`` (measured below), and times it against the kernels for fewer rows.
+  ``MASKED_AUTO_MAX_G``, and times it against the kernels for fewer rows.
 * ``dense`` (fused mask-multiply): programs own an output tile in the original row order and
   run one dense K pipeline whose A loads are predicated by the route (inactive groups read no
   A bytes, level 1), or, in the tile configs marked ``TMA`` (many rows, 16-byte aligned operands),
@@ -37,9 +37,11 @@ from ._common import (
 SPARSE_MIN_M = 512
 
 
-# From SPARSE_MIN_M rows, the auto path runs the masked cuBLAS path for G up to this (no reorder, no workspace):
-# there the sparse path wins only below p ~ 0.08 of groups executed (DENSE_ABOVE), where the masked path, at
-# cuBLAS's speed, is as fast; larger G keep the on-device choice between the sparse path and the dense kernel.
+# From SPARSE_MIN_M rows, the auto path runs the masked cuBLAS path for G up to this (no reorder, no workspace).
+# H200, down shape, every path forced in one record (benchmarks/kernels/kernels_h200-s17-gemmk-masked.md): the
+# masked path ran 0.77-0.86x of cuBLAS at M = 1024-16384, every G and s in {0, 0.5, 0.75}; the sparse path beat it
+# only at G = 512, s = 0.75 (0.90-0.96x), the dense kernel never (0.47-0.70x).  Larger G keep the on-device
+# choice between the sparse path and the dense kernel.
 MASKED_AUTO_MAX_G = 256
 
 
@@ -62,7 +64,9 @@ def masked_dense(a: torch.Tensor, w: torch.Tensor, route: torch.Tensor, G: int, 
         ``out``.  The zeroed copy of ``a`` (a ``[M, K]`` scratch tensor) is a select, not a multiply, so values
         of ``a`` in inactive groups (inf / NaN too) never reach the result, as in the kernels; the GEMM is
         ``torch.mm`` (cuBLAS on a GPU, its fp32 accumulation).  CUDA-graph capturable, no host sync.
-        Inputs are not validated here (the public op does it).
+
+    Raises:
+        Nothing of its own: inputs are not validated here (:func:`gemm_k` does it); torch's errors on bad shapes.
     """
     M, K = a.shape
     am = torch.where(route.view(M, K // G, 1), a.view(M, K // G, G), torch.zeros((), dtype=a.dtype, device=a.device))
