@@ -260,7 +260,8 @@ def gemm_k(a: torch.Tensor, w: torch.Tensor, route: torch.Tensor, G: int, *,
             dense pipeline), ``"splitk"`` (:func:`wide.kernels.decode.splitk_k`: per row tile, only the groups
             some row executes are read, split over K; no reorder) or ``"masked"`` (:func:`masked_dense`: the
             inactive groups of ``a`` zeroed into a scratch copy, then one cuBLAS GEMM; no reorder).  All paths
-            give the same function.
+            give the same function for finite ``w`` (an inf / NaN weight in a group that row m skips makes row m
+            NaN on every path, as in the reference, except ``sparse``, which never reads that group for m).
 
     Returns:
         ``[M, N]`` in a's dtype, accumulated in fp32 (the result does not depend on the order of the
