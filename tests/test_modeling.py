@@ -195,3 +195,13 @@ def test_forward_refuses_a_mask_that_does_not_fit(model):
     with torch.no_grad():  # a longer mask is what incremental decoding with past_key_values passes
         out = wm(x, use_cache=True)
         wm(x[:, :1], attention_mask=torch.ones(2, 13, dtype=torch.int64), past_key_values=out.past_key_values)
+    # ... but without a past it covers tokens that are not there (it shifted the logits silently before)
+    with pytest.raises(WideError, match=r"attention_mask of shape \(2, 13\) does not fit input_ids \(2, 12\)"):
+        wm(x, attention_mask=torch.ones(2, 13, dtype=torch.int64))
+    wm.eval()
+    for bad in (2, 0.5, -1):  # a padding mask is 0 / 1 (checked with the eval-mode vocabulary sync)
+        m = torch.ones(2, 12, dtype=torch.float32 if isinstance(bad, float) else torch.int64)
+        m[1, 3] = bad
+        with pytest.raises(WideError, match=rf"attention_mask holds {bad!r}: a padding mask takes 1 .* or 0"), \
+                torch.no_grad():
+            wm(x, attention_mask=m)

@@ -596,10 +596,11 @@ class WideModel(nn.Module):
                 (in eval mode: one host sync, skipped while a CUDA graph is captured; training batches come from
                 the project's own tokenization and keep the GPU queue free of syncs), or an ``attention_mask`` that
                 is not a 2-D tensor (a 3-D / 4-D custom mask is refused: routing needs the padding of each token),
-                whose batch differs or that is shorter than ``T``.
+                whose batch differs, whose length is not ``T`` (``past + T`` with ``past_key_values``), or (in eval
+                mode, the same host sync) that holds values other than 0 / 1.
         """
         if input_ids is not None or "inputs_embeds" not in kwargs:
-            self._check_inputs(input_ids, attention_mask)
+            self._check_inputs(input_ids, attention_mask, kwargs.get("past_key_values") is not None)
         self.record = RoutingRecord()
         self._cur = {}
         self._valid = attention_mask.bool() if attention_mask is not None else None
@@ -608,8 +609,9 @@ class WideModel(nn.Module):
         finally:
             self._valid = None
 
-    def _check_inputs(self, input_ids, attention_mask) -> None:
-        """The checks of :meth:`forward`'s ``Raises`` (one line each, before the model runs)."""
+    def _check_inputs(self, input_ids, attention_mask, has_past: bool = False) -> None:
+        """The checks of :meth:`forward`'s ``Raises`` (one line each, before the model runs); ``has_past``: whether
+        ``past_key_values`` came too (then the mask may cover the past tokens as well)."""
         check_token_ids(input_ids)
         B, T = input_ids.shape
         if attention_mask is not None and not isinstance(attention_mask, torch.Tensor):
@@ -619,7 +621,8 @@ class WideModel(nn.Module):
             raise WideError(f"attention_mask of shape {tuple(attention_mask.shape)}: WIDE takes a 2-D [B, T] padding "
                             f"mask (1 = real token, 0 = padding; the model adds the causal mask), not a "
                             f"{attention_mask.dim()}-D one")
-        if attention_mask is not None and (attention_mask.shape[0] != B or attention_mask.shape[1] < T):
+        if attention_mask is not None and (attention_mask.shape[0] != B or attention_mask.shape[1] < T
+                                           or (attention_mask.shape[1] != T and not has_past)):
             raise WideError(f"attention_mask of shape {tuple(attention_mask.shape)} does not fit input_ids "
                             f"{(B, T)}: it needs [B, T] (or [B, past + T] with past_key_values)")
         if self.training:
@@ -632,6 +635,10 @@ class WideModel(nn.Module):
         vocab = self.base.get_input_embeddings().num_embeddings
         if bool(((input_ids < 0) | (input_ids >= vocab)).any()):
             raise outside_vocab(input_ids, vocab)
+        if attention_mask is not None and attention_mask.dtype != torch.bool and bool(
+                ((attention_mask != 0) & (attention_mask != 1)).any()):
+            bad = attention_mask[(attention_mask != 0) & (attention_mask != 1)].flatten()[0].item()
+            raise WideError(f"attention_mask holds {bad!r}: a padding mask takes 1 (real token) or 0 (padding) only")
 
     @contextmanager
     def masks_fixed(self, attn=None, ffn=None):
