@@ -72,11 +72,11 @@ def test_masked_path_drops_inactive_values_and_runs_auto(monkeypatch):
 
 @pytest.mark.parametrize("G", [16, 32])
 @pytest.mark.parametrize("kind", ["random", "none"])
-def test_auto_small_groups_run_dense_without_reorder(G, kind, monkeypatch):
+def test_auto_small_groups_run_without_reorder(G, kind, monkeypatch):
     # G <= MASKED_AUTO_MAX_G: from SPARSE_MIN_M rows the auto path runs the masked cuBLAS path (no reorder, no fp32
     # workspace), all-False routes included
     monkeypatch.setattr(gemm_k_mod, "SPARSE_MIN_M", 0)
-    assert gemm_k_mod.DENSE_ABOVE[G] == 0.0
+    assert G <= gemm_k_mod.MASKED_AUTO_MAX_G
     assert not gemm_k_mod.uses_reorder(4096, G) and gemm_k_mod.uses_reorder(4096, 512)
     assert gemm_k_mod.uses_reorder(4096) and not gemm_k_mod.uses_reorder(gemm_k_mod.SPARSE_MIN_M - 1, 128)
 

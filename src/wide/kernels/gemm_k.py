@@ -73,11 +73,11 @@ def masked_dense(a: torch.Tensor, w: torch.Tensor, route: torch.Tensor, G: int, 
     return torch.mm(am.view(M, K), w.t(), out=out)
 
 
-# Active fraction above which the auto path runs the dense (mask-predicated) kernel, per G.
-# Set from the H200 probe (benchmarks/kernels/README.md): at M=4096 the sparse (atomic) path took
-# about 0.72 + 2.8 p ms (G=128) and 0.32 + 1.38 p ms (G=512), the dense path 0.95 ms, p = active fraction
-# (two points each; G=64 and G=256 are interpolated guesses, not measured).
-DENSE_ABOVE = {16: 0.0, 32: 0.0, 64: 0.03, 128: 0.08, 256: 0.3, 512: 0.45}
+# Active fraction above which the auto path runs the dense (mask-predicated) kernel rather than the sparse one, per
+# G; only groups wider than MASKED_AUTO_MAX_G reach this choice (other widths: 0.8).  Set from the H200 probe
+# (benchmarks/kernels/README.md): at M=4096 the sparse (atomic) path took about 0.32 + 1.38 p ms at G=512, the dense
+# path 0.95 ms, p = active fraction.
+DENSE_ABOVE = {512: 0.45}
 
 if HAS_TRITON:
     import triton
@@ -332,10 +332,7 @@ def gemm_k(a: torch.Tensor, w: torch.Tensor, route: torch.Tensor, G: int, *,
     thr_ppm = int(round(thr * 1_000_000))
     ng_p2 = max(16, next_pow2(NG))
 
-    # a threshold of 0 (G <= 32) picks the dense kernel for every route with an active entry, and for an
-    # all-False route the dense kernel's zeros are the sparse path's too: no reorder, no fp32 workspace
-    if path == "dense" or thr <= 0.0:
-        # no reorder needed at all
+    if path == "dense":  # no reorder, no fp32 workspace
         cnt = torch.zeros(1, dtype=torch.int32, device=a.device)
         def run_dense(cfg):
             _launch_dense(a, w, out, route, cnt, G, thr_ppm, 16, True, cfg)
