@@ -33,6 +33,9 @@ def _parse(argv):
                    help="wave rules: 1 (fixed), k (k programs per SM), grid, default (decode_attention's own); the "
                    "first '1' is the fixed split count, later integers are programs per SM")
     p.add_argument("--split-mult", default="0.5,1,2", help="multiples of the default dense split count")
+    p.add_argument("--speculate", default="1",
+                   help="decode_attn.SPECULATE values to time (1,0: the speculative dense numbering against the "
+                   "session-13 numbering; the 0 variants are named '<rule>/nospec')")
     p.add_argument("--budget", type=float, default=300.0, help="seconds after which pending points are skipped")
     return p.parse_args(argv)
 
@@ -53,6 +56,9 @@ def main(argv=None) -> int:
     rules = [("fixed", 1)] + [(f"{w}/SM", int(w) * sms) for w in waves[1:] if w not in ("grid", "default")]
     rules += [("grid", None)] if "grid" in waves else []
     rules += [("default", "default")] if "default" in waves else []
+    specs = [bool(int(x)) for x in args.speculate.split(",")]
+    rules = [(n if sp else f"{n}/nospec", w, sp) for n, w in rules for sp in specs]
+    import wide.kernels.decode_attn as decode_attn_mod
     t0 = time.time()
     records = []
     cmd = "python3 benchmarks/kernels/decode_attn_waves.py " + " ".join(argv if argv is not None else sys.argv[1:])
@@ -74,7 +80,8 @@ def main(argv=None) -> int:
                 ref = attention_ref(q[:2].float(), k[:2].float(), v[:2].float(), route[:2], False)
                 for mult in (float(x) for x in args.split_mult.split(",")):
                     splits = max(1, int(round(base * mult)))
-                    for name, wave in rules:
+                    for name, wave, spec in rules:
+                        decode_attn_mod.SPECULATE = spec
                         w = B * Hk * splits if wave is None else None if wave == "default" else wave
                         fn = lambda: decode_attention(q, k, v, route, out=out, splits=splits, wave=w)  # noqa: E731
                         ms = _graph_time_ms([fn])
@@ -89,13 +96,14 @@ def main(argv=None) -> int:
                                    gpu=torch.cuda.get_device_name(),
                                    date=time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), command=cmd)
                         records.append(rec)
+                    decode_attn_mod.SPECULATE = True
                 print(f"B={B} T={T} done ({time.time() - t0:.0f} s)", flush=True)
             del q, k, v
             torch.cuda.empty_cache()
             with open(os.path.join(args.out, "decode_attn_waves.json"), "w") as f:
                 json.dump(records, f, indent=1)
     lines = ["| B | T | s | active | dense µs | best (splits x, rule) | best µs | "
-             + " | ".join(f"{n} ×1" for n, _ in rules) + " |", "|---" * (7 + len(rules)) + "|"]
+             + " | ".join(f"{n} ×1" for n, _, _ in rules) + " |", "|---" * (7 + len(rules)) + "|"]
     pts = {}
     for r in records:
         pts.setdefault((r["B"], r["T"], r["sparsity"]), []).append(r)
@@ -104,7 +112,7 @@ def main(argv=None) -> int:
         rel = {r["rule"]: r["wide_ms"] / best["wide_ms"] for r in rs if r["split_mult"] == 1.0}
         lines.append(f"| {B} | {T} | {s} | {rs[0]['active']} | {rs[0]['dense_ms'] * 1e3:.1f} | "
                      f"{best['split_mult']:g}, {best['rule']} | {best['wide_ms'] * 1e3:.1f} | "
-                     + " | ".join(f"{rel.get(n, float('nan')):.3f}" for n, _ in rules) + " |")
+                     + " | ".join(f"{rel.get(n, float('nan')):.3f}" for n, _, _ in rules) + " |")
     with open(os.path.join(args.out, "decode_attn_waves.md"), "w") as f:
         f.write("# decode attention: split count and wave rule (time relative to the best variant of the point; "
                 "columns at the default split count)\n\n" + "\n".join(lines) + "\n")

@@ -107,10 +107,11 @@ def main() -> None:
                                                                                                      BLOCK=1024))
     compile_sm90(decode_attn._decode_attn_split_kernel,
                  types_of(decode_attn._decode_attn_split_kernel, route_ptr=b, lp_ptr=i32, mpart_ptr=f32, lpart_ptr=f32,
-                          opart_ptr=f32), dict(D=128, RP=16, BN=64, HAS_LP=True, PP=128, GPP=1))
+                          opart_ptr=f32, ns_ptr=i32), dict(D=128, RP=16, BN=64, HAS_LP=True, PP=128, GPP=1,
+                                                           SPECULATE=True))
     compile_sm90(decode_attn._decode_attn_combine_kernel,
                  types_of(decode_attn._decode_attn_combine_kernel, route_ptr=b, mpart_ptr=f32, lpart_ptr=f32,
-                          opart_ptr=f32), dict(D=128, SP=32, PP=128, GPP=1, BN=64),
+                          opart_ptr=f32, ns_ptr=i32), dict(D=128, SP=32, PP=128, GPP=1, BN=64, SPECULATE=True),
                  num_warps=1)
     # gemm_mn's many-row tiles with TMA weight tiles, as on the H200 (Llama-3.1-8B up shape), GEMM and fused SwiGLU:
     # the gathered token loads must pipeline through cp.async and the scattered store vectorize (checked in the PTX)
@@ -136,6 +137,13 @@ def main() -> None:
                             "stride_om", "G"))
     if "cp.async.bulk.tensor" not in k.asm["ptx"] or "wgmma.mma_async" not in k.asm["ptx"]:
         raise RuntimeError("gemm_k dense TMA tile: expected bulk tensor copies and wgmma in its PTX")
+    # gemm_k's masked path: the select that zeroes the inactive groups of a (down shape, G = 128) must move 16 bytes
+    # per load and store (the route is constant over the G columns of a group)
+    st = types_of(gemm_k._mask_select_kernel, a_ptr="*bf16", route_ptr=b, out_ptr="*bf16")
+    k = compile_sm90(gemm_k._mask_select_kernel, st, dict(G=128, BR=8, GB=8, GP=128),
+                     div16=("a_ptr", "route_ptr", "out_ptr", "K", "NG", "stride_am"))
+    if "ld.global.v4" not in k.asm["ptx"] or "st.global.v4" not in k.asm["ptx"]:
+        raise RuntimeError("gemm_k mask select: expected 16-byte loads and stores in its PTX")
     compile_sm90(attention._attn_fwd_kernel, types_of(attention._attn_fwd_kernel, idx_ptr=i32, cnt_ptr=i32,
                                                       lp_ptr=i32), dict(D=128, BM=128, BN=64, CAUSAL=True,
                                                                          HAS_LP=False), num_warps=8, num_stages=3)

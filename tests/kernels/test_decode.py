@@ -1,5 +1,7 @@
 """Direct tests of the decode (M <= 4) GEMV paths and of the split-KV decode attention."""
 
+import importlib
+
 import pytest
 import torch
 
@@ -70,6 +72,34 @@ def test_decode_attention_compacted_splits(Hq, Hk, NG, kind, wave):
     lp = torch.tensor([0, 9, 33, 70], dtype=torch.int64, device=DEVICE)
     out = poisoned((B, Hq, 1, D), torch.float16)
     decode_attention(q, k, v, r, left_pad=lp, out=out, splits=2, max_splits=4, wave=wave)
+    check_close(out, attention_ref(q.double(), k.double(), v.double(), r, False, lp))
+
+
+@pytest.mark.parametrize("speculate", [True, False])
+@pytest.mark.parametrize("kind", ["all", "every_pack", "random"])
+@pytest.mark.parametrize("Hq,Hk,NG", [(8, 2, 8), (6, 2, 3)])
+def test_decode_attention_numbering(speculate, kind, Hq, Hk, NG, monkeypatch):
+    # the speculative dense numbering (every pack active: the query loaded before the pack flags) against the
+    # looked-up one, for every pack active with every head ("all") or with some heads of each pack skipped
+    # ("every_pack": one group per pack on, the rest random), and for a random route (lookup path)
+    monkeypatch.setattr(importlib.import_module("wide.kernels.decode_attn"), "SPECULATE", speculate)
+    gen = seed_for("decode_attn_numbering", kind, Hq, Hk, NG)
+    B, Tk, D = 3, 50, 16
+    q = randn((B, Hq, 1, D), torch.bfloat16, gen)
+    k = randn((B, Hk, Tk, D), torch.bfloat16, gen)
+    v = randn((B, Hk, Tk, D), torch.bfloat16, gen)
+    if kind == "every_pack":
+        r = make_mask("none", (B, NG), gen)
+        rep, hpg = Hq // Hk, Hq // NG
+        for hk in range(Hk):
+            r[:, (hk * rep) // hpg] = True  # the first group of every pack: every pack active, some heads not
+        assert not r.all()
+    else:
+        r = make_mask(kind, (B, NG), gen)
+    r = r.view(B, 1, NG)
+    lp = torch.tensor([0, 7, 50], dtype=torch.int64, device=DEVICE)
+    out = poisoned((B, Hq, 1, D), torch.bfloat16)
+    decode_attention(q, k, v, r, left_pad=lp, out=out, splits=3, wave=2)
     check_close(out, attention_ref(q.double(), k.double(), v.double(), r, False, lp))
 
 

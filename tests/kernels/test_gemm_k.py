@@ -70,6 +70,43 @@ def test_masked_path_drops_inactive_values_and_runs_auto(monkeypatch):
     assert gemm_k_mod.uses_reorder(4096, 2 * gemm_k_mod.MASKED_AUTO_MAX_G)
 
 
+@pytest.mark.parametrize("G", [16, 64, 192, 512])
+@pytest.mark.parametrize("dtype", DTYPES + [torch.float32])
+def test_mask_select(G, dtype):
+    """The masked path's select, against a select built from repeat_interleave: exact, inactive inf / NaN dropped,
+    a row-strided input (a column slice of a wider tensor), rows not a multiple of the block."""
+    gen = seed_for("mask_select", G, dtype)
+    M, K = 11, 3 * G
+    wide_a = randn((M, K + 48), dtype, gen)
+    a = wide_a[:, 16:16 + K]
+    route = make_mask("random", (M, K // G), gen)
+    a[~route.repeat_interleave(G, dim=1)] = float("nan")
+    ref = torch.where(route.repeat_interleave(G, dim=1), a, torch.zeros((), dtype=dtype, device=DEVICE))
+    out = poisoned((M, K), dtype)
+    assert gemm_k_mod.mask_select(a, route, G, out) is out
+    assert torch.equal(out, ref)
+
+
+@pytest.mark.parametrize("rows", [1, 7, 16, 0])
+def test_masked_path_row_chunks(rows):
+    """The masked path in row chunks (the zeroed copy is [rows, K]; 0 = all rows) gives the reference."""
+    gen = seed_for("gemm_k_masked_rows", rows)
+    M, N, K, G = 37, 40, 192, 64
+    a = randn((M, K), torch.bfloat16, gen)
+    w = randn((N, K), torch.bfloat16, gen)
+    route = make_mask("random", (M, K // G), gen)
+    out = poisoned((M, N), torch.bfloat16)
+    assert gemm_k_mod.masked_dense(a, w, route, G, out, rows) is out
+    check_close(out, gemm_k_ref(a.double(), w.double(), route, G))
+
+
+def test_masked_chunk_candidates():
+    # all rows first (the untuned choice), then the chunks of MASKED_CHUNKS below the row bucket
+    assert gemm_k_mod.masked_cands(600) == [dict(ROWS=0)]
+    assert gemm_k_mod.masked_cands(1500) == [dict(ROWS=0), dict(ROWS=1024)]
+    assert gemm_k_mod.masked_cands(16384) == [dict(ROWS=0)] + [dict(ROWS=r) for r in gemm_k_mod.MASKED_CHUNKS]
+
+
 @pytest.mark.parametrize("G", [16, 32])
 @pytest.mark.parametrize("kind", ["random", "none"])
 def test_auto_small_groups_run_without_reorder(G, kind, monkeypatch):

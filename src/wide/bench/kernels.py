@@ -263,6 +263,12 @@ def bench_gemm(ctx, op, M, G, s):
                 lambda st=st, path=path: gemm_k(st["x"], st["w"], st["route"], G, reordered=st["r"], out=st["o"],
                                                 path=path) for st in sets]) + (share * sparse_re if path == "sparse"
                                                                                else 0.0)
+        # the masked path's select alone (all rows at once), for the two-numbers split of its time
+        from wide.kernels.gemm_k import mask_select
+
+        sel = torch.empty(M, K, device="cuda", dtype=torch.bfloat16)
+        rec["select_ms"] = _graph_time_ms([lambda st=st: mask_select(st["x"], st["route"], G, sel) for st in sets])
+        del sel
     if op == "swiglu":
         rec["unfused_routed_ms"] = _graph_time_ms([lambda st=st: unfused(st) for st in sets]) + share * re_ms
     if M <= 4096:  # correctness of the tuned config at the real shape (fp32 reference)

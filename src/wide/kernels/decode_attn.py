@@ -20,14 +20,8 @@ if HAS_TRITON:
     from ._common import left_pad_at, mm  # noqa: F401
 
     @triton.jit
-    def _pack_splits(route_ptr, PACKS, Hk, NG, REP, HPG, SPLITS, SMAX, WAVE, Tk,
-                     PP: tl.constexpr, GPP: tl.constexpr, BN: tl.constexpr):
-        """``(n_act, rank, S, split_len)`` of the decode attention grid.  A KV pack ``p = b * Hk + hk`` is active
-        when some head group it spans is routed; ``n_act`` counts them, ``rank`` (int32 ``[PP]``) is each pack's
-        1-based rank among the active packs (0 if inactive).  The A active packs get ``S`` splits each: their
-        ``A * SPLITS`` programs rounded up to whole waves of WAVE programs, ``S = ceil(A * SPLITS / WAVE) * WAVE
-        // A``, within ``[1, min(SMAX, PACKS * SPLITS // A)]`` (the grid).  WAVE = 1 keeps ``S = SPLITS``.
-        ``split_len``: keys per split, whole BN tiles."""
+    def _pack_flags(route_ptr, PACKS, Hk, NG, REP, HPG, PP: tl.constexpr, GPP: tl.constexpr):
+        """int32 ``[PP]``: 1 where KV pack ``p = b * Hk + hk`` is active (some head group it spans is routed)."""
         offs_p = tl.arange(0, PP)
         pm = offs_p < PACKS
         b = offs_p // Hk
@@ -38,30 +32,77 @@ if HAS_TRITON:
         for j in tl.static_range(GPP):  # the head groups a pack spans
             on = pm & (g0 + j <= g1)
             act = tl.maximum(act, (tl.load(route_ptr + b * NG + g0 + j, mask=on, other=0) != 0).to(tl.int32))
-        rank = tl.where(act != 0, tl.cumsum(act, axis=0), 0)
-        n_act = tl.sum(act, axis=0)
-        A = tl.maximum(n_act, 1)
-        S = tl.cdiv(A * SPLITS, WAVE) * WAVE // A
-        S = tl.maximum(tl.minimum(tl.minimum(S, SMAX), (PACKS * SPLITS) // A), 1)
-        split_len = tl.cdiv(tl.cdiv(Tk, S), BN) * BN
-        return n_act, rank, S, split_len
+        return act
 
     @triton.jit
-    def _decode_attn_split_kernel(q_ptr, k_ptr, v_ptr, route_ptr, lp_ptr, mpart_ptr, lpart_ptr, opart_ptr,
+    def _split_count(n_act, PACKS, SPLITS, SMAX, WAVE):
+        """``S``, the KV splits of each of the ``n_act`` active packs: their ``A * SPLITS`` programs rounded up to
+        whole waves of WAVE programs, ``S = ceil(A * SPLITS / WAVE) * WAVE // A``, within ``[1, min(SMAX, PACKS *
+        SPLITS // A)]`` (the grid).  WAVE = 1 keeps ``S = SPLITS``, and so does ``n_act == PACKS`` (every pack
+        active: ``S >= SPLITS`` before the clamp to ``PACKS * SPLITS // PACKS``)."""
+        A = tl.maximum(n_act, 1)
+        S = tl.cdiv(A * SPLITS, WAVE) * WAVE // A
+        return tl.maximum(tl.minimum(tl.minimum(S, SMAX), (PACKS * SPLITS) // A), 1)
+
+    @triton.jit
+    def _split_len(Tk, S, BN: tl.constexpr):
+        """Keys per split of ``S`` splits of ``Tk`` keys, whole BN tiles."""
+        return tl.cdiv(tl.cdiv(Tk, S), BN) * BN
+
+    @triton.jit
+    def _nth_active(act, n, PP: tl.constexpr):
+        """Index of the ``n``-th (0-based) nonzero of int32 ``act [PP]`` (0 when there are fewer than n + 1)."""
+        rank = tl.where(act != 0, tl.cumsum(act, axis=0), 0)  # 1-based rank among the active packs
+        return tl.sum(tl.where(rank == n + 1, tl.arange(0, PP), 0), axis=0)
+
+    @triton.jit
+    def _pack_q(q_ptr, route_ptr, pk, Hk, NG, REP, HPG, sqb, sqh, D: tl.constexpr, RP: tl.constexpr):
+        """The query rows ``[RP, D]`` of KV pack ``pk`` (heads past REP: 0) and whether each head is routed."""
+        offs_r = tl.arange(0, RP)
+        hmask = offs_r < REP
+        b = pk // Hk
+        h = (pk % Hk) * REP + offs_r
+        act = tl.load(route_ptr + b * NG + h // HPG, mask=hmask, other=0) != 0
+        q = tl.load(q_ptr + b.to(tl.int64) * sqb + h[:, None].to(tl.int64) * sqh + tl.arange(0, D)[None, :],
+                    mask=hmask[:, None], other=0.0)
+        return q, act
+
+    @triton.jit
+    def _decode_attn_split_kernel(q_ptr, k_ptr, v_ptr, route_ptr, lp_ptr, mpart_ptr, lpart_ptr, opart_ptr, ns_ptr,
                                   Hq, Hk, Tk, NG, REP, HPG, PACKS, SPLITS, SMAX, WAVE, scale,
                                   sqb, sqh, skb, skh, skt, svb, svh, svt,
                                   D: tl.constexpr, RP: tl.constexpr, BN: tl.constexpr, HAS_LP: tl.constexpr,
-                                  PP: tl.constexpr, GPP: tl.constexpr):
+                                  PP: tl.constexpr, GPP: tl.constexpr, SPECULATE: tl.constexpr):
         # 1-D grid of PACKS * SPLITS programs.  The active packs are numbered on the device (no host sync);
-        # program p runs KV split sp = p % S of the q-th active pack (q = p // S; S from _pack_splits), so the
+        # program p runs KV split sp = p % S of the q-th active pack (q = p // S; S from _split_count), so the
         # programs of skipped packs can become more splits of the active ones; programs past A * S exit.
-        # Partials go to slot sp of (b, h) in [B, Hq, SMAX].
+        # Partials go to slot sp of (b, h) in [B, Hq, SMAX]; program 0 stores S in ns_ptr for the merge kernel.
+        # SPECULATE: the query (and head routes) of the dense numbering (p // SPLITS, split p % SPLITS; what the
+        # numbering gives when every pack is active) are loaded before the pack flags arrive and kept when every
+        # pack is active, which also skips the cumsum; otherwise the qi-th active pack is looked up and loaded.
         pid = tl.program_id(0)
-        n_act, rank, S, split_len = _pack_splits(route_ptr, PACKS, Hk, NG, REP, HPG, SPLITS, SMAX, WAVE, Tk, PP,
-                                                 GPP, BN)
+        if SPECULATE:
+            pk_d = pid // SPLITS
+            q_d, act_d = _pack_q(q_ptr, route_ptr, pk_d, Hk, NG, REP, HPG, sqb, sqh, D, RP)
+        act_p = _pack_flags(route_ptr, PACKS, Hk, NG, REP, HPG, PP, GPP)
+        n_act = tl.sum(act_p, axis=0)
+        S = _split_count(n_act, PACKS, SPLITS, SMAX, WAVE)
+        if pid == 0:
+            tl.store(ns_ptr, S)
         qi = pid // S
         sp = pid - qi * S
-        pk = tl.sum(tl.where(rank == qi + 1, tl.arange(0, PP), 0), axis=0)  # the qi-th active pack
+        if SPECULATE:
+            if n_act == PACKS:  # S == SPLITS: the dense numbering
+                pk = pk_d
+                q = q_d
+                act = act_d
+            else:
+                pk = _nth_active(act_p, qi, PP)
+                q, act = _pack_q(q_ptr, route_ptr, pk, Hk, NG, REP, HPG, sqb, sqh, D, RP)
+        else:
+            pk = _nth_active(act_p, qi, PP)
+            q, act = _pack_q(q_ptr, route_ptr, pk, Hk, NG, REP, HPG, sqb, sqh, D, RP)
+        split_len = _split_len(Tk, S, BN)
         run = qi < n_act
         b = pk // Hk
         hk = pk % Hk
@@ -70,10 +111,8 @@ if HAS_TRITON:
             offs_r = tl.arange(0, RP)
             hmask = offs_r < REP
             h = hk * REP + offs_r
-            act = tl.load(route_ptr + b * NG + h // HPG, mask=hmask, other=0) != 0
             offs_d = tl.arange(0, D)
-            q = tl.load(q_ptr + b.to(tl.int64) * sqb + h[:, None].to(tl.int64) * sqh + offs_d[None, :],
-                        mask=(hmask & act)[:, None], other=0.0)
+            q = tl.where(act[:, None], q, tl.zeros_like(q))  # inactive heads of an active pack: 0 (written as 0)
             lo = 0
             if HAS_LP:
                 lo = left_pad_at(lp_ptr, b, Tk)
@@ -106,20 +145,24 @@ if HAS_TRITON:
             tl.store(opart_ptr + pidx[:, None].to(tl.int64) * D + offs_d[None, :], acc, mask=hmask[:, None])
 
     @triton.jit
-    def _decode_attn_combine_kernel(route_ptr, mpart_ptr, lpart_ptr, opart_ptr, out_ptr, Hq, Hk, Tk, NG, REP, HPG,
-                                    PACKS, SPLITS, SMAX, WAVE, sob, soh, D: tl.constexpr, SP: tl.constexpr,
-                                    PP: tl.constexpr, GPP: tl.constexpr, BN: tl.constexpr):
-        # merges the splits of (b, h) by log-sum-exp; the split count is recomputed from the route exactly as
-        # the split kernel did (_pack_splits)
+    def _decode_attn_combine_kernel(route_ptr, mpart_ptr, lpart_ptr, opart_ptr, out_ptr, ns_ptr, Hq, Hk, Tk, NG, REP,
+                                    HPG, PACKS, SPLITS, SMAX, WAVE, sob, soh, D: tl.constexpr, SP: tl.constexpr,
+                                    PP: tl.constexpr, GPP: tl.constexpr, BN: tl.constexpr, SPECULATE: tl.constexpr):
+        # merges the splits of (b, h) by log-sum-exp; the split count S is the split kernel's (SPECULATE: read from
+        # ns_ptr, a load issued beside the route's; else recomputed from the pack flags as the split kernel did)
         pid = tl.program_id(0)
         b = pid // Hq
         h = pid % Hq
         act = tl.load(route_ptr + b * NG + h // HPG) != 0
+        if SPECULATE:
+            S = tl.load(ns_ptr)
         offs_d = tl.arange(0, D)
         o_ptrs = out_ptr + b.to(tl.int64) * sob + h.to(tl.int64) * soh + offs_d
         if act:
-            _n, _r, S, split_len = _pack_splits(route_ptr, PACKS, Hk, NG, REP, HPG, SPLITS, SMAX, WAVE, Tk, PP, GPP,
-                                                BN)
+            if not SPECULATE:
+                S = _split_count(tl.sum(_pack_flags(route_ptr, PACKS, Hk, NG, REP, HPG, PP, GPP), axis=0), PACKS,
+                                 SPLITS, SMAX, WAVE)
+            split_len = _split_len(Tk, S, BN)
             offs_s = tl.arange(0, SP)
             smask = offs_s < tl.cdiv(Tk, split_len)  # splits that start before Tk (the others wrote nothing)
             base = (b * Hq + h) * SMAX
@@ -135,6 +178,11 @@ if HAS_TRITON:
             tl.store(o_ptrs, res.to(out_ptr.dtype.element_ty))
         else:
             tl.store(o_ptrs, tl.zeros((D,), dtype=out_ptr.dtype.element_ty))
+
+
+# Speculative dense numbering in the decode attention kernels (see _decode_attn_split_kernel); False runs the
+# session-13 numbering (pack flags, then cumsum, then the query), kept for the A/B in decode_attn_waves.py.
+SPECULATE = True
 
 
 def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, route: torch.Tensor, *,
@@ -192,10 +240,12 @@ def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, route: t
     FlashAttention (running max m, sum z, fp32 accumulator) over the key tiles of its split from
     ``max(split start, left_pad[b])``; a second kernel merges the splits by log-sum-exp
     (``out = sum_s exp(m_s - M) O_s / sum_s exp(m_s - M) z_s``) and writes 0 for inactive heads and for rows
-    without a visible key.  Both kernels number the active packs on the device (a cumsum over the ``B * Hk``
-    pack flags) and give each of the A active packs S splits (``wave`` above): a fixed split count leaves
-    ``(1 - s)`` of the dense grid's programs, whose last wave on the SMs can be nearly empty.  Grid sizes come
-    from shapes only: no host sync, CUDA-graph capturable.  CPU without ``TRITON_INTERPRET=1`` (or without
+    without a visible key.  The split kernel numbers the active packs on the device (a cumsum over the ``B * Hk``
+    pack flags) and gives each of the A active packs S splits (``wave`` above): a fixed split count leaves
+    ``(1 - s)`` of the dense grid's programs, whose last wave on the SMs can be nearly empty; it hands S to the
+    merge kernel through a one-element device buffer.  Each program loads the query of the dense numbering
+    before the pack flags arrive and keeps it when every pack is active (no cumsum, one dependent load fewer).
+    Grid sizes come from shapes only: no host sync, CUDA-graph capturable.  CPU without ``TRITON_INTERPRET=1`` (or without
     Triton) falls back to :func:`wide.kernels.reference.attention_ref`.
 
     Raises:
@@ -251,22 +301,24 @@ def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, route: t
     packs = B * Hk
     pp = max(2, next_pow2(packs))
     gpp = max((hk * rep + rep - 1) // hpg - (hk * rep) // hpg + 1 for hk in range(Hk))
+    ns = torch.empty(1, dtype=torch.int32, device=q.device)  # S, from the split kernel to the merge kernel
     lp = left_pad if left_pad is not None else mpart  # dummy pointer when unused
     opts = {} if interpret_mode() else {"num_warps": 4, "num_stages": 3}
-    geo = dict(PP=pp, GPP=gpp, BN=bn)
+    geo = dict(PP=pp, GPP=gpp, BN=bn, SPECULATE=bool(SPECULATE))
     consts = dict(D=D, RP=rp, HAS_LP=left_pad is not None, **geo)
 
     def args(w):  # the split kernel's runtime arguments with WAVE = w
-        return (q, k, v, route, lp, mpart, lpart, opart, Hq, Hk, Tk, NG, rep, hpg, packs, splits, smax, w, scale,
+        return (q, k, v, route, lp, mpart, lpart, opart, ns, Hq, Hk, Tk, NG, rep, hpg, packs, splits, smax, w, scale,
                 q.stride(0), q.stride(1), k.stride(0), k.stride(1), k.stride(2), v.stride(0), v.stride(1),
                 v.stride(2))
 
     if wave is None:  # compiled (not launched) with a WAVE of the same specialization as any real one
         wave = 2 if interpret_mode() else resident_programs(
-            _decode_attn_split_kernel, ("decode_attn", q.dtype, D, rp, bn, left_pad is not None), q.device,
+            _decode_attn_split_kernel, ("decode_attn", q.dtype, D, rp, bn, left_pad is not None, bool(SPECULATE)),
+            q.device,
             args(3), consts, opts)
     _decode_attn_split_kernel[(packs * splits,)](*args(wave), **consts, **opts)
-    _decode_attn_combine_kernel[(B * Hq,)](route, mpart, lpart, opart, out, Hq, Hk, Tk, NG, rep, hpg, packs,
+    _decode_attn_combine_kernel[(B * Hq,)](route, mpart, lpart, opart, out, ns, Hq, Hk, Tk, NG, rep, hpg, packs,
                                            splits, smax, wave, out.stride(0), out.stride(1), D=D,
                                            SP=max(2, next_pow2(smax)), **geo,
                                            **({} if interpret_mode() else {"num_warps": 1}))

@@ -10,8 +10,9 @@ synchronisation; the path that is not taken exits at once):
   ``[BM, G]`` blocks), and scatter-add the fp32 partial tile through the reorder index with
   relaxed atomics into an fp32 workspace, which a last pass converts to the output dtype.
 * ``masked`` (Appendix A's mask-multiply dense, host-chosen): the inactive groups of ``a`` are zeroed
-  into a scratch copy (one elementwise pass) and one cuBLAS GEMM does the rest.  Nothing is skipped,
-  but it runs at cuBLAS's speed: the auto path takes it from ``SPARSE_MIN_M`` rows for G <=
+  into a scratch copy (one Triton select that reads only the active groups) and cuBLAS does the GEMM,
+  in row chunks whose size is autotuned (``MASKED_CHUNKS``, or all rows).  Nothing is skipped, but it
+  runs at cuBLAS's speed: the auto path takes it from ``SPARSE_MIN_M`` rows for G <=
   ``MASKED_AUTO_MAX_G``, and times it against the kernels for fewer rows.
 * ``dense`` (fused mask-multiply): programs own an output tile in the original row order and
   run one dense K pipeline whose A loads are predicated by the route (inactive groups read no
@@ -31,7 +32,7 @@ from . import reference
 from ._common import (
     FLOAT_DTYPES, HAS_TRITON, Reordered, check_group, check_out, check_reordered, check_route,
     check_same_device, check_tensor, fail, interpret_mode, launch_opts, m_bucket, next_pow2,
-    pick_config, pow2_part, small_or_fallback, tma_aligned,
+    pick_config, pow2_part, small_or_fallback, tma_aligned, use_triton,
 )
 
 SPARSE_MIN_M = 512
@@ -53,24 +54,79 @@ def uses_reorder(M: int, G: int | None = None) -> bool:
     return M >= SPARSE_MIN_M and (G is None or G > MASKED_AUTO_MAX_G)
 
 
-def masked_dense(a: torch.Tensor, w: torch.Tensor, route: torch.Tensor, G: int, out: torch.Tensor) -> torch.Tensor:
+# Row chunks of the masked path tried by the autotuner (besides all rows at once): the zeroed copy of ``a`` is then
+# ``[chunk, K]``, a bound on the extra memory that does not grow with M.
+MASKED_CHUNKS = (4096, 2048, 1024)
+
+
+def masked_cands(M: int) -> list[dict]:
+    """Configs ``{"ROWS": r}`` of :func:`masked_dense` for M rows: all rows in one GEMM first (``ROWS=0``), then the
+    row chunks of ``MASKED_CHUNKS`` below M (``r`` rows of the zeroed copy at a time, one cuBLAS GEMM each)."""
+    return [dict(ROWS=0)] + [dict(ROWS=r) for r in MASKED_CHUNKS if r < m_bucket(M)]
+
+
+def mask_select(a: torch.Tensor, route: torch.Tensor, G: int, out: torch.Tensor) -> torch.Tensor:
+    """``out = a`` with the inactive groups zeroed: ``out[m, k] = a[m, k] if route[m, k // G] else 0`` (the
+    ``A ⊙_G M`` of Eq. 21 as a select, so inf / NaN in inactive groups never pass).
+
+    Args:
+        a: ``[M, K]`` with unit column stride (bf16/fp16/fp32; any row stride); route: contiguous bool
+            ``[M, K // G]``; G: group size along K (a multiple of 16 dividing K); out: contiguous ``[M, K]`` in a's
+            dtype on a's device (may not overlap ``a``).
+
+    Returns:
+        ``out``.  With Triton (a CUDA tensor, or ``TRITON_INTERPRET=1``) one elementwise kernel that reads only the
+        active groups of ``a`` (``(1 - s) * M * K`` elements read, ``M * K`` written; no host sync, CUDA-graph
+        capturable), else ``torch.where``.
+
+    Raises:
+        Nothing of its own: inputs are not validated here (:func:`gemm_k` does it).
+    """
+    M, K = a.shape
+    if M == 0 or K == 0:
+        return out
+    if not (HAS_TRITON and use_triton(a)):
+        zero = torch.zeros((), dtype=a.dtype, device=a.device)
+        return torch.where(route.view(M, K // G, 1), a.view(M, K // G, G), zero, out=out.view(M, K // G, G)).view(M, K)
+    NG = K // G
+    gp = next_pow2(G)
+    br, cols = (4, 64) if interpret_mode() else (8, 1024)
+    gb = max(1, min(cols // gp, next_pow2(NG)))  # whole groups per block
+    grid = (triton.cdiv(M, br) * triton.cdiv(NG, gb),)
+    _mask_select_kernel[grid](a, route, out, M, K, NG, a.stride(0), G=G, BR=br, GB=gb, GP=gp,
+                              **({} if interpret_mode() else {"num_warps": 4}))
+    return out
+
+
+def masked_dense(a: torch.Tensor, w: torch.Tensor, route: torch.Tensor, G: int, out: torch.Tensor,
+                 rows: int | None = None) -> torch.Tensor:
     """GEMM-K as Appendix A's mask-multiply dense: ``out = (a with the inactive groups zeroed) @ w.T``.
 
     Args:
-        a: ``[M, K]`` with unit column stride (bf16/fp16/fp32); w: ``[N, K]``, a's dtype; route: bool
-            ``[M, K // G]``; G: group size along K; out: contiguous ``[M, N]`` in a's dtype.
+        a: ``[M, K]`` with unit column stride (bf16/fp16/fp32); w: ``[N, K]``, a's dtype; route: contiguous bool
+            ``[M, K // G]``; G: group size along K; out: contiguous ``[M, N]`` in a's dtype; rows: rows per chunk
+            (an int; default None or 0: all M): the zeroed copy is ``[rows, K]`` and one GEMM runs per chunk.
 
     Returns:
-        ``out``.  The zeroed copy of ``a`` (a ``[M, K]`` scratch tensor) is a select, not a multiply, so values
-        of ``a`` in inactive groups (inf / NaN too) never reach the result, as in the kernels; the GEMM is
-        ``torch.mm`` (cuBLAS on a GPU, its fp32 accumulation).  CUDA-graph capturable, no host sync.
+        ``out``.  The zeroed copy of ``a`` is a select (:func:`mask_select`), not a multiply, so values of ``a`` in
+        inactive groups (inf / NaN too) never reach the result, as in the kernels; the GEMM is ``torch.mm``
+        (cuBLAS on a GPU, its fp32 accumulation).  Extra memory: ``min(rows, M) * K`` elements.  CUDA-graph
+        capturable, no host sync.
 
     Raises:
         Nothing of its own: inputs are not validated here (:func:`gemm_k` does it); torch's errors on bad shapes.
     """
     M, K = a.shape
-    am = torch.where(route.view(M, K // G, 1), a.view(M, K // G, G), torch.zeros((), dtype=a.dtype, device=a.device))
-    return torch.mm(am.view(M, K), w.t(), out=out)
+    rows = M if not rows else max(1, min(int(rows), M))
+    if M == 0:
+        return out
+    buf = torch.empty((rows, K), dtype=a.dtype, device=a.device)
+    wt = w.t()
+    for r0 in range(0, M, rows):
+        r1 = min(M, r0 + rows)
+        am = mask_select(a[r0:r1], route[r0:r1], G, buf[: r1 - r0])
+        torch.mm(am, wt, out=out[r0:r1])
+    return out
 
 
 # Active fraction above which the auto path runs the dense (mask-predicated) kernel rather than the sparse one, per
@@ -92,6 +148,26 @@ if HAS_TRITON:
         total = tl.sum(c, axis=0)
         # dense iff total / (M * NG) > THR_PPM / 1e6
         return total * 1000000 > THR_PPM.to(tl.int64) * M * NG
+
+    @triton.jit
+    def _mask_select_kernel(a_ptr, route_ptr, out_ptr, M, K, NG, stride_am, G: tl.constexpr, BR: tl.constexpr,
+                            GB: tl.constexpr, GP: tl.constexpr):
+        # one block of out = a with the inactive groups zeroed: BR rows x GB whole groups of G columns (G padded to
+        # the power of two GP); the route is read once per (row, group) and inactive groups are not read at all
+        pid = tl.program_id(0)
+        nb = tl.cdiv(NG, GB)
+        pr = pid // nb
+        pg = pid - pr * nb
+        rows = pr * BR + tl.arange(0, BR)
+        grp = pg * GB + tl.arange(0, GB)
+        e = tl.arange(0, GP)
+        rows64 = rows.to(tl.int64)[:, None, None]
+        inb2 = (rows < M)[:, None] & (grp < NG)[None, :]
+        r = tl.load(route_ptr + rows.to(tl.int64)[:, None] * NG + grp[None, :], mask=inb2, other=0) != 0
+        cols = grp[None, :, None] * G + e[None, None, :]
+        inb = inb2[:, :, None] & (e < G)[None, None, :]
+        v = tl.load(a_ptr + rows64 * stride_am + cols, mask=r[:, :, None] & inb, other=0.0)
+        tl.store(out_ptr + rows64 * K + cols, v, mask=inb)
 
     @triton.jit
     def _gemm_k_sparse_kernel(x_ptr, w_ptr, ws_ptr, idx_ptr, cnt_ptr, M, N, NG, THR_PPM,
@@ -267,7 +343,7 @@ def gemm_k(a: torch.Tensor, w: torch.Tensor, route: torch.Tensor, G: int, *,
         ``[M, N]`` in a's dtype, accumulated in fp32 (the result does not depend on the order of the
         atomics beyond fp32 rounding).  The sparse path, and ``auto`` from ``SPARSE_MIN_M`` rows where the
         device may pick it (G > ``MASKED_AUTO_MAX_G``), allocate an fp32 ``[M, N]`` workspace; the masked path
-        an ``[M, K]`` copy of ``a``.
+        a ``[rows, K]`` zeroed copy of ``a`` (rows = M or the autotuned chunk of ``MASKED_CHUNKS``).
 
     M <= 4 uses :func:`wide.kernels.decode.gemv_k`.  CPU without ``TRITON_INTERPRET=1`` falls back to
     :func:`reference.gemm_k_ref`.
@@ -306,7 +382,9 @@ def gemm_k(a: torch.Tensor, w: torch.Tensor, route: torch.Tensor, G: int, *,
     if out is None:
         out = torch.empty((M, N), dtype=a.dtype, device=a.device)
     if path == "masked" or (path == "auto" and M >= SPARSE_MIN_M and G <= MASKED_AUTO_MAX_G):
-        return masked_dense(a, w, route, G, out)
+        mcfg = pick_config("gemm_k_masked", (m_bucket(M), N, K, G, str(a.dtype)), a.device, masked_cands(M),
+                           lambda c: masked_dense(a, w, route, G, out, c["ROWS"]))
+        return masked_dense(a, w, route, G, out, mcfg["ROWS"])
     if path == "splitk" or (path == "auto" and M < SPARSE_MIN_M):
         from .decode import _dense_tuner, splitk_cands, splitk_k
 
