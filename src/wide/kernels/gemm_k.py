@@ -393,7 +393,7 @@ def gemm_k(a: torch.Tensor, w: torch.Tensor, route: torch.Tensor, G: int, *,
             if kind == "splitk":
                 splitk_k(a, w, route, G, out, cfg)
             elif kind == "masked":
-                masked_dense(a, w, route, G, out)
+                masked_dense(a, w, route, G, out, cfg.get("ROWS"))
             else:
                 _launch_dense(a, w, out, route, route, G, -1, 16, True, cfg)
 
@@ -401,7 +401,7 @@ def gemm_k(a: torch.Tensor, w: torch.Tensor, route: torch.Tensor, G: int, *,
         if path == "auto":  # the split-K kernel against the dense-order one and cuBLAS, with every group executed
             cands += [dict(c, KIND="dense") for c in _dense_candidates(G, M)]
             if not interpret_mode():
-                cands.append(dict(KIND="masked"))
+                cands += [dict(c, KIND="masked") for c in masked_cands(M)]
         cfg = pick_config("gemm_k_small" if path == "auto" else "gemm_k_splitk", (m_bucket(M), N, K, G, str(a.dtype)),
                           a.device, cands, _dense_tuner(lambda c, r: run_small(dict(c), r), route), graph=True)
         run_small(cfg)
