@@ -114,7 +114,8 @@ def test_auto_small_groups_run_without_reorder(G, kind, monkeypatch):
     # workspace), all-False routes included
     monkeypatch.setattr(gemm_k_mod, "SPARSE_MIN_M", 0)
     assert G <= gemm_k_mod.MASKED_AUTO_MAX_G
-    assert not gemm_k_mod.uses_reorder(4096, G) and gemm_k_mod.uses_reorder(4096, 512)
+    assert not gemm_k_mod.uses_reorder(4096, G) and not gemm_k_mod.uses_reorder(4096, 512)
+    assert gemm_k_mod.uses_reorder(4096, 2 * gemm_k_mod.MASKED_AUTO_MAX_G)
     assert gemm_k_mod.uses_reorder(4096) and not gemm_k_mod.uses_reorder(gemm_k_mod.SPARSE_MIN_M - 1, 128)
 
     def no_reorder(route):

@@ -39,11 +39,14 @@ SPARSE_MIN_M = 512
 
 
 # From SPARSE_MIN_M rows, the auto path runs the masked cuBLAS path for G up to this (no reorder, no workspace).
-# H200, down shape, every path forced in one record (benchmarks/kernels/kernels_h200-s17-gemmk-masked.md): the
-# masked path ran 0.77-0.86x of cuBLAS at M = 1024-16384, every G and s in {0, 0.5, 0.75}; the sparse path beat it
-# only at G = 512, s = 0.75 (0.90-0.96x), the dense kernel never (0.47-0.70x).  Larger G keep the on-device
-# choice between the sparse path and the dense kernel.
-MASKED_AUTO_MAX_G = 256
+# H200, down shape, every path forced in one record: with the torch.where select the masked path ran 0.77-0.86x of
+# cuBLAS at M = 1024-16384 (benchmarks/kernels/kernels_h200-s17-gemmk-masked.md); with the Triton select that reads
+# only the active groups (3.8 TB/s) it runs 0.84-0.95x at s in {0, 0.5} and 0.96-1.02x at s = 0.75, and beats the
+# sparse path and the dense kernel at every G up to 512 and s up to 0.75 (kernels_h200-s18-gemmk-select.md; at
+# G = 512, s = 0.75: 0.586 against 0.604 ms at M = 4096).  Wider groups (an O projection of more than 4 heads of
+# 128 per group) keep the on-device choice between the sparse path and the dense kernel, where the sparse path's
+# atomic traffic, p * M * N * K / G, keeps falling.
+MASKED_AUTO_MAX_G = 512
 
 
 def uses_reorder(M: int, G: int | None = None) -> bool:
@@ -129,11 +132,11 @@ def masked_dense(a: torch.Tensor, w: torch.Tensor, route: torch.Tensor, G: int, 
     return out
 
 
-# Active fraction above which the auto path runs the dense (mask-predicated) kernel rather than the sparse one, per
-# G; only groups wider than MASKED_AUTO_MAX_G reach this choice (other widths: 0.8).  Set from the H200 probe
-# (benchmarks/kernels/README.md): at M=4096 the sparse (atomic) path took about 0.32 + 1.38 p ms at G=512, the dense
-# path 0.95 ms, p = active fraction.
-DENSE_ABOVE = {512: 0.45}
+# Active fraction above which the auto path runs the dense (mask-predicated) kernel rather than the sparse one; only
+# groups wider than MASKED_AUTO_MAX_G reach this choice.  From the H200 probe (benchmarks/kernels/README.md): at
+# M = 4096 the sparse (atomic) path took about 0.32 + 1.38 p ms at G = 512, the dense kernel 0.95 ms (p = active
+# fraction), a crossover at p = 0.45; the atomic term scales with 1 / G, so at G = 1024 it moves to about 0.9.
+DENSE_ABOVE = 0.8
 
 if HAS_TRITON:
     import triton
@@ -406,7 +409,7 @@ def gemm_k(a: torch.Tensor, w: torch.Tensor, route: torch.Tensor, G: int, *,
                           a.device, cands, _dense_tuner(lambda c, r: run_small(dict(c), r), route), graph=True)
         run_small(cfg)
         return out
-    thr = DENSE_ABOVE.get(G, 0.8) if path == "auto" else (2.0 if path == "sparse" else -1.0)
+    thr = DENSE_ABOVE if path == "auto" else (2.0 if path == "sparse" else -1.0)
     thr_ppm = int(round(thr * 1_000_000))
     ng_p2 = max(16, next_pow2(NG))
 
