@@ -254,7 +254,11 @@ def bench_gemm(ctx, op, M, G, s):
     share = 2.0 / 3.0 if op == "swiglu" else 1.0 / 3.0
     re_ms = _reorder_ms(ctx, (M, NG), s, R) if (M > 4 and uses_reorder(M)) else 0.0
     rec = dict(op=op, M=M, N=N, K=K, G=G, sparsity=s, dense_ms=dense_ms, wide_ms=op_ms + share * re_ms,
-               kernel_ms=op_ms, reorder_ms=re_ms, reorder_share=share, n_input_sets=R)
+               kernel_ms=op_ms, reorder_ms=re_ms, reorder_share=share, n_input_sets=R,
+               # realized fraction of the weight that must be read: groups some row executes (the union over the
+               # rows; at M = 1 one draw of N_G Bernoulli(1 - s) flags, which at G = 512 (28 groups) can stray
+               # far from 1 - s), averaged over the input sets
+               active=sum(float(st["route"].any(dim=0).float().mean()) for st in sets) / len(sets))
     if op == "gemm_k" and M >= 512:
         # each path forced (the reorder share is charged to the sparse path only: the others read no reorder)
         sparse_re = _reorder_ms(ctx, (M, NG), s, R)
