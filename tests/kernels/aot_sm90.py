@@ -103,6 +103,14 @@ def main() -> None:
                                                  FUSE_SUM=True, BM=64), num_stages=3)
     compile_sm90(decode._gemv_k_kernel, kt, dict(G=512, BN=64, BK=64, NGP=32, SPLITS=1, EVEN_N=True,
                                                  FUSE_SUM=False, BM=128), num_warps=8, num_stages=3)
+    # the persistent stream-K gemv_mn (q shape, 32-wide N tiles): the per-tile K loop must pipeline (cp.async)
+    k = compile_sm90(decode._gemv_mn_streamk_kernel, types_of(decode._gemv_mn_streamk_kernel, part_ptr=f32, cnt_ptr=i32,
+                                                              route_ptr=b),
+                     dict(G=128, BN=32, BK=128, NGP=128, EVEN_K=True), num_stages=4,
+                     div16=("x_ptr", "w_ptr", "out_ptr", "part_ptr", "K", "stride_xm", "stride_wn", "stride_om", "N1",
+                            "N2", "OFF2", "OFF3"))
+    if "cp.async.cg.shared.global" not in k.asm["ptx"]:
+        raise RuntimeError("gemv_mn stream-K: expected its weight loads pipelined through cp.async")
     compile_sm90(decode._splitk_sum_kernel, types_of(decode._splitk_sum_kernel, part_ptr=f32), dict(SPLITS=8,
                                                                                                      BLOCK=1024))
     compile_sm90(decode_attn._decode_attn_split_kernel,
