@@ -376,7 +376,9 @@ def _gemv_mn_cands(K, swiglu=False, G=16, N=None, streamk=False):
     ``BN, BK, SPLIT, SMAX``: :func:`_gemv_mn_split_kernel`, ``N / BN * SPLIT`` programs (the dense case:
     SPLIT K splits per tile) mapped on the device onto the active tiles with
     ``S = min(programs // active tiles, SMAX)`` K splits each, so about as many programs stream weight
-    rows at any sparsity.  BN must divide G (kept to ``pow2_part(G)``).  The untuned default is the split
+    rows at any sparsity.  ``BN, BK, STREAMK`` (only with ``streamk=True``, not SwiGLU; not yet timed on a GPU,
+    see ``benchmarks/NEXT_GPU_RUNS.md``): :func:`_gemv_mn_streamk_kernel`, ``STREAMK`` programs per SM walking
+    even shares of the active (tile, K chunk) units.  BN must divide G (kept to ``pow2_part(G)``).  The untuned default is the split
     config that was fastest at both s = 0 and s = 0.5 in the H200 probe (``benchmarks/e2e/decode_probe.md``:
     q_proj 12.6 / 8.5 us against cuBLAS 13.9 us; SwiGLU 62.6 / 37.3 us against 67.4 us).
     """
