@@ -100,6 +100,29 @@ if HAS_TRITON:
         return tl.where((offs_g >= NR) & (offs_g < NG), 1, act)
 
     @triton.jit
+    def _chunk_loads(x_rows, w_rows, k0, mmask, offs_k, K, EVEN_K: tl.constexpr):
+        """The ``[16, BK]`` rows of x (padded rows 0) and the ``[BN, BK]`` weight tile at K offset k0 (columns past
+        K read as 0 unless EVEN_K)."""
+        if EVEN_K:
+            xt = tl.load(x_rows + k0, mask=mmask[:, None], other=0.0)
+            wt = tl.load(w_rows + k0)
+        else:
+            km = (k0 + offs_k) < K
+            xt = tl.load(x_rows + k0, mask=mmask[:, None] & km[None, :], other=0.0)
+            wt = tl.load(w_rows + k0, mask=km[None, :], other=0.0)
+        return xt, wt
+
+    @triton.jit
+    def _group_flags(route_ptr, M, NR, NG, NGP: tl.constexpr):
+        """``(offs_g, act, inact, n_act)`` of the decode GEMM-MN kernels: group indices ``[NGP]``, int32 flags of
+        the groups some of the M rows executes (:func:`_route_union_tail`, tail groups NR..NG-1 active), of the
+        others (0 past NG), and the number of active groups."""
+        offs_g = tl.arange(0, NGP)
+        act = _route_union_tail(route_ptr, M, NR, NG, offs_g, NGP)
+        inact = tl.where(offs_g < NG, 1 - act, 0)
+        return offs_g, act, inact, tl.sum(act, axis=0)
+
+    @triton.jit
     def _gemv_mn_split_kernel(x_ptr, w_ptr, w2_ptr, out_ptr, part_ptr, cnt_ptr, route_ptr, M, K, NG, PROGS,
                               stride_xm, stride_wn, stride_om, NR, N1, N2, OFF2, OFF3,
                               G: tl.constexpr, BN: tl.constexpr,
@@ -115,12 +138,8 @@ if HAS_TRITON:
         # is [M, NR]); their weight rows live at element offsets OFF2 (rows N1..N1+N2-1) and OFF3 (the rest)
         # from w_ptr, as in _gemv_mn_kernel.
         pid = tl.program_id(0)
-        offs_g = tl.arange(0, NGP)
-        gmask = offs_g < NG
-        act = _route_union_tail(route_ptr, M, NR, NG, offs_g, NGP)
-        inact = tl.where(gmask, 1 - act, 0)
+        offs_g, act, inact, n_act = _group_flags(route_ptr, M, NR, NG, NGP)
         TPG: tl.constexpr = G // BN  # N tiles per group
-        n_act = tl.sum(act, axis=0)
         tiles_act = n_act * TPG
         tiles_inact = (NG - n_act) * TPG
         CH = tl.cdiv(K, BK)  # K chunks of one tile
@@ -154,19 +173,13 @@ if HAS_TRITON:
             acc2 = tl.zeros((16, BN), dtype=tl.float32)
             for c in range(c0, c1):
                 k0 = c * BK
-                if EVEN_K:
-                    xt = tl.load(x_rows + k0, mask=mmask[:, None], other=0.0)
-                    wt = tl.load(w_rows + k0)
-                else:
-                    km = (k0 + offs_k) < K
-                    xt = tl.load(x_rows + k0, mask=mmask[:, None] & km[None, :], other=0.0)
-                    wt = tl.load(w_rows + k0, mask=km[None, :], other=0.0)
+                xt, wt = _chunk_loads(x_rows, w_rows, k0, mmask, offs_k, K, EVEN_K)
                 acc = mma(xt, tl.trans(wt), acc)
                 if SWIGLU:
                     if EVEN_K:
                         w2t = tl.load(w2_rows + k0)
                     else:
-                        w2t = tl.load(w2_rows + k0, mask=km[None, :], other=0.0)
+                        w2t = tl.load(w2_rows + k0, mask=((k0 + offs_k) < K)[None, :], other=0.0)
                     acc2 = mma(xt, tl.trans(w2t), acc2)
             rg = (tl.load(route_ptr + offs_m * NR + g, mask=mmask & (g < NR), other=0) != 0) | (g >= NR)
             o_ptrs = out_ptr + offs_m[:, None] * stride_om + offs_n[None, :]
@@ -217,12 +230,8 @@ if HAS_TRITON:
         # zeros of the inactive tiles (tile q by program q mod P).  Tail groups NR..NG-1 always execute and live
         # at OFF2 / OFF3 as in _gemv_mn_kernel.
         pid = tl.program_id(0)
-        offs_g = tl.arange(0, NGP)
-        gmask = offs_g < NG
-        act = _route_union_tail(route_ptr, M, NR, NG, offs_g, NGP)
-        inact = tl.where(gmask, 1 - act, 0)
+        offs_g, act, inact, n_act = _group_flags(route_ptr, M, NR, NG, NGP)
         TPG: tl.constexpr = G // BN  # N tiles per group
-        n_act = tl.sum(act, axis=0)
         tiles_inact = (NG - n_act) * TPG
         offs_m = tl.arange(0, 16)  # rows padded to 16 for the tensor-core dot; padded rows load nothing
         mmask = offs_m < M
@@ -257,13 +266,7 @@ if HAS_TRITON:
             acc = tl.zeros((16, BN), dtype=tl.float32)
             for c in range(c0, c1):  # one software pipeline over this program's chunks of tile t
                 k0 = c * BK
-                if EVEN_K:
-                    xt = tl.load(x_rows + k0, mask=mmask[:, None], other=0.0)
-                    wt = tl.load(w_rows + k0)
-                else:
-                    km = (k0 + offs_k) < K
-                    xt = tl.load(x_rows + k0, mask=mmask[:, None] & km[None, :], other=0.0)
-                    wt = tl.load(w_rows + k0, mask=km[None, :], other=0.0)
+                xt, wt = _chunk_loads(x_rows, w_rows, k0, mmask, offs_k, K, EVEN_K)
                 acc = mma(xt, tl.trans(wt), acc)
             rg = (tl.load(route_ptr + offs_m * NR + g, mask=mmask & (g < NR), other=0) != 0) | (g >= NR)
             o_ptrs = out_ptr + offs_m[:, None] * stride_om + (n0 + offs_b)[None, :]
