@@ -217,3 +217,31 @@ def test_empty_output_with_tma_configs(op, monkeypatch):
         res = gemm_mn(x, torch.zeros(0, 64, dtype=torch.bfloat16, device=DEVICE),
                       torch.ones(200, 0, dtype=torch.bool, device=DEVICE), 32)
         assert res.shape == (200, 0)
+
+
+def test_mask_select_and_masked_dense_refuse_bad_input():
+    # the two public helpers validate like the ops (a bad `out` used to be written past its end by the kernel)
+    a = torch.zeros(6, 128, dtype=torch.bfloat16, device=DEVICE)
+    r = torch.ones(6, 4, dtype=torch.bool, device=DEVICE)
+    w = torch.zeros(40, 128, dtype=torch.bfloat16, device=DEVICE)
+    sel = gemm_k_mod.mask_select
+    with pytest.raises(ValueError, match="out"):
+        sel(a, r, 32, torch.empty(8, 64, dtype=torch.bfloat16, device=DEVICE))
+    with pytest.raises(ValueError, match="does not divide"):
+        sel(a, torch.ones(6, 2, dtype=torch.bool, device=DEVICE), 48, torch.empty_like(a))
+    with pytest.raises(ValueError, match="route"):
+        sel(a, torch.ones(6, 2, dtype=torch.bool, device=DEVICE), 32, torch.empty_like(a))
+    with pytest.raises(ValueError, match="out"):
+        gemm_k_mod.masked_dense(a, w, r, 32, torch.empty(6, 43, dtype=torch.bfloat16, device=DEVICE))
+    with pytest.raises(ValueError, match="dtype"):
+        gemm_k_mod.masked_dense(a, w.half(), r, 32, torch.empty(6, 40, dtype=torch.bfloat16, device=DEVICE))
+    with pytest.raises(ValueError, match="rows=-5"):
+        gemm_k_mod.masked_dense(a, w, r, 32, torch.empty(6, 40, dtype=torch.bfloat16, device=DEVICE), -5)
+    # a transposed `a` and a non-contiguous route are made contiguous, not misread
+    gen = seed_for("mask_select_strides")
+    at = randn((128, 6), torch.bfloat16, gen).t()
+    rt = make_mask("random", (4, 6), gen).t()
+    out = poisoned((6, 128), torch.bfloat16)
+    sel(at, rt, 32, out)
+    assert torch.equal(out, torch.where(rt.repeat_interleave(32, dim=1), at, torch.zeros((), dtype=at.dtype,
+                                                                                           device=DEVICE)))

@@ -83,9 +83,21 @@ def mask_select(a: torch.Tensor, route: torch.Tensor, G: int, out: torch.Tensor)
         capturable), else ``torch.where``.
 
     Raises:
-        Nothing of its own: inputs are not validated here (:func:`gemm_k` does it).
+        ValueError: (:class:`~wide.kernels.KernelArgumentError`) a not a 2-D bf16/fp16/fp32 tensor, G not a multiple
+            of 16 dividing K, route not bool ``[M, K // G]``, tensors on different devices, or ``out`` not a
+            contiguous ``[M, K]`` tensor in a's dtype (or overlapping ``a`` / ``route``).
     """
+    check_tensor("a", a, 2, FLOAT_DTYPES)
     M, K = a.shape
+    check_group(G, K, "K (input features)")
+    check_route(route, M, K // G)
+    check_same_device(a=a, route=route)
+    if out is None:
+        fail("mask_select: out must be a contiguous [M, K] tensor, got None")
+    check_out(out, (M, K), a.dtype, a.device, a=a, route=route)
+    if a.stride(1) != 1:
+        a = a.contiguous()
+    route = route.contiguous()
     if M == 0 or K == 0:
         return out
     if not (HAS_TRITON and use_triton(a)):
@@ -117,10 +129,22 @@ def masked_dense(a: torch.Tensor, w: torch.Tensor, route: torch.Tensor, G: int, 
         capturable, no host sync.
 
     Raises:
-        Nothing of its own: inputs are not validated here (:func:`gemm_k` does it); torch's errors on bad shapes.
+        ValueError: (:class:`~wide.kernels.KernelArgumentError`) bad a / route / G (as :func:`mask_select`), w not
+            ``[N, K]`` in a's dtype, ``out`` not a contiguous ``[M, N]`` tensor in a's dtype, or rows not None /
+            an int >= 0.
     """
+    check_tensor("a", a, 2, FLOAT_DTYPES)
+    check_tensor("w", w, 2, (a.dtype,))
     M, K = a.shape
-    rows = M if not rows else max(1, min(int(rows), M))
+    if w.shape[1] != K:
+        fail(f"w must have shape [N, K] with K={K}; got {tuple(w.shape)}")
+    check_same_device(a=a, w=w)
+    if out is None:
+        fail("masked_dense: out must be a contiguous [M, N] tensor, got None")
+    check_out(out, (M, w.shape[0]), a.dtype, a.device, a=a, w=w, route=route)
+    if rows is not None and (isinstance(rows, bool) or not isinstance(rows, int) or rows < 0):
+        fail(f"masked_dense: rows={rows!r} must be None or an int >= 0 (0: all rows)")
+    rows = M if not rows else min(rows, M)
     if M == 0:
         return out
     buf = torch.empty((rows, K), dtype=a.dtype, device=a.device)
