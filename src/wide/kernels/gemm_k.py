@@ -41,7 +41,7 @@ SPARSE_MIN_M = 512
 # From SPARSE_MIN_M rows, the auto path runs the masked cuBLAS path for G up to this (no reorder, no workspace).
 # H200, down shape, every path forced in one record: with the torch.where select the masked path ran 0.77-0.86x of
 # cuBLAS at M = 1024-16384 (benchmarks/kernels/kernels_h200-s17-gemmk-masked.md); with the Triton select that reads
-# only the active groups (3.8 TB/s) it runs 0.84-0.95x at s in {0, 0.5} and 0.96-1.02x at s = 0.75, and beats the
+# only the active groups (3.8 TB/s) it runs 0.86-0.95x at s in {0, 0.5} and 0.93-1.02x at s = 0.75, and beats the
 # sparse path and the dense kernel at every G up to 512 and s up to 0.75 (kernels_h200-s18-gemmk-select.md; at
 # G = 512, s = 0.75: 0.586 against 0.604 ms at M = 4096).  Wider groups (an O projection of more than 4 heads of
 # 128 per group) keep the on-device choice between the sparse path and the dense kernel, where the sparse path's
@@ -64,7 +64,8 @@ MASKED_CHUNKS = (4096, 2048, 1024)
 
 def masked_cands(M: int) -> list[dict]:
     """Configs ``{"ROWS": r}`` of :func:`masked_dense` for M rows: all rows in one GEMM first (``ROWS=0``), then the
-    row chunks of ``MASKED_CHUNKS`` below M (``r`` rows of the zeroed copy at a time, one cuBLAS GEMM each)."""
+    row chunks of ``MASKED_CHUNKS`` below M's autotuning bucket (:func:`m_bucket`, so every M of a bucket tunes the
+    same list; ``r`` rows of the zeroed copy at a time, one cuBLAS GEMM each)."""
     return [dict(ROWS=0)] + [dict(ROWS=r) for r in MASKED_CHUNKS if r < m_bucket(M)]
 
 
@@ -95,9 +96,12 @@ def mask_select(a: torch.Tensor, route: torch.Tensor, G: int, out: torch.Tensor)
     if out is None:
         fail("mask_select: out must be a contiguous [M, K] tensor, got None")
     check_out(out, (M, K), a.dtype, a.device, a=a, route=route)
-    if a.stride(1) != 1:
-        a = a.contiguous()
-    route = route.contiguous()
+    return _select(a if a.stride(1) == 1 else a.contiguous(), route.contiguous(), G, out)
+
+
+def _select(a: torch.Tensor, route: torch.Tensor, G: int, out: torch.Tensor) -> torch.Tensor:
+    """:func:`mask_select` on checked arguments (unit column stride ``a``, contiguous ``route`` and ``out``)."""
+    M, K = a.shape
     if M == 0 or K == 0:
         return out
     if not (HAS_TRITON and use_triton(a)):
@@ -144,6 +148,16 @@ def masked_dense(a: torch.Tensor, w: torch.Tensor, route: torch.Tensor, G: int, 
     check_out(out, (M, w.shape[0]), a.dtype, a.device, a=a, w=w, route=route)
     if rows is not None and (isinstance(rows, bool) or not isinstance(rows, int) or rows < 0):
         fail(f"masked_dense: rows={rows!r} must be None or an int >= 0 (0: all rows)")
+    check_group(G, K, "K (input features)")
+    check_route(route, M, K // G)
+    check_same_device(a=a, route=route)
+    return _masked_mm(a if a.stride(1) == 1 else a.contiguous(), w, route.contiguous(), G, out, rows)
+
+
+def _masked_mm(a: torch.Tensor, w: torch.Tensor, route: torch.Tensor, G: int, out: torch.Tensor,
+               rows: int | None) -> torch.Tensor:
+    """:func:`masked_dense` on checked arguments (what :func:`gemm_k` has already validated)."""
+    M, K = a.shape
     rows = M if not rows else min(rows, M)
     if M == 0:
         return out
@@ -151,7 +165,7 @@ def masked_dense(a: torch.Tensor, w: torch.Tensor, route: torch.Tensor, G: int, 
     wt = w.t()
     for r0 in range(0, M, rows):
         r1 = min(M, r0 + rows)
-        am = mask_select(a[r0:r1], route[r0:r1], G, buf[: r1 - r0])
+        am = _select(a[r0:r1], route[r0:r1], G, buf[: r1 - r0])
         torch.mm(am, wt, out=out[r0:r1])
     return out
 
@@ -410,8 +424,8 @@ def gemm_k(a: torch.Tensor, w: torch.Tensor, route: torch.Tensor, G: int, *,
         out = torch.empty((M, N), dtype=a.dtype, device=a.device)
     if path == "masked" or (path == "auto" and M >= SPARSE_MIN_M and G <= MASKED_AUTO_MAX_G):
         mcfg = pick_config("gemm_k_masked", (m_bucket(M), N, K, G, str(a.dtype)), a.device, masked_cands(M),
-                           lambda c: masked_dense(a, w, route, G, out, c["ROWS"]))
-        return masked_dense(a, w, route, G, out, mcfg["ROWS"])
+                           lambda c: _masked_mm(a, w, route, G, out, c["ROWS"]))
+        return _masked_mm(a, w, route, G, out, mcfg["ROWS"])
     if path == "splitk" or (path == "auto" and M < SPARSE_MIN_M):
         from .decode import _dense_tuner, splitk_cands, splitk_k
 
@@ -420,7 +434,7 @@ def gemm_k(a: torch.Tensor, w: torch.Tensor, route: torch.Tensor, G: int, *,
             if kind == "splitk":
                 splitk_k(a, w, route, G, out, cfg)
             elif kind == "masked":
-                masked_dense(a, w, route, G, out, cfg.get("ROWS"))
+                _masked_mm(a, w, route, G, out, cfg.get("ROWS"))
             else:
                 _launch_dense(a, w, out, route, route, G, -1, 16, True, cfg)
 
