@@ -55,8 +55,6 @@ def _parse(argv):
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--out", required=True, help="output folder (created)")
     p.add_argument("--smoke", action="store_true", help="tiny shapes on the CPU under TRITON_INTERPRET=1")
-    p.add_argument("--streamk", action="store_true",
-                   help="the gemv_mn config parts also time the persistent stream-K kernel's candidates")
     p.add_argument("--budget", type=float, default=90.0, help="seconds after which pending parts are skipped")
     p.add_argument("--reps", type=int, default=20, help="minimum copies of an op inside one graph")
     p.add_argument("--replays", type=int, default=15, help="timed graph replays (median)")
@@ -310,9 +308,7 @@ class Probe:
         j = (n - 1) % ncopy
         ref = (swiglu_ref(a.double(), ws[0][j].double(), ws[1][j].double(), route, G) if swiglu
                else gemm_mn_ref(a.double(), ws[0][j].double(), route, G))
-        cands = decode._gemv_mn_cands(K, swiglu, G, N, streamk=self.args.streamk)
-        # the default, then the stream-K candidates (if asked for), then the rest: a budget cut keeps the new ones
-        cands = cands[:1] + [c for c in cands if "STREAMK" in c] + [c for c in cands[1:] if "STREAMK" not in c]
+        cands = decode._gemv_mn_cands(K, swiglu, G, N)
         orig = decode._gemv_mn_cands
         o = torch.empty(B, N, dtype=torch.bfloat16, device=self.dev)
         try:
@@ -320,7 +316,7 @@ class Probe:
                 if time.time() - self.t0 > self.args.budget:
                     break
                 decode._gemv_mn_cands = lambda *_, c=c: [dict(c)]
-                kind = ("streamk" if "STREAMK" in c else "split" if "SPLIT" in c else "tile") + (
+                kind = ("split" if "SPLIT" in c else "tile") + (
                     " (default)" if k == 0 else "")
                 try:
                     t = self.time_ops([lambda i=i: fn(i, o) for i in range(n)])

@@ -103,14 +103,6 @@ def main() -> None:
                                                  FUSE_SUM=True, BM=64), num_stages=3)
     compile_sm90(decode._gemv_k_kernel, kt, dict(G=512, BN=64, BK=64, NGP=32, SPLITS=1, EVEN_N=True,
                                                  FUSE_SUM=False, BM=128), num_warps=8, num_stages=3)
-    # the persistent stream-K gemv_mn (q shape, 32-wide N tiles): the per-tile K loop must pipeline (cp.async)
-    k = compile_sm90(decode._gemv_mn_streamk_kernel, types_of(decode._gemv_mn_streamk_kernel, part_ptr=f32, cnt_ptr=i32,
-                                                              route_ptr=b),
-                     dict(G=128, BN=32, BK=128, NGP=128, EVEN_K=True), num_stages=4,
-                     div16=("x_ptr", "w_ptr", "out_ptr", "part_ptr", "K", "stride_xm", "stride_wn", "stride_om", "N1",
-                            "N2", "OFF2", "OFF3"))
-    if "cp.async.cg.shared.global" not in k.asm["ptx"]:
-        raise RuntimeError("gemv_mn stream-K: expected its weight loads pipelined through cp.async")
     compile_sm90(decode._splitk_sum_kernel, types_of(decode._splitk_sum_kernel, part_ptr=f32), dict(SPLITS=8,
                                                                                                      BLOCK=1024))
     compile_sm90(decode_attn._decode_attn_split_kernel,
@@ -148,10 +140,14 @@ def main() -> None:
     # gemm_k's masked path: the select that zeroes the inactive groups of a (down shape, G = 128) must move 16 bytes
     # per load and store (the route is constant over the G columns of a group)
     st = types_of(gemm_k._mask_select_kernel, a_ptr="*bf16", route_ptr=b, out_ptr="*bf16")
-    k = compile_sm90(gemm_k._mask_select_kernel, st, dict(G=128, BR=8, GB=8, GP=128),
-                     div16=("a_ptr", "route_ptr", "out_ptr", "K", "NG", "stride_am"))
+    div = ("a_ptr", "route_ptr", "out_ptr", "K", "NG", "stride_am", "stride_om")
+    k = compile_sm90(gemm_k._mask_select_kernel, st, dict(G=128, BR=8, GB=8, GP=128, INPLACE=False), div16=div)
     if "ld.global.v4" not in k.asm["ptx"] or "st.global.v4" not in k.asm["ptx"]:
         raise RuntimeError("gemm_k mask select: expected 16-byte loads and stores in its PTX")
+    # in place (overwrite_a): only 16-byte stores of zeros, no load of a
+    k = compile_sm90(gemm_k._mask_select_kernel, st, dict(G=128, BR=8, GB=8, GP=128, INPLACE=True), div16=div)
+    if "st.global.v4" not in k.asm["ptx"] or "ld.global.v4" in k.asm["ptx"]:
+        raise RuntimeError("gemm_k in-place mask select: expected 16-byte stores and no 16-byte load in its PTX")
     compile_sm90(attention._attn_fwd_kernel, types_of(attention._attn_fwd_kernel, idx_ptr=i32, cnt_ptr=i32,
                                                       lp_ptr=i32), dict(D=128, BM=128, BN=64, CAUSAL=True,
                                                                          HAS_LP=False), num_warps=8, num_stages=3)

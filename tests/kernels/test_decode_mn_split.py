@@ -94,35 +94,6 @@ def test_gemv_mn_split_shapes(monkeypatch, split, smax, bn):
     assert all(int(c.abs().sum()) == 0 for c in _common.TILE_COUNTERS.values())
 
 
-@pytest.mark.parametrize("progs", [1, 3, 7, 64])
-@pytest.mark.parametrize("kind", ["all", "none", "one_active", "random", "one_row"])
-@pytest.mark.parametrize("M", [1, 4])
-def test_gemv_mn_streamk(monkeypatch, progs, kind, M):
-    # the persistent stream-K kernel: one program for everything, shares cut inside and across tiles, more
-    # programs than work units (64); K not a multiple of the chunk; two always-executed tail weights (the
-    # engine's [Q | K | V] launch); repeated launches bit-identical, the arrival counters reset
-    gen = seed_for("gemv_mn_streamk", progs, kind, M)
-    G, K, N, NT = 32, 80, 128, (64, 32)
-    _force(monkeypatch, dict(BN=16, BK=16, STREAMK=progs))
-    x = randn((M, K), torch.bfloat16, gen)
-    w = randn((N, K), torch.bfloat16, gen)
-    tail = tuple(randn((n, K), torch.bfloat16, gen) for n in NT)
-    r = make_mask(kind, (M, N // G), gen)
-    full = torch.cat([r, torch.ones((M, sum(NT) // G), dtype=torch.bool, device=r.device)], 1)
-    ref = gemm_mn_ref(x.double(), torch.cat([w, *tail]).double(), full, G)
-    prev = None
-    for _ in range(2):
-        out = poisoned((M, N + sum(NT)), torch.bfloat16)
-        gemv_mn(x, w, r, G, out=out, tail=tail)
-        check_close(out, ref)
-        assert (out[:, :N][~expand_route(r, G)] == 0).all(), "an inactive (row, group) output must be exactly 0"
-        assert prev is None or torch.equal(out, prev)
-        prev = out
-    assert all(int(c.abs().sum()) == 0 for c in _common.TILE_COUNTERS.values())
-    with pytest.raises(ValueError, match="no fused SwiGLU"):
-        gemv_swiglu(x, w, w, r, G)
-
-
 @pytest.mark.parametrize("M,G,K", [(2, 48, 144), (1, 192, 576), (4, 16, 80)])
 def test_gemv_mn_split_ragged_groups(monkeypatch, M, G, K):
     # head-group widths that are not powers of two (N tile = largest power of two dividing G)

@@ -87,6 +87,65 @@ def test_mask_select(G, dtype):
     assert torch.equal(out, ref)
 
 
+@pytest.mark.parametrize("G", [16, 64, 192, 512])
+@pytest.mark.parametrize("dtype", DTYPES + [torch.float32])
+def test_mask_select_in_place(G, dtype):
+    """mask_select with out=a: the inactive groups become exactly 0 (NaN there too), every executed element keeps
+    its bits, and the columns of a wider tensor outside the view are not touched (a row-strided a)."""
+    gen = seed_for("mask_select_in_place", G, dtype)
+    M, K = 11, 3 * G
+    wide_a = randn((M, K + 48), dtype, gen)
+    a = wide_a[:, 16:16 + K]
+    route = make_mask("random", (M, K // G), gen)
+    keep = route.repeat_interleave(G, dim=1)
+    a[~keep] = float("nan")
+    before = wide_a.clone()
+    ref = torch.where(keep, a, torch.zeros((), dtype=dtype, device=DEVICE))
+    assert gemm_k_mod.mask_select(a, route, G, a) is a
+    assert torch.equal(a, ref)
+    assert torch.equal(wide_a[:, :16], before[:, :16]) and torch.equal(wide_a[:, 16 + K:], before[:, 16 + K:])
+
+
+@pytest.mark.parametrize("path", ["masked", "auto"])
+@pytest.mark.parametrize("M", [37, 600])
+def test_overwrite_a(path, M, monkeypatch):
+    """gemm_k(overwrite_a=True): the masked path zeroes a's inactive groups in place and gives the reference; the
+    executed groups of a keep their bits.  M = 600 reaches the in-place branch of the many-row auto path (from
+    SPARSE_MIN_M rows), M = 37 the few-row auto path with the masked candidate forced."""
+    gen = seed_for("gemm_k_overwrite_a", path, M)
+    N, K, G = 40, 192, 64
+    a = randn((M, K), torch.bfloat16, gen)
+    w = randn((N, K), torch.bfloat16, gen)
+    route = make_mask("random", (M, K // G), gen)
+    keep = route.repeat_interleave(G, dim=1)
+    a[~keep] = float("nan")
+    a0 = a.clone()
+    ref = gemm_k_ref(a.double(), w.double(), route, G)
+    if M < gemm_k_mod.SPARSE_MIN_M and path == "auto":
+        monkeypatch.setattr(gemm_k_mod, "pick_config", lambda op, key, dev, cands, *a, **k: dict(KIND="masked", ROWS=0))
+    out = poisoned((M, N), torch.bfloat16)
+    assert gemm_k(a, w, route, G, out=out, path=path, overwrite_a=True) is out
+    check_close(out, ref)
+    assert torch.equal(a[keep], a0[keep]) and (a[~keep] == 0).all()
+    # without the flag a is never written
+    a1 = a0.clone()
+    gemm_k(a1, w, route, G, out=out, path=path)
+    assert torch.equal(a1[keep], a0[keep]) and a1[~keep].isnan().all()
+
+
+def test_masked_dense_overwrite_a():
+    gen = seed_for("masked_dense_overwrite_a")
+    M, N, K, G = 21, 24, 128, 32
+    a = randn((M, K), torch.float16, gen)
+    w = randn((N, K), torch.float16, gen)
+    route = make_mask("random", (M, K // G), gen)
+    ref = gemm_k_ref(a.double(), w.double(), route, G)
+    out = poisoned((M, N), torch.float16)
+    assert gemm_k_mod.masked_dense(a, w, route, G, out, rows=7, overwrite_a=True) is out
+    check_close(out, ref)
+    assert (a[~route.repeat_interleave(G, dim=1)] == 0).all()
+
+
 @pytest.mark.parametrize("rows", [1, 7, 16, 0])
 def test_masked_path_row_chunks(rows):
     """The masked path in row chunks (the zeroed copy is [rows, K]; 0 = all rows) gives the reference."""
@@ -237,6 +296,17 @@ def test_mask_select_and_masked_dense_refuse_bad_input():
         gemm_k_mod.masked_dense(a, w.half(), r, 32, torch.empty(6, 40, dtype=torch.bfloat16, device=DEVICE))
     with pytest.raises(ValueError, match="rows=-5"):
         gemm_k_mod.masked_dense(a, w, r, 32, torch.empty(6, 40, dtype=torch.bfloat16, device=DEVICE), -5)
+    # in place: out must be a itself, not a view that partly overlaps it; a transposed a cannot be zeroed in place
+    with pytest.raises(ValueError, match="overlaps a"):
+        buf = torch.zeros(7, 128, dtype=torch.bfloat16, device=DEVICE)
+        sel(buf[:6], r, 32, buf[1:])
+    with pytest.raises(ValueError, match="unit column stride"):
+        at0 = torch.zeros(128, 6, dtype=torch.bfloat16, device=DEVICE).t()
+        sel(at0, r, 32, at0)
+    with pytest.raises(ValueError, match="overwrite_a=1"):
+        gemm_k_mod.masked_dense(a, w, r, 32, torch.empty(6, 40, dtype=torch.bfloat16, device=DEVICE), overwrite_a=1)
+    with pytest.raises(ValueError, match="overwrite_a='yes'"):
+        gemm_k(a, w, r, 32, overwrite_a="yes")
     # a transposed `a` and a non-contiguous route are made contiguous, not misread
     gen = seed_for("mask_select_strides")
     at = randn((128, 6), torch.bfloat16, gen).t()

@@ -269,10 +269,28 @@ def bench_gemm(ctx, op, M, G, s):
                                                                                else 0.0)
         # the masked path's select alone (all rows at once), for the two-numbers split of its time
         from wide.kernels.gemm_k import mask_select
+        from wide.kernels.reference import gemm_k_ref as ref_gemm_k
 
         sel = torch.empty(M, K, device="cuda", dtype=torch.bfloat16)
         rec["select_ms"] = _graph_time_ms([lambda st=st: mask_select(st["x"], st["route"], G, sel) for st in sets])
         del sel
+        # the masked path in place (overwrite_a=True: the inactive groups of a zeroed where they are, no copy), on
+        # clones of the inputs, so the other timings above saw the random a (and dense_ms was timed before)
+        xs = [st["x"].clone() for st in sets]
+        rec["inplace_path_ms"] = _graph_time_ms([
+            lambda st=st, x=x: gemm_k(x, st["w"], st["route"], G, out=st["o"], path="masked", overwrite_a=True)
+            for st, x in zip(sets, xs)])
+        rec["inplace_speedup"] = dense_ms / rec["inplace_path_ms"]
+        rec["inplace_select_ms"] = _graph_time_ms([lambda st=st, x=x: mask_select(x, st["route"], G, x)
+                                                   for st, x in zip(sets, xs)])
+        st, x = sets[0], xs[0]
+        o = st["o"]
+        rec["inplace_rel_err"] = _rel(gemm_k(x, st["w"], st["route"], G, out=o, overwrite_a=True),
+                                      ref_gemm_k(st["x"].float(), st["w"].float(), st["route"], G))
+        if G == 128 and s in (0.0, 0.5):
+            rec["inplace_peak_extra_mib"] = _peak_extra_mb(
+                lambda: gemm_k(x, st["w"], st["route"], G, overwrite_a=True))
+        del xs, x
     if op == "swiglu":
         rec["unfused_routed_ms"] = _graph_time_ms([lambda st=st: unfused(st) for st in sets]) + share * re_ms
     if M <= 4096:  # correctness of the tuned config at the real shape (fp32 reference)
@@ -384,6 +402,21 @@ def write_report(records, out_dir, tag):
                   f"{r['dense_ms']:.4f} | {r['wide_ms']:.4f} | {r['speedup']:.3f} | {r['ideal']:.2f} | "
                   f"{r.get('fraction_of_ideal', float('nan')):.2f} | "
                   f"{format(r['active'], '.3f') if 'active' in r else '-'} |")
+    ks = sorted((r for r in records if "inplace_path_ms" in r), key=lambda r: (r["G"], r["sparsity"], r["M"]))
+    if ks:  # gemm_k's masked path with a scratch copy of a and in place (overwrite_a=True), from 512 rows
+        md += ["", "gemm_k masked path: scratch copy (`masked_path_ms`, select into the copy `select_ms`) against in "
+               "place (`overwrite_a=True`: `inplace_path_ms`, the zeroing alone `inplace_select_ms`); speedups vs "
+               "dense; peak = extra device memory of one call (MiB, G = 128, s = 0 / 0.5)", "",
+               "| M | G | s | dense ms | masked ms | select ms | in place ms | in-place select ms | masked speedup | "
+               "in-place speedup | peak dense | peak masked | peak in place |",
+               "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+        fmt = lambda r, k, spec=".1f": format(r[k], spec) if k in r else "-"  # noqa: E731
+        for r in ks:
+            md.append(f"| {r['M']} | {r['G']} | {r['sparsity']:.2f} | {r['dense_ms']:.4f} | "
+                      f"{fmt(r, 'masked_path_ms', '.4f')} | {fmt(r, 'select_ms', '.4f')} | {r['inplace_path_ms']:.4f} | "
+                      f"{fmt(r, 'inplace_select_ms', '.4f')} | {r['dense_ms'] / r['masked_path_ms']:.3f} | "
+                      f"{r['inplace_speedup']:.3f} | {fmt(r, 'dense_peak_extra_mib')} | {fmt(r, 'wide_peak_extra_mib')} | "
+                      f"{fmt(r, 'inplace_peak_extra_mib')} |")
     with open(os.path.join(out_dir, f"kernels_{tag}.md"), "w") as f:
         f.write("\n".join(md) + "\n")
     try:

@@ -202,6 +202,16 @@ def check_no_overlap(out: torch.Tensor | None, **inputs: torch.Tensor | None) ->
                  "out tensor (or none)")
 
 
+def check_flag(name: str, value) -> bool:
+    """``value`` must be a bool (not a truthy int or string).
+
+    Raises:
+        ValueError (:class:`KernelArgumentError`): naming the flag and the value."""
+    if not isinstance(value, bool):
+        fail(f"{name}={value!r} must be True or False")
+    return value
+
+
 def check_out(out, shape, dtype, device, name: str = "out", **inputs):
     """``out`` (None allowed) must be a contiguous ``shape`` tensor of ``dtype`` on ``device`` that overlaps none of
     ``inputs`` (name = tensor, see :func:`check_no_overlap`).

@@ -22,7 +22,7 @@ import torch
 
 from . import reference
 from ._common import (
-    HALF_DTYPES, HAS_TRITON, Reordered, check_out, check_reordered, check_same_device, check_tensor, fail,
+    HALF_DTYPES, HAS_TRITON, Reordered, check_flag, check_out, check_reordered, check_same_device, check_tensor, fail,
     interpret_mode, softmax_scale, use_triton,
 )
 
@@ -203,8 +203,7 @@ def routed_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, route: t
             scale that is not a finite number, or a ``causal`` that is not a bool.
     """
     B, Hq, Tq, D, Hk, Tk, NG = _validate(q, k, v, route, left_pad)
-    if not isinstance(causal, bool):
-        fail(f"causal={causal!r} must be True or False")
+    check_flag("causal", causal)
     check_out(out, (B, Hq, Tq, D), q.dtype, q.device, q=q, k=k, v=v, route=route, left_pad=left_pad)
     if reordered is not None:  # checked on every path, so that code that runs on the CPU runs on a GPU too
         reordered = check_reordered(reordered, (B, Tq, NG), route.device)

@@ -216,81 +216,6 @@ if HAS_TRITON:
                     tl.atomic_xchg(cnt_ptr + q, 0, sem="relaxed", scope="gpu")
 
     @triton.jit
-    def _gemv_mn_streamk_kernel(x_ptr, w_ptr, out_ptr, part_ptr, cnt_ptr, route_ptr, M, K, NG, P,
-                                stride_xm, stride_wn, stride_om, NR, N1, N2, OFF2, OFF3,
-                                G: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, NGP: tl.constexpr,
-                                EVEN_K: tl.constexpr):
-        # Persistent stream-K GEMV (no SwiGLU): a grid of P resident programs.  The active N tiles (numbered on
-        # the device, as in _gemv_mn_split_kernel) x their K chunks are U work units in (tile, chunk) order; the
-        # first PE = min(P, U) programs take contiguous, even shares of them (every share non-empty), so each
-        # program streams its weight rows in one software pipeline whatever the sparsity.  A tile whose chunks
-        # all fall in one program is written by it; the pieces of a tile cut between programs go to fp32 slots
-        # (two per program: its first and its last tile) and the piece that arrives last (per-tile counter, reset
-        # after use) sums them in program order (deterministic) and writes the tile.  Programs also write the
-        # zeros of the inactive tiles (tile q by program q mod P).  Tail groups NR..NG-1 always execute and live
-        # at OFF2 / OFF3 as in _gemv_mn_kernel.
-        pid = tl.program_id(0)
-        offs_g, act, inact, n_act = _group_flags(route_ptr, M, NR, NG, NGP)
-        TPG: tl.constexpr = G // BN  # N tiles per group
-        tiles_inact = (NG - n_act) * TPG
-        offs_m = tl.arange(0, 16)  # rows padded to 16 for the tensor-core dot; padded rows load nothing
-        mmask = offs_m < M
-        offs_b = tl.arange(0, BN)
-        offs_k = tl.arange(0, BK)
-        rank_i = tl.where(inact != 0, tl.cumsum(inact, axis=0), 0)
-        for qi in range(pid, tiles_inact, P):
-            qg = qi // TPG
-            gi = tl.sum(tl.where(rank_i == qg + 1, offs_g, 0), axis=0)  # the qg-th inactive group
-            nz = gi * G + (qi - qg * TPG) * BN + offs_b
-            tl.store(out_ptr + offs_m[:, None] * stride_om + nz[None, :],
-                     tl.zeros((16, BN), dtype=out_ptr.dtype.element_ty), mask=mmask[:, None])
-        CH = tl.cdiv(K, BK)  # K chunks of one tile
-        U = n_act * TPG * CH
-        PE = tl.maximum(tl.minimum(P, U), 1)
-        u0 = (pid * U) // PE
-        u1 = tl.where(pid < PE, ((pid + 1) * U) // PE, u0)
-        rank = tl.where(act != 0, tl.cumsum(act, axis=0), 0)
-        SL = M * BN  # one partial slot (floats)
-        slot_rc = offs_m[:, None] * BN + offs_b[None, :]
-        t_end = tl.where(u1 > u0, (u1 + CH - 1) // CH, u0 // CH)  # programs past PE have no tile
-        for t in range(u0 // CH, t_end):  # the tiles this program has units of
-            qa = t // TPG
-            g = tl.sum(tl.where(rank == qa + 1, offs_g, 0), axis=0)  # the qa-th active group
-            n0 = g * G + (t - qa * TPG) * BN
-            shift = _tail_shift(n0, N1, N2, OFF2, OFF3, stride_wn)
-            first_u = t * CH
-            c0 = tl.maximum(u0 - first_u, 0)
-            c1 = tl.minimum(u1 - first_u, CH)
-            w_rows = w_ptr + shift + (n0 + offs_b)[:, None].to(tl.int64) * stride_wn + offs_k[None, :]
-            x_rows = x_ptr + offs_m[:, None] * stride_xm + offs_k[None, :]
-            acc = tl.zeros((16, BN), dtype=tl.float32)
-            for c in range(c0, c1):  # one software pipeline over this program's chunks of tile t
-                k0 = c * BK
-                xt, wt = _chunk_loads(x_rows, w_rows, k0, mmask, offs_k, K, EVEN_K)
-                acc = mma(xt, tl.trans(wt), acc)
-            rg = (tl.load(route_ptr + offs_m * NR + g, mask=mmask & (g < NR), other=0) != 0) | (g >= NR)
-            o_ptrs = out_ptr + offs_m[:, None] * stride_om + (n0 + offs_b)[None, :]
-            if (c0 == 0) & (c1 == CH):  # the whole tile is this program's
-                tl.store(o_ptrs, tl.where(rg[:, None], acc, 0.0).to(out_ptr.dtype.element_ty), mask=mmask[:, None])
-            else:
-                mine = 2 * pid + tl.where(t == u0 // CH, 0, 1)
-                tl.store(part_ptr + mine.to(tl.int64) * SL + slot_rc, acc, mask=mmask[:, None])
-                # the programs holding units first_u and first_u + CH - 1 (shares start at floor(p * U / PE))
-                p_lo = ((first_u + 1) * PE + U - 1) // U - 1
-                p_hi = ((first_u + CH) * PE + U - 1) // U - 1
-                tl.debug_barrier()
-                arrived = tl.atomic_add(cnt_ptr + t, 1, sem="acq_rel", scope="gpu")
-                if arrived == p_hi - p_lo:
-                    tot = tl.zeros((16, BN), dtype=tl.float32)
-                    for p in range(p_lo, p_hi + 1):
-                        sl = 2 * p + tl.where(((p * U) // PE) // CH == t, 0, 1)
-                        tot += tl.load(part_ptr + sl.to(tl.int64) * SL + slot_rc, mask=mmask[:, None], other=0.0,
-                                       cache_modifier=".cg")
-                    tl.store(o_ptrs, tl.where(rg[:, None], tot, 0.0).to(out_ptr.dtype.element_ty),
-                             mask=mmask[:, None])
-                    tl.atomic_xchg(cnt_ptr + t, 0, sem="relaxed", scope="gpu")
-
-    @triton.jit
     def _gemv_k_kernel(x_ptr, w_ptr, out_ptr, part_ptr, cnt_ptr, route_ptr, M, N, NG, stride_xm, stride_wn,
                        stride_om, G: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, NGP: tl.constexpr,
                        SPLITS: tl.constexpr, EVEN_N: tl.constexpr, FUSE_SUM: tl.constexpr, BM: tl.constexpr):
@@ -371,7 +296,7 @@ def _check_small(x, M, what):
         fail(f"{what}: the GEMV path takes M <= 4 rows, got M={M}")
 
 
-def _gemv_mn_cands(K, swiglu=False, G=16, N=None, streamk=False):
+def _gemv_mn_cands(K, swiglu=False, G=16, N=None):
     """Configs of :func:`gemv_mn` / :func:`gemv_swiglu`; the first is used untuned (graph capture, CPU).
 
     Two kernels.  ``BN, BK`` (+ warps/stages): one program per N tile of BN columns; a tile that no row
@@ -379,9 +304,7 @@ def _gemv_mn_cands(K, swiglu=False, G=16, N=None, streamk=False):
     ``BN, BK, SPLIT, SMAX``: :func:`_gemv_mn_split_kernel`, ``N / BN * SPLIT`` programs (the dense case:
     SPLIT K splits per tile) mapped on the device onto the active tiles with
     ``S = min(programs // active tiles, SMAX)`` K splits each, so about as many programs stream weight
-    rows at any sparsity.  ``BN, BK, STREAMK`` (only with ``streamk=True``, not SwiGLU; not yet timed on a GPU,
-    see ``benchmarks/NEXT_GPU_RUNS.md``): :func:`_gemv_mn_streamk_kernel`, ``STREAMK`` programs per SM walking
-    even shares of the active (tile, K chunk) units.  BN must divide G (kept to ``pow2_part(G)``).  The untuned default is the split
+    rows at any sparsity.  BN must divide G (kept to ``pow2_part(G)``).  The untuned default is the split
     config that was fastest at both s = 0 and s = 0.5 in the H200 probe (``benchmarks/e2e/decode_probe.md``:
     q_proj 12.6 / 8.5 us against cuBLAS 13.9 us; SwiGLU 62.6 / 37.3 us against 67.4 us).
     """
@@ -390,8 +313,7 @@ def _gemv_mn_cands(K, swiglu=False, G=16, N=None, streamk=False):
     if interpret_mode():
         bk = min(32, next_pow2(K))
         return [dict(BN=16, BK=min(64, next_pow2(K))),
-                dict(BN=min(32, bnmax), BK=bk, SPLIT=min(2, ch(bk)), SMAX=min(4, ch(bk)))] + (
-            [dict(BN=16, BK=bk, STREAMK=3)] if streamk and not swiglu else [])
+                dict(BN=min(32, bnmax), BK=bk, SPLIT=min(2, ch(bk)), SMAX=min(4, ch(bk)))]
     c = [(16, 256, 4, 4), (32, 256, 4, 4), (16, 512, 4, 3), (64, 128, 4, 4)]
     if swiglu:
         c = [(16, 256, 4, 4), (32, 128, 4, 4), (16, 128, 4, 5)]
@@ -406,14 +328,6 @@ def _gemv_mn_cands(K, swiglu=False, G=16, N=None, streamk=False):
     if swiglu:
         sc = [(32, 64, 2, 32, 4, 4), (64, 128, 2, 16, 8, 3), (64, 128, 4, 16, 8, 3), (64, 64, 4, 32, 4, 3),
               (128, 64, 2, 32, 8, 3), (16, 128, 1, 16, 4, 4), (32, 64, 4, 32, 4, 4)]
-    streams = []
-    if streamk and not swiglu:
-        # persistent stream-K kernel (_gemv_mn_streamk_kernel): (BN, BK, programs per SM, warps, stages)
-        for bn, bk, per_sm, w, st in ((32, 128, 4, 4, 4), (64, 128, 2, 4, 4), (32, 256, 2, 8, 3), (16, 256, 4, 4, 4),
-                                      (64, 64, 4, 4, 5)):
-            cfg = dict(BN=min(bn, bnmax), BK=min(bk, next_pow2(K)), STREAMK=per_sm, num_warps=w, num_stages=st)
-            if cfg not in streams:
-                streams.append(cfg)
     splits = []
     for bn, bk, sp, smax, w, st in sc:
         bn = min(bn, bnmax)
@@ -422,7 +336,7 @@ def _gemv_mn_cands(K, swiglu=False, G=16, N=None, streamk=False):
         cfg = dict(BN=bn, BK=bk, SPLIT=sp, SMAX=max(sp, min(smax, ch(bk))), num_warps=w, num_stages=st)
         if cfg not in splits:
             splits.append(cfg)
-    return splits[:1] + tiles + splits[1:] + streams
+    return splits[:1] + tiles + splits[1:]
 
 
 def _gemv_k_cands(G, K, N, M):
@@ -615,19 +529,6 @@ def gemv_mn(x: torch.Tensor, w: torch.Tensor, route: torch.Tensor, G: int, *,
         return out
 
     def run(cfg, route=route):
-        if "STREAMK" in cfg:
-            if swiglu:
-                fail("gemv_mn: the stream-K kernel has no fused SwiGLU (its configs are not SwiGLU candidates)")
-            bn = cfg["BN"]
-            progs = cfg["STREAMK"] * (1 if interpret_mode() else
-                                      torch.cuda.get_device_properties(x.device).multi_processor_count)
-            part = torch.empty((2 * progs * M * bn,), dtype=torch.float32, device=x.device)
-            cnt = tile_counters(x.device, N // bn)
-            _gemv_mn_streamk_kernel[(progs,)](x, w, out, part, cnt, route, M, K, NG, progs, x.stride(0), w.stride(0),
-                                              out.stride(0), NR, N1, N2, offs[0], offs[1], G=G, BN=bn, BK=cfg["BK"],
-                                              NGP=max(2, next_pow2(NG)), EVEN_K=(K % cfg["BK"] == 0),
-                                              **launch_opts(cfg))
-            return
         if "SPLIT" in cfg:
             bn = cfg["BN"]
             tiles = N // bn

@@ -30,8 +30,8 @@ import torch
 
 from . import reference
 from ._common import (
-    FLOAT_DTYPES, HAS_TRITON, Reordered, check_group, check_out, check_reordered, check_route,
-    check_same_device, check_tensor, fail, interpret_mode, launch_opts, m_bucket, next_pow2,
+    FLOAT_DTYPES, HAS_TRITON, Reordered, check_flag, check_group, check_no_overlap, check_out, check_reordered,
+    check_route, check_same_device, check_tensor, fail, interpret_mode, launch_opts, m_bucket, next_pow2,
     pick_config, pow2_part, small_or_fallback, tma_aligned, use_triton,
 )
 
@@ -76,17 +76,19 @@ def mask_select(a: torch.Tensor, route: torch.Tensor, G: int, out: torch.Tensor)
     Args:
         a: ``[M, K]`` with unit column stride (bf16/fp16/fp32; any row stride); route: contiguous bool
             ``[M, K // G]``; G: group size along K (a multiple of 16 dividing K); out: contiguous ``[M, K]`` in a's
-            dtype on a's device (may not overlap ``a``).
+            dtype on a's device that does not overlap ``a``, or ``a`` itself: in place, only the inactive groups
+            are written (zeros) and the executed ones are neither read nor written.
 
     Returns:
         ``out``.  With Triton (a CUDA tensor, or ``TRITON_INTERPRET=1``) one elementwise kernel that reads only the
-        active groups of ``a`` (``(1 - s) * M * K`` elements read, ``M * K`` written; no host sync, CUDA-graph
-        capturable), else ``torch.where``.
+        active groups of ``a`` (``(1 - s) * M * K`` elements read, ``M * K`` written; in place: ``s * M * K``
+        written, none read; no host sync, CUDA-graph capturable), else ``torch.where`` (``masked_fill_`` in place).
 
     Raises:
         ValueError: (:class:`~wide.kernels.KernelArgumentError`) a not a 2-D bf16/fp16/fp32 tensor, G not a multiple
-            of 16 dividing K, route not bool ``[M, K // G]``, tensors on different devices, or ``out`` not a
-            contiguous ``[M, K]`` tensor in a's dtype (or overlapping ``a`` / ``route``).
+            of 16 dividing K, route not bool ``[M, K // G]``, tensors on different devices, ``out`` not a
+            contiguous ``[M, K]`` tensor in a's dtype (or overlapping ``route``, or overlapping ``a`` without being
+            ``a``), or in place with an ``a`` whose column stride is not 1.
     """
     check_tensor("a", a, 2, FLOAT_DTYPES)
     M, K = a.shape
@@ -94,17 +96,33 @@ def mask_select(a: torch.Tensor, route: torch.Tensor, G: int, out: torch.Tensor)
     check_route(route, M, K // G)
     check_same_device(a=a, route=route)
     if out is None:
-        fail("mask_select: out must be a contiguous [M, K] tensor, got None")
+        fail("mask_select: out must be a contiguous [M, K] tensor (or a itself, in place), got None")
+    if _same_view(out, a):
+        if M and K and a.stride(1) != 1:
+            fail(f"mask_select in place needs a with unit column stride, got strides {tuple(a.stride())}")
+        check_no_overlap(out, route=route)
+        return _select(a, route.contiguous(), G, a)
     check_out(out, (M, K), a.dtype, a.device, a=a, route=route)
     return _select(a if a.stride(1) == 1 else a.contiguous(), route.contiguous(), G, out)
 
 
+def _same_view(t: torch.Tensor, a: torch.Tensor) -> bool:
+    """Whether ``t`` is ``a`` (the same elements: storage offset, shape, strides and dtype)."""
+    return t is a or (isinstance(t, torch.Tensor) and t.device == a.device and t.dtype == a.dtype
+                      and t.data_ptr() == a.data_ptr() and t.shape == a.shape and t.stride() == a.stride())
+
+
 def _select(a: torch.Tensor, route: torch.Tensor, G: int, out: torch.Tensor) -> torch.Tensor:
-    """:func:`mask_select` on checked arguments (unit column stride ``a``, contiguous ``route`` and ``out``)."""
+    """:func:`mask_select` on checked arguments (unit column stride ``a``, contiguous ``route``; ``out`` contiguous,
+    or ``a`` itself for in place)."""
     M, K = a.shape
     if M == 0 or K == 0:
         return out
+    inplace = out is a
     if not (HAS_TRITON and use_triton(a)):
+        if inplace:
+            a.view(M, K // G, G).masked_fill_(~route.view(M, K // G, 1), 0)
+            return a
         zero = torch.zeros((), dtype=a.dtype, device=a.device)
         return torch.where(route.view(M, K // G, 1), a.view(M, K // G, G), zero, out=out.view(M, K // G, G)).view(M, K)
     NG = K // G
@@ -112,30 +130,32 @@ def _select(a: torch.Tensor, route: torch.Tensor, G: int, out: torch.Tensor) -> 
     br, cols = (4, 64) if interpret_mode() else (8, 1024)
     gb = max(1, min(cols // gp, next_pow2(NG)))  # whole groups per block
     grid = (triton.cdiv(M, br) * triton.cdiv(NG, gb),)
-    _mask_select_kernel[grid](a, route, out, M, K, NG, a.stride(0), G=G, BR=br, GB=gb, GP=gp,
-                              **({} if interpret_mode() else {"num_warps": 4}))
+    _mask_select_kernel[grid](a, route, out, M, K, NG, a.stride(0), out.stride(0), G=G, BR=br, GB=gb, GP=gp,
+                              INPLACE=inplace, **({} if interpret_mode() else {"num_warps": 4}))
     return out
 
 
 def masked_dense(a: torch.Tensor, w: torch.Tensor, route: torch.Tensor, G: int, out: torch.Tensor,
-                 rows: int | None = None) -> torch.Tensor:
+                 rows: int | None = None, overwrite_a: bool = False) -> torch.Tensor:
     """GEMM-K as Appendix A's mask-multiply dense: ``out = (a with the inactive groups zeroed) @ w.T``.
 
     Args:
         a: ``[M, K]`` with unit column stride (bf16/fp16/fp32); w: ``[N, K]``, a's dtype; route: contiguous bool
             ``[M, K // G]``; G: group size along K; out: contiguous ``[M, N]`` in a's dtype; rows: rows per chunk
-            (an int; default None or 0: all M): the zeroed copy is ``[rows, K]`` and one GEMM runs per chunk.
+            (an int; default None or 0: all M): the zeroed copy is ``[rows, K]`` and one GEMM runs per chunk;
+            overwrite_a: zero the inactive groups of ``a`` itself (:func:`mask_select` in place) and run one GEMM on
+            it: no copy, no extra memory, ``rows`` ignored; the executed groups of ``a`` are left unchanged.
 
     Returns:
         ``out``.  The zeroed copy of ``a`` is a select (:func:`mask_select`), not a multiply, so values of ``a`` in
         inactive groups (inf / NaN too) never reach the result, as in the kernels; the GEMM is ``torch.mm``
-        (cuBLAS on a GPU, its fp32 accumulation).  Extra memory: ``min(rows, M) * K`` elements.  CUDA-graph
-        capturable, no host sync.
+        (cuBLAS on a GPU, its fp32 accumulation).  Extra memory: ``min(rows, M) * K`` elements (none with
+        ``overwrite_a``).  CUDA-graph capturable, no host sync.
 
     Raises:
         ValueError: (:class:`~wide.kernels.KernelArgumentError`) bad a / route / G (as :func:`mask_select`), w not
-            ``[N, K]`` in a's dtype, ``out`` not a contiguous ``[M, N]`` tensor in a's dtype, or rows not None /
-            an int >= 0.
+            ``[N, K]`` in a's dtype, ``out`` not a contiguous ``[M, N]`` tensor in a's dtype, rows not None /
+            an int >= 0, or ``overwrite_a`` not a bool / set with an ``a`` whose column stride is not 1.
     """
     check_tensor("a", a, 2, FLOAT_DTYPES)
     check_tensor("w", w, 2, (a.dtype,))
@@ -148,19 +168,24 @@ def masked_dense(a: torch.Tensor, w: torch.Tensor, route: torch.Tensor, G: int, 
     check_out(out, (M, w.shape[0]), a.dtype, a.device, a=a, w=w, route=route)
     if rows is not None and (isinstance(rows, bool) or not isinstance(rows, int) or rows < 0):
         fail(f"masked_dense: rows={rows!r} must be None or an int >= 0 (0: all rows)")
+    check_flag("overwrite_a", overwrite_a)
     check_group(G, K, "K (input features)")
     check_route(route, M, K // G)
     check_same_device(a=a, route=route)
-    return _masked_mm(a if a.stride(1) == 1 else a.contiguous(), w, route.contiguous(), G, out, rows)
+    if overwrite_a and M and K and a.stride(1) != 1:
+        fail(f"masked_dense: overwrite_a=True needs a with unit column stride, got strides {tuple(a.stride())}")
+    return _masked_mm(a if a.stride(1) == 1 else a.contiguous(), w, route.contiguous(), G, out, rows, overwrite_a)
 
 
 def _masked_mm(a: torch.Tensor, w: torch.Tensor, route: torch.Tensor, G: int, out: torch.Tensor,
-               rows: int | None) -> torch.Tensor:
+               rows: int | None, overwrite_a: bool = False) -> torch.Tensor:
     """:func:`masked_dense` on checked arguments (what :func:`gemm_k` has already validated)."""
     M, K = a.shape
     rows = M if not rows else min(rows, M)
     if M == 0:
         return out
+    if overwrite_a:
+        return torch.mm(_select(a, route, G, a), w.t(), out=out)
     buf = torch.empty((rows, K), dtype=a.dtype, device=a.device)
     wt = w.t()
     for r0 in range(0, M, rows):
@@ -191,10 +216,11 @@ if HAS_TRITON:
         return total * 1000000 > THR_PPM.to(tl.int64) * M * NG
 
     @triton.jit
-    def _mask_select_kernel(a_ptr, route_ptr, out_ptr, M, K, NG, stride_am, G: tl.constexpr, BR: tl.constexpr,
-                            GB: tl.constexpr, GP: tl.constexpr):
+    def _mask_select_kernel(a_ptr, route_ptr, out_ptr, M, K, NG, stride_am, stride_om, G: tl.constexpr,
+                            BR: tl.constexpr, GB: tl.constexpr, GP: tl.constexpr, INPLACE: tl.constexpr):
         # one block of out = a with the inactive groups zeroed: BR rows x GB whole groups of G columns (G padded to
-        # the power of two GP); the route is read once per (row, group) and inactive groups are not read at all
+        # the power of two GP); the route is read once per (row, group) and inactive groups are not read at all.
+        # INPLACE (out is a): only the zeros of the inactive groups are stored; a is not read
         pid = tl.program_id(0)
         nb = tl.cdiv(NG, GB)
         pr = pid // nb
@@ -207,8 +233,12 @@ if HAS_TRITON:
         r = tl.load(route_ptr + rows.to(tl.int64)[:, None] * NG + grp[None, :], mask=inb2, other=0) != 0
         cols = grp[None, :, None] * G + e[None, None, :]
         inb = inb2[:, :, None] & (e < G)[None, None, :]
-        v = tl.load(a_ptr + rows64 * stride_am + cols, mask=r[:, :, None] & inb, other=0.0)
-        tl.store(out_ptr + rows64 * K + cols, v, mask=inb)
+        if INPLACE:
+            tl.store(out_ptr + rows64 * stride_om + cols, tl.zeros((BR, GB, GP), dtype=out_ptr.dtype.element_ty),
+                     mask=(~r)[:, :, None] & inb)
+        else:
+            v = tl.load(a_ptr + rows64 * stride_am + cols, mask=r[:, :, None] & inb, other=0.0)
+            tl.store(out_ptr + rows64 * stride_om + cols, v, mask=inb)
 
     @triton.jit
     def _gemm_k_sparse_kernel(x_ptr, w_ptr, ws_ptr, idx_ptr, cnt_ptr, M, N, NG, THR_PPM,
@@ -358,7 +388,7 @@ def _launch_dense(a, w, out, route, cnt, G, thr_ppm, ng_p2, force, cfg):
 
 def gemm_k(a: torch.Tensor, w: torch.Tensor, route: torch.Tensor, G: int, *,
            reordered: Reordered | None = None, out: torch.Tensor | None = None,
-           path: str = "auto") -> torch.Tensor:
+           path: str = "auto", overwrite_a: bool = False) -> torch.Tensor:
     """K-axis routed GEMM (Eq. 21, Algorithm 3): ``out[m] = sum_{g: route[m, g]} a[m, K_g] @ w[:, K_g].T``.
 
     Args:
@@ -379,18 +409,25 @@ def gemm_k(a: torch.Tensor, w: torch.Tensor, route: torch.Tensor, G: int, *,
             inactive groups of ``a`` zeroed into a scratch copy, then one cuBLAS GEMM; no reorder).  All paths
             give the same function for finite ``w`` (an inf / NaN weight in a group that row m skips makes row m
             NaN on every path, as in the reference, except ``sparse``, which never reads that group for m).
+        overwrite_a: allow the masked path to zero the inactive groups of ``a`` in place (:func:`mask_select`
+            with ``out=a``: ``s * M * K`` elements written, none read) instead of into a scratch copy, so it needs
+            no extra memory; set it when ``a`` is a temporary (e.g. the activation of a layer).  The executed
+            groups of ``a`` are never changed; other paths leave ``a`` untouched; an ``a`` whose column stride is
+            not 1 is first copied, and the copy is overwritten.
 
     Returns:
         ``[M, N]`` in a's dtype, accumulated in fp32 (the result does not depend on the order of the
         atomics beyond fp32 rounding).  The sparse path, and ``auto`` from ``SPARSE_MIN_M`` rows where the
         device may pick it (G > ``MASKED_AUTO_MAX_G``), allocate an fp32 ``[M, N]`` workspace; the masked path
-        a ``[rows, K]`` zeroed copy of ``a`` (rows = M or the autotuned chunk of ``MASKED_CHUNKS``).
+        a ``[rows, K]`` zeroed copy of ``a`` (rows = M or the autotuned chunk of ``MASKED_CHUNKS``; none with
+        ``overwrite_a``).
 
     M <= 4 uses :func:`wide.kernels.decode.gemv_k`.  CPU without ``TRITON_INTERPRET=1`` falls back to
     :func:`reference.gemm_k_ref`.
 
     Raises:
-        ValueError: wrong rank/shape/dtype/device, G illegal or not dividing K, bad route/out/path.
+        ValueError: wrong rank/shape/dtype/device, G illegal or not dividing K, bad route/out/path, overwrite_a not
+            a bool.
     """
     check_tensor("a", a, 2, FLOAT_DTYPES)
     check_tensor("w", w, 2, FLOAT_DTYPES)
@@ -407,6 +444,7 @@ def gemm_k(a: torch.Tensor, w: torch.Tensor, route: torch.Tensor, G: int, *,
     check_out(out, (M, N), a.dtype, a.device, a=a, w=w, route=route)
     if path not in ("auto", "sparse", "dense", "splitk", "masked"):
         fail(f"path={path!r}; allowed: 'auto', 'sparse', 'dense', 'splitk', 'masked'")
+    check_flag("overwrite_a", overwrite_a)
     if reordered is not None:  # checked on every path, so that code that runs on the CPU runs on a GPU too
         reordered = check_reordered(reordered, (M, NG), route.device)
     from .decode import gemv_k
@@ -423,6 +461,8 @@ def gemm_k(a: torch.Tensor, w: torch.Tensor, route: torch.Tensor, G: int, *,
     if out is None:
         out = torch.empty((M, N), dtype=a.dtype, device=a.device)
     if path == "masked" or (path == "auto" and M >= SPARSE_MIN_M and G <= MASKED_AUTO_MAX_G):
+        if overwrite_a:  # in place: one select kernel and one GEMM, nothing to tune
+            return _masked_mm(a, w, route, G, out, None, True)
         mcfg = pick_config("gemm_k_masked", (m_bucket(M), N, K, G, str(a.dtype)), a.device, masked_cands(M),
                            lambda c: _masked_mm(a, w, route, G, out, c["ROWS"]))
         return _masked_mm(a, w, route, G, out, mcfg["ROWS"])
@@ -434,7 +474,7 @@ def gemm_k(a: torch.Tensor, w: torch.Tensor, route: torch.Tensor, G: int, *,
             if kind == "splitk":
                 splitk_k(a, w, route, G, out, cfg)
             elif kind == "masked":
-                _masked_mm(a, w, route, G, out, cfg.get("ROWS"))
+                _masked_mm(a, w, route, G, out, cfg.get("ROWS"), overwrite_a)
             else:
                 _launch_dense(a, w, out, route, route, G, -1, 16, True, cfg)
 
@@ -443,7 +483,10 @@ def gemm_k(a: torch.Tensor, w: torch.Tensor, route: torch.Tensor, G: int, *,
             cands += [dict(c, KIND="dense") for c in _dense_candidates(G, M)]
             if not interpret_mode():
                 cands += [dict(c, KIND="masked") for c in masked_cands(M)]
-        cfg = pick_config("gemm_k_small" if path == "auto" else "gemm_k_splitk", (m_bucket(M), N, K, G, str(a.dtype)),
+        # in place the masked candidate costs less (its own tuning entry); the tuner's route executes every group,
+        # so tuning never changes a
+        key = (m_bucket(M), N, K, G, str(a.dtype)) + (("overwrite_a",) if overwrite_a and path == "auto" else ())
+        cfg = pick_config("gemm_k_small" if path == "auto" else "gemm_k_splitk", key,
                           a.device, cands, _dense_tuner(lambda c, r: run_small(dict(c), r), route), graph=True)
         run_small(cfg)
         return out
