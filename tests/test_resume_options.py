@@ -148,3 +148,33 @@ def test_an_interrupted_demo_is_finished_by_calibrate_resume_alone(tmp_path, mod
     assert _records(b) == _records(a) and [r["step"] for r in _records(b)] == [1, 2, 3, 4]
     ra, rb = load_file(a / "routers.safetensors"), load_file(b / "routers.safetensors")
     assert ra.keys() == rb.keys() and all(torch.equal(ra[k], rb[k]) for k in ra)
+
+
+def test_a_demo_interrupted_after_calibration_points_to_eval_ppl(tmp_path, model_dir, text_file, capsys,
+                                                                 monkeypatch):
+    # interrupted in the WIDE evaluation ([4/5]): the calibration is complete, so the hint is eval-ppl (no --resume,
+    # which would only say there is nothing to train), and that command evaluates the saved routers
+    import wide.evaluation as E
+
+    out = tmp_path / "d"
+    real, calls = E.perplexity, []
+
+    def second_call_interrupted(*a, **k):  # the dense evaluation runs, the WIDE one is interrupted
+        calls.append(1)
+        if len(calls) == 2:
+            raise KeyboardInterrupt
+        return real(*a, **k)
+
+    monkeypatch.setattr(E, "perplexity", second_call_interrupted)
+    rc, _, err = run(["demo", "-o", out, "--model", model_dir, "--text", text_file, "--device", "cpu", "--steps", "2",
+                      "--batch-size", "1", "--seq-len", "32", "--ctx", "32", "--eval-tokens", "64",
+                      "--ffn-group-size", "32"], capsys)
+    assert rc == 130, err
+    last = err.strip().splitlines()[-1]
+    assert last.startswith("wide demo: interrupted; the calibration was complete") and "--resume" not in last, last
+    assert f"`wide eval-ppl --wide {out}` evaluates it" in last, last
+    monkeypatch.undo()
+    rc, stdout, err = run(["eval-ppl", "--wide", out, "--text", text_file, "--device", "cpu", "--ctx", "32",
+                           "--max-tokens", "64"], capsys)
+    assert rc == 0, err
+    assert "ppl" in stdout.lower()

@@ -92,6 +92,23 @@ def test_a_gpu_tensor_without_triton_warns_once(monkeypatch):
         assert not _common.use_triton(torch.zeros(1))  # CPU: no warning
 
 
+def test_interpreter_without_triton_warns_once(monkeypatch):
+    """TRITON_INTERPRET=1 with no Triton installed (e.g. the core install of `make demo`): the CPU ops run the
+    references, and one RuntimeWarning says the interpreter runs no kernel; without the variable, no warning."""
+    import warnings
+
+    monkeypatch.setattr(_common, "HAS_TRITON", False)
+    monkeypatch.setattr(_common, "_WARNED_NO_TRITON", [])
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert not _common.use_triton(torch.zeros(1))
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    with pytest.warns(RuntimeWarning, match=r"routed ops on cpu run their PyTorch references \(TRITON_INTERPRET=1 is "
+                                            r"set, but no Triton kernel runs in the interpreter\)"):
+        assert not _common.use_triton(torch.zeros(1))
+
+
 def test_autotune_cache_roundtrip(tmp_path, monkeypatch):
     monkeypatch.setenv("WIDE_CACHE_DIR", str(tmp_path))
     monkeypatch.setattr(_common, "_CACHE", None)

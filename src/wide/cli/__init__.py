@@ -265,7 +265,10 @@ def main(argv: list[str] | None = None) -> int:
         hint = ""
         from ..training import has_train_state
 
-        if args.command == "demo" and has_train_state(args.output):
+        if args.command == "demo" and getattr(args, "calibrated", False):
+            hint = (f"; the calibration was complete and is saved in {str(args.output)!r}: `wide eval-ppl --wide "
+                    f"{shlex.quote(str(args.output))}` evaluates it")
+        elif args.command == "demo" and has_train_state(args.output):
             hint = (f"; the calibration's last saved state is in {str(args.output)!r}: `wide calibrate -o "
                     f"{shlex.quote(str(args.output))} --resume` finishes it (then `wide eval-ppl --wide "
                     f"{shlex.quote(str(args.output))}`)")

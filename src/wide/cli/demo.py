@@ -105,6 +105,7 @@ def cmd_demo(args) -> int:
            f"({blocks.shape[0]} calibration sequences)")
     calibrate(wm, blocks, targs, out, src.ref, data_source=_data_source(args),
               options=_demo_calibrate_options(args, steps, seq_len))
+    args.calibrated = True  # an interrupt from here on needs no --resume (see wide.cli.main)
     _print("[4/5] WIDE perplexity (argmax routing)")
     wide = perplexity(wm, win, args.batch_size)
     _print(_summary_line("dense", dense))

@@ -89,11 +89,12 @@ def use_triton(t: torch.Tensor) -> bool:
 
     Triton runs on CUDA tensors, or on CPU tensors under ``TRITON_INTERPRET=1``.  Otherwise
     (no Triton, or CPU without the interpreter) the public ops fall back to the PyTorch reference
-    in :mod:`wide.kernels.reference`, computed in float32 and returned in the input dtype.  A CUDA tensor
-    without Triton installed gets one ``RuntimeWarning`` per process: the GPU then skips no pruned work.
+    in :mod:`wide.kernels.reference`, computed in float32 and returned in the input dtype.  A CUDA tensor, or a
+    CPU tensor under ``TRITON_INTERPRET=1``, without Triton installed gets one ``RuntimeWarning`` per process: the
+    GPU then skips no pruned work, and the interpreter does not run the kernels.
     """
     if not HAS_TRITON:
-        if t.is_cuda:
+        if t.is_cuda or (interpret_mode() and t.device.type == "cpu"):
             _warn_no_triton(t.device)
         return False
     if t.is_cuda:
@@ -105,14 +106,17 @@ _WARNED_NO_TRITON = []
 
 
 def _warn_no_triton(device) -> None:
-    """One RuntimeWarning per process: routed ops on a GPU fall back to the references (Triton missing)."""
+    """One RuntimeWarning per process: routed ops on a GPU, or on the CPU under ``TRITON_INTERPRET=1``, fall back to
+    the references (Triton missing)."""
     if not _WARNED_NO_TRITON:
         _WARNED_NO_TRITON.append(True)
         import warnings
 
+        what = ("no pruned work is skipped; slower than dense" if torch.device(device).type == "cuda"
+                else "TRITON_INTERPRET=1 is set, but no Triton kernel runs in the interpreter")
         warnings.warn(f"wide.kernels: Triton is not installed, so the routed ops on {device} run their PyTorch "
-                      f"references (no pruned work is skipped; slower than dense). Install Triton: the project's "
-                      f"'kernels' extra, pip install -e '.[kernels]' (triton==3.6.0)", RuntimeWarning, stacklevel=3)
+                      f"references ({what}). Install Triton: the project's 'kernels' extra, "
+                      f"pip install -e '.[kernels]' (triton==3.6.0)", RuntimeWarning, stacklevel=3)
 
 
 def fail(msg: str) -> None:
