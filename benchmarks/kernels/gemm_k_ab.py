@@ -5,8 +5,11 @@ point timed minutes later (the card warmer, its clock lower) is compared with an
 of one function there differ by 5-10 %.  This probe times, per (M, G, s), ``rounds`` rounds of
 
 * ``dense``: cuBLAS ``x @ w.T`` on the random ``a``,
+* ``auto``: ``gemm_k`` as users call it (``path="auto"``: from 512 rows the masked path, below it the autotuned
+  choice of the split-K kernel, the dense-order kernel and the masked path),
 * ``masked``: ``gemm_k(path="masked")`` (the inactive groups selected into a scratch copy, then cuBLAS),
-* ``inplace``: ``gemm_k(path="masked", overwrite_a=True)`` (zeroed in place, no copy; on a clone of ``a``),
+* ``inplace``: ``gemm_k(overwrite_a=True)`` (auto; the masked path zeroes ``a`` in place, no copy; on a clone of
+  ``a``),
 
 back to back (each a CUDA-graph replay median over several input sets), and reports the median over the rounds
 of each op's time and of the per-round ratios dense / op.  ``same`` re-times ``dense`` within each round: the
@@ -73,23 +76,25 @@ def main(argv=None) -> int:
                              o=torch.empty(M, N, device="cuda", dtype=torch.bfloat16)))
         ops = {
             "dense": [lambda st=st: torch.matmul(st["x"], st["w"].t(), out=st["o"]) for st in sets],
+            "auto": [lambda st=st: gemm_k(st["x"], st["w"], st["route"], G, out=st["o"]) for st in sets],
             "masked": [lambda st=st: gemm_k(st["x"], st["w"], st["route"], G, out=st["o"], path="masked")
                        for st in sets],
-            "inplace": [lambda st=st: gemm_k(st["xi"], st["w"], st["route"], G, out=st["o"], path="masked",
-                                             overwrite_a=True) for st in sets],
+            "inplace": [lambda st=st: gemm_k(st["xi"], st["w"], st["route"], G, out=st["o"], overwrite_a=True)
+                        for st in sets],
         }
-        times = {k: [] for k in ("dense", "masked", "inplace", "same")}
+        times = {k: [] for k in ("dense", "auto", "masked", "inplace", "same")}
         for _ in range(args.rounds):
-            for k in ("dense", "masked", "inplace"):
+            for k in ("dense", "auto", "masked", "inplace"):
                 times[k].append(_graph_time_ms(ops[k]))
             times["same"].append(_graph_time_ms(ops["dense"]))
         st = sets[0]
-        err = _rel(gemm_k(st["xi"], st["w"], st["route"], G, path="masked", overwrite_a=True),
+        err = _rel(gemm_k(st["xi"], st["w"], st["route"], G, overwrite_a=True),
                    gemm_k_ref(st["x"].float(), st["w"].float(), st["route"], G))
         ratio = {k: statistics.median(d / t for d, t in zip(times["dense"], times[k]))
-                 for k in ("masked", "inplace", "same")}
+                 for k in ("auto", "masked", "inplace", "same")}
         row = dict(op="gemm_k", M=M, N=N, K=K, G=G, sparsity=s, rounds=args.rounds, n_input_sets=R,
-                   dense_ms=statistics.median(times["dense"]), masked_ms=statistics.median(times["masked"]),
+                   dense_ms=statistics.median(times["dense"]), auto_ms=statistics.median(times["auto"]),
+                   auto_speedup=ratio["auto"], masked_ms=statistics.median(times["masked"]),
                    inplace_ms=statistics.median(times["inplace"]), masked_speedup=ratio["masked"],
                    inplace_speedup=ratio["inplace"], dense_over_dense=ratio["same"],
                    dense_over_dense_range=[min(d / t for d, t in zip(times["dense"], times["same"])),
@@ -97,7 +102,8 @@ def main(argv=None) -> int:
                    times_ms=times, inplace_rel_err=err, gpu=torch.cuda.get_device_name(0),
                    date=time.strftime("%Y-%m-%d"), command="python3 " + " ".join(sys.argv))
         rows.append(row)
-        print(f"[ab] M={M} G={G} s={s}: dense {row['dense_ms']:.4f} ms, masked x{ratio['masked']:.3f}, "
+        print(f"[ab] M={M} G={G} s={s}: dense {row['dense_ms']:.4f} ms, auto x{ratio['auto']:.3f}, "
+              f"masked x{ratio['masked']:.3f}, "
               f"in place x{ratio['inplace']:.3f}, dense/dense x{ratio['same']:.3f}, rel err {err:.1e}", flush=True)
         del sets, ops
         torch.cuda.empty_cache()
@@ -105,14 +111,17 @@ def main(argv=None) -> int:
         json.dump(rows, f, indent=1)
     md = ["# gemm_k masked path, interleaved A/B against cuBLAS (down shape)", "",
           f"{torch.cuda.get_device_name(0)}, torch {torch.__version__}; per point {args.rounds} rounds of dense, "
-          "masked (scratch copy), in place (overwrite_a=True), dense again; ratios = median over rounds of "
-          "dense / op; `dense/dense` = the same cuBLAS call timed twice per round (noise floor).", "",
-          "| M | G | s | dense ms | masked ms | in place ms | masked x | in place x | dense/dense x (range) |",
-          "|---:|---:|---:|---:|---:|---:|---:|---:|---|"]
+          "auto (gemm_k as called by default), masked (path='masked', scratch copy), in place (overwrite_a=True), "
+          "dense again; ratios = median over rounds of dense / op; `dense/dense` = the same cuBLAS call timed twice "
+          "per round (noise floor).", "",
+          "| M | G | s | dense ms | auto ms | masked ms | in place ms | auto x | masked x | in place x | "
+          "dense/dense x (range) |",
+          "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|"]
     for r in rows:
         lo, hi = r["dense_over_dense_range"]
-        md.append(f"| {r['M']} | {r['G']} | {r['sparsity']:.2f} | {r['dense_ms']:.4f} | {r['masked_ms']:.4f} | "
-                  f"{r['inplace_ms']:.4f} | {r['masked_speedup']:.3f} | {r['inplace_speedup']:.3f} | "
+        md.append(f"| {r['M']} | {r['G']} | {r['sparsity']:.2f} | {r['dense_ms']:.4f} | {r['auto_ms']:.4f} | "
+                  f"{r['masked_ms']:.4f} | {r['inplace_ms']:.4f} | {r['auto_speedup']:.3f} | "
+                  f"{r['masked_speedup']:.3f} | {r['inplace_speedup']:.3f} | "
                   f"{r['dense_over_dense']:.3f} ({lo:.3f}-{hi:.3f}) |")
     with open(os.path.join(args.out, "gemm_k_ab.md"), "w") as f:
         f.write("\n".join(md) + "\n")
