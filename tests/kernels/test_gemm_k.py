@@ -104,6 +104,14 @@ def test_mask_select_in_place(G, dtype):
     assert gemm_k_mod.mask_select(a, route, G, a) is a
     assert torch.equal(a, ref)
     assert torch.equal(wide_a[:, :16], before[:, :16]) and torch.equal(wide_a[:, 16 + K:], before[:, 16 + K:])
+    # the PyTorch fallback (no Triton for this tensor), and out given as another view of the same elements
+    wide_a.copy_(before)
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(gemm_k_mod, "use_triton", lambda t: False)
+        same = wide_a[:, 16:16 + K]
+        assert gemm_k_mod.mask_select(a, route, G, same) is same
+    assert torch.equal(a, ref)
+    assert torch.equal(wide_a[:, :16], before[:, :16]) and torch.equal(wide_a[:, 16 + K:], before[:, 16 + K:])
 
 
 @pytest.mark.parametrize("path", ["masked", "auto"])

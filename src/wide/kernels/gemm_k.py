@@ -101,7 +101,8 @@ def mask_select(a: torch.Tensor, route: torch.Tensor, G: int, out: torch.Tensor)
         if M and K and a.stride(1) != 1:
             fail(f"mask_select in place needs a with unit column stride, got strides {tuple(a.stride())}")
         check_no_overlap(out, route=route)
-        return _select(a, route.contiguous(), G, a)
+        _select(a, route.contiguous(), G, a)
+        return out
     check_out(out, (M, K), a.dtype, a.device, a=a, route=route)
     return _select(a if a.stride(1) == 1 else a.contiguous(), route.contiguous(), G, out)
 
