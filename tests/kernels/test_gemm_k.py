@@ -311,6 +311,31 @@ def test_mask_select_and_masked_dense_refuse_bad_input():
     with pytest.raises(ValueError, match="unit column stride"):
         at0 = torch.zeros(128, 6, dtype=torch.bfloat16, device=DEVICE).t()
         sel(at0, r, 32, at0)
+    # in place on rows that share memory (an expanded view) is refused, or, in gemm_k, copied first; an a that requires
+    # grad or shares memory with w is refused before anything is written
+    ex = torch.ones(1, 128, dtype=torch.bfloat16, device=DEVICE).expand(6, 128)
+    with pytest.raises(ValueError, match="rows do not share memory"):
+        sel(ex, r.logical_not(), 32, ex)
+    with pytest.raises(ValueError, match="rows do not share memory"):
+        gemm_k_mod.masked_dense(ex, w, r, 32, torch.empty(6, 40, dtype=torch.bfloat16, device=DEVICE), overwrite_a=True)
+    route_half = torch.tensor([[True, False, True, False]] * 6, device=DEVICE)
+    out = poisoned((6, 40), torch.bfloat16)
+    gen = seed_for("gemm_k_expanded_overwrite")
+    w_r = randn((40, 128), torch.bfloat16, gen)
+    ex_r = randn((1, 128), torch.bfloat16, gen).expand(6, 128)
+    gemm_k(ex_r, w_r, route_half, 32, out=out, path="masked", overwrite_a=True)
+    check_close(out, gemm_k_ref(ex_r.double(), w_r.double(), route_half, 32))
+    assert (ex_r != 0).all(), "the expanded a itself must not be written"
+    ag = torch.ones(6, 128, dtype=torch.float32, device=DEVICE, requires_grad=True)
+    for call in (lambda: gemm_k(ag, w.float(), r, 32, path="masked", overwrite_a=True),
+                 lambda: gemm_k_mod.masked_dense(ag, w.float(), r, 32, torch.empty(6, 40, device=DEVICE),
+                                                 overwrite_a=True)):
+        with pytest.raises(ValueError, match="requires grad"):
+            call()
+    both = torch.ones(46, 128, dtype=torch.bfloat16, device=DEVICE)
+    with pytest.raises(ValueError, match="a overlaps w in memory, and a is written in place"):
+        gemm_k(both[:6], both[4:44], r, 32, path="masked", overwrite_a=True)
+    assert (both == 1).all()
     with pytest.raises(ValueError, match="overwrite_a=1"):
         gemm_k_mod.masked_dense(a, w, r, 32, torch.empty(6, 40, dtype=torch.bfloat16, device=DEVICE), overwrite_a=1)
     with pytest.raises(ValueError, match="overwrite_a='yes'"):

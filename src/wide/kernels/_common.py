@@ -182,10 +182,11 @@ def check_reordered(r, shape: tuple, device: torch.device | None = None, name: s
     return Reordered(r.index.contiguous(), r.mask, r.counts.contiguous())
 
 
-def check_no_overlap(out: torch.Tensor | None, **inputs: torch.Tensor | None) -> None:
+def check_no_overlap(out: torch.Tensor | None, *, _written: str = "out", **inputs: torch.Tensor | None) -> None:
     """Refuse an ``out`` whose memory overlaps one of ``inputs``: the kernels write tiles of ``out`` while other
     programs still read the inputs, so an aliased ``out`` would give a wrong result on the GPU (and the CPU
-    reference, which computes before it copies, would hide it).
+    reference, which computes before it copies, would hide it).  ``_written`` names the written tensor in the
+    message (``"a"`` for an in-place ``overwrite_a``).
 
     Raises:
         ValueError (:class:`KernelArgumentError`): naming the overlapping input."""
@@ -202,8 +203,32 @@ def check_no_overlap(out: torch.Tensor | None, **inputs: torch.Tensor | None) ->
             continue
         t0, t1 = span(t)
         if o0 < t1 and t0 < o1:
+            if _written != "out":
+                fail(f"{_written} overlaps {name} in memory, and {_written} is written in place: pass tensors that "
+                     f"do not share memory (or leave the in-place option off)")
             fail(f"out overlaps {name} in memory; the kernels read {name} while they write out: pass a separate "
                  "out tensor (or none)")
+
+
+def check_in_place(a: torch.Tensor, what: str, layout: bool = True, **inputs: torch.Tensor | None) -> None:
+    """A 2-D ``a`` that an op may overwrite in place (``overwrite_a=True``) must have no autograd history to break, no
+    memory shared with ``inputs`` and, with ``layout`` (the op writes this very tensor rather than a copy), a unit
+    column stride and rows that do not share memory (no ``expand``-ed or overlapping rows: row stride >= K).
+
+    Raises:
+        ValueError (:class:`KernelArgumentError`): naming ``what`` (the op and option) and the problem."""
+    M, K = a.shape
+    if M == 0 or K == 0:
+        return
+    if layout and a.stride(1) != 1:
+        fail(f"{what} needs a with unit column stride, got strides {tuple(a.stride())}")
+    if layout and M > 1 and abs(a.stride(0)) < K:
+        fail(f"{what} needs a whose rows do not share memory (row stride >= K={K}), got strides {tuple(a.stride())} "
+             "(an expanded or overlapping view): pass a.contiguous()")
+    if a.requires_grad:
+        fail(f"{what} cannot zero an a that requires grad in place (it would break autograd): pass a.detach() or "
+             "leave it off")
+    check_no_overlap(a, _written="a", **inputs)
 
 
 def check_flag(name: str, value) -> bool:

@@ -30,7 +30,7 @@ import torch
 
 from . import reference
 from ._common import (
-    FLOAT_DTYPES, HAS_TRITON, Reordered, check_flag, check_group, check_no_overlap, check_out, check_reordered,
+    FLOAT_DTYPES, HAS_TRITON, Reordered, check_flag, check_group, check_in_place, check_out, check_reordered,
     check_route, check_same_device, check_tensor, fail, interpret_mode, launch_opts, m_bucket, next_pow2,
     pick_config, pow2_part, small_or_fallback, tma_aligned, use_triton,
 )
@@ -88,7 +88,8 @@ def mask_select(a: torch.Tensor, route: torch.Tensor, G: int, out: torch.Tensor)
         ValueError: (:class:`~wide.kernels.KernelArgumentError`) a not a 2-D bf16/fp16/fp32 tensor, G not a multiple
             of 16 dividing K, route not bool ``[M, K // G]``, tensors on different devices, ``out`` not a
             contiguous ``[M, K]`` tensor in a's dtype (or overlapping ``route``, or overlapping ``a`` without being
-            ``a``), or in place with an ``a`` whose column stride is not 1.
+            ``a``), or in place with an ``a`` whose column stride is not 1, whose rows share memory (an expanded
+            view), that requires grad, or that overlaps ``route``.
     """
     check_tensor("a", a, 2, FLOAT_DTYPES)
     M, K = a.shape
@@ -98,9 +99,7 @@ def mask_select(a: torch.Tensor, route: torch.Tensor, G: int, out: torch.Tensor)
     if out is None:
         fail("mask_select: out must be a contiguous [M, K] tensor (or a itself, in place), got None")
     if _same_view(out, a):
-        if M and K and a.stride(1) != 1:
-            fail(f"mask_select in place needs a with unit column stride, got strides {tuple(a.stride())}")
-        check_no_overlap(out, route=route)
+        check_in_place(a, "mask_select in place", route=route)
         _select(a, route.contiguous(), G, a)
         return out
     check_out(out, (M, K), a.dtype, a.device, a=a, route=route)
@@ -120,12 +119,13 @@ def _select(a: torch.Tensor, route: torch.Tensor, G: int, out: torch.Tensor) -> 
     if M == 0 or K == 0:
         return out
     inplace = out is a
-    if not (HAS_TRITON and use_triton(a)):
+    if not use_triton(a):  # (False without Triton; warns once where Triton was wanted)
         if inplace:
             a.view(M, K // G, G).masked_fill_(~route.view(M, K // G, 1), 0)
             return a
         zero = torch.zeros((), dtype=a.dtype, device=a.device)
-        return torch.where(route.view(M, K // G, 1), a.view(M, K // G, G), zero, out=out.view(M, K // G, G)).view(M, K)
+        torch.where(route.view(M, K // G, 1), a.view(M, K // G, G), zero, out=out.view(M, K // G, G))
+        return out
     NG = K // G
     gp = next_pow2(G)
     br, cols = (4, 64) if interpret_mode() else (8, 1024)
@@ -156,7 +156,8 @@ def masked_dense(a: torch.Tensor, w: torch.Tensor, route: torch.Tensor, G: int, 
     Raises:
         ValueError: (:class:`~wide.kernels.KernelArgumentError`) bad a / route / G (as :func:`mask_select`), w not
             ``[N, K]`` in a's dtype, ``out`` not a contiguous ``[M, N]`` tensor in a's dtype, rows not None /
-            an int >= 0, or ``overwrite_a`` not a bool / set with an ``a`` whose column stride is not 1.
+            an int >= 0, or ``overwrite_a`` not a bool / set with an ``a`` that cannot be overwritten (column
+            stride not 1, rows sharing memory, requiring grad, or sharing memory with ``w`` / ``route``).
     """
     check_tensor("a", a, 2, FLOAT_DTYPES)
     check_tensor("w", w, 2, (a.dtype,))
@@ -173,8 +174,8 @@ def masked_dense(a: torch.Tensor, w: torch.Tensor, route: torch.Tensor, G: int, 
     check_group(G, K, "K (input features)")
     check_route(route, M, K // G)
     check_same_device(a=a, route=route)
-    if overwrite_a and M and K and a.stride(1) != 1:
-        fail(f"masked_dense: overwrite_a=True needs a with unit column stride, got strides {tuple(a.stride())}")
+    if overwrite_a:
+        check_in_place(a, "masked_dense(overwrite_a=True)", w=w, route=route)
     return _masked_mm(a if a.stride(1) == 1 else a.contiguous(), w, route.contiguous(), G, out, rows, overwrite_a)
 
 
@@ -414,7 +415,7 @@ def gemm_k(a: torch.Tensor, w: torch.Tensor, route: torch.Tensor, G: int, *,
             with ``out=a``: ``s * M * K`` elements written, none read) instead of into a scratch copy, so it needs
             no extra memory; set it when ``a`` is a temporary (e.g. the activation of a layer).  The executed
             groups of ``a`` are never changed; other paths leave ``a`` untouched; an ``a`` whose column stride is
-            not 1 is first copied, and the copy is overwritten.
+            not 1 or whose rows share memory (an expanded view) is first copied, and the copy is overwritten.
 
     Returns:
         ``[M, N]`` in a's dtype, accumulated in fp32 (the result does not depend on the order of the
@@ -428,7 +429,7 @@ def gemm_k(a: torch.Tensor, w: torch.Tensor, route: torch.Tensor, G: int, *,
 
     Raises:
         ValueError: wrong rank/shape/dtype/device, G illegal or not dividing K, bad route/out/path, overwrite_a not
-            a bool.
+            a bool, or set with an ``a`` that requires grad or shares memory with ``w`` / ``route``.
     """
     check_tensor("a", a, 2, FLOAT_DTYPES)
     check_tensor("w", w, 2, FLOAT_DTYPES)
@@ -446,6 +447,8 @@ def gemm_k(a: torch.Tensor, w: torch.Tensor, route: torch.Tensor, G: int, *,
     if path not in ("auto", "sparse", "dense", "splitk", "masked"):
         fail(f"path={path!r}; allowed: 'auto', 'sparse', 'dense', 'splitk', 'masked'")
     check_flag("overwrite_a", overwrite_a)
+    if overwrite_a:  # on every path, before anything is written (a bad layout is copied below, not refused)
+        check_in_place(a, "gemm_k(overwrite_a=True)", layout=False, w=w, route=route)
     if reordered is not None:  # checked on every path, so that code that runs on the CPU runs on a GPU too
         reordered = check_reordered(reordered, (M, NG), route.device)
     from .decode import gemv_k
@@ -454,8 +457,8 @@ def gemm_k(a: torch.Tensor, w: torch.Tensor, route: torch.Tensor, G: int, *,
                              lambda: gemv_k(a, w, route, G, out=out))
     if done is not None:
         return done
-    if a.stride(1) != 1:
-        a = a.contiguous()
+    if a.stride(1) != 1 or (overwrite_a and M > 1 and abs(a.stride(0)) < K):
+        a = a.contiguous()  # (rows that share memory cannot be zeroed per row in place: the copy is)
     if w.stride(1) != 1:
         w = w.contiguous()
     route = route.contiguous()
