@@ -205,3 +205,33 @@ def test_forward_refuses_a_mask_that_does_not_fit(model):
         with pytest.raises(WideError, match=rf"attention_mask holds {bad!r}: a padding mask takes 1 .* or 0"), \
                 torch.no_grad():
             wm(x, attention_mask=m)
+
+
+def test_gguf_config_is_parsed_once_per_file_version(tmp_path, monkeypatch):
+    """read_hf_config parses a GGUF's metadata once per process and file version (the CLI reads the config several
+    times before the weights); callers get copies, and a changed file is read again."""
+    import os
+
+    import transformers
+
+    from wide import modeling
+
+    f = tmp_path / "m.gguf"
+    f.write_bytes(b"x" * 10)
+    calls = []
+
+    def fake(directory, **kw):
+        calls.append(kw.get("gguf_file"))
+        return transformers.LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                        num_attention_heads=4, num_key_value_heads=2, vocab_size=100)
+
+    monkeypatch.setattr(transformers.AutoConfig, "from_pretrained", fake)
+    monkeypatch.setattr(modeling, "_GGUF_CONFIGS", {})
+    src = modeling.ModelSource(tmp_path, "m.gguf", "m")
+    a = modeling.read_hf_config(src)
+    a.hidden_size = 1  # a caller's change must not reach the next caller
+    b = modeling.read_hf_config(src)
+    assert calls == ["m.gguf"] and b.hidden_size == 64 and b is not a
+    f.write_bytes(b"y" * 11)
+    os.utime(f, ns=(1, 1))
+    assert modeling.read_hf_config(src).hidden_size == 64 and len(calls) == 2

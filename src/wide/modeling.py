@@ -11,6 +11,7 @@ forward (attention kernels, KV cache, RoPE) runs unchanged:
 
 from __future__ import annotations
 
+import copy
 import hashlib
 import importlib.util
 import json
@@ -163,7 +164,8 @@ def read_hf_config(src: ModelSource):
     """The Hugging Face config of ``src``, read without its weights (for a GGUF, from its metadata).
 
     A directory's ``config.json`` is parsed and checked (:func:`check_config_dims`) before transformers reads it,
-    and the config transformers builds is checked again (defaults, GGUF metadata).
+    and the config transformers builds is checked again (defaults, GGUF metadata).  A GGUF's config is parsed once per process and
+    file version (path, mtime, size); later calls get a copy.
 
     Raises:
         WideError: the config cannot be read; a truncated or corrupt GGUF file is named as such
@@ -182,6 +184,15 @@ def read_hf_config(src: ModelSource):
         except ValueError as e:
             raise WideError(f"model config {str(path)!r} is not valid JSON ({_first_line(e)})") from None
         check_config_dims(raw, repr(str(path)))
+    key = None
+    if src.gguf_file is not None:  # parsing a GGUF's metadata takes seconds: once per file version and process
+        try:
+            st = (src.directory / src.gguf_file).stat()
+            key = (str(Path(src.directory).resolve()), src.gguf_file, st.st_mtime_ns, st.st_size)
+        except OSError:
+            key = None
+        if key in _GGUF_CONFIGS:
+            return copy.deepcopy(_GGUF_CONFIGS[key])
     try:
         hf = AutoConfig.from_pretrained(src.directory, **src.hf_kwargs())
     except Exception as e:  # noqa: BLE001 - a damaged GGUF raises struct.error, ValueError, ...
@@ -192,7 +203,13 @@ def read_hf_config(src: ModelSource):
         raise
     where = repr(str(src.directory / (src.gguf_file or "config.json")))
     check_config_dims({k: getattr(hf, k) for k in CONFIG_DIMS + OPTIONAL_CONFIG_DIMS if hasattr(hf, k)}, where)
+    if key is not None:
+        _GGUF_CONFIGS[key] = copy.deepcopy(hf)
     return hf
+
+
+#: read_hf_config's parsed GGUF configs, by (directory, file, mtime, size); copies are handed out
+_GGUF_CONFIGS: dict = {}
 
 
 def check_safetensors_files(directory: str | os.PathLike) -> None:
