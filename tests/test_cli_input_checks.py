@@ -555,16 +555,25 @@ def test_make_demo_settings_fit_in_memory():
 
 
 @pytest.mark.parametrize("wide", [False, True])
-def test_eval_ppl_ctx_longer_than_the_model_context(tmp_path, model_dir, text_file, capsys, wide):
-    """The tiny model's max_position_embeddings is 256: --ctx 512 fails in one line naming both, before any
-    weight is read (no loading progress on stderr)."""
+def test_eval_ppl_ctx_longer_than_the_model_context(tmp_path, model_dir, text_file, capsys, wide, monkeypatch):
+    """The tiny model's max_position_embeddings is 256: --ctx 512 fails in one line naming both, before the
+    tokenizer and any weight is read (no loading progress on stderr)."""
+    import transformers
+
     args = ["eval-ppl", "--model", model_dir, "--text", text_file, "--ctx", "512", "--device", "cpu"]
     if wide:
         ckpt = tmp_path / "ckpt"
         rc, _, err = run(calibrate_args(model_dir, text_file, ckpt), capsys)
         assert rc == 0, err
         args += ["--wide", ckpt]
-    rc, _, err = run(args, capsys)
+
+    def not_yet(*a, **k):
+        raise AssertionError("the tokenizer or the weights were read before the --ctx check")
+
+    with monkeypatch.context() as m:
+        m.setattr(transformers.AutoTokenizer, "from_pretrained", not_yet)
+        m.setattr(transformers.AutoModelForCausalLM, "from_pretrained", not_yet)
+        rc, _, err = run(args, capsys)
     one_line_error(rc, err, "eval-ppl", "--ctx 512 is longer than the model's context of 256 tokens",
                    "max_position_embeddings", "use --ctx 256 or less")
     rc, stdout, err = run([*args[:-4], "--ctx", "256", "--device", "cpu"], capsys)  # the limit itself is fine
@@ -688,7 +697,11 @@ def test_seq_len_longer_than_the_model_context(tmp_path, model_dir, text_file, c
     def no_weights(*a, **k):
         raise AssertionError("weights were read before the --seq-len check")
 
+    def no_tokenizer(*a, **k):  # a GGUF tokenizer takes seconds to build: the check runs on the config alone
+        raise AssertionError("the tokenizer was loaded before the --seq-len check")
+
     monkeypatch.setattr(transformers.AutoModelForCausalLM, "from_pretrained", no_weights)
+    monkeypatch.setattr(transformers.AutoTokenizer, "from_pretrained", no_tokenizer)
     out = tmp_path / "long"
     args = calibrate_args(model_dir, text_file, out)
     args[args.index("--seq-len") + 1] = "512"

@@ -227,6 +227,7 @@ def test_gguf_config_is_parsed_once_per_file_version(tmp_path, monkeypatch):
 
     monkeypatch.setattr(transformers.AutoConfig, "from_pretrained", fake)
     monkeypatch.setattr(modeling, "_GGUF_CONFIGS", {})
+    monkeypatch.setenv("WIDE_CACHE_DIR", str(tmp_path / "cache"))
     src = modeling.ModelSource(tmp_path, "m.gguf", "m")
     a = modeling.read_hf_config(src)
     a.hidden_size = 1  # a caller's change must not reach the next caller
@@ -235,3 +236,63 @@ def test_gguf_config_is_parsed_once_per_file_version(tmp_path, monkeypatch):
     f.write_bytes(b"y" * 11)
     os.utime(f, ns=(1, 1))
     assert modeling.read_hf_config(src).hidden_size == 64 and len(calls) == 2
+
+
+def test_gguf_config_disk_cache(tmp_path, monkeypatch):
+    """A later process reads a GGUF's parsed config from $WIDE_CACHE_DIR/gguf_configs (JSON) instead of parsing
+    the file again; the cached config equals the parsed one field for field. A corrupt or foreign cache entry,
+    or a changed file, is parsed again; an unwritable cache directory is no error."""
+    import os
+
+    import transformers
+
+    from wide import modeling
+
+    f = tmp_path / "m.gguf"
+    f.write_bytes(b"x" * 10)
+    calls = []
+    cfg = transformers.LlamaConfig(hidden_size=96, intermediate_size=256, num_hidden_layers=3,
+                                   num_attention_heads=6, num_key_value_heads=2, vocab_size=123,
+                                   max_position_embeddings=777, rope_theta=12345.0)
+
+    def fake(directory, **kw):
+        calls.append(kw.get("gguf_file"))
+        return transformers.LlamaConfig.from_dict(cfg.to_dict())
+
+    monkeypatch.setattr(transformers.AutoConfig, "from_pretrained", fake)
+    monkeypatch.setenv("WIDE_CACHE_DIR", str(tmp_path / "cache"))
+    src = modeling.ModelSource(tmp_path, "m.gguf", "m")
+
+    def new_process():
+        monkeypatch.setattr(modeling, "_GGUF_CONFIGS", {})
+
+    new_process()
+    a = modeling.read_hf_config(src)
+    files = list((tmp_path / "cache" / "gguf_configs").glob("*.json"))
+    assert calls == ["m.gguf"] and len(files) == 1
+    new_process()
+    b = modeling.read_hf_config(src)
+    assert calls == ["m.gguf"], "a second process parsed the GGUF again"
+    assert type(b) is transformers.LlamaConfig and b.to_dict() == a.to_dict() == cfg.to_dict()
+    assert b.max_position_embeddings == 777 and b.num_key_value_heads == 2
+
+    for bad in ("{not json", '{"key": [], "transformers": "0", "config": {}}', ""):
+        files[0].write_text(bad)
+        new_process()
+        assert modeling.read_hf_config(src).to_dict() == cfg.to_dict()
+    assert len(calls) == 4
+    rec = __import__("json").loads(files[0].read_text())  # rewritten whole by the last parse
+    rec["config"]["hidden_size"] = -5  # a hand-edited entry that check_config_dims rejects: parsed again
+    files[0].write_text(__import__("json").dumps(rec))
+    new_process()
+    assert modeling.read_hf_config(src).hidden_size == 96 and len(calls) == 5
+
+    f.write_bytes(b"y" * 11)  # another file version: another key
+    os.utime(f, ns=(1, 1))
+    new_process()
+    assert modeling.read_hf_config(src).hidden_size == 96 and len(calls) == 6
+
+    (tmp_path / "blocker").write_text("a file, not a directory")
+    monkeypatch.setenv("WIDE_CACHE_DIR", str(tmp_path / "blocker"))
+    new_process()
+    assert modeling.read_hf_config(src).hidden_size == 96 and len(calls) == 7

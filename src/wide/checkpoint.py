@@ -248,7 +248,7 @@ def _check_fits(config: WideConfig, dims, directory: str | os.PathLike) -> None:
 
 
 def load(path: str | os.PathLike, model: str | torch.nn.Module | None = None, device=None, dtype=None,
-         tokenizer: bool = False, merge_lora: bool = False, check=None):
+         tokenizer: bool = False, merge_lora: bool = False, check=None, config_check=None):
     """Load a saved WIDE model, ready for evaluation (argmax routing).
 
     Args:
@@ -268,6 +268,7 @@ def load(path: str | os.PathLike, model: str | torch.nn.Module | None = None, de
         check: optional callable ``f(hf_config, tokenizer)`` run after the checkpoint's own files are checked
             and before any base weight is read (:func:`wide.modeling.load_base_model`'s hook), e.g. to validate
             sizes against the model's context; not called when ``model`` is an already loaded module.
+        config_check: optional callable ``f(hf_config)``, likewise, run before the base model's tokenizer loads.
 
     Returns:
         :class:`WideModel` (or ``(WideModel, tokenizer)``) in eval mode. Calling it as a Hugging Face
@@ -338,7 +339,7 @@ def load(path: str | os.PathLike, model: str | torch.nn.Module | None = None, de
     else:
         base, tok, _ = load_base_model(model if model is not None else info["model"],
                                        device="cpu" if half else device, dtype=torch.float32 if half else dtype,
-                                       check=check)
+                                       check=check, config_check=config_check)
     dims = dims_of(base.config)
     if info.get("dims") and info["dims"] != dims.__dict__:
         raise WideError(f"checkpoint {str(path)!r} was made for a model with dims {info['dims']}, "

@@ -357,6 +357,12 @@ def atomic_write(path: str | os.PathLike, write) -> None:
         raise
 
 
+def cache_dir() -> str:
+    """Directory of wide's caches (the kernel autotuning cache, parsed GGUF configs): ``$WIDE_CACHE_DIR`` or
+    ``~/.cache/wide``. Not created here."""
+    return os.environ.get("WIDE_CACHE_DIR") or os.path.join(os.path.expanduser("~"), ".cache", "wide")
+
+
 def atomic_write_text(path: str | os.PathLike, text: str) -> None:
     """Write ``text`` (UTF-8) to ``path`` atomically and durably (fsync before the rename; :func:`atomic_write`)."""
     def write(tmp: str) -> None:

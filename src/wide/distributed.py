@@ -202,7 +202,7 @@ def shard(wm: nn.Module, env: DistEnv, reshard_after_forward: bool = True) -> No
     del full_sd, transient_values
 
 
-def load_base(spec: str | None, env: DistEnv, device: str | None = None, check=None):
+def load_base(spec: str | None, env: DistEnv, device: str | None = None, check=None, config_check=None):
     """Load the frozen base model for this process: everything on rank 0, only the structure elsewhere.
 
     Single process: :func:`wide.modeling.load_base_model` on ``device``. Under a process group: rank 0
@@ -215,6 +215,7 @@ def load_base(spec: str | None, env: DistEnv, device: str | None = None, check=N
         env: this process's :class:`DistEnv`.
         device: single-process device (default CUDA when available).
         check: callable ``f(hf_config, tokenizer)`` run before weights are read (see ``load_base_model``).
+        config_check: callable ``f(hf_config)`` run before the tokenizer loads (see ``load_base_model``).
 
     Returns:
         ``(model, tokenizer, source)`` with ``requires_grad=False`` and eval mode.
@@ -225,19 +226,24 @@ def load_base(spec: str | None, env: DistEnv, device: str | None = None, check=N
     from .modeling import check_architecture, load_base_model, quiet_bpe_cleanup, resolve_model
 
     if not env.active:
-        return load_base_model(spec, device=device, check=check)
+        return load_base_model(spec, device=device, check=check, config_check=config_check)
     dtype = torch.bfloat16 if env.device.type == "cuda" else torch.float32
     if env.is_main:
-        return load_base_model(spec, device="cpu", dtype=dtype, check=check)
+        return load_base_model(spec, device="cpu", dtype=dtype, check=check, config_check=config_check)
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
     src = resolve_model(spec)
     try:
         hf_config = AutoConfig.from_pretrained(src.directory, **src.hf_kwargs())
-        tok = quiet_bpe_cleanup(AutoTokenizer.from_pretrained(src.directory, **src.hf_kwargs()))
     except (OSError, ValueError, KeyError) as e:
         raise WideError(f"cannot read model {src.ref!r}: {str(e).splitlines()[0]}") from None
     check_architecture(hf_config)
+    if config_check is not None:
+        config_check(hf_config)
+    try:
+        tok = quiet_bpe_cleanup(AutoTokenizer.from_pretrained(src.directory, **src.hf_kwargs()))
+    except (OSError, ValueError, KeyError) as e:
+        raise WideError(f"cannot read model {src.ref!r}: {str(e).splitlines()[0]}") from None
     if check is not None:
         check(hf_config, tok)
     with torch.device("meta"):

@@ -164,8 +164,9 @@ def read_hf_config(src: ModelSource):
     """The Hugging Face config of ``src``, read without its weights (for a GGUF, from its metadata).
 
     A directory's ``config.json`` is parsed and checked (:func:`check_config_dims`) before transformers reads it,
-    and the config transformers builds is checked again (defaults, GGUF metadata).  A GGUF's config is parsed once per process and
-    file version (path, mtime, size); later calls get a copy.
+    and the config transformers builds is checked again (defaults, GGUF metadata).  A GGUF's config is parsed once per file
+    version (path, mtime, size): later calls in the process get a copy, and later processes read it as JSON from
+    ``$WIDE_CACHE_DIR/gguf_configs/`` (:func:`wide.config.cache_dir`), since the parse takes seconds.
 
     Raises:
         WideError: the config cannot be read; a truncated or corrupt GGUF file is named as such
@@ -193,6 +194,10 @@ def read_hf_config(src: ModelSource):
             key = None
         if key in _GGUF_CONFIGS:
             return copy.deepcopy(_GGUF_CONFIGS[key])
+        hf = _read_gguf_config_cache(key)
+        if hf is not None:
+            _GGUF_CONFIGS[key] = copy.deepcopy(hf)
+            return hf
     try:
         hf = AutoConfig.from_pretrained(src.directory, **src.hf_kwargs())
     except Exception as e:  # noqa: BLE001 - a damaged GGUF raises struct.error, ValueError, ...
@@ -205,11 +210,55 @@ def read_hf_config(src: ModelSource):
     check_config_dims({k: getattr(hf, k) for k in CONFIG_DIMS + OPTIONAL_CONFIG_DIMS if hasattr(hf, k)}, where)
     if key is not None:
         _GGUF_CONFIGS[key] = copy.deepcopy(hf)
+        _write_gguf_config_cache(key, hf)
     return hf
 
 
 #: read_hf_config's parsed GGUF configs, by (directory, file, mtime, size); copies are handed out
 _GGUF_CONFIGS: dict = {}
+
+
+def _gguf_config_cache_path(key: tuple) -> Path:
+    """``$WIDE_CACHE_DIR/gguf_configs/<sha256 of the key>.json`` (:func:`wide.config.cache_dir`)."""
+    from .config import cache_dir
+
+    digest = hashlib.sha256(json.dumps(list(key)).encode()).hexdigest()[:32]
+    return Path(cache_dir()) / "gguf_configs" / f"{digest}.json"
+
+
+def _read_gguf_config_cache(key: tuple):
+    """The config that :func:`_write_gguf_config_cache` stored for ``key`` (a GGUF file version), or None when
+    there is none or it cannot be used (unreadable, another key, another transformers version, a config
+    transformers rejects, or dimensions :func:`check_config_dims` rejects): the GGUF is then parsed again.
+    JSON only: nothing is unpickled."""
+    import transformers
+    from transformers import AutoConfig
+
+    try:
+        rec = json.loads(_gguf_config_cache_path(key).read_text(encoding="utf-8"))
+        if rec["key"] != list(key) or rec["transformers"] != transformers.__version__:
+            return None
+        hf = AutoConfig.for_model(**rec["config"])
+        check_config_dims({k: getattr(hf, k) for k in CONFIG_DIMS + OPTIONAL_CONFIG_DIMS if hasattr(hf, k)}, "")
+        return hf
+    except Exception:  # noqa: BLE001 - a stale, partial or hand-edited cache entry is only a cache miss
+        return None
+
+
+def _write_gguf_config_cache(key: tuple, hf) -> None:
+    """Store ``hf.to_dict()`` for ``key`` so the next process skips the GGUF parse (seconds: its tokenizer
+    arrays are parsed with it). Written atomically; a cache that cannot be written is skipped silently."""
+    import transformers
+
+    from .config import atomic_write_text
+
+    path = _gguf_config_cache_path(key)
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        atomic_write_text(path, json.dumps({"key": list(key), "transformers": transformers.__version__,
+                                            "config": hf.to_dict()}))
+    except (OSError, TypeError, ValueError):
+        pass
 
 
 def check_safetensors_files(directory: str | os.PathLike) -> None:
@@ -349,7 +398,7 @@ def check_device(device, name: str = "device") -> None:
 
 
 def load_base_model(spec: str | None = None, device: str | torch.device | None = None,
-                    dtype: torch.dtype | None = None, check=None):
+                    dtype: torch.dtype | None = None, check=None, config_check=None):
     """Load a frozen base model and its tokenizer, offline.
 
     Args:
@@ -358,6 +407,8 @@ def load_base_model(spec: str | None = None, device: str | torch.device | None =
         dtype: default: bfloat16 on CUDA, float32 on CPU. GGUF weights are dequantized.
         check: optional callable ``f(hf_config, tokenizer)`` run before any weight is read (e.g. to
             validate group sizes against the model's dims, or to tokenize the text), so bad input fails fast.
+        config_check: optional callable ``f(hf_config)`` run on the config alone, before the tokenizer loads
+            (a GGUF's tokenizer takes seconds to build): checks that need no tokenizer fail at once.
 
     Returns:
         ``(model, tokenizer, source)``; the model is in eval mode with ``requires_grad=False``.
@@ -381,6 +432,8 @@ def load_base_model(spec: str | None = None, device: str | torch.device | None =
     dtype = dtype or (torch.bfloat16 if device.type == "cuda" else torch.float32)
     hf_config = read_hf_config(src)
     check_architecture(hf_config)
+    if config_check is not None:
+        config_check(hf_config)
     if src.gguf_file is None:
         check_tokenizer_files(src.directory)
     try:

@@ -306,9 +306,10 @@ def _summary_line(name: str, r: dict) -> str:
     return s
 
 
-def _load(args, cfg=None, then=None, env=None, hf_check=None):
-    """Load ``--model``; validate ``cfg`` against its dims, run ``hf_check(hf_config, tokenizer)`` and then
-    ``then(tokenizer)`` before the weights load.
+def _load(args, cfg=None, then=None, env=None, hf_check=None, pre=()):
+    """Load ``--model``; validate ``cfg`` against its dims and run each ``pre(hf_config)`` on the config alone,
+    before the tokenizer loads (a GGUF tokenizer takes seconds to build, so a bad option fails at once); then run
+    ``hf_check(hf_config, tokenizer)`` and ``then(tokenizer)`` before the weights load.
 
     Under torchrun (``env`` active) only rank 0 reads the weights; see :func:`wide.distributed.load_base`.
 
@@ -316,13 +317,17 @@ def _load(args, cfg=None, then=None, env=None, hf_check=None):
         ``(model, tokenizer, source)`` as :func:`wide.modeling.load_base_model`.
 
     Raises:
-        WideError: from loading, ``cfg.resolve``, ``hf_check`` or ``then``.
+        WideError: from loading, ``cfg.resolve``, ``pre``, ``hf_check`` or ``then``.
     """
     from ..modeling import dims_of, load_base_model
 
-    def check(hf, tok):
+    def config_check(hf):
         if cfg is not None:
             cfg.resolve(dims_of(hf))
+        for f in pre:
+            f(hf)
+
+    def check(hf, tok):
         if hf_check is not None:
             hf_check(hf, tok)
         if then is not None:
@@ -331,8 +336,8 @@ def _load(args, cfg=None, then=None, env=None, hf_check=None):
     if env is not None and env.active:
         from ..distributed import load_base
 
-        return load_base(args.model, env, check=check)
-    return load_base_model(args.model, device=args.device, check=check)
+        return load_base(args.model, env, check=check, config_check=config_check)
+    return load_base_model(args.model, device=args.device, check=check, config_check=config_check)
 
 
 def _maybe_launch(args, command: str, precheck) -> int | None:
@@ -402,13 +407,14 @@ def _text_name(spec) -> str:
 
 
 def _fits_context(option: str, tokens: int):
-    """A load-time check ``f(hf_config, tokenizer)`` (see :func:`_load`): ``tokens`` per window must not exceed
-    the model's context, ``max_position_embeddings`` of its config (a config without it is not checked).
+    """A load-time check ``f(hf_config, tokenizer=None)`` on the config alone (see :func:`_load`'s ``pre``):
+    ``tokens`` per window must not exceed the model's context, ``max_position_embeddings`` of its config (a config
+    without it is not checked).
 
     Raises (when called):
         WideError: ``<option> <tokens> is longer than the model's context of <limit> tokens ...``.
     """
-    def check(hf, tok) -> None:
+    def check(hf, tok=None) -> None:
         limit = getattr(hf, "max_position_embeddings", None)
         if isinstance(limit, int) and tokens > limit:
             raise WideError(f"{option} {tokens} is longer than the model's context of {limit} tokens "

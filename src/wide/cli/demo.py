@@ -80,7 +80,7 @@ def cmd_demo(args) -> int:
         data["blocks"] = pack(load_texts(args.text, split="calib"), tok, seq_len, max_blocks=args.max_blocks,
                               source=_text_name(args.text))
 
-    model, tok, src = _load(args, cfg, then=prepare, hf_check=_fits_context("--ctx", ctx))
+    model, tok, src = _load(args, cfg, then=prepare, pre=[_fits_context("--ctx", ctx)])
     win, blocks = data["win"], data["blocks"]
     wm = WideModel(model, cfg)
     targs = _train_args_from(argparse.Namespace(**{**vars(args), "steps": steps, "seq_len": seq_len}))

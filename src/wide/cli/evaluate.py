@@ -114,10 +114,11 @@ def cmd_eval_ppl(args) -> int:
                               asked=args.batch_size)
 
     if args.wide:
-        wm, tok = load(args.wide, model=args.model, device=args.device, tokenizer=True, check=check)
+        wm, tok = load(args.wide, model=args.model, device=args.device, tokenizer=True, check=check,
+                       config_check=fits)
         model = wm.base
     else:
-        model, tok, _ = _load(args, hf_check=check)
+        model, tok, _ = _load(args, hf_check=check, pre=[fits])
         wm = None
     win = data["win"]
     _print(_windows_line(win, args.ctx, args.max_tokens, "--max-tokens"))
@@ -237,10 +238,10 @@ def cmd_prune_static(args) -> int:
     docs = load_texts(args.text, split="calib")
     data = {}
 
-    def group_sizes(hf, tok):  # on the config, before any weight is read
+    def group_sizes(hf):  # on the config alone, before the tokenizer and the weights
         check_group_sizes(dims_of(hf), args.attn_group_size, args.ffn_group_size)
 
-    model, tok, src = _load(args, hf_check=group_sizes, then=lambda tok: data.setdefault(
+    model, tok, src = _load(args, pre=[group_sizes], then=lambda tok: data.setdefault(
         "blocks", pack(docs, tok, args.seq_len, max_blocks=args.calib_blocks, source=_text_name(args.text))))
     torch.manual_seed(0)
     t0 = time.time()

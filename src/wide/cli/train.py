@@ -67,7 +67,7 @@ def cmd_calibrate(args) -> int:
                              device=device, grad_checkpoint=targs.grad_checkpoint, grad_accum=targs.grad_accum,
                              procs=procs)
 
-    model, tok, src = _load(args, cfg, then=pack_text, env=env, hf_check=hf_check)
+    model, tok, src = _load(args, cfg, then=pack_text, env=env, hf_check=hf_check, pre=[fits])
     blocks = packed["blocks"]
     torch.manual_seed(args.seed)  # identical router initialization on every rank
     wm = WideModel(model, cfg)
@@ -227,10 +227,10 @@ def cmd_lora(args) -> int:
         from ..checkpoint import read_config
         from ..modeling import WideModel
 
-        base, tok, _ = D.load_base(args.model or info["model"], env, check=fits)
+        base, tok, _ = D.load_base(args.model or info["model"], env, config_check=fits)
         wm = load(args.wide, model=base) if env.is_main else WideModel(base, read_config(args.wide, base))
     else:
-        wm, tok = load(args.wide, model=args.model, device=args.device, tokenizer=True, check=fits)
+        wm, tok = load(args.wide, model=args.model, device=args.device, tokenizer=True, config_check=fits)
     blocks = pack(docs, tok, args.seq_len, max_blocks=args.max_blocks, source=_text_name(args.text))
     global_batch = targs.batch_size * targs.grad_accum * env.world_size
     say(f"LoRA recovery on {args.wide} ({info['model']}): {blocks.shape[0]} sequences x {blocks.shape[1]} tokens, "

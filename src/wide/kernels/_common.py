@@ -18,6 +18,8 @@ from typing import Callable, NamedTuple, Sequence
 
 import torch
 
+from wide.config import cache_dir  # noqa: F401 - re-exported: the autotuning cache's directory
+
 try:  # pragma: no cover - exercised implicitly
     from wide.errors import WideError as _KernelError
 except Exception:  # pragma: no cover
@@ -323,12 +325,6 @@ def m_bucket(M: int) -> int:
 _CACHE_LOCK = threading.Lock()
 _CACHE: dict | None = None
 _LAUNCHABLE: dict = {}  # untuned choices that were checked to launch (this process only, never written)
-
-
-def cache_dir() -> str:
-    """Directory of the autotuning cache: ``$WIDE_CACHE_DIR`` or ``~/.cache/wide``."""
-    d = os.environ.get("WIDE_CACHE_DIR") or os.path.join(os.path.expanduser("~"), ".cache", "wide")
-    return d
 
 
 def _cache_path() -> str:
