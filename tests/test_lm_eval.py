@@ -318,11 +318,15 @@ def _wide(*args, timeout=600):
     (["--limit", "0"], "--limit 0: give a whole number of documents per task (>= 1) or a fraction in (0, 1)"),
     (["--limit", "-1", "--model", "/nonexistent/model"], "--limit -1: give a whole number"),
 ])
-def test_cli_eval_bad_input(args, msg, model_dir):
-    r = _wide("eval", "--model", str(model_dir), *args)
-    assert r.returncode == 2, r.stderr
-    lines = r.stderr.strip().splitlines()
-    assert len(lines) == 1 and lines[0].startswith("wide eval: error:") and msg in lines[0]
+def test_cli_eval_bad_input(args, msg, model_dir, capsys):
+    """In process (the same ``main`` as the console script; a subprocess costs ~13 s of imports a case)."""
+    from wide.cli import main
+
+    rc = main(["eval", "--model", str(model_dir), *args])
+    out, err = capsys.readouterr()
+    assert rc == 2, err
+    lines = err.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("wide eval: error:") and msg in lines[0] and not out
 
 
 def test_cli_eval_and_lm_eval_passthrough(model_dir, tmp_path):

@@ -272,10 +272,12 @@ def resolve_tasks(spec: str | list[str]) -> list[str]:
 
 
 def task_manager(metadata: dict | None = None):
-    """An lm-eval ``TaskManager`` that knows this package's task YAMLs (:data:`wide.tasks.TASKS_DIR`)."""
+    """An lm-eval ``TaskManager`` over this package's task YAMLs alone (:data:`wide.tasks.TASKS_DIR`; each is
+    self-contained). lm-eval's own task index is left out (``include_defaults=False``): indexing its thousands
+    of YAMLs took ~10 s per call, and :func:`evaluate` runs only our tasks (``wide lm-eval`` keeps lm-eval's)."""
     from lm_eval.tasks import TaskManager
 
-    return TaskManager(include_path=str(TASKS_DIR), metadata=metadata or {})
+    return TaskManager(include_path=str(TASKS_DIR), include_defaults=False, metadata=metadata or {})
 
 
 def summarize(results: dict) -> dict:
