@@ -286,13 +286,51 @@ def test_gguf_config_disk_cache(tmp_path, monkeypatch):
     files[0].write_text(__import__("json").dumps(rec))
     new_process()
     assert modeling.read_hf_config(src).hidden_size == 96 and len(calls) == 5
+    rec = __import__("json").loads(files[0].read_text())
+    rec["config"]["max_position_embeddings"] = 200000  # plausible, but it no longer matches the entry's digest
+    files[0].write_text(__import__("json").dumps(rec))
+    new_process()
+    assert modeling.read_hf_config(src).max_position_embeddings == 777 and len(calls) == 6
+    st = f.stat()
+    f.write_bytes(b"z" * 10)  # same size, same mtime, other bytes: the head digest tells them apart
+    os.utime(f, ns=(st.st_atime_ns, st.st_mtime_ns))
+    assert f.stat().st_mtime_ns == st.st_mtime_ns and f.stat().st_size == st.st_size
+    new_process()
+    key_before = len(list((tmp_path / "cache" / "gguf_configs").glob("*.json")))
+    modeling.read_hf_config(src)
+    assert len(calls) == 7 and len(list((tmp_path / "cache" / "gguf_configs").glob("*.json"))) == key_before + 1
 
     f.write_bytes(b"y" * 11)  # another file version: another key
     os.utime(f, ns=(1, 1))
     new_process()
-    assert modeling.read_hf_config(src).hidden_size == 96 and len(calls) == 6
+    assert modeling.read_hf_config(src).hidden_size == 96 and len(calls) == 8
 
     (tmp_path / "blocker").write_text("a file, not a directory")
     monkeypatch.setenv("WIDE_CACHE_DIR", str(tmp_path / "blocker"))
     new_process()
-    assert modeling.read_hf_config(src).hidden_size == 96 and len(calls) == 7
+    assert modeling.read_hf_config(src).hidden_size == 96 and len(calls) == 9
+
+
+def test_config_check_runs_again_on_the_loaded_config(model_dir, monkeypatch):
+    """load_base_model runs ``config_check`` before the tokenizer on read_hf_config's config (for a GGUF maybe a
+    cached one) and again on the loaded model's own config: a stale config cannot let a bad option through."""
+    from wide import modeling
+
+    real = modeling.read_hf_config
+
+    def stale(src):
+        hf = real(src)
+        hf.max_position_embeddings = 100000  # what a stale cache entry could claim; the model's is 256
+        return hf
+
+    monkeypatch.setattr(modeling, "read_hf_config", stale)
+    seen = []
+
+    def fits(hf):
+        seen.append(hf.max_position_embeddings)
+        if 512 > hf.max_position_embeddings:
+            raise WideError(f"context {hf.max_position_embeddings}")
+
+    with pytest.raises(WideError, match="context 256"):
+        modeling.load_base_model(str(model_dir), device="cpu", config_check=fits)
+    assert seen == [100000, 256]

@@ -189,7 +189,8 @@ def read_hf_config(src: ModelSource):
     if src.gguf_file is not None:  # parsing a GGUF's metadata takes seconds: once per file version and process
         try:
             st = (src.directory / src.gguf_file).stat()
-            key = (str(Path(src.directory).resolve()), src.gguf_file, st.st_mtime_ns, st.st_size)
+            key = (str(Path(src.directory).resolve()), src.gguf_file, st.st_mtime_ns, st.st_size,
+                   _head_digest(src.directory / src.gguf_file))
         except OSError:
             key = None
         if key in _GGUF_CONFIGS:
@@ -218,6 +219,20 @@ def read_hf_config(src: ModelSource):
 _GGUF_CONFIGS: dict = {}
 
 
+def _head_digest(path: Path, nbytes: int = 8 << 20) -> str:
+    """sha256 of the first ``nbytes`` of ``path`` (a GGUF's metadata, the config included, comes first): part of
+    the config cache key, so another file with the same path, size and mtime is not taken for this one."""
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        h.update(f.read(nbytes))
+    return h.hexdigest()
+
+
+def _config_digest(key: tuple, config: dict) -> str:
+    """sha256 over a cache entry's key and config (sorted JSON): an entry edited by hand no longer matches it."""
+    return hashlib.sha256(json.dumps([list(key), config], sort_keys=True).encode()).hexdigest()
+
+
 def _gguf_config_cache_path(key: tuple) -> Path:
     """``$WIDE_CACHE_DIR/gguf_configs/<sha256 of the key>.json`` (:func:`wide.config.cache_dir`)."""
     from .config import cache_dir
@@ -227,16 +242,19 @@ def _gguf_config_cache_path(key: tuple) -> Path:
 
 
 def _read_gguf_config_cache(key: tuple):
-    """The config that :func:`_write_gguf_config_cache` stored for ``key`` (a GGUF file version), or None when
-    there is none or it cannot be used (unreadable, another key, another transformers version, a config
-    transformers rejects, or dimensions :func:`check_config_dims` rejects): the GGUF is then parsed again.
+    """The config that :func:`_write_gguf_config_cache` stored for ``key`` (a GGUF file version: path, mtime,
+    size and a digest of its first 8 MiB), or None when there is none or it cannot be used (unreadable, another
+    key, another transformers version, a digest that does not match its key and config, i.e. an entry edited by
+    hand, a config transformers rejects, or dimensions :func:`check_config_dims` rejects): the GGUF is then
+    parsed again. The config read with the weights is checked again after loading (``load_base_model``).
     JSON only: nothing is unpickled."""
     import transformers
     from transformers import AutoConfig
 
     try:
         rec = json.loads(_gguf_config_cache_path(key).read_text(encoding="utf-8"))
-        if rec["key"] != list(key) or rec["transformers"] != transformers.__version__:
+        if (rec["key"] != list(key) or rec["transformers"] != transformers.__version__
+                or rec["digest"] != _config_digest(key, rec["config"])):
             return None
         hf = AutoConfig.for_model(**rec["config"])
         check_config_dims({k: getattr(hf, k) for k in CONFIG_DIMS + OPTIONAL_CONFIG_DIMS if hasattr(hf, k)}, "")
@@ -255,8 +273,9 @@ def _write_gguf_config_cache(key: tuple, hf) -> None:
     path = _gguf_config_cache_path(key)
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
+        config = hf.to_dict()
         atomic_write_text(path, json.dumps({"key": list(key), "transformers": transformers.__version__,
-                                            "config": hf.to_dict()}))
+                                            "config": config, "digest": _config_digest(key, config)}))
     except (OSError, TypeError, ValueError):
         pass
 
@@ -408,7 +427,8 @@ def load_base_model(spec: str | None = None, device: str | torch.device | None =
         check: optional callable ``f(hf_config, tokenizer)`` run before any weight is read (e.g. to
             validate group sizes against the model's dims, or to tokenize the text), so bad input fails fast.
         config_check: optional callable ``f(hf_config)`` run on the config alone, before the tokenizer loads
-            (a GGUF's tokenizer takes seconds to build): checks that need no tokenizer fail at once.
+            (a GGUF's tokenizer takes seconds to build): checks that need no tokenizer fail at once. It runs
+            again on the loaded model's own config.
 
     Returns:
         ``(model, tokenizer, source)``; the model is in eval mode with ``requires_grad=False``.
@@ -452,6 +472,8 @@ def load_base_model(spec: str | None = None, device: str | torch.device | None =
         raise WideError(f"cannot load model {src.ref!r}: {_first_line(e)}") from None
     model.to(device).eval()
     model.requires_grad_(False)
+    if config_check is not None:  # again on the config transformers parsed with the weights: a stale or edited
+        config_check(model.config)  # cached GGUF config cannot let a bad option through
     return model, tok, src
 
 
