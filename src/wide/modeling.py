@@ -185,17 +185,20 @@ def read_hf_config(src: ModelSource):
         except ValueError as e:
             raise WideError(f"model config {str(path)!r} is not valid JSON ({_first_line(e)})") from None
         check_config_dims(raw, repr(str(path)))
-    key = None
+    key = disk_key = None
     if src.gguf_file is not None:  # parsing a GGUF's metadata takes seconds: once per file version and process
         try:
             st = (src.directory / src.gguf_file).stat()
-            key = (str(Path(src.directory).resolve()), src.gguf_file, st.st_mtime_ns, st.st_size,
-                   _head_digest(src.directory / src.gguf_file))
+            key = (str(Path(src.directory).resolve()), src.gguf_file, st.st_mtime_ns, st.st_size)
         except OSError:
             key = None
         if key in _GGUF_CONFIGS:
             return copy.deepcopy(_GGUF_CONFIGS[key])
-        hf = _read_gguf_config_cache(key)
+        try:  # the on-disk key adds the file's head digest (read only on an in-process miss)
+            disk_key = None if key is None else key + (_head_digest(src.directory / src.gguf_file),)
+        except OSError:
+            disk_key = None
+        hf = None if disk_key is None else _read_gguf_config_cache(disk_key)
         if hf is not None:
             _GGUF_CONFIGS[key] = copy.deepcopy(hf)
             return hf
@@ -207,15 +210,21 @@ def read_hf_config(src: ModelSource):
         if isinstance(e, (OSError, ValueError, KeyError)):
             raise WideError(f"cannot read model config from {src.ref!r}: {_first_line(e)}") from None
         raise
-    where = repr(str(src.directory / (src.gguf_file or "config.json")))
-    check_config_dims({k: getattr(hf, k) for k in CONFIG_DIMS + OPTIONAL_CONFIG_DIMS if hasattr(hf, k)}, where)
+    _check_hf_dims(hf, repr(str(src.directory / (src.gguf_file or "config.json"))))
     if key is not None:
         _GGUF_CONFIGS[key] = copy.deepcopy(hf)
-        _write_gguf_config_cache(key, hf)
+    if disk_key is not None:
+        _write_gguf_config_cache(disk_key, hf)
     return hf
 
 
-#: read_hf_config's parsed GGUF configs, by (directory, file, mtime, size); copies are handed out
+def _check_hf_dims(hf, where: str) -> None:
+    """:func:`check_config_dims` on the dimension fields a built Hugging Face config has."""
+    check_config_dims({k: getattr(hf, k) for k in CONFIG_DIMS + OPTIONAL_CONFIG_DIMS if hasattr(hf, k)}, where)
+
+
+#: read_hf_config's parsed GGUF configs, by (directory, file, mtime, size); copies are handed out (the on-disk
+#: cache's key adds the file's head digest)
 _GGUF_CONFIGS: dict = {}
 
 
@@ -257,7 +266,7 @@ def _read_gguf_config_cache(key: tuple):
                 or rec["digest"] != _config_digest(key, rec["config"])):
             return None
         hf = AutoConfig.for_model(**rec["config"])
-        check_config_dims({k: getattr(hf, k) for k in CONFIG_DIMS + OPTIONAL_CONFIG_DIMS if hasattr(hf, k)}, "")
+        _check_hf_dims(hf, "")
         return hf
     except Exception:  # noqa: BLE001 - a stale, partial or hand-edited cache entry is only a cache miss
         return None

@@ -407,14 +407,14 @@ def _text_name(spec) -> str:
 
 
 def _fits_context(option: str, tokens: int):
-    """A load-time check ``f(hf_config, tokenizer=None)`` on the config alone (see :func:`_load`'s ``pre``):
+    """A load-time check ``f(hf_config)`` on the config alone (see :func:`_load`'s ``pre``):
     ``tokens`` per window must not exceed the model's context, ``max_position_embeddings`` of its config (a config
     without it is not checked).
 
     Raises (when called):
         WideError: ``<option> <tokens> is longer than the model's context of <limit> tokens ...``.
     """
-    def check(hf, tok=None) -> None:
+    def check(hf) -> None:
         limit = getattr(hf, "max_position_embeddings", None)
         if isinstance(limit, int) and tokens > limit:
             raise WideError(f"{option} {tokens} is longer than the model's context of {limit} tokens "

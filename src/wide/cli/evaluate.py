@@ -100,8 +100,7 @@ def cmd_eval_ppl(args) -> int:
     fits = _fits_context("--ctx", args.ctx)
     data = {}
 
-    def check(hf, tok):  # on the config and the tokenizer, before any weight is read
-        fits(hf, tok)
+    def check(hf, tok):  # on the config and the tokenizer, before any weight is read (``fits`` ran already)
         data["win"] = win = ppl_windows(docs, tok, args.ctx, max_tokens=args.max_tokens,
                                         source=_text_name(args.text))
         if args.memory_check:

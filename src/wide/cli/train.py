@@ -54,8 +54,7 @@ def cmd_calibrate(args) -> int:
         return packed.setdefault("blocks", pack(docs, tok, args.seq_len, max_blocks=args.max_blocks,
                                                 source=_text_name(args.text)))
 
-    def hf_check(hf, tok):  # on the config, before any weight is read
-        fits(hf, tok)
+    def hf_check(hf, tok):  # on the config, before any weight is read (``fits`` ran already, before the tokenizer)
         pack_text(tok)  # a text too short for one sequence is named before the memory check speaks
         if targs.memory_check:  # a batch far too large fails here, not after the weights load
             from ..memory import check_train_fits, train_memory_from_config
