@@ -110,6 +110,12 @@ def test_prune_static_summary_shows_the_sparsities_used(tmp_path, model_dir, tex
     rc, _, err = run(["prune-static", "--model", model_dir, "--text", text_file, "-o", out], capsys)
     one_line_error(rc, err, "prune-static", "give the target sparsity -S (or the two fractions --attn-sparsity and "
                    "--ffn-sparsity)")
+    # a bad group size is named before a missing -S, for the attention size as for the FFN one (session 21)
+    for opt, val, words in (("--attn-group-size", "7", "static attention group size G=7 must be a multiple of"),
+                            ("--ffn-group-size", "24", "24")):
+        rc, _, err = run(["prune-static", "--model", model_dir, "--text", text_file, "-o", out, opt, val], capsys)
+        one_line_error(rc, err, "prune-static", words)
+        assert "-S" not in err and not out.exists()
     rc, stdout, err = run(["prune-static", "--model", model_dir, "--text", text_file, "-o", out, *split], capsys)
     assert rc == 0, err
     line = next(ln for ln in stdout.splitlines() if ln.startswith("static pruning of"))

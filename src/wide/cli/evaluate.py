@@ -217,6 +217,8 @@ def cmd_prune_static(args) -> int:
     from ..config import WideConfig
 
     _check_ffn_group_size(args)
+    if args.attn_group_size is not None:  # both group sizes before the sparsity options, from the config alone
+        check_group_sizes(dims_of(_hf_config(args.model)[1]), args.attn_group_size, args.ffn_group_size)
     for name, v in (("--attn-sparsity", args.attn_sparsity), ("--ffn-sparsity", args.ffn_sparsity)):
         if v is not None and not 0.0 <= v < 1.0:
             raise WideError(f"{name} {v!r} is outside [0, 1)")
