@@ -118,14 +118,14 @@ def main() -> None:
     gemm_mn = importlib.import_module("wide.kernels.gemm_mn")
     gt = types_of(gemm_mn._gemm_mn_kernel, idx_ptr=i32, cnt_ptr=i32, route_ptr=b)
     div = ("x_ptr", "w_ptr", "w2_ptr", "out_ptr", "idx_ptr", "cnt_ptr", "N", "K", "stride_xm", "stride_wn", "stride_om")
-    for bn, swiglu in ((256, False), (128, True)):
+    for bn, swiglu, persist in ((256, False, False), (128, True, False), (256, False, True), (128, True, True)):
         gt.update(w_desc=f"tensordesc<bf16[{bn}, 64]>", w2_desc=f"tensordesc<bf16[{bn}, 64]>")
         k = compile_sm90(gemm_mn._gemm_mn_kernel, gt, dict(BM=128, BN=bn, BK=64, GROUP_M=8, EVEN_K=True, SWIGLU=swiglu,
-                                                           DIRECT=False, USE_TMA=True), num_warps=8, num_stages=4,
-                         div16=div)
+                                                           DIRECT=False, USE_TMA=True, PERSIST=persist),
+                         num_warps=8, num_stages=4, div16=div)
         ptx = k.asm["ptx"]
         if "cp.async.cg.shared.global" not in ptx or "st.global.v4" not in ptx or "wgmma.mma_async" not in ptx:
-            raise RuntimeError(f"gemm_mn tile 128x{bn} swiglu={swiglu}: expected cp.async token loads, wgmma and "
+            raise RuntimeError(f"gemm_mn tile 128x{bn} swiglu={swiglu} persist={persist}: expected cp.async token loads, wgmma and "
                                "16-byte stores in its PTX")
     # gemm_k's dense-order kernel with A and weight tiles by TMA, the route applied in registers (down shape)
     gemm_k = importlib.import_module("wide.kernels.gemm_k")

@@ -113,6 +113,28 @@ def test_tma_weight_tiles(swiglu, K, monkeypatch):
     assert (out[~expand_route(route, G)] == 0).all()
 
 
+@pytest.mark.parametrize("swiglu", [False, True])
+@pytest.mark.parametrize("kind", ["random", "all", "none"])
+def test_persistent_grid(swiglu, kind, mode, monkeypatch):
+    # the PERSIST candidate: fewer programs than tiles (3 under the interpreter), each taking tiles in turn;
+    # M = 70 with 32-row tiles leaves a ragged last row tile, and skipped tiles sit between executed ones
+    orig = gemm_mn_mod._candidates
+    monkeypatch.setattr(gemm_mn_mod, "_candidates", lambda G, M, sw: [dict(orig(G, M, sw)[0], PERSIST=True)])
+    gen = seed_for("persist", swiglu, kind, mode)
+    M, N, K, G = 70, 128, 48, 32
+    x = randn((M, K), torch.bfloat16, gen)
+    w = randn((N, K), torch.bfloat16, gen)
+    w2 = randn((N, K), torch.bfloat16, gen)
+    route = make_mask(kind, (M, N // G), gen)
+    out = poisoned((M, N), torch.bfloat16)
+    gemm_mn_mod.launch_gemm_mn(x, w, w2 if swiglu else None, route, G, None, out, swiglu)
+    from wide.kernels.reference import swiglu_ref
+    ref = (swiglu_ref(x.double(), w.double(), w2.double(), route, G) if swiglu
+           else gemm_mn_ref(x.double(), w.double(), route, G))
+    check_close(out, ref)
+    assert (out[~expand_route(route, G)] == 0).all()
+
+
 def test_gpu_tile_candidates_fit_the_group(monkeypatch):
     """The compiled-mode tile lists: every BN divides G (a tile never straddles two groups), no duplicates, TMA
     weight tiles only for the many-row path."""

@@ -523,6 +523,14 @@ def resident_programs(kernel, key: tuple, device: torch.device, args: tuple, con
     return _RESIDENT[key] * props.multi_processor_count
 
 
+def num_sms(device: torch.device) -> int:
+    """Streaming multiprocessors of a CUDA ``device`` (the program count of a persistent grid); 3 elsewhere (the
+    interpreter), so that a persistent kernel's programs each take several tiles in the CPU tests."""
+    if device.type != "cuda":
+        return 3
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
 def cfg_kwargs(cfg: dict) -> dict:
     return {k: v for k, v in cfg.items() if k not in ("num_warps", "num_stages")}
 

@@ -20,7 +20,7 @@ import torch
 from . import reference
 from ._common import (
     FLOAT_DTYPES, HAS_TRITON, Reordered, check_group, check_out, check_reordered, check_route,
-    check_same_device, check_tensor, fail, interpret_mode, launch_opts, m_bucket, pick_config,
+    check_same_device, check_tensor, fail, interpret_mode, launch_opts, m_bucket, num_sms, pick_config,
     pow2_part, small_or_fallback, tma_aligned,
 )
 
@@ -31,21 +31,21 @@ if HAS_TRITON:
     from ._common import mm, mma, swiglu_act  # noqa: F401
 
     @triton.jit
-    def _gemm_mn_kernel(x_ptr, w_ptr, w2_ptr, out_ptr, idx_ptr, cnt_ptr, route_ptr,
-                        M, N, K, NG, stride_xm, stride_wn, stride_om, G,
-                        BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
-                        GROUP_M: tl.constexpr, EVEN_K: tl.constexpr, SWIGLU: tl.constexpr,
-                        DIRECT: tl.constexpr, w_desc, w2_desc, USE_TMA: tl.constexpr):
-        pid = tl.program_id(0)
+    def _gemm_mn_tile(tile, x_ptr, w_ptr, w2_ptr, out_ptr, idx_ptr, cnt_ptr, route_ptr,
+                      M, N, K, NG, stride_xm, stride_wn, stride_om, G,
+                      BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
+                      GROUP_M: tl.constexpr, EVEN_K: tl.constexpr, SWIGLU: tl.constexpr,
+                      DIRECT: tl.constexpr, w_desc, w2_desc, USE_TMA: tl.constexpr):
+        """One ``(BM, BN)`` output tile, number ``tile`` in the grouped order."""
         num_pid_m = tl.cdiv(M, BM)
         num_pid_n = N // BN
         # grouped ordering: GROUP_M row tiles share a weight column panel in L2
         num_pid_in_group = GROUP_M * num_pid_n
-        group_id = pid // num_pid_in_group
+        group_id = tile // num_pid_in_group
         first_pid_m = group_id * GROUP_M
         group_size_m = tl.minimum(num_pid_m - first_pid_m, GROUP_M)
-        pid_m = first_pid_m + ((pid % num_pid_in_group) % group_size_m)
-        pid_n = (pid % num_pid_in_group) // group_size_m
+        pid_m = first_pid_m + ((tile % num_pid_in_group) % group_size_m)
+        pid_n = (tile % num_pid_in_group) // group_size_m
 
         m0 = pid_m * BM
         n0 = pid_n * BN
@@ -103,6 +103,26 @@ if HAS_TRITON:
                 acc = swiglu_act(acc, acc2, out_ptr.dtype.element_ty)
             res = tl.where(active[:, None], acc, 0.0).to(out_ptr.dtype.element_ty)
             tl.store(out_ptrs, res, mask=valid[:, None])
+
+    @triton.jit
+    def _gemm_mn_kernel(x_ptr, w_ptr, w2_ptr, out_ptr, idx_ptr, cnt_ptr, route_ptr,
+                        M, N, K, NG, stride_xm, stride_wn, stride_om, G, num_progs,
+                        BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
+                        GROUP_M: tl.constexpr, EVEN_K: tl.constexpr, SWIGLU: tl.constexpr,
+                        DIRECT: tl.constexpr, w_desc, w2_desc, USE_TMA: tl.constexpr, PERSIST: tl.constexpr):
+        """One program per tile, or with ``PERSIST`` ``num_progs`` programs (one per SM) that take the tiles in
+        turn in the same grouped order: a skipped tile is then a zero store inside a running program rather
+        than a program of its own."""
+        if PERSIST:
+            num_tiles = tl.cdiv(M, BM) * (N // BN)
+            for tile in range(tl.program_id(0), num_tiles, num_progs):
+                _gemm_mn_tile(tile, x_ptr, w_ptr, w2_ptr, out_ptr, idx_ptr, cnt_ptr, route_ptr,
+                              M, N, K, NG, stride_xm, stride_wn, stride_om, G, BM, BN, BK, GROUP_M, EVEN_K,
+                              SWIGLU, DIRECT, w_desc, w2_desc, USE_TMA)
+        else:
+            _gemm_mn_tile(tl.program_id(0), x_ptr, w_ptr, w2_ptr, out_ptr, idx_ptr, cnt_ptr, route_ptr,
+                          M, N, K, NG, stride_xm, stride_wn, stride_om, G, BM, BN, BK, GROUP_M, EVEN_K,
+                          SWIGLU, DIRECT, w_desc, w2_desc, USE_TMA)
 
 
 DIRECT_MAX_M = 128
@@ -194,7 +214,9 @@ def launch_gemm_mn(x, w, w2, route, G, reordered, out, swiglu):
     w2_ = w2 if w2 is not None else w
 
     def run(cfg):
-        grid = (triton.cdiv(M, cfg["BM"]) * (N // cfg["BN"]),)
+        tiles = triton.cdiv(M, cfg["BM"]) * (N // cfg["BN"])
+        persist = bool(cfg.get("PERSIST", False))
+        grid = (min(tiles, num_sms(x.device)) if persist else tiles,)
         tma = bool(cfg.get("TMA", False)) and tma_aligned(w, w2_)
         if tma:
             from triton.tools.tensor_descriptor import TensorDescriptor
@@ -204,10 +226,10 @@ def launch_gemm_mn(x, w, w2, route, G, reordered, out, swiglu):
         else:
             wd = w2d = w
         _gemm_mn_kernel[grid](x, w, w2_, out, idx, cnt, route,
-                              M, N, K, NG, x.stride(0), w.stride(0), out.stride(0), G,
+                              M, N, K, NG, x.stride(0), w.stride(0), out.stride(0), G, grid[0],
                               BM=cfg["BM"], BN=cfg["BN"], BK=cfg["BK"], GROUP_M=cfg["GROUP_M"],
                               EVEN_K=(K % cfg["BK"] == 0), SWIGLU=swiglu, DIRECT=direct,
-                              w_desc=wd, w2_desc=w2d, USE_TMA=tma, **launch_opts(cfg))
+                              w_desc=wd, w2_desc=w2d, USE_TMA=tma, PERSIST=persist, **launch_opts(cfg))
 
     op = "swiglu" if swiglu else "gemm_mn"
     cfg = pick_config(op, (m_bucket(M), N, K, G, str(x.dtype)), x.device, _candidates(G, M, swiglu), run)
