@@ -11,11 +11,14 @@ K = 4096), forced configs, CUDA-graph replay (``triton.testing.do_bench_cudagrap
   number of executed and skipped tiles.  The difference to ``grid`` is the cost of the gather.
 - ``persist``: the library's kernel with ``PERSIST`` (one program per SM looping over the tiles in the same
   grouped order): a skipped tile costs a zero store inside a running program instead of a program launch.
-- ``persist_il``: this file's persistent copy of the kernel, with the row tiles interleaved (low and high halves alternate), so skipped
-  tiles run between executed ones instead of as a tail.
-- ``persist_ws``: persistent with ``warp_specialize=True`` on the K loop (Triton's Hopper autoWS), if it compiles.
+- ``persist_il``: the persistent loop over the library's tile body with the row tiles interleaved (low and high
+  halves alternate), so skipped tiles run between executed ones instead of as a tail.
 - ``sw_grid`` / ``sw_persist``: the library's fused SwiGLU (gate + up), as it is and with ``PERSIST``, against two
   cuBLAS GEMMs + ``silu(a) * b``.
+
+``warp_specialize=True`` on the K loop (Triton's autoWS) is not among them: compiled for sm_90 with Triton 3.6 the
+kernel's PTX is byte-identical with and without it, so Hopper warp specialization does not apply to this loop
+(its token operand is a gathered pointer load).
 
 Each variant's output is checked against cuBLAS on the executed entries (and zeros elsewhere).
 
@@ -34,7 +37,8 @@ import torch
 import triton
 import triton.language as tl
 
-from wide.kernels._common import Reordered, mma
+from wide.kernels._common import Reordered
+from wide.kernels.gemm_mn import gemm_mn_tile, grouped_tile
 
 CONFIGS = {  # G -> list of (BM, BN, BK, GROUP_M, warps, stages, TMA weights)
     128: [(128, 128, 64, 16, 8, 4, True), (128, 128, 64, 8, 8, 4, True), (128, 128, 64, 8, 8, 3, False),
@@ -47,48 +51,17 @@ SW_CONFIGS = [(128, 128, 64, 8, 8, 4, True), (128, 128, 64, 16, 8, 4, True)]  # 
 @triton.jit
 def _mn_persist(x_ptr, w_ptr, out_ptr, idx_ptr, cnt_ptr, M, N, K, NG, stride_xm, stride_wn, stride_om, G,
                 w_desc, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, GROUP_M: tl.constexpr,
-                NUM_SMS: tl.constexpr, USE_TMA: tl.constexpr, INTERLEAVE: tl.constexpr, WS: tl.constexpr):
-    pid = tl.program_id(0)
+                NUM_SMS: tl.constexpr, USE_TMA: tl.constexpr, INTERLEAVE: tl.constexpr, EVEN_K: tl.constexpr):
+    """The library's persistent loop over its own tile body, with the row tiles optionally interleaved."""
     num_pid_m = tl.cdiv(M, BM)
-    num_pid_n = N // BN
-    num_tiles = num_pid_m * num_pid_n
-    num_pid_in_group = GROUP_M * num_pid_n
-    k_tiles = tl.cdiv(K, BK)
-    for tile in range(pid, num_tiles, NUM_SMS):
-        group_id = tile // num_pid_in_group
-        first_pid_m = group_id * GROUP_M
-        group_size_m = tl.minimum(num_pid_m - first_pid_m, GROUP_M)
-        pid_m = first_pid_m + ((tile % num_pid_in_group) % group_size_m)
-        pid_n = (tile % num_pid_in_group) // group_size_m
-        if INTERLEAVE:
+    for tile in range(tl.program_id(0), num_pid_m * (N // BN), NUM_SMS):
+        pid_m, pid_n = grouped_tile(tile, M, N, BM, BN, GROUP_M)
+        if INTERLEAVE:  # low and high row tiles alternate
             half = (num_pid_m + 1) // 2
             pid_m = tl.where(pid_m % 2 == 0, pid_m // 2, half + pid_m // 2)
-        m0 = pid_m * BM
-        n0 = pid_n * BN
-        g = n0 // G
-        offs_j = m0 + tl.arange(0, BM)
-        valid = offs_j < M
-        cnt = tl.load(cnt_ptr + g)
-        rows = tl.load(idx_ptr + offs_j.to(tl.int64) * NG + g, mask=valid, other=0).to(tl.int64)
-        active = offs_j < cnt
-        offs_n = n0 + tl.arange(0, BN)
-        out_ptrs = out_ptr + rows[:, None] * stride_om + offs_n[None, :]
-        if m0 >= cnt:
-            tl.store(out_ptrs, tl.zeros((BM, BN), dtype=out_ptr.dtype.element_ty), mask=valid[:, None])
-        else:
-            offs_k = tl.arange(0, BK)
-            a_ptrs = x_ptr + rows[:, None] * stride_xm + offs_k[None, :]
-            b_ptrs = w_ptr + offs_n[None, :].to(tl.int64) * stride_wn + offs_k[:, None]
-            acc = tl.zeros((BM, BN), dtype=tl.float32)
-            for kt in tl.range(0, k_tiles, warp_specialize=WS):
-                a = tl.load(a_ptrs + kt * BK, mask=active[:, None], other=0.0)
-                if USE_TMA:
-                    b = w_desc.load([n0, kt * BK]).T
-                else:
-                    b = tl.load(b_ptrs + kt * BK)
-                acc = mma(a, b, acc)
-            res = tl.where(active[:, None], acc, 0.0).to(out_ptr.dtype.element_ty)
-            tl.store(out_ptrs, res, mask=valid[:, None])
+        gemm_mn_tile(pid_m, pid_n, x_ptr, w_ptr, w_ptr, out_ptr, idx_ptr, cnt_ptr, cnt_ptr, M, N, K, NG,
+                     stride_xm, stride_wn, stride_om, G, BM, BN, BK, EVEN_K, False, False, w_desc, w_desc,
+                     USE_TMA)
 
 
 def main(argv=None) -> int:
@@ -96,7 +69,7 @@ def main(argv=None) -> int:
     p.add_argument("--M", default="4096,16384")
     p.add_argument("--G", default="128,512")
     p.add_argument("--sparsity", default="0,0.5")
-    p.add_argument("--variants", default="grid,contig,persist,persist_il,persist_ws,sw_grid,sw_persist")
+    p.add_argument("--variants", default="grid,contig,persist,persist_il,sw_grid,sw_persist")
     p.add_argument("--out", default=None)
     p.add_argument("--time-budget", type=float, default=420)
     a = p.parse_args(argv)
@@ -162,7 +135,7 @@ def main(argv=None) -> int:
                                 _mn_persist[grid](x, w, out, r.index, r.counts, M, N, K, N // G, x.stride(0),
                                                   w.stride(0), out.stride(0), G, wd, BM=bm, BN=bn, BK=bk,
                                                   GROUP_M=gmm, NUM_SMS=grid[0], USE_TMA=tma,
-                                                  INTERLEAVE=(var == "persist_il"), WS=(var == "persist_ws"),
+                                                  INTERLEAVE=(var == "persist_il"), EVEN_K=(K % bk == 0),
                                                   num_warps=wp, num_stages=st)
                         try:
                             out.fill_(float("nan"))

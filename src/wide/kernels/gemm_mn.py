@@ -31,22 +31,26 @@ if HAS_TRITON:
     from ._common import mm, mma, swiglu_act  # noqa: F401
 
     @triton.jit
-    def _gemm_mn_tile(tile, x_ptr, w_ptr, w2_ptr, out_ptr, idx_ptr, cnt_ptr, route_ptr,
-                      M, N, K, NG, stride_xm, stride_wn, stride_om, G,
-                      BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
-                      GROUP_M: tl.constexpr, EVEN_K: tl.constexpr, SWIGLU: tl.constexpr,
-                      DIRECT: tl.constexpr, w_desc, w2_desc, USE_TMA: tl.constexpr):
-        """One ``(BM, BN)`` output tile, number ``tile`` in the grouped order."""
+    def grouped_tile(tile, M, N, BM: tl.constexpr, BN: tl.constexpr, GROUP_M: tl.constexpr):
+        """``(pid_m, pid_n)`` of output tile number ``tile`` in the grouped order: GROUP_M row tiles share a
+        weight column panel in L2."""
         num_pid_m = tl.cdiv(M, BM)
         num_pid_n = N // BN
-        # grouped ordering: GROUP_M row tiles share a weight column panel in L2
         num_pid_in_group = GROUP_M * num_pid_n
         group_id = tile // num_pid_in_group
         first_pid_m = group_id * GROUP_M
         group_size_m = tl.minimum(num_pid_m - first_pid_m, GROUP_M)
         pid_m = first_pid_m + ((tile % num_pid_in_group) % group_size_m)
         pid_n = (tile % num_pid_in_group) // group_size_m
+        return pid_m, pid_n
 
+    @triton.jit
+    def gemm_mn_tile(pid_m, pid_n, x_ptr, w_ptr, w2_ptr, out_ptr, idx_ptr, cnt_ptr, route_ptr,
+                     M, N, K, NG, stride_xm, stride_wn, stride_om, G,
+                     BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, EVEN_K: tl.constexpr,
+                     SWIGLU: tl.constexpr, DIRECT: tl.constexpr, w_desc, w2_desc, USE_TMA: tl.constexpr):
+        """Output tile ``(pid_m, pid_n)``: rows ``pid_m * BM`` onward of the reordered row space of group
+        ``pid_n * BN // G``."""
         m0 = pid_m * BM
         n0 = pid_n * BN
         g = n0 // G
@@ -116,13 +120,15 @@ if HAS_TRITON:
         if PERSIST:
             num_tiles = tl.cdiv(M, BM) * (N // BN)
             for tile in range(tl.program_id(0), num_tiles, num_progs):
-                _gemm_mn_tile(tile, x_ptr, w_ptr, w2_ptr, out_ptr, idx_ptr, cnt_ptr, route_ptr,
-                              M, N, K, NG, stride_xm, stride_wn, stride_om, G, BM, BN, BK, GROUP_M, EVEN_K,
-                              SWIGLU, DIRECT, w_desc, w2_desc, USE_TMA)
+                pid_m, pid_n = grouped_tile(tile, M, N, BM, BN, GROUP_M)
+                gemm_mn_tile(pid_m, pid_n, x_ptr, w_ptr, w2_ptr, out_ptr, idx_ptr, cnt_ptr, route_ptr,
+                             M, N, K, NG, stride_xm, stride_wn, stride_om, G, BM, BN, BK, EVEN_K,
+                             SWIGLU, DIRECT, w_desc, w2_desc, USE_TMA)
         else:
-            _gemm_mn_tile(tl.program_id(0), x_ptr, w_ptr, w2_ptr, out_ptr, idx_ptr, cnt_ptr, route_ptr,
-                          M, N, K, NG, stride_xm, stride_wn, stride_om, G, BM, BN, BK, GROUP_M, EVEN_K,
-                          SWIGLU, DIRECT, w_desc, w2_desc, USE_TMA)
+            pid_m, pid_n = grouped_tile(tl.program_id(0), M, N, BM, BN, GROUP_M)
+            gemm_mn_tile(pid_m, pid_n, x_ptr, w_ptr, w2_ptr, out_ptr, idx_ptr, cnt_ptr, route_ptr,
+                         M, N, K, NG, stride_xm, stride_wn, stride_om, G, BM, BN, BK, EVEN_K,
+                         SWIGLU, DIRECT, w_desc, w2_desc, USE_TMA)
 
 
 DIRECT_MAX_M = 128
