@@ -116,6 +116,11 @@ def test_prune_static_summary_shows_the_sparsities_used(tmp_path, model_dir, tex
         rc, _, err = run(["prune-static", "--model", model_dir, "--text", text_file, "-o", out, opt, val], capsys)
         one_line_error(rc, err, "prune-static", words)
         assert "-S" not in err and not out.exists()
+    # a --seq-len past the model's context is refused from the config, before the weights (fresh user, session 21)
+    rc, _, err = run(["prune-static", "--model", model_dir, "--text", text_file, "-o", out, "-S", "0.5",
+                      "--seq-len", "10000000"], capsys)
+    one_line_error(rc, err, "prune-static", "--seq-len 10000000 is longer than the model's context of")
+    assert not out.exists()
     rc, stdout, err = run(["prune-static", "--model", model_dir, "--text", text_file, "-o", out, *split], capsys)
     assert rc == 0, err
     line = next(ln for ln in stdout.splitlines() if ln.startswith("static pruning of"))

@@ -242,7 +242,7 @@ def cmd_prune_static(args) -> int:
     def group_sizes(hf):  # on the config alone, before the tokenizer and the weights
         check_group_sizes(dims_of(hf), args.attn_group_size, args.ffn_group_size)
 
-    model, tok, src = _load(args, pre=[group_sizes], then=lambda tok: data.setdefault(
+    model, tok, src = _load(args, pre=[group_sizes, _fits_context("--seq-len", args.seq_len)], then=lambda tok: data.setdefault(
         "blocks", pack(docs, tok, args.seq_len, max_blocks=args.calib_blocks, source=_text_name(args.text))))
     torch.manual_seed(0)
     t0 = time.time()
