@@ -116,7 +116,8 @@ if HAS_TRITON:
                         DIRECT: tl.constexpr, w_desc, w2_desc, USE_TMA: tl.constexpr, PERSIST: tl.constexpr):
         """One program per tile, or with ``PERSIST`` ``num_progs`` programs (one per SM) that take the tiles in
         turn in the same grouped order: a skipped tile is then a zero store inside a running program rather
-        than a program of its own."""
+        than a program of its own.  Measured slower than one program per tile on the H200 (session 21,
+        benchmarks/kernels/persist_probe_h200-s21), so no tuner candidate sets it."""
         if PERSIST:
             num_tiles = tl.cdiv(M, BM) * (N // BN)
             for tile in range(tl.program_id(0), num_tiles, num_progs):
