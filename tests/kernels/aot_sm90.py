@@ -125,8 +125,8 @@ def main() -> None:
                          num_warps=8, num_stages=4, div16=div)
         ptx = k.asm["ptx"]
         if "cp.async.cg.shared.global" not in ptx or "st.global.v4" not in ptx or "wgmma.mma_async" not in ptx:
-            raise RuntimeError(f"gemm_mn tile 128x{bn} swiglu={swiglu} persist={persist}: expected cp.async token loads, wgmma and "
-                               "16-byte stores in its PTX")
+            raise RuntimeError(f"gemm_mn tile 128x{bn} swiglu={swiglu} persist={persist}: expected cp.async token "
+                               "loads, wgmma and 16-byte stores in its PTX")
     # gemm_k's dense-order kernel with A and weight tiles by TMA, the route applied in registers (down shape)
     gemm_k = importlib.import_module("wide.kernels.gemm_k")
     kt2 = types_of(gemm_k._gemm_k_dense_kernel, route_ptr=b, cnt_ptr=i32)

@@ -216,9 +216,12 @@ def cmd_prune_static(args) -> int:
     _at_least("--seq-len", args.seq_len, 2)
     from ..config import WideConfig
 
+    def group_sizes(hf):  # on the config alone, before the tokenizer and the weights
+        check_group_sizes(dims_of(hf), args.attn_group_size, args.ffn_group_size)
+
     _check_ffn_group_size(args)
-    if args.attn_group_size is not None:  # both group sizes before the sparsity options, from the config alone
-        check_group_sizes(dims_of(_hf_config(args.model)[1]), args.attn_group_size, args.ffn_group_size)
+    if args.attn_group_size is not None:  # both group sizes before the sparsity options
+        group_sizes(_hf_config(args.model)[1])
     for name, v in (("--attn-sparsity", args.attn_sparsity), ("--ffn-sparsity", args.ffn_sparsity)):
         if v is not None and not 0.0 <= v < 1.0:
             raise WideError(f"{name} {v!r} is outside [0, 1)")
@@ -239,11 +242,9 @@ def cmd_prune_static(args) -> int:
     docs = load_texts(args.text, split="calib")
     data = {}
 
-    def group_sizes(hf):  # on the config alone, before the tokenizer and the weights
-        check_group_sizes(dims_of(hf), args.attn_group_size, args.ffn_group_size)
-
-    model, tok, src = _load(args, pre=[group_sizes, _fits_context("--seq-len", args.seq_len)], then=lambda tok: data.setdefault(
-        "blocks", pack(docs, tok, args.seq_len, max_blocks=args.calib_blocks, source=_text_name(args.text))))
+    model, tok, src = _load(args, pre=[group_sizes, _fits_context("--seq-len", args.seq_len)],
+                            then=lambda tok: data.setdefault("blocks", pack(
+                                docs, tok, args.seq_len, max_blocks=args.calib_blocks, source=_text_name(args.text))))
     torch.manual_seed(0)
     t0 = time.time()
     p = prune(model, data["blocks"], args.sparsity, attn_group_size=args.attn_group_size,

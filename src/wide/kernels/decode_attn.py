@@ -11,7 +11,9 @@ from __future__ import annotations
 import torch
 
 from . import reference
-from ._common import HAS_TRITON, check_out, fail, interpret_mode, next_pow2, resident_programs, softmax_scale, use_triton
+from ._common import (
+    HAS_TRITON, check_out, fail, interpret_mode, next_pow2, num_sms, resident_programs, softmax_scale, use_triton,
+)
 
 if HAS_TRITON:
     import triton
@@ -286,7 +288,7 @@ def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, route: t
         if interpret_mode():
             splits = 2
         else:
-            sms = torch.cuda.get_device_properties(q.device).multi_processor_count
+            sms = num_sms(q.device)
             splits = max(1, min(triton.cdiv(Tk, 128), triton.cdiv(8 * sms, B * Hk)))
     bn = 16 if interpret_mode() else 64
     split_len = triton.cdiv(triton.cdiv(Tk, splits), bn) * bn
