@@ -1,0 +1,215 @@
+"""GEMM-MN on Hopper with warp specialization (Gluon): a producer warpgroup gathers the token rows, the MMA warps
+only multiply.
+
+Same op and tile schedule as :mod:`wide.kernels.gemm_mn` (paper §3.3, Eq. 9 level 0, Algorithm 2): output tile
+``(pid_m, pid_n)`` covers rows ``pid_m * BM ...`` of the reordered row space of routing group ``g = pid_n * BN //
+G``; a tile past the group's active count writes zeros and does no MMA.  What differs is who does the work.  In
+the Triton kernel every warp computes the gathered row addresses, issues the cp.async copies of its share of the
+token tile and waits for them before its ``wgmma``; here
+
+- a producer partition of ``PW`` warps (few registers) issues, per K step, the bulk-tensor (TMA) copy of the
+  weight tile and the cp.async copies of the ``BM`` gathered token rows, and signals an mbarrier per stage when
+  they land (``cp.async.mbarrier.arrive.noinc``: every producer thread arrives once its own copies are done);
+- the default partition (``num_warps`` warps, 2 warpgroups) waits for a stage, runs ``wgmma`` from shared
+  memory, frees the stage once that ``wgmma`` retired, and writes the tile through the scatter index.
+
+The grid is persistent (one program per SM, tiles taken in the grouped order), so the producer runs ahead into
+the next tile while the MMA warps store the last one: the epilogue and the pipeline fill overlap the main loop,
+which a one-tile-per-program kernel cannot do.  Hopper has no TMA gather (that is sm_100's ``gather4``), so the
+token rows stay cp.async copies, but issued by warps that do nothing else.
+
+Requires Triton's Gluon (Triton >= 3.5) and an sm_90 GPU; bf16 / fp16, ``K % BK == 0``, ``BN | G``.  The
+reference is :func:`wide.kernels.reference.gemm_mn_ref`.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ._common import HAS_TRITON, check_reordered, fail, num_sms
+
+HAS_GLUON = False
+if HAS_TRITON:
+    try:
+        from triton.experimental import gluon
+        from triton.experimental.gluon import language as gl
+        from triton.experimental.gluon.language.nvidia.hopper import (
+            async_copy, fence_async_shared, mbarrier, tma, warpgroup_mma, warpgroup_mma_wait,
+        )
+        from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+
+        HAS_GLUON = hasattr(gl, "warp_specialize")
+    except ImportError:  # an older Triton: no Gluon
+        HAS_GLUON = False
+
+if HAS_GLUON:
+
+    @gluon.jit
+    def _tile_of(tile, M, N, BM: gl.constexpr, BN: gl.constexpr, GROUP_M: gl.constexpr):
+        """``(pid_m, pid_n)`` of output tile number ``tile`` in the grouped order (as gemm_mn.grouped_tile)."""
+        num_pid_m = gl.cdiv(M, BM)
+        num_pid_n = N // BN
+        in_group = GROUP_M * num_pid_n
+        first_m = (tile // in_group) * GROUP_M
+        size_m = gl.minimum(num_pid_m - first_m, GROUP_M)
+        return first_m + (tile % in_group) % size_m, (tile % in_group) // size_m
+
+    @gluon.jit
+    def _producer(x_ptr, idx_ptr, cnt_ptr, w_desc, a_bufs, b_bufs, a_ready, b_ready, empty,
+                  M, N, K, NG, stride_xm, G, num_progs,
+                  BM: gl.constexpr, BN: gl.constexpr, BK: gl.constexpr, GROUP_M: gl.constexpr,
+                  STAGES: gl.constexpr, PW: gl.constexpr):
+        # 8 contiguous elements (16 bytes) per thread: one cp.async each, BK / 8 threads per row
+        TK: gl.constexpr = BK // 8
+        ld: gl.constexpr = gl.BlockedLayout([1, 8], [32 // TK, TK], [PW, 1], [1, 0])
+        offs_k = gl.arange(0, BK, layout=gl.SliceLayout(0, ld))
+        num_tiles = gl.cdiv(M, BM) * (N // BN)
+        k_iters = K // BK
+        it = 0
+        for tile in range(gl.program_id(0), num_tiles, num_progs):
+            pid_m, pid_n = _tile_of(tile, M, N, BM, BN, GROUP_M)
+            m0 = pid_m * BM
+            n0 = pid_n * BN
+            g = n0 // G
+            cnt = gl.load(cnt_ptr + g)
+            if m0 < cnt:
+                offs_j = m0 + gl.arange(0, BM, layout=gl.SliceLayout(1, ld))
+                rows = gl.load(idx_ptr + offs_j.to(gl.int64) * NG + g, mask=offs_j < M, other=0).to(gl.int64)
+                a_ptrs = x_ptr + rows[:, None] * stride_xm + offs_k[None, :]
+                for kt in range(k_iters):
+                    s = it % STAGES
+                    mbarrier.wait(empty.index(s), ((it // STAGES) & 1) ^ 1)
+                    mbarrier.expect(b_ready.index(s), w_desc.block_type.nbytes)
+                    tma.async_copy_global_to_shared(w_desc, [n0, kt * BK], b_ready.index(s), b_bufs.index(s))
+                    async_copy.async_copy_global_to_shared(a_bufs.index(s), a_ptrs + kt * BK)
+                    async_copy.mbarrier_arrive(a_ready.index(s), increment_count=False)
+                    it += 1
+
+    @gluon.jit
+    def _consumer(out_ptr, idx_ptr, cnt_ptr, a_bufs, b_bufs, a_ready, b_ready, empty,
+                  M, N, K, NG, stride_om, G, num_progs,
+                  BM: gl.constexpr, BN: gl.constexpr, BK: gl.constexpr, GROUP_M: gl.constexpr,
+                  STAGES: gl.constexpr, num_warps: gl.constexpr):
+        acc_l: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
+                                                        instr_shape=[16, BN, 16])
+        TN: gl.constexpr = BN // 8 if BN < 256 else 32
+        st: gl.constexpr = gl.BlockedLayout([1, 8], [32 // TN, TN], [num_warps, 1], [1, 0])
+        offs_n0 = gl.arange(0, BN, layout=gl.SliceLayout(0, st))
+        num_tiles = gl.cdiv(M, BM) * (N // BN)
+        k_iters = K // BK
+        it = 0
+        for tile in range(gl.program_id(0), num_tiles, num_progs):
+            pid_m, pid_n = _tile_of(tile, M, N, BM, BN, GROUP_M)
+            m0 = pid_m * BM
+            n0 = pid_n * BN
+            g = n0 // G
+            cnt = gl.load(cnt_ptr + g)
+            acc = gl.zeros((BM, BN), dtype=gl.float32, layout=acc_l)
+            if m0 < cnt:
+                for kt in range(k_iters):
+                    s = it % STAGES
+                    ph = (it // STAGES) & 1
+                    mbarrier.wait(b_ready.index(s), ph)
+                    mbarrier.wait(a_ready.index(s), ph)
+                    fence_async_shared()  # cp.async wrote through the generic proxy, wgmma reads the async one
+                    acc = warpgroup_mma(a_bufs.index(s), b_bufs.index(s).permute((1, 0)), acc, is_async=True)
+                    acc = warpgroup_mma_wait(num_outstanding=1, deps=(acc,))
+                    # the previous step's wgmma has retired: its stage may be refilled
+                    mbarrier.arrive(empty.index((it + STAGES - 1) % STAGES), pred=kt > 0)
+                    it += 1
+                acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
+                mbarrier.arrive(empty.index((it + STAGES - 1) % STAGES))
+            offs_j = m0 + gl.arange(0, BM, layout=gl.SliceLayout(1, st))
+            valid = offs_j < M
+            rows = gl.load(idx_ptr + offs_j.to(gl.int64) * NG + g, mask=valid, other=0).to(gl.int64)
+            res = gl.convert_layout(acc.to(out_ptr.dtype.element_ty), st)
+            res = gl.where((offs_j < cnt)[:, None], res, gl.zeros_like(res))
+            gl.store(out_ptr + rows[:, None] * stride_om + (n0 + offs_n0)[None, :], res, mask=valid[:, None])
+
+    @gluon.jit
+    def _gemm_mn_ws_kernel(x_ptr, out_ptr, idx_ptr, cnt_ptr, w_desc, M, N, K, NG, stride_xm, stride_om, G, num_progs,
+                           BM: gl.constexpr, BN: gl.constexpr, BK: gl.constexpr, GROUP_M: gl.constexpr,
+                           STAGES: gl.constexpr, PW: gl.constexpr, PREGS: gl.constexpr, A_LAYOUT: gl.constexpr,
+                           num_warps: gl.constexpr):
+        a_bufs = gl.allocate_shared_memory(x_ptr.dtype.element_ty, [STAGES, BM, BK], A_LAYOUT)
+        b_bufs = gl.allocate_shared_memory(w_desc.dtype, [STAGES, BN, BK], w_desc.layout)
+        a_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        b_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        for i in gl.static_range(STAGES):
+            mbarrier.init(a_ready.index(i), count=PW * 32)  # one cp.async arrival per producer thread
+            mbarrier.init(b_ready.index(i), count=1)
+            mbarrier.init(empty.index(i), count=1)
+        gl.warp_specialize([
+            (_consumer, (out_ptr, idx_ptr, cnt_ptr, a_bufs, b_bufs, a_ready, b_ready, empty, M, N, K, NG, stride_om,
+                         G, num_progs, BM, BN, BK, GROUP_M, STAGES, num_warps)),
+            (_producer, (x_ptr, idx_ptr, cnt_ptr, w_desc, a_bufs, b_bufs, a_ready, b_ready, empty, M, N, K, NG,
+                         stride_xm, G, num_progs, BM, BN, BK, GROUP_M, STAGES, PW)),
+        ], [PW], [PREGS])
+
+
+def default_ws_config(G: int) -> dict:
+    """The tile config of :func:`gemm_mn_ws` for group size ``G``: 128 x 256 tiles where the group allows it."""
+    bn = 256 if G % 256 == 0 else 128 if G % 128 == 0 else 64
+    return dict(BM=128, BN=bn, BK=64, GROUP_M=8, STAGES=4 if bn < 256 else 3, PW=4, PREGS=40, num_warps=8,
+                maxnreg=168)
+
+
+def gemm_mn_ws(x: torch.Tensor, w: torch.Tensor, route: torch.Tensor, G: int, *, reordered=None,
+               out: torch.Tensor | None = None, config: dict | None = None) -> torch.Tensor:
+    """N-axis routed GEMM (Algorithm 2) by the warp-specialized Hopper kernel:
+    ``out[m, n] = (x @ w.T)[m, n] if route[m, n // G] else 0``.
+
+    Args:
+        x: ``[M, K]`` bf16 / fp16 activations on an sm_90 GPU, ``K`` a multiple of 64.
+        w: ``[N, K]`` weight of x's dtype, 16-byte aligned rows.
+        route: bool ``[M, N // G]``, True = execute.
+        G: group size along N, a multiple of 64 dividing N.
+        reordered: optional :func:`wide.kernels.reorder` result of ``route``; computed when None.
+        out: optional contiguous ``[M, N]`` output of x's dtype.
+        config: tile config (keys of :func:`default_ws_config`); the default when None.
+
+    Returns:
+        ``[M, N]`` in x's dtype, fp32 accumulation.
+
+    Raises:
+        RuntimeError: no Gluon in this Triton, or not a CUDA sm_90 device.
+        ValueError: shapes, dtypes or G outside the above.
+    """
+    if not HAS_GLUON:
+        raise RuntimeError("gemm_mn_ws needs Triton's Gluon (triton >= 3.5)")
+    if not x.is_cuda or torch.cuda.get_device_capability(x.device)[0] != 9:
+        raise RuntimeError(f"gemm_mn_ws needs an sm_90 (Hopper) GPU; x is on {x.device}")
+    if x.dtype not in (torch.bfloat16, torch.float16) or w.dtype != x.dtype:
+        fail(f"gemm_mn_ws takes bf16 / fp16 x and w of the same dtype; got {x.dtype} and {w.dtype}")
+    M, K = x.shape
+    N = w.shape[0]
+    if w.shape[1] != K or K % 64:
+        fail(f"gemm_mn_ws needs w [N, {K}] and K a multiple of 64; got w {tuple(w.shape)}")
+    if G % 64 or N % G:
+        fail(f"gemm_mn_ws needs G a multiple of 64 dividing N={N}; got G={G}")
+    NG = N // G
+    if tuple(route.shape) != (M, NG):
+        fail(f"route must be [{M}, {NG}]; got {tuple(route.shape)}")
+    cfg = {**default_ws_config(G), **(config or {})}
+    if G % cfg["BN"] or K % cfg["BK"]:
+        fail(f"config BN={cfg['BN']} must divide G={G} and BK={cfg['BK']} divide K={K}")
+    if reordered is None:
+        from .reorder import reorder
+        reordered = reorder(route.contiguous())
+    reordered = check_reordered(reordered, (M, NG), route.device)
+    x = x if x.stride(1) == 1 else x.contiguous()
+    w = w.contiguous()
+    if out is None:
+        out = torch.empty((M, N), dtype=x.dtype, device=x.device)
+    gdt = gl.bfloat16 if x.dtype == torch.bfloat16 else gl.float16
+    a_layout = gl.NVMMASharedLayout.get_default_for([cfg["BM"], cfg["BK"]], gdt)
+    b_layout = gl.NVMMASharedLayout.get_default_for([cfg["BN"], cfg["BK"]], gdt)
+    w_desc = TensorDescriptor.from_tensor(w, [cfg["BN"], cfg["BK"]], b_layout)
+    tiles = -(-M // cfg["BM"]) * (N // cfg["BN"])
+    grid = (min(tiles, num_sms(x.device)),)
+    _gemm_mn_ws_kernel[grid](x, out, reordered.index, reordered.counts, w_desc, M, N, K, NG, x.stride(0),
+                             out.stride(0), G, grid[0], BM=cfg["BM"], BN=cfg["BN"], BK=cfg["BK"],
+                             GROUP_M=cfg["GROUP_M"], STAGES=cfg["STAGES"], PW=cfg["PW"], PREGS=cfg["PREGS"],
+                             A_LAYOUT=a_layout, num_warps=cfg["num_warps"], maxnreg=cfg["maxnreg"])
+    return out
