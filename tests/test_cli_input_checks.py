@@ -126,11 +126,20 @@ def test_prune_static_summary_shows_the_sparsities_used(tmp_path, model_dir, tex
     line = next(ln for ln in stdout.splitlines() if ln.startswith("static pruning of"))
     assert "(--attn-sparsity 0.5 --ffn-sparsity 0.25)" in line and "S=" not in line
     assert "removed attention 0.500" in line and "FFN 0.250" in line and "overall 0.375" in line
+    assert "warning" not in err
+    # fractions whole groups cannot reach are said on stderr, with what was removed (fresh user, session 21)
+    small = ["--attn-sparsity", "0.1", "--ffn-sparsity", "0.02", *split[4:]]
+    rc, stdout, err = run(["prune-static", "--model", model_dir, "--text", text_file, "-o", tmp_path / "few",
+                           *small], capsys)
+    assert rc == 0, err
+    assert "removed attention 0.000" in stdout and "FFN 0.000" in stdout
+    for what, want in (("attention", "0.1"), ("FFN", "0.02"), ("overall", "0.06")):
+        assert f"warning: the {what} sparsity removed is 0.000, not the {want} asked: only whole groups" in err
     rc, stdout, err = run(["prune-static", "--model", model_dir, "--text", text_file, "-S", "0.5", "-o",
                            tmp_path / "s50", "--ffn-group-size", "16", "--calib-blocks", "2", "--seq-len", "32",
                            "--device", "cpu"], capsys)
     assert rc == 0, err
-    assert "(S=0.5): removed attention" in stdout and "overall 0.500" in stdout
+    assert "(S=0.5): removed attention" in stdout and "overall 0.500" in stdout and "warning" not in err
 
 
 # --- second fresh-user round: --device, resume data, output paths, demo overwrite, eval default, help texts ---

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import shlex
+import sys
 import time
 from pathlib import Path
 
@@ -261,4 +262,11 @@ def cmd_prune_static(args) -> int:
            f"(intermediate {model.config.intermediate_size} -> {small.config.intermediate_size}), overall "
            f"{p.sparsity:.3f}; parameters {param_count(model):,} -> {param_count(small):,}; {time.time() - t0:.0f}s")
     _print(f"saved the pruned model to {out} (use it as --model {out})")
+    for what, got, want in (("attention", p.attn_sparsity, args.attn_sparsity),
+                            ("FFN", p.ffn_sparsity, args.ffn_sparsity), ("overall", p.sparsity, args.sparsity)):
+        if want is not None and abs(got - want) > 0.005:  # whole groups per layer cannot reach every fraction
+            print(f"warning: the {what} sparsity removed is {got:.3f}, not the {want:g} asked: only whole groups "
+                  f"are removed ({len(p.attn_keep[0])} attention groups of {p.attn_group_size} and "
+                  f"{len(p.ffn_keep[0])} FFN groups of {p.ffn_group_size} channels per layer)", file=sys.stderr,
+                  flush=True)
     return 0
