@@ -25,12 +25,20 @@ GRID_CONFIGS = {  # G -> library gemm_mn configs (BM, BN, BK, GROUP_M, warps, st
     128: [(128, 128, 64, 16, 8, 4, True), (128, 128, 64, 8, 8, 3, False)],
     512: [(128, 256, 64, 8, 8, 4, True)],
 }
+SW_GRID_CONFIGS = [(128, 128, 64, 8, 8, 4, True), (128, 128, 64, 16, 8, 4, True)]  # library fused SwiGLU
+SW_WS_CONFIGS = [dict(BN=128, STAGES=3, GROUP_M=8), dict(BN=128, STAGES=3, GROUP_M=16),
+                 dict(BN=128, STAGES=2, GROUP_M=8)]
 WS_CONFIGS = {  # G -> Gluon configs
     128: [dict(BN=128, STAGES=4, GROUP_M=8), dict(BN=128, STAGES=4, GROUP_M=16), dict(BN=128, STAGES=5, GROUP_M=8),
           dict(BN=128, STAGES=4, GROUP_M=8, PREGS=56, maxnreg=160)],
     512: [dict(BN=256, STAGES=3, GROUP_M=8), dict(BN=256, STAGES=3, GROUP_M=16), dict(BN=128, STAGES=4, GROUP_M=8),
           dict(BN=256, STAGES=3, GROUP_M=8, PREGS=56, maxnreg=160)],
 }
+
+
+def swiglu_ref(g, u):
+    """silu(gate) * up from bf16 cuBLAS outputs, in fp32."""
+    return torch.nn.functional.silu(g.float()) * u.float()
 
 
 def rel_err(out, ref, route, G):
@@ -65,16 +73,18 @@ def main(argv=None) -> int:
             torch.manual_seed(M + G)
             x = torch.randn(M, K, device=dev, dtype=torch.bfloat16)
             w = torch.randn(N, K, device=dev, dtype=torch.bfloat16) / 64
+            w2 = torch.randn(N, K, device=dev, dtype=torch.bfloat16) / 64
             route = torch.rand(M, N // G, device=dev) >= s
             ref = x @ w.T
-            for c in WS_CONFIGS[G]:
+            ref_sw = swiglu_ref(ref, x @ w2.T)
+            for sw, c in [(False, c) for c in WS_CONFIGS[G]] + [(True, c) for c in SW_WS_CONFIGS]:
                 out = torch.full((M, N), float("nan"), device=dev, dtype=torch.bfloat16)
-                gemm_mn_ws(x, w, route, G, out=out, config=c)
+                gemm_mn_ws(x, w, route, G, w2=w2 if sw else None, out=out, config=c)
                 torch.cuda.synchronize()
-                e = rel_err(out, ref, route, G)
+                e = rel_err(out, ref_sw if sw else ref, route, G)
                 ok = e <= 1e-2 and not out.isnan().any().item()
                 bad += not ok
-                print(f"smoke M={M} G={G} s={s} {c}: rel_err {e:.2e} {'ok' if ok else 'BAD'}", flush=True)
+                print(f"smoke M={M} G={G} s={s} swiglu={sw} {c}: rel_err {e:.2e} {'ok' if ok else 'BAD'}", flush=True)
         print(f"smoke: {len(pts)} points, {bad} bad", flush=True)
         return 1 if bad else 0
 
@@ -83,44 +93,53 @@ def main(argv=None) -> int:
         torch.manual_seed(0)
         x = torch.randn(M, K, device=dev, dtype=torch.bfloat16)
         w = torch.randn(N, K, device=dev, dtype=torch.bfloat16) / 64
+        w2 = torch.randn(N, K, device=dev, dtype=torch.bfloat16) / 64
         out = torch.empty(M, N, device=dev, dtype=torch.bfloat16)
         dense = do_bench_cudagraph(lambda: torch.mm(x, w.T, out=out), rep=200, return_mode="median")
+        dense_sw = do_bench_cudagraph(lambda: torch.mul(torch.nn.functional.silu(x @ w.T), x @ w2.T), rep=200,
+                                      return_mode="median")
         ref = x @ w.T
-        print(f"M={M} cuBLAS {dense:.4f} ms ({2 * M * N * K / dense / 1e9:.0f} TFLOP/s)", flush=True)
+        ref_sw = swiglu_ref(ref, x @ w2.T)
+        print(f"M={M} cuBLAS {dense:.4f} ms ({2 * M * N * K / dense / 1e9:.0f} TFLOP/s), SwiGLU pair {dense_sw:.4f} ms",
+              flush=True)
         for G in [int(v) for v in a.G.split(",")]:
             for s in [float(v) for v in a.sparsity.split(",")]:
                 route = torch.rand(M, N // G, device=dev) >= s
                 ro = reorder(route)
                 p_act = route.float().mean().item()
-                variants = [("grid", c) for c in GRID_CONFIGS[G]] + [("ws", c) for c in WS_CONFIGS[G]]
+                variants = ([("grid", c) for c in GRID_CONFIGS[G]] + [("ws", c) for c in WS_CONFIGS[G]]
+                            + [("sw_grid", c) for c in SW_GRID_CONFIGS] + [("sw_ws", c) for c in SW_WS_CONFIGS])
                 for var, c in variants:
                     if time.time() - t0 > a.time_budget:
                         break
-                    if var == "grid":
+                    sw = var.startswith("sw_")
+                    if var.endswith("grid"):
                         bm, bn, bk, gmm, wp, st, tma = c
                         cfg = dict(BM=bm, BN=bn, BK=bk, GROUP_M=gmm, num_warps=wp, num_stages=st)
                         if tma:
                             cfg["TMA"] = True
-                        gm._candidates = lambda G_, M_, sw, cfg=cfg: [dict(cfg)]
-                        fn = (lambda: gm.launch_gemm_mn(x, w, None, route, G, ro, out, swiglu=False))
+                        gm._candidates = lambda G_, M_, sw_, cfg=cfg: [dict(cfg)]
+                        fn = (lambda sw=sw: gm.launch_gemm_mn(x, w, w2 if sw else None, route, G, ro, out, swiglu=sw))
                     else:
                         cfg = dict(c)
-                        fn = (lambda cfg=cfg: gemm_mn_ws(x, w, route, G, reordered=ro, out=out, config=cfg))
+                        fn = (lambda cfg=cfg, sw=sw: gemm_mn_ws(x, w, route, G, w2=w2 if sw else None, reordered=ro,
+                                                                out=out, config=cfg))
                     try:
                         out.fill_(float("nan"))
                         fn()
                         torch.cuda.synchronize()
-                        err = rel_err(out, ref, route, G)
+                        err = rel_err(out, ref_sw if sw else ref, route, G)
                         ms = do_bench_cudagraph(fn, rep=200, return_mode="median")
                     except Exception as e:  # noqa: BLE001 - a config that does not compile / fit
                         print(f"M={M} G={G} s={s} {var} {cfg}: {type(e).__name__}: {str(e)[:300]}", flush=True)
                         continue
+                    d = dense_sw if sw else dense
                     rec = dict(variant=var, M=M, N=N, K=K, G=G, sparsity=s, active=round(p_act, 4), cfg=cfg,
-                               ms=round(ms, 4), tflops=round(2 * M * N * K * p_act / ms / 1e9, 1),
-                               dense_ms=round(dense, 4), speedup=round(dense / ms, 3), rel_err=round(err, 5))
+                               ms=round(ms, 4), tflops=round(2 * M * N * K * p_act * (1 + sw) / ms / 1e9, 1),
+                               dense_ms=round(d, 4), speedup=round(d / ms, 3), rel_err=round(err, 5))
                     recs.append(rec)
                     print(json.dumps(rec) + ("" if err <= 1e-2 else "  BAD"), flush=True)
-        del x, w, out, ref
+        del x, w, w2, out, ref, ref_sw
         torch.cuda.empty_cache()
     meta = dict(gpu=torch.cuda.get_device_name(), torch=torch.__version__,
                 triton=importlib.import_module("triton").__version__,
@@ -130,11 +149,11 @@ def main(argv=None) -> int:
         with open(a.out, "w") as f:
             json.dump({"meta": meta, "records": recs}, f, indent=1)
     for M, G, s in sorted({(r["M"], r["G"], r["sparsity"]) for r in recs}):
-        for var in ("grid", "ws"):
+        for var in ("grid", "ws", "sw_grid", "sw_ws"):
             rs = sorted((r for r in recs if (r["M"], r["G"], r["sparsity"], r["variant"]) == (M, G, s, var)),
                         key=lambda r: r["ms"])
             if rs:
-                print(f"best M={M} G={G} s={s} {var:5s}: {rs[0]['ms']:.4f} ms {rs[0]['tflops']} TFLOP/s "
+                print(f"best M={M} G={G} s={s} {var:7s}: {rs[0]['ms']:.4f} ms {rs[0]['tflops']} TFLOP/s "
                       f"x{rs[0]['speedup']} err {rs[0]['rel_err']} {rs[0]['cfg']}", flush=True)
     return 0
 

@@ -55,10 +55,10 @@ if HAS_GLUON:
         return first_m + (tile % in_group) % size_m, (tile % in_group) // size_m
 
     @gluon.jit
-    def _producer(x_ptr, idx_ptr, cnt_ptr, w_desc, a_bufs, b_bufs, a_ready, b_ready, empty,
+    def _producer(x_ptr, idx_ptr, cnt_ptr, w_desc, w2_desc, a_bufs, b_bufs, b2_bufs, a_ready, b_ready, empty,
                   M, N, K, NG, stride_xm, G, num_progs,
                   BM: gl.constexpr, BN: gl.constexpr, BK: gl.constexpr, GROUP_M: gl.constexpr,
-                  STAGES: gl.constexpr, PW: gl.constexpr):
+                  STAGES: gl.constexpr, PW: gl.constexpr, SWIGLU: gl.constexpr):
         # 8 contiguous elements (16 bytes) per thread: one cp.async each, BK / 8 threads per row
         TK: gl.constexpr = BK // 8
         ld: gl.constexpr = gl.BlockedLayout([1, 8], [32 // TK, TK], [PW, 1], [1, 0])
@@ -79,17 +79,21 @@ if HAS_GLUON:
                 for kt in range(k_iters):
                     s = it % STAGES
                     mbarrier.wait(empty.index(s), ((it // STAGES) & 1) ^ 1)
-                    mbarrier.expect(b_ready.index(s), w_desc.block_type.nbytes)
+                    if SWIGLU:
+                        mbarrier.expect(b_ready.index(s), 2 * w_desc.block_type.nbytes)
+                        tma.async_copy_global_to_shared(w2_desc, [n0, kt * BK], b_ready.index(s), b2_bufs.index(s))
+                    else:
+                        mbarrier.expect(b_ready.index(s), w_desc.block_type.nbytes)
                     tma.async_copy_global_to_shared(w_desc, [n0, kt * BK], b_ready.index(s), b_bufs.index(s))
                     async_copy.async_copy_global_to_shared(a_bufs.index(s), a_ptrs + kt * BK)
                     async_copy.mbarrier_arrive(a_ready.index(s), increment_count=False)
                     it += 1
 
     @gluon.jit
-    def _consumer(out_ptr, idx_ptr, cnt_ptr, a_bufs, b_bufs, a_ready, b_ready, empty,
+    def _consumer(out_ptr, idx_ptr, cnt_ptr, a_bufs, b_bufs, b2_bufs, a_ready, b_ready, empty,
                   M, N, K, NG, stride_om, G, num_progs,
                   BM: gl.constexpr, BN: gl.constexpr, BK: gl.constexpr, GROUP_M: gl.constexpr,
-                  STAGES: gl.constexpr, num_warps: gl.constexpr):
+                  STAGES: gl.constexpr, SWIGLU: gl.constexpr, num_warps: gl.constexpr):
         acc_l: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
                                                         instr_shape=[16, BN, 16])
         TN: gl.constexpr = BN // 8 if BN < 256 else 32
@@ -105,6 +109,7 @@ if HAS_GLUON:
             g = n0 // G
             cnt = gl.load(cnt_ptr + g)
             acc = gl.zeros((BM, BN), dtype=gl.float32, layout=acc_l)
+            acc2 = gl.zeros((BM, BN), dtype=gl.float32, layout=acc_l)  # SwiGLU's up projection (unused otherwise)
             if m0 < cnt:
                 for kt in range(k_iters):
                     s = it % STAGES
@@ -113,26 +118,42 @@ if HAS_GLUON:
                     mbarrier.wait(a_ready.index(s), ph)
                     fence_async_shared()  # cp.async wrote through the generic proxy, wgmma reads the async one
                     acc = warpgroup_mma(a_bufs.index(s), b_bufs.index(s).permute((1, 0)), acc, is_async=True)
-                    acc = warpgroup_mma_wait(num_outstanding=1, deps=(acc,))
+                    if SWIGLU:
+                        acc2 = warpgroup_mma(a_bufs.index(s), b2_bufs.index(s).permute((1, 0)), acc2, is_async=True)
+                        acc, acc2 = warpgroup_mma_wait(num_outstanding=2, deps=(acc, acc2))
+                    else:
+                        acc = warpgroup_mma_wait(num_outstanding=1, deps=(acc,))
                     # the previous step's wgmma has retired: its stage may be refilled
                     mbarrier.arrive(empty.index((it + STAGES - 1) % STAGES), pred=kt > 0)
                     it += 1
-                acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
+                if SWIGLU:
+                    acc, acc2 = warpgroup_mma_wait(num_outstanding=0, deps=(acc, acc2))
+                else:
+                    acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
                 mbarrier.arrive(empty.index((it + STAGES - 1) % STAGES))
             offs_j = m0 + gl.arange(0, BM, layout=gl.SliceLayout(1, st))
             valid = offs_j < M
             rows = gl.load(idx_ptr + offs_j.to(gl.int64) * NG + g, mask=valid, other=0).to(gl.int64)
-            res = gl.convert_layout(acc.to(out_ptr.dtype.element_ty), st)
+            DT: gl.constexpr = out_ptr.dtype.element_ty
+            if SWIGLU:  # silu(gate) * up with the model MLP's rounding points (as _common.swiglu_act)
+                gate = acc.to(DT).to(gl.float32)
+                act = (gate / (1.0 + gl.exp(-gate))).to(DT).to(gl.float32)
+                acc = act * acc2.to(DT).to(gl.float32)
+            res = gl.convert_layout(acc.to(DT), st)
             res = gl.where((offs_j < cnt)[:, None], res, gl.zeros_like(res))
             gl.store(out_ptr + rows[:, None] * stride_om + (n0 + offs_n0)[None, :], res, mask=valid[:, None])
 
     @gluon.jit
-    def _gemm_mn_ws_kernel(x_ptr, out_ptr, idx_ptr, cnt_ptr, w_desc, M, N, K, NG, stride_xm, stride_om, G, num_progs,
-                           BM: gl.constexpr, BN: gl.constexpr, BK: gl.constexpr, GROUP_M: gl.constexpr,
+    def _gemm_mn_ws_kernel(x_ptr, out_ptr, idx_ptr, cnt_ptr, w_desc, w2_desc, M, N, K, NG, stride_xm, stride_om, G,
+                           num_progs, BM: gl.constexpr, BN: gl.constexpr, BK: gl.constexpr, GROUP_M: gl.constexpr,
                            STAGES: gl.constexpr, PW: gl.constexpr, PREGS: gl.constexpr, A_LAYOUT: gl.constexpr,
-                           num_warps: gl.constexpr):
+                           SWIGLU: gl.constexpr, num_warps: gl.constexpr):
         a_bufs = gl.allocate_shared_memory(x_ptr.dtype.element_ty, [STAGES, BM, BK], A_LAYOUT)
         b_bufs = gl.allocate_shared_memory(w_desc.dtype, [STAGES, BN, BK], w_desc.layout)
+        if SWIGLU:
+            b2_bufs = gl.allocate_shared_memory(w2_desc.dtype, [STAGES, BN, BK], w2_desc.layout)
+        else:
+            b2_bufs = b_bufs
         a_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
         b_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
         empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
@@ -141,28 +162,31 @@ if HAS_GLUON:
             mbarrier.init(b_ready.index(i), count=1)
             mbarrier.init(empty.index(i), count=1)
         gl.warp_specialize([
-            (_consumer, (out_ptr, idx_ptr, cnt_ptr, a_bufs, b_bufs, a_ready, b_ready, empty, M, N, K, NG, stride_om,
-                         G, num_progs, BM, BN, BK, GROUP_M, STAGES, num_warps)),
-            (_producer, (x_ptr, idx_ptr, cnt_ptr, w_desc, a_bufs, b_bufs, a_ready, b_ready, empty, M, N, K, NG,
-                         stride_xm, G, num_progs, BM, BN, BK, GROUP_M, STAGES, PW)),
+            (_consumer, (out_ptr, idx_ptr, cnt_ptr, a_bufs, b_bufs, b2_bufs, a_ready, b_ready, empty, M, N, K, NG,
+                         stride_om, G, num_progs, BM, BN, BK, GROUP_M, STAGES, SWIGLU, num_warps)),
+            (_producer, (x_ptr, idx_ptr, cnt_ptr, w_desc, w2_desc, a_bufs, b_bufs, b2_bufs, a_ready, b_ready, empty,
+                         M, N, K, NG, stride_xm, G, num_progs, BM, BN, BK, GROUP_M, STAGES, PW, SWIGLU)),
         ], [PW], [PREGS])
 
 
-def default_ws_config(G: int) -> dict:
-    """The tile config of :func:`gemm_mn_ws` for group size ``G``: 128 x 256 tiles where the group allows it."""
-    bn = 256 if G % 256 == 0 else 128 if G % 128 == 0 else 64
-    return dict(BM=128, BN=bn, BK=64, GROUP_M=8, STAGES=4 if bn < 256 else 3, PW=4, PREGS=40, num_warps=8,
-                maxnreg=168)
+def default_ws_config(G: int, swiglu: bool = False) -> dict:
+    """The tile config of :func:`gemm_mn_ws` for group size ``G``: 128 x 256 tiles where the group allows it (128 x
+    128 for the fused SwiGLU, whose two fp32 accumulators would not fit the registers at 256 columns)."""
+    bn = 256 if G % 256 == 0 and not swiglu else 128 if G % 128 == 0 else 64
+    stages = 3 if bn == 256 or swiglu else 4
+    return dict(BM=128, BN=bn, BK=64, GROUP_M=8, STAGES=stages, PW=4, PREGS=40, num_warps=8, maxnreg=168)
 
 
-def gemm_mn_ws(x: torch.Tensor, w: torch.Tensor, route: torch.Tensor, G: int, *, reordered=None,
-               out: torch.Tensor | None = None, config: dict | None = None) -> torch.Tensor:
+def gemm_mn_ws(x: torch.Tensor, w: torch.Tensor, route: torch.Tensor, G: int, *, w2: torch.Tensor | None = None,
+               reordered=None, out: torch.Tensor | None = None, config: dict | None = None) -> torch.Tensor:
     """N-axis routed GEMM (Algorithm 2) by the warp-specialized Hopper kernel:
-    ``out[m, n] = (x @ w.T)[m, n] if route[m, n // G] else 0``.
+    ``out[m, n] = (x @ w.T)[m, n] if route[m, n // G] else 0``; with ``w2`` the fused routed SwiGLU
+    ``silu(x @ w.T) * (x @ w2.T)`` on the same entries (``w`` the gate, ``w2`` the up projection).
 
     Args:
         x: ``[M, K]`` bf16 / fp16 activations on an sm_90 GPU, ``K`` a multiple of 64.
         w: ``[N, K]`` weight of x's dtype, 16-byte aligned rows.
+        w2: optional ``[N, K]`` up-projection weight (fused SwiGLU), like ``w``.
         route: bool ``[M, N // G]``, True = execute.
         G: group size along N, a multiple of 64 dividing N.
         reordered: optional :func:`wide.kernels.reorder` result of ``route``; computed when None.
@@ -186,12 +210,14 @@ def gemm_mn_ws(x: torch.Tensor, w: torch.Tensor, route: torch.Tensor, G: int, *,
     N = w.shape[0]
     if w.shape[1] != K or K % 64:
         fail(f"gemm_mn_ws needs w [N, {K}] and K a multiple of 64; got w {tuple(w.shape)}")
+    if w2 is not None and (w2.shape != w.shape or w2.dtype != w.dtype):
+        fail(f"w2 must be {tuple(w.shape)} {w.dtype} like w; got {tuple(w2.shape)} {w2.dtype}")
     if G % 64 or N % G:
         fail(f"gemm_mn_ws needs G a multiple of 64 dividing N={N}; got G={G}")
     NG = N // G
     if tuple(route.shape) != (M, NG):
         fail(f"route must be [{M}, {NG}]; got {tuple(route.shape)}")
-    cfg = {**default_ws_config(G), **(config or {})}
+    cfg = {**default_ws_config(G, w2 is not None), **(config or {})}
     if G % cfg["BN"] or K % cfg["BK"]:
         fail(f"config BN={cfg['BN']} must divide G={G} and BK={cfg['BK']} divide K={K}")
     if reordered is None:
@@ -206,10 +232,13 @@ def gemm_mn_ws(x: torch.Tensor, w: torch.Tensor, route: torch.Tensor, G: int, *,
     a_layout = gl.NVMMASharedLayout.get_default_for([cfg["BM"], cfg["BK"]], gdt)
     b_layout = gl.NVMMASharedLayout.get_default_for([cfg["BN"], cfg["BK"]], gdt)
     w_desc = TensorDescriptor.from_tensor(w, [cfg["BN"], cfg["BK"]], b_layout)
+    w2_desc = TensorDescriptor.from_tensor(w2.contiguous(), [cfg["BN"], cfg["BK"]], b_layout) if w2 is not None \
+        else w_desc
     tiles = -(-M // cfg["BM"]) * (N // cfg["BN"])
     grid = (min(tiles, num_sms(x.device)),)
-    _gemm_mn_ws_kernel[grid](x, out, reordered.index, reordered.counts, w_desc, M, N, K, NG, x.stride(0),
+    _gemm_mn_ws_kernel[grid](x, out, reordered.index, reordered.counts, w_desc, w2_desc, M, N, K, NG, x.stride(0),
                              out.stride(0), G, grid[0], BM=cfg["BM"], BN=cfg["BN"], BK=cfg["BK"],
                              GROUP_M=cfg["GROUP_M"], STAGES=cfg["STAGES"], PW=cfg["PW"], PREGS=cfg["PREGS"],
-                             A_LAYOUT=a_layout, num_warps=cfg["num_warps"], maxnreg=cfg["maxnreg"])
+                             A_LAYOUT=a_layout, SWIGLU=w2 is not None, num_warps=cfg["num_warps"],
+                             maxnreg=cfg["maxnreg"])
     return out
