@@ -550,6 +550,21 @@ def test_demo_checks_memory_before_its_dense_evaluation(tmp_path, model_dir, tex
     assert "[2/5]" not in stdout and not out.exists()
 
 
+def test_prune_static_checks_memory_before_the_weights_load(tmp_path, model_dir, text_file, capsys, monkeypatch):
+    """The weights and one scoring pass must fit, checked from the config (fresh user, session 21: prune-static had
+    no memory check); the message names --batch-size / --seq-len, and --no-memory-check skips it."""
+    _fake_memory(monkeypatch, 2 ** 20)
+    out = tmp_path / "static"
+    args = ["prune-static", "--model", model_dir, "--text", text_file, "-o", out, "-S", "0.5", "--device", "cpu",
+            "--ffn-group-size", "16", "--calib-blocks", "2", "--seq-len", "32", "--batch-size", "2"]
+    rc, stdout, err = run(args, capsys)
+    one_line_error(rc, err, "prune-static", "a forward pass of 2 sequences (--batch-size) x 32 tokens (--seq-len) "
+                   "needs about", "for scoring the groups", "--no-memory-check")
+    assert "windows" not in err and "perplexity" not in err and not out.exists()
+    rc, stdout, err = run([*args, "--no-memory-check"], capsys)
+    assert rc == 0 and "overall 0.500" in stdout, err
+
+
 def test_make_demo_settings_fit_in_memory():
     """`make demo` (CPU defaults: 4 x 256 tokens on the bundled SmolLM2-135M) must pass the check on a 24 GB
     machine: its estimate fits in 8 GiB with the headroom."""

@@ -449,7 +449,8 @@ def estimate_eval_memory(dims: ModelDims, vocab_size: int, params: int, batch_si
 
 
 def check_eval_memory(hf_config, batch_size: int, ctx: int, device: torch.device | str, *,
-                      gguf: bool = False, asked: int | None = None) -> int | None:
+                      gguf: bool = False, asked: int | None = None, ctx_flag: str = "--ctx", item: str = "window",
+                      purpose: str = "evaluation") -> int | None:
     """Refuse an evaluation whose weights and forward pass would not fit in memory, before the weights load.
 
     Args:
@@ -460,6 +461,8 @@ def check_eval_memory(hf_config, batch_size: int, ctx: int, device: torch.device
         gguf: the weights come from a GGUF file (see :func:`estimate_eval_memory`).
         asked: the ``--batch-size`` given, when ``batch_size`` is that capped at the number of windows (the
             message then says so).
+        ctx_flag, item, purpose: how the message names the length option, one sequence and the job (``wide
+            prune-static`` scores groups on ``--seq-len`` calibration sequences with the same forward pass).
 
     Returns:
         the estimate in bytes, or None when the available memory cannot be told (then nothing is checked).
@@ -494,14 +497,14 @@ def check_eval_memory(hf_config, batch_size: int, ctx: int, device: torch.device
         t = ctx // 2
         while t >= 2 and sum(need(1, t)) > HEADROOM * avail:
             t //= 2
-        fix = (f"use --batch-size 1 --ctx {t} (about {_gib(sum(need(1, t)))}; shorter windows give a higher "
-               f"perplexity)" if t >= 2 else f"the weights alone need {_gib(weights)}: use a machine or device with "
+        note = "; shorter windows give a higher perplexity" if purpose == "evaluation" else ""
+        fix = (f"use --batch-size 1 {ctx_flag} {t} (about {_gib(sum(need(1, t)))}{note})" if t >= 2 else f"the weights alone need {_gib(weights)}: use a machine or device with "
                f"more memory")
-    what = (f"all {batch_size} window{'s' if batch_size != 1 else ''} of the text (--batch-size {asked} is capped "
-            f"at the number of windows)" if asked is not None and asked > batch_size else
-            f"{batch_size} window{'s' if batch_size != 1 else ''} (--batch-size)")
-    raise WideError(f"a forward pass of {what} x {ctx} tokens (--ctx) needs about "
-                    f"{_gib(weights + forward)} for evaluation ({_gib(weights)} for the {dtype} weights"
+    what = (f"all {batch_size} {item}{'s' if batch_size != 1 else ''} of the text (--batch-size {asked} is capped "
+            f"at the number of {item}s)" if asked is not None and asked > batch_size else
+            f"{batch_size} {item}{'s' if batch_size != 1 else ''} (--batch-size)")
+    raise WideError(f"a forward pass of {what} x {ctx} tokens ({ctx_flag}) needs about "
+                    f"{_gib(weights + forward)} for {purpose} ({_gib(weights)} for the {dtype} weights"
                     f"{' (the peak while they are dequantized from GGUF)' if gguf else ''} and {_gib(forward)} for the pass, of which "
                     f"{_gib(batch_size * ctx * vocab * EVAL_LOGIT_BYTES)} are the [{batch_size} x {ctx} x {vocab}] "
                     f"logits and their float32 loss; a conservative estimate), but "

@@ -136,6 +136,10 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--seq-len", type=int, default=2048, help="tokens per calibration sequence (>= 2; default: 2048)")
     s.add_argument("--batch-size", type=int, default=4, help="sequences per forward pass (>= 1; default: 4)")
     s.add_argument("--overwrite", action="store_true", help="write into a non-empty --output")
+    s.add_argument("--no-memory-check", dest="memory_check", action="store_false",
+                   help="skip the check, before the weights load, that the weights and one scoring pass of "
+                        "--batch-size x --seq-len tokens fit in the memory available (RAM on CPU, free GPU memory "
+                        "on CUDA)")
     s.set_defaults(func=cmd_prune_static)
 
     s = sub.add_parser("demo", help="dense ppl, short calibration to S=0.5, WIDE ppl, per-layer table, save")

@@ -243,7 +243,16 @@ def cmd_prune_static(args) -> int:
     docs = load_texts(args.text, split="calib")
     data = {}
 
-    model, tok, src = _load(args, pre=[group_sizes, _fits_context("--seq-len", args.seq_len)],
+    def memory(hf):  # the weights and one scoring pass, before the weights load
+        if args.memory_check:
+            from ..memory import check_eval_memory
+            from ..modeling import default_device, resolve_model
+
+            check_eval_memory(hf, args.batch_size, args.seq_len, args.device or default_device(),
+                              gguf=resolve_model(args.model).gguf_file is not None, ctx_flag="--seq-len",
+                              item="sequence", purpose="scoring the groups")
+
+    model, tok, src = _load(args, pre=[group_sizes, _fits_context("--seq-len", args.seq_len), memory],
                             then=lambda tok: data.setdefault("blocks", pack(
                                 docs, tok, args.seq_len, max_blocks=args.calib_blocks, source=_text_name(args.text))))
     torch.manual_seed(0)
