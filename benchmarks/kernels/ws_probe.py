@@ -48,7 +48,7 @@ def rel_err(out, ref, route, G):
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser()
-    p.add_argument("--M", default="16384,4096")
+    p.add_argument("--M", default="16384,4096,1024")
     p.add_argument("--G", default="512,128")
     p.add_argument("--sparsity", default="0.5,0")
     p.add_argument("--smoke", action="store_true", help="small shapes, every config once, correctness only")

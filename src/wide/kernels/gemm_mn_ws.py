@@ -169,6 +169,16 @@ if HAS_GLUON:
         ], [PW], [PREGS])
 
 
+def ws_supported(x: torch.Tensor, w: torch.Tensor, w2: torch.Tensor | None, G: int) -> bool:
+    """Whether :func:`gemm_mn_ws` can run ``x [M, K] @ w [N, K]^T`` (and ``w2``) at group size ``G`` here: Gluon,
+    an sm_90 CUDA device, bf16 / fp16, ``K % 64 == 0``, ``G % 64 == 0`` and weights a TMA descriptor can read."""
+    from ._common import tma_aligned
+
+    return (HAS_GLUON and x.is_cuda and torch.cuda.get_device_capability(x.device)[0] == 9
+            and x.dtype in (torch.bfloat16, torch.float16) and w.dtype == x.dtype and x.shape[1] % 64 == 0
+            and G % 64 == 0 and tma_aligned(w, *(() if w2 is None else (w2,))))
+
+
 def default_ws_config(G: int, swiglu: bool = False) -> dict:
     """The tile config of :func:`gemm_mn_ws` for group size ``G``: 128 x 256 tiles where the group allows it (128 x
     128 for the fused SwiGLU, whose two fp32 accumulators would not fit the registers at 256 columns)."""
