@@ -148,6 +148,34 @@ def main() -> None:
     k = compile_sm90(gemm_k._mask_select_kernel, st, dict(G=128, BR=8, GB=8, GP=128, INPLACE=True), div16=div)
     if "st.global.v4" not in k.asm["ptx"] or "ld.global.v4" in k.asm["ptx"]:
         raise RuntimeError("gemm_k in-place mask select: expected 16-byte stores and no 16-byte load in its PTX")
+    # gemm_mn's warp-specialized Gluon kernel (Hopper): a producer warpgroup of cp.async token rows + TMA weight
+    # tiles, signalled per stage by cp.async mbarrier arrivals, two wgmma warpgroups (GEMM 128 x 256, SwiGLU 128 x 128)
+    ws = importlib.import_module("wide.kernels.gemm_mn_ws")
+    if ws.HAS_GLUON:
+        from triton.experimental.gluon import language as gl
+        from triton.experimental.gluon._runtime import GluonASTSource
+
+        for bn, swiglu in ((256, False), (128, True)):
+            cfg = ws.default_ws_config(bn, swiglu)
+            a_l = gl.NVMMASharedLayout.get_default_for([cfg["BM"], cfg["BK"]], gl.bfloat16)
+            b_l = gl.NVMMASharedLayout.get_default_for([bn, cfg["BK"]], gl.bfloat16)
+            consts = dict(BM=cfg["BM"], BN=bn, BK=cfg["BK"], GROUP_M=8, STAGES=cfg["STAGES"], PW=cfg["PW"],
+                          PREGS=cfg["PREGS"], A_LAYOUT=a_l, SWIGLU=swiglu, num_warps=cfg["num_warps"])
+            fn = ws._gemm_mn_ws_kernel
+            desc = f"tensordesc<bf16[{bn}, {cfg['BK']}],{b_l!r}>"
+            t = dict(x_ptr="*bf16", out_ptr="*bf16", idx_ptr=i32, cnt_ptr=i32, w_desc=desc, w2_desc=desc)
+            sig = {n: ("constexpr" if n in consts else t.get(n, "i32")) for n in fn.arg_names}
+            attrs = {(fn.arg_names.index(n),): [["tt.divisibility", 16]]
+                     for n in ("x_ptr", "out_ptr", "idx_ptr", "cnt_ptr", "N", "K", "stride_xm", "stride_om")}
+            k = triton.compile(GluonASTSource(fn=fn, signature=sig, constexprs=consts, attrs=attrs), target=TARGET,
+                               options=dict(num_warps=cfg["num_warps"], maxnreg=cfg["maxnreg"]))
+            print(f"ok {fn.__name__} {dict(BN=bn, SWIGLU=swiglu)}", flush=True)
+            ptx = k.asm["ptx"]
+            for op in ("cp.async.mbarrier.arrive.noinc", "cp.async.bulk.tensor", "wgmma.mma_async", "setmaxnreg"):
+                if op not in ptx:
+                    raise RuntimeError(f"gemm_mn_ws BN={bn} swiglu={swiglu}: expected {op} in its PTX")
+            if k.metadata.shared > 227 * 1024:
+                raise RuntimeError(f"gemm_mn_ws BN={bn} swiglu={swiglu}: {k.metadata.shared} bytes of shared memory")
     compile_sm90(attention._attn_fwd_kernel, types_of(attention._attn_fwd_kernel, idx_ptr=i32, cnt_ptr=i32,
                                                       lp_ptr=i32), dict(D=128, BM=128, BN=64, CAUSAL=True,
                                                                          HAS_LP=False), num_warps=8, num_stages=3)

@@ -179,6 +179,18 @@ def _candidates(G: int, M: int, swiglu: bool) -> list[dict]:
     return cands
 
 
+def _ws_candidates(x, w, w2, G: int, swiglu: bool) -> list[dict]:
+    """Tile configs of the warp-specialized Gluon kernel (:mod:`wide.kernels.gemm_mn_ws`) for the tuner, where it
+    can run (:func:`~wide.kernels.gemm_mn_ws.ws_supported`: an sm_90 GPU, bf16 / fp16, K and G multiples of 64);
+    none elsewhere."""
+    from .gemm_mn_ws import HAS_GLUON, default_ws_config, ws_supported
+
+    if not HAS_GLUON or not ws_supported(x, w, w2, G):
+        return []
+    base = default_ws_config(G, swiglu)
+    return [dict(base, WS=True), dict(base, WS=True, GROUP_M=16)]
+
+
 def _validate(x, w, route, G, name_w="w"):
     check_tensor("x", x, 2, FLOAT_DTYPES)
     check_tensor(name_w, w, 2, FLOAT_DTYPES)
@@ -221,6 +233,12 @@ def launch_gemm_mn(x, w, w2, route, G, reordered, out, swiglu):
     w2_ = w2 if w2 is not None else w
 
     def run(cfg):
+        if cfg.get("WS"):  # the warp-specialized Gluon kernel (Hopper)
+            from .gemm_mn_ws import gemm_mn_ws
+
+            gemm_mn_ws(x, w, route, G, w2=w2, reordered=reordered, out=out,
+                       config={k: v for k, v in cfg.items() if k != "WS"})
+            return
         tiles = triton.cdiv(M, cfg["BM"]) * (N // cfg["BN"])
         persist = bool(cfg.get("PERSIST", False))
         grid = (min(tiles, num_sms(x.device)) if persist else tiles,)
@@ -239,7 +257,8 @@ def launch_gemm_mn(x, w, w2, route, G, reordered, out, swiglu):
                               w_desc=wd, w2_desc=w2d, USE_TMA=tma, PERSIST=persist, **launch_opts(cfg))
 
     op = "swiglu" if swiglu else "gemm_mn"
-    cfg = pick_config(op, (m_bucket(M), N, K, G, str(x.dtype)), x.device, _candidates(G, M, swiglu), run)
+    cands = _candidates(G, M, swiglu) + ([] if direct else _ws_candidates(x, w, w2, G, swiglu))
+    cfg = pick_config(op, (m_bucket(M), N, K, G, str(x.dtype)), x.device, cands, run)
     run(cfg)
     return out
 
