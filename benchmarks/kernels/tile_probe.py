@@ -60,7 +60,8 @@ def main(argv=None) -> int:
     print(f"cuBLAS gemm {dense_mn:.4f} ms ({2 * M * N * K / dense_mn / 1e9:.0f} TFLOP/s); swiglu pair "
           f"{dense_sw:.4f} ms", flush=True)
     recs = []
-    orig = gm._candidates
+    orig, orig_ws = gm._candidates, gm._ws_candidates
+    gm._ws_candidates = lambda *args: []  # the forced Triton configs alone
     for op in a.ops.split(","):
         for G in Gs:
             for s in ss:
@@ -92,7 +93,7 @@ def main(argv=None) -> int:
                                speedup=round(dense / ms, 3))
                     recs.append(rec)
                     print(json.dumps(rec), flush=True)
-    gm._candidates = orig
+    gm._candidates, gm._ws_candidates = orig, orig_ws
     meta = dict(gpu=torch.cuda.get_device_name(), date=dt.datetime.now(dt.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"),
                 command="python " + " ".join(sys.argv), cublas_gemm_ms=dense_mn, cublas_swiglu_ms=dense_sw)
     if a.out:
