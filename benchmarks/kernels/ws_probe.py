@@ -22,17 +22,19 @@ import time
 import torch
 
 GRID_CONFIGS = {  # G -> library gemm_mn configs (BM, BN, BK, GROUP_M, warps, stages, TMA weights)
-    128: [(128, 128, 64, 16, 8, 4, True), (128, 128, 64, 8, 8, 3, False)],
+    128: [(128, 128, 64, 16, 8, 4, True)],
     512: [(128, 256, 64, 8, 8, 4, True)],
 }
 SW_GRID_CONFIGS = [(128, 128, 64, 8, 8, 4, True), (128, 128, 64, 16, 8, 4, True)]  # library fused SwiGLU
-SW_WS_CONFIGS = [dict(BN=128, STAGES=3, GROUP_M=8), dict(BN=128, STAGES=3, GROUP_M=16),
-                 dict(BN=128, STAGES=2, GROUP_M=8)]
+# session 22, second call: persistent (the first call's winners) against one program per tile, and BK = 32
+SW_WS_CONFIGS = [dict(BN=128, STAGES=3, GROUP_M=16), dict(BN=128, STAGES=3, GROUP_M=16, PERSIST=False),
+                 dict(BN=128, STAGES=3, GROUP_M=8, PERSIST=False), dict(BN=128, BK=32, STAGES=6, GROUP_M=16)]
 WS_CONFIGS = {  # G -> Gluon configs
-    128: [dict(BN=128, STAGES=4, GROUP_M=8), dict(BN=128, STAGES=4, GROUP_M=16), dict(BN=128, STAGES=5, GROUP_M=8),
-          dict(BN=128, STAGES=4, GROUP_M=8, PREGS=56, maxnreg=160)],
-    512: [dict(BN=256, STAGES=3, GROUP_M=8), dict(BN=256, STAGES=3, GROUP_M=16), dict(BN=128, STAGES=4, GROUP_M=8),
-          dict(BN=256, STAGES=3, GROUP_M=8, PREGS=56, maxnreg=160)],
+    128: [dict(BN=128, STAGES=4, GROUP_M=8), dict(BN=128, STAGES=4, GROUP_M=8, PERSIST=False),
+          dict(BN=128, STAGES=4, GROUP_M=16, PERSIST=False), dict(BN=128, BK=32, STAGES=8, GROUP_M=8)],
+    512: [dict(BN=256, STAGES=3, GROUP_M=8), dict(BN=256, STAGES=3, GROUP_M=8, PERSIST=False),
+          dict(BN=256, STAGES=3, GROUP_M=16, PERSIST=False), dict(BN=256, BK=32, STAGES=6, GROUP_M=8),
+          dict(BN=256, BK=32, STAGES=6, GROUP_M=8, PERSIST=False)],
 }
 
 

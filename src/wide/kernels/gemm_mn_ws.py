@@ -201,7 +201,8 @@ def gemm_mn_ws(x: torch.Tensor, w: torch.Tensor, route: torch.Tensor, G: int, *,
         G: group size along N, a multiple of 64 dividing N.
         reordered: optional :func:`wide.kernels.reorder` result of ``route``; computed when None.
         out: optional contiguous ``[M, N]`` output of x's dtype.
-        config: tile config (keys of :func:`default_ws_config`); the default when None.
+        config: tile config (keys of :func:`default_ws_config`, and ``PERSIST``: one program per SM taking the
+            tiles in turn, the default, or with False one program per tile); the default when None.
 
     Returns:
         ``[M, N]`` in x's dtype, fp32 accumulation.
@@ -245,7 +246,9 @@ def gemm_mn_ws(x: torch.Tensor, w: torch.Tensor, route: torch.Tensor, G: int, *,
     w2_desc = TensorDescriptor.from_tensor(w2.contiguous(), [cfg["BN"], cfg["BK"]], b_layout) if w2 is not None \
         else w_desc
     tiles = -(-M // cfg["BM"]) * (N // cfg["BN"])
-    grid = (min(tiles, num_sms(x.device)),)
+    # persistent (one program per SM, tiles in turn) or one program per tile (the hardware balances the skipped
+    # tiles; the same loop, run once)
+    grid = (min(tiles, num_sms(x.device)) if cfg.get("PERSIST", True) else tiles,)
     _gemm_mn_ws_kernel[grid](x, out, reordered.index, reordered.counts, w_desc, w2_desc, M, N, K, NG, x.stride(0),
                              out.stride(0), G, grid[0], BM=cfg["BM"], BN=cfg["BN"], BK=cfg["BK"],
                              GROUP_M=cfg["GROUP_M"], STAGES=cfg["STAGES"], PW=cfg["PW"], PREGS=cfg["PREGS"],
