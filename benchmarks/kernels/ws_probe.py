@@ -26,14 +26,19 @@ GRID_CONFIGS = {  # G -> library gemm_mn configs (BM, BN, BK, GROUP_M, warps, st
     512: [(128, 256, 64, 8, 8, 4, True)],
 }
 SW_GRID_CONFIGS = [(128, 128, 64, 8, 8, 4, True), (128, 128, 64, 16, 8, 4, True)]  # library fused SwiGLU
-# session 22, second call: persistent (the first call's winners) against one program per tile, and BK = 32
+# session 22, second call: persistent (the first call's winners) against one program per tile, BK = 32, and the
+# epilogue stored from the accumulator layout (DIRECT_STORE), whose freed shared memory buys a pipeline stage
 SW_WS_CONFIGS = [dict(BN=128, STAGES=3, GROUP_M=16), dict(BN=128, STAGES=3, GROUP_M=16, PERSIST=False),
-                 dict(BN=128, STAGES=3, GROUP_M=8, PERSIST=False), dict(BN=128, BK=32, STAGES=6, GROUP_M=16)]
+                 dict(BN=128, STAGES=4, GROUP_M=16, DIRECT_STORE=True),
+                 dict(BN=128, STAGES=4, GROUP_M=16, DIRECT_STORE=True, PERSIST=False),
+                 dict(BN=128, BK=32, STAGES=6, GROUP_M=16)]
 WS_CONFIGS = {  # G -> Gluon configs
     128: [dict(BN=128, STAGES=4, GROUP_M=8), dict(BN=128, STAGES=4, GROUP_M=8, PERSIST=False),
-          dict(BN=128, STAGES=4, GROUP_M=16, PERSIST=False), dict(BN=128, BK=32, STAGES=8, GROUP_M=8)],
+          dict(BN=128, STAGES=5, GROUP_M=8, DIRECT_STORE=True, PERSIST=False),
+          dict(BN=128, BK=32, STAGES=8, GROUP_M=8)],
     512: [dict(BN=256, STAGES=3, GROUP_M=8), dict(BN=256, STAGES=3, GROUP_M=8, PERSIST=False),
-          dict(BN=256, STAGES=3, GROUP_M=16, PERSIST=False), dict(BN=256, BK=32, STAGES=6, GROUP_M=8),
+          dict(BN=256, STAGES=4, GROUP_M=8, DIRECT_STORE=True),
+          dict(BN=256, STAGES=4, GROUP_M=8, DIRECT_STORE=True, PERSIST=False),
           dict(BN=256, BK=32, STAGES=6, GROUP_M=8, PERSIST=False)],
 }
 

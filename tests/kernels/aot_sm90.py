@@ -160,7 +160,8 @@ def main() -> None:
             a_l = gl.NVMMASharedLayout.get_default_for([cfg["BM"], cfg["BK"]], gl.bfloat16)
             b_l = gl.NVMMASharedLayout.get_default_for([bn, cfg["BK"]], gl.bfloat16)
             consts = dict(BM=cfg["BM"], BN=bn, BK=cfg["BK"], GROUP_M=8, STAGES=cfg["STAGES"], PW=cfg["PW"],
-                          PREGS=cfg["PREGS"], A_LAYOUT=a_l, SWIGLU=swiglu, num_warps=cfg["num_warps"])
+                          PREGS=cfg["PREGS"], A_LAYOUT=a_l, SWIGLU=swiglu, DIRECT_STORE=False,
+                          num_warps=cfg["num_warps"])
             fn = ws._gemm_mn_ws_kernel
             desc = f"tensordesc<bf16[{bn}, {cfg['BK']}],{b_l!r}>"
             t = dict(x_ptr="*bf16", out_ptr="*bf16", idx_ptr=i32, cnt_ptr=i32, w_desc=desc, w2_desc=desc)

@@ -93,11 +93,14 @@ if HAS_GLUON:
     def _consumer(out_ptr, idx_ptr, cnt_ptr, a_bufs, b_bufs, b2_bufs, a_ready, b_ready, empty,
                   M, N, K, NG, stride_om, G, num_progs,
                   BM: gl.constexpr, BN: gl.constexpr, BK: gl.constexpr, GROUP_M: gl.constexpr,
-                  STAGES: gl.constexpr, SWIGLU: gl.constexpr, num_warps: gl.constexpr):
+                  STAGES: gl.constexpr, SWIGLU: gl.constexpr, DIRECT_STORE: gl.constexpr, num_warps: gl.constexpr):
         acc_l: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
                                                         instr_shape=[16, BN, 16])
         TN: gl.constexpr = BN // 8 if BN < 256 else 32
-        st: gl.constexpr = gl.BlockedLayout([1, 8], [32 // TN, TN], [num_warps, 1], [1, 0])
+        if DIRECT_STORE:  # store from the accumulator layout: no shared-memory scratch for a layout change
+            st: gl.constexpr = acc_l
+        else:  # 16-byte stores after a layout change through shared memory
+            st: gl.constexpr = gl.BlockedLayout([1, 8], [32 // TN, TN], [num_warps, 1], [1, 0])
         offs_n0 = gl.arange(0, BN, layout=gl.SliceLayout(0, st))
         num_tiles = gl.cdiv(M, BM) * (N // BN)
         k_iters = K // BK
@@ -147,7 +150,7 @@ if HAS_GLUON:
     def _gemm_mn_ws_kernel(x_ptr, out_ptr, idx_ptr, cnt_ptr, w_desc, w2_desc, M, N, K, NG, stride_xm, stride_om, G,
                            num_progs, BM: gl.constexpr, BN: gl.constexpr, BK: gl.constexpr, GROUP_M: gl.constexpr,
                            STAGES: gl.constexpr, PW: gl.constexpr, PREGS: gl.constexpr, A_LAYOUT: gl.constexpr,
-                           SWIGLU: gl.constexpr, num_warps: gl.constexpr):
+                           SWIGLU: gl.constexpr, DIRECT_STORE: gl.constexpr, num_warps: gl.constexpr):
         a_bufs = gl.allocate_shared_memory(x_ptr.dtype.element_ty, [STAGES, BM, BK], A_LAYOUT)
         b_bufs = gl.allocate_shared_memory(w_desc.dtype, [STAGES, BN, BK], w_desc.layout)
         if SWIGLU:
@@ -163,7 +166,7 @@ if HAS_GLUON:
             mbarrier.init(empty.index(i), count=1)
         gl.warp_specialize([
             (_consumer, (out_ptr, idx_ptr, cnt_ptr, a_bufs, b_bufs, b2_bufs, a_ready, b_ready, empty, M, N, K, NG,
-                         stride_om, G, num_progs, BM, BN, BK, GROUP_M, STAGES, SWIGLU, num_warps)),
+                         stride_om, G, num_progs, BM, BN, BK, GROUP_M, STAGES, SWIGLU, DIRECT_STORE, num_warps)),
             (_producer, (x_ptr, idx_ptr, cnt_ptr, w_desc, w2_desc, a_bufs, b_bufs, b2_bufs, a_ready, b_ready, empty,
                          M, N, K, NG, stride_xm, G, num_progs, BM, BN, BK, GROUP_M, STAGES, PW, SWIGLU)),
         ], [PW], [PREGS])
@@ -202,7 +205,9 @@ def gemm_mn_ws(x: torch.Tensor, w: torch.Tensor, route: torch.Tensor, G: int, *,
         reordered: optional :func:`wide.kernels.reorder` result of ``route``; computed when None.
         out: optional contiguous ``[M, N]`` output of x's dtype.
         config: tile config (keys of :func:`default_ws_config`, and ``PERSIST``: one program per SM taking the
-            tiles in turn, the default, or with False one program per tile); the default when None.
+            tiles in turn, the default, or with False one program per tile; ``DIRECT_STORE``: write the output
+            from the accumulator layout, freeing the layout change's shared memory for a pipeline stage); the
+            default when None.
 
     Returns:
         ``[M, N]`` in x's dtype, fp32 accumulation.
@@ -252,6 +257,7 @@ def gemm_mn_ws(x: torch.Tensor, w: torch.Tensor, route: torch.Tensor, G: int, *,
     _gemm_mn_ws_kernel[grid](x, out, reordered.index, reordered.counts, w_desc, w2_desc, M, N, K, NG, x.stride(0),
                              out.stride(0), G, grid[0], BM=cfg["BM"], BN=cfg["BN"], BK=cfg["BK"],
                              GROUP_M=cfg["GROUP_M"], STAGES=cfg["STAGES"], PW=cfg["PW"], PREGS=cfg["PREGS"],
-                             A_LAYOUT=a_layout, SWIGLU=w2 is not None, num_warps=cfg["num_warps"],
+                             A_LAYOUT=a_layout, SWIGLU=w2 is not None, DIRECT_STORE=cfg.get("DIRECT_STORE", False),
+                             num_warps=cfg["num_warps"],
                              maxnreg=cfg["maxnreg"])
     return out
