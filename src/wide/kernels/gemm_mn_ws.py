@@ -13,13 +13,22 @@ token tile and waits for them before its ``wgmma``; here
 - the default partition (``num_warps`` warps, 2 warpgroups) waits for a stage, runs ``wgmma`` from shared
   memory, frees the stage once that ``wgmma`` retired, and writes the tile through the scatter index.
 
-The grid is persistent (one program per SM, tiles taken in the grouped order), so the producer runs ahead into
-the next tile while the MMA warps store the last one: the epilogue and the pipeline fill overlap the main loop,
-which a one-tile-per-program kernel cannot do.  Hopper has no TMA gather (that is sm_100's ``gather4``), so the
-token rows stay cp.async copies, but issued by warps that do nothing else.
+By default the grid is persistent (one program per SM, tiles taken in the grouped order), so the producer runs
+ahead into the next tile while the MMA warps store the last one: the epilogue and the pipeline fill overlap the
+main loop.  ``PERSIST=False`` runs one program per tile instead, which lets the hardware balance the skipped tiles
+(a static round robin gives some SMs more executed tiles than others when there are few tiles per SM).  Hopper
+has no TMA gather (that is sm_100's ``gather4``), so the token rows stay cp.async copies, but issued by warps that
+do nothing else.  With ``w2`` the same kernel is the fused routed SwiGLU (two accumulators, 128-column tiles).
+
+Measured on the H200 (``benchmarks/kernels/ws_probe_h200-s22*``, Llama-3.1-8B up shape, against the Triton kernel
+in the same process): the fused SwiGLU with every group executed runs 5 % faster (0.985-0.998x of the cuBLAS pair
+against 0.93-0.95x, M = 4096 / 16384), and 1-3 % slower at s = 0.5; the plain GEMM is never faster (equal at G =
+128, 4-10 % slower at 128 x 256 tiles, where three stages fit against the Triton kernel's four).  So the tuner
+offers it for the SwiGLU only (:func:`wide.kernels.gemm_mn._ws_candidates`).  ``DIRECT_STORE`` and ``BK = 32``
+measured slower and are kept as switches of the probe.
 
 Requires Triton's Gluon (Triton >= 3.5) and an sm_90 GPU; bf16 / fp16, ``K % BK == 0``, ``BN | G``.  The
-reference is :func:`wide.kernels.reference.gemm_mn_ref`.
+reference is :func:`wide.kernels.reference.gemm_mn_ref` (:func:`~wide.kernels.reference.swiglu_ref` with ``w2``).
 """
 
 from __future__ import annotations
@@ -187,7 +196,8 @@ def default_ws_config(G: int, swiglu: bool = False) -> dict:
     128 for the fused SwiGLU, whose two fp32 accumulators would not fit the registers at 256 columns)."""
     bn = 256 if G % 256 == 0 and not swiglu else 128 if G % 128 == 0 else 64
     stages = 3 if bn == 256 or swiglu else 4
-    return dict(BM=128, BN=bn, BK=64, GROUP_M=8, STAGES=stages, PW=4, PREGS=40, num_warps=8, maxnreg=168)
+    return dict(BM=128, BN=bn, BK=64, GROUP_M=16 if swiglu else 8, STAGES=stages, PW=4, PREGS=40, num_warps=8,
+                maxnreg=168)
 
 
 def gemm_mn_ws(x: torch.Tensor, w: torch.Tensor, route: torch.Tensor, G: int, *, w2: torch.Tensor | None = None,
