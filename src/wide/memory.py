@@ -498,8 +498,8 @@ def check_eval_memory(hf_config, batch_size: int, ctx: int, device: torch.device
         while t >= 2 and sum(need(1, t)) > HEADROOM * avail:
             t //= 2
         note = "; shorter windows give a higher perplexity" if purpose == "evaluation" else ""
-        fix = (f"use --batch-size 1 {ctx_flag} {t} (about {_gib(sum(need(1, t)))}{note})" if t >= 2 else f"the weights alone need {_gib(weights)}: use a machine or device with "
-               f"more memory")
+        fix = (f"use --batch-size 1 {ctx_flag} {t} (about {_gib(sum(need(1, t)))}{note})" if t >= 2 else
+               f"the weights alone need {_gib(weights)}: use a machine or device with more memory")
     what = (f"all {batch_size} {item}{'s' if batch_size != 1 else ''} of the text (--batch-size {asked} is capped "
             f"at the number of {item}s)" if asked is not None and asked > batch_size else
             f"{batch_size} {item}{'s' if batch_size != 1 else ''} (--batch-size)")

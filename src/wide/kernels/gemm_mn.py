@@ -10,7 +10,9 @@ zero-initialisation of C, so every output element is written exactly once).  Ina
 single boundary tile per group are load-predicated off and written as zeros.  The same kernel,
 with two weight pointers, is the fused routed SwiGLU (:mod:`wide.kernels.swiglu`).
 
-For ``M <= 4`` the op dispatches to the reorder-free GEMV path in :mod:`wide.kernels.decode`.
+For ``M <= 4`` the op dispatches to the reorder-free GEMV path in :mod:`wide.kernels.decode`.  On an sm_90 GPU
+the tuner also times the warp-specialized Gluon kernel of :mod:`wide.kernels.gemm_mn_ws` for the fused SwiGLU
+(:func:`_ws_candidates`).
 """
 
 from __future__ import annotations
