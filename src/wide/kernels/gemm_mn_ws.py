@@ -54,14 +54,18 @@ if HAS_TRITON:
 if HAS_GLUON:
 
     @gluon.jit
-    def _tile_of(tile, M, N, BM: gl.constexpr, BN: gl.constexpr, GROUP_M: gl.constexpr):
-        """``(pid_m, pid_n)`` of output tile number ``tile`` in the grouped order (as gemm_mn.grouped_tile)."""
+    def _tile_of(tile, M, N, G, cnt_ptr, BM: gl.constexpr, BN: gl.constexpr, GROUP_M: gl.constexpr):
+        """First row ``m0`` (reordered row space) and column ``n0`` of output tile number ``tile`` in the grouped
+        order (as gemm_mn.grouped_tile), its routing group ``g`` and that group's active row count."""
         num_pid_m = gl.cdiv(M, BM)
         num_pid_n = N // BN
         in_group = GROUP_M * num_pid_n
         first_m = (tile // in_group) * GROUP_M
         size_m = gl.minimum(num_pid_m - first_m, GROUP_M)
-        return first_m + (tile % in_group) % size_m, (tile % in_group) // size_m
+        m0 = (first_m + (tile % in_group) % size_m) * BM
+        n0 = ((tile % in_group) // size_m) * BN
+        g = n0 // G
+        return m0, n0, g, gl.load(cnt_ptr + g)
 
     @gluon.jit
     def _producer(x_ptr, idx_ptr, cnt_ptr, w_desc, w2_desc, a_bufs, b_bufs, b2_bufs, a_ready, b_ready, empty,
@@ -76,11 +80,7 @@ if HAS_GLUON:
         k_iters = K // BK
         it = 0
         for tile in range(gl.program_id(0), num_tiles, num_progs):
-            pid_m, pid_n = _tile_of(tile, M, N, BM, BN, GROUP_M)
-            m0 = pid_m * BM
-            n0 = pid_n * BN
-            g = n0 // G
-            cnt = gl.load(cnt_ptr + g)
+            m0, n0, g, cnt = _tile_of(tile, M, N, G, cnt_ptr, BM, BN, GROUP_M)
             if m0 < cnt:
                 offs_j = m0 + gl.arange(0, BM, layout=gl.SliceLayout(1, ld))
                 rows = gl.load(idx_ptr + offs_j.to(gl.int64) * NG + g, mask=offs_j < M, other=0).to(gl.int64)
@@ -115,11 +115,7 @@ if HAS_GLUON:
         k_iters = K // BK
         it = 0
         for tile in range(gl.program_id(0), num_tiles, num_progs):
-            pid_m, pid_n = _tile_of(tile, M, N, BM, BN, GROUP_M)
-            m0 = pid_m * BM
-            n0 = pid_n * BN
-            g = n0 // G
-            cnt = gl.load(cnt_ptr + g)
+            m0, n0, g, cnt = _tile_of(tile, M, N, G, cnt_ptr, BM, BN, GROUP_M)
             acc = gl.zeros((BM, BN), dtype=gl.float32, layout=acc_l)
             acc2 = gl.zeros((BM, BN), dtype=gl.float32, layout=acc_l)  # SwiGLU's up projection (unused otherwise)
             if m0 < cnt:
