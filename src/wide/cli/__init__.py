@@ -126,7 +126,7 @@ def build_parser() -> argparse.ArgumentParser:
                         "between them by the calibration loss (or give --attn-sparsity and --ffn-sparsity instead)")
     s.add_argument("--output", "-o", required=True, help="output directory (a HF checkpoint usable as --model)")
     s.add_argument("--text", default=None, help="calibration text (default: BoolQ passages, calibration split)")
-    s.add_argument("--attn-group-size", type=int, default=None, help="multiple of the GQA group (default: it)")
+    s.add_argument("--attn-group-size", type=int, default=None, help="a multiple of the GQA group H_q/H_k x head_dim (default: the GQA group)")
     s.add_argument("--ffn-group-size", type=int, default=128,
                    help="FFN G: power of two >= 16 dividing the FFN size (default: 128)")
     s.add_argument("--attn-sparsity", type=float, default=None, help="fix the attention fraction (with --ffn-sparsity)")

@@ -386,7 +386,8 @@ def _check_output(args, stage: str | None = "router") -> None:
         return
     if not overwrite:
         use = "--resume to continue that run or --overwrite" if resumable else "--overwrite"
-        raise WideError(f"output {out!r} exists and is not empty (use {use} to replace it)")
+        raise WideError(f"output {out!r} exists and is not empty (use {use} to write over it: the files this "
+                        "command writes are replaced, any others are left as they are)")
     if stage == "router" and os.path.exists(os.path.join(out, ADAPTER_DIR)):
         raise WideError(f"--overwrite: {out!r} holds a stage-2 LoRA adapter ({ADAPTER_DIR}/) that a stage-1 run "
                         f"would leave in place; give another -o")

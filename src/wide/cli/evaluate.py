@@ -248,9 +248,11 @@ def cmd_prune_static(args) -> int:
             from ..memory import check_eval_memory
             from ..modeling import default_device, resolve_model
 
-            check_eval_memory(hf, args.batch_size, args.seq_len, args.device or default_device(),
-                              gguf=resolve_model(args.model).gguf_file is not None, ctx_flag="--seq-len",
-                              item="sequence", purpose="scoring the groups")
+            # a batch holds at most the --calib-blocks sequences scored (fresh user, session 22)
+            check_eval_memory(hf, min(args.batch_size, args.calib_blocks), args.seq_len,
+                              args.device or default_device(), gguf=resolve_model(args.model).gguf_file is not None,
+                              asked=args.batch_size, ctx_flag="--seq-len", item="sequence",
+                              purpose="scoring the groups")
 
     model, tok, src = _load(args, pre=[group_sizes, _fits_context("--seq-len", args.seq_len), memory],
                             then=lambda tok: data.setdefault("blocks", pack(
@@ -269,13 +271,16 @@ def cmd_prune_static(args) -> int:
            f"{model.config.num_attention_heads} -> {small.config.num_attention_heads}, KV heads "
            f"{model.config.num_key_value_heads} -> {small.config.num_key_value_heads}), FFN {p.ffn_sparsity:.3f} "
            f"(intermediate {model.config.intermediate_size} -> {small.config.intermediate_size}), overall "
-           f"{p.sparsity:.3f}; parameters {param_count(model):,} -> {param_count(small):,}; {time.time() - t0:.0f}s")
+           f"{p.sparsity:.3f}; parameters {param_count(model):,} -> {param_count(small):,}; pruned in "
+           f"{time.time() - t0:.0f}s")
     _print(f"saved the pruned model to {out} (use it as --model {out})")
-    for what, got, want in (("attention", p.attn_sparsity, args.attn_sparsity),
-                            ("FFN", p.ffn_sparsity, args.ffn_sparsity), ("overall", p.sparsity, args.sparsity)):
-        if want is not None and abs(got - want) > 0.005:  # whole groups per layer cannot reach every fraction
-            print(f"warning: the {what} sparsity removed is {got:.3f}, not the {want:g} asked: only whole groups "
-                  f"are removed ({len(p.attn_keep[0])} attention groups of {p.attn_group_size} and "
-                  f"{len(p.ffn_keep[0])} FFN groups of {p.ffn_group_size} channels per layer)", file=sys.stderr,
-                  flush=True)
+    off = [f"{what} {got:.3f} (asked {want:g})" for what, got, want in (
+        ("attention", p.attn_sparsity, args.attn_sparsity), ("FFN", p.ffn_sparsity, args.ffn_sparsity),
+        ("overall", p.sparsity, args.sparsity)) if want is not None and abs(got - want) > 0.005]
+    if off:  # whole groups per layer cannot reach every fraction
+        n_a, n_f = len(p.attn_keep[0]), len(p.ffn_keep[0])
+        print(f"warning: only whole groups are removed, so the sparsity removed differs from the one asked: "
+              f"{', '.join(off)}; each layer has {n_a} attention group{'s' if n_a != 1 else ''} of "
+              f"{p.attn_group_size} and {n_f} FFN group{'s' if n_f != 1 else ''} of {p.ffn_group_size} channels, "
+              "and keeps at least one of each", file=sys.stderr, flush=True)
     return 0
