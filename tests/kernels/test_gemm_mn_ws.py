@@ -1,6 +1,6 @@
 """The warp-specialized Gluon ``gemm_mn`` / fused SwiGLU (:mod:`wide.kernels.gemm_mn_ws`) against the float64
-reference: Hopper only (Gluon's warp specialization and wgmma), so skipped on the CPU and on other GPUs.  Its sm_90
-compile is checked on the CPU by ``aot_sm90.py``."""
+reference.  The numeric tests need Hopper (Gluon's warp specialization and wgmma) and skip elsewhere; the argument
+checks run on any device.  Its sm_90 compile is checked on the CPU by ``aot_sm90.py``."""
 
 import pytest
 import torch
@@ -10,7 +10,7 @@ from wide.kernels import reorder
 from wide.kernels.gemm_mn_ws import HAS_GLUON, gemm_mn_ws
 from wide.kernels.reference import gemm_mn_ref, swiglu_ref
 
-pytestmark = [pytest.mark.gpu, pytest.mark.skipif(
+hopper = [pytest.mark.gpu, pytest.mark.skipif(
     not (HAS_GLUON and torch.cuda.is_available() and torch.cuda.get_device_capability()[0] == 9),
     reason="needs Triton's Gluon and an sm_90 GPU")]
 
@@ -18,6 +18,8 @@ pytestmark = [pytest.mark.gpu, pytest.mark.skipif(
 SHAPES = [(333, 1536, 576), (1000, 2048, 4096), (4100, 1024, 256)]
 
 
+@hopper[0]
+@hopper[1]
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("M,N,K", SHAPES)
 @pytest.mark.parametrize("G", [64, 128, 256, 512])
@@ -38,6 +40,8 @@ def test_gemm_mn_ws_matches_reference(dtype, M, N, K, G, kind, swiglu):
     check_close(out, ref)
 
 
+@hopper[0]
+@hopper[1]
 @pytest.mark.parametrize("cfg", [dict(BN=128, STAGES=5, GROUP_M=16), dict(BN=64, STAGES=4, PREGS=56, maxnreg=160),
                                  dict(BN=128, STAGES=4, DIRECT_STORE=True, PERSIST=False),
                                  dict(BN=128, BK=32, STAGES=6, PERSIST=False)])
@@ -52,13 +56,24 @@ def test_gemm_mn_ws_other_configs(cfg):
 
 
 def test_gemm_mn_ws_refuses_bad_arguments():
-    x = torch.randn(8, 100, device="cuda", dtype=torch.bfloat16)
-    w = torch.randn(256, 100, device="cuda", dtype=torch.bfloat16)
+    """Arguments are checked before the GPU is asked for, so the same messages come on any device."""
+    dev = "cuda" if torch.cuda.is_available() else "cpu"
+    x = torch.randn(8, 100, device=dev, dtype=torch.bfloat16)
+    w = torch.randn(256, 100, device=dev, dtype=torch.bfloat16)
     with pytest.raises(ValueError, match="K a multiple of 64"):
-        gemm_mn_ws(x, w, torch.ones(8, 2, dtype=torch.bool, device="cuda"), 128)
-    x = torch.randn(8, 128, device="cuda", dtype=torch.bfloat16)
-    w = torch.randn(256, 128, device="cuda", dtype=torch.bfloat16)
+        gemm_mn_ws(x, w, torch.ones(8, 2, dtype=torch.bool, device=dev), 128)
+    x = torch.randn(8, 128, device=dev, dtype=torch.bfloat16)
+    w = torch.randn(256, 128, device=dev, dtype=torch.bfloat16)
     with pytest.raises(ValueError, match="G a multiple of 64"):
-        gemm_mn_ws(x, w, torch.ones(8, 8, dtype=torch.bool, device="cuda"), 32)
+        gemm_mn_ws(x, w, torch.ones(8, 8, dtype=torch.bool, device=dev), 32)
     with pytest.raises(ValueError, match="bf16 / fp16"):
-        gemm_mn_ws(x.float(), w.float(), torch.ones(8, 2, dtype=torch.bool, device="cuda"), 128)
+        gemm_mn_ws(x.float(), w.float(), torch.ones(8, 2, dtype=torch.bool, device=dev), 128)
+    with pytest.raises(ValueError, match=r"route must have shape \[M, N_G\] = \[8, 2\]"):
+        gemm_mn_ws(x, w, torch.ones(8, 3, dtype=torch.bool, device=dev), 128)
+    with pytest.raises(ValueError, match="w2 shape"):
+        gemm_mn_ws(x, w, torch.ones(8, 2, dtype=torch.bool, device=dev), 128, w2=w[:128])
+    with pytest.raises(ValueError, match="out must be"):
+        gemm_mn_ws(x, w, torch.ones(8, 2, dtype=torch.bool, device=dev), 128, out=torch.empty(8, 255, device=dev))
+    if dev == "cpu":  # good arguments on the CPU: the GPU requirement, in one line
+        with pytest.raises(RuntimeError, match="needs an sm_90"):
+            gemm_mn_ws(x, w, torch.ones(8, 2, dtype=torch.bool), 128)

@@ -35,7 +35,7 @@ from __future__ import annotations
 
 import torch
 
-from ._common import HAS_TRITON, check_reordered, fail, num_sms
+from ._common import HAS_TRITON, check_out, check_reordered, fail, num_sms, tma_aligned
 
 HAS_GLUON = False
 if HAS_TRITON:
@@ -180,8 +180,6 @@ if HAS_GLUON:
 def ws_supported(x: torch.Tensor, w: torch.Tensor, w2: torch.Tensor | None, G: int) -> bool:
     """Whether :func:`gemm_mn_ws` can run ``x [M, K] @ w [N, K]^T`` (and ``w2``) at group size ``G`` here: Gluon,
     an sm_90 CUDA device, bf16 / fp16, ``K % 64 == 0``, ``G % 64 == 0`` and weights a TMA descriptor can read."""
-    from ._common import tma_aligned
-
     return (HAS_GLUON and x.is_cuda and torch.cuda.get_device_capability(x.device)[0] == 9
             and x.dtype in (torch.bfloat16, torch.float16) and w.dtype == x.dtype and x.shape[1] % 64 == 0
             and G % 64 == 0 and tma_aligned(w, *(() if w2 is None else (w2,))))
@@ -219,26 +217,28 @@ def gemm_mn_ws(x: torch.Tensor, w: torch.Tensor, route: torch.Tensor, G: int, *,
         ``[M, N]`` in x's dtype, fp32 accumulation.
 
     Raises:
+        ValueError: shapes, dtypes, devices or G outside the above (checked first, on any device).
         RuntimeError: no Gluon in this Triton, or not a CUDA sm_90 device.
-        ValueError: shapes, dtypes or G outside the above.
     """
+    from .gemm_mn import _validate  # the checks every gemm_mn / SwiGLU path runs
+
+    M, N, K = _validate(x, w, route, G)
+    if w2 is not None:
+        if isinstance(w2, torch.Tensor) and w2.shape != w.shape:
+            fail(f"w2 shape {tuple(w2.shape)} must equal w shape {tuple(w.shape)}")
+        _validate(x, w2, route, G, "w2")
+    check_out(out, (M, N), x.dtype, x.device, x=x, w=w, w2=w2, route=route)
+    if x.dtype not in (torch.bfloat16, torch.float16):
+        fail(f"gemm_mn_ws takes bf16 / fp16 x and w; got {x.dtype}")
+    if K % 64:
+        fail(f"gemm_mn_ws needs K a multiple of 64; got K={K}")
+    if G % 64:
+        fail(f"gemm_mn_ws needs G a multiple of 64 dividing N={N}; got G={G}")
+    NG = N // G
     if not HAS_GLUON:
         raise RuntimeError("gemm_mn_ws needs Triton's Gluon (triton >= 3.5)")
     if not x.is_cuda or torch.cuda.get_device_capability(x.device)[0] != 9:
         raise RuntimeError(f"gemm_mn_ws needs an sm_90 (Hopper) GPU; x is on {x.device}")
-    if x.dtype not in (torch.bfloat16, torch.float16) or w.dtype != x.dtype:
-        fail(f"gemm_mn_ws takes bf16 / fp16 x and w of the same dtype; got {x.dtype} and {w.dtype}")
-    M, K = x.shape
-    N = w.shape[0]
-    if w.shape[1] != K or K % 64:
-        fail(f"gemm_mn_ws needs w [N, {K}] and K a multiple of 64; got w {tuple(w.shape)}")
-    if w2 is not None and (w2.shape != w.shape or w2.dtype != w.dtype):
-        fail(f"w2 must be {tuple(w.shape)} {w.dtype} like w; got {tuple(w2.shape)} {w2.dtype}")
-    if G % 64 or N % G:
-        fail(f"gemm_mn_ws needs G a multiple of 64 dividing N={N}; got G={G}")
-    NG = N // G
-    if tuple(route.shape) != (M, NG):
-        fail(f"route must be [{M}, {NG}]; got {tuple(route.shape)}")
     cfg = {**default_ws_config(G, w2 is not None), **(config or {})}
     if G % cfg["BN"] or K % cfg["BK"]:
         fail(f"config BN={cfg['BN']} must divide G={G} and BK={cfg['BK']} divide K={K}")
