@@ -27,6 +27,7 @@ demo: setup
 	HF_HUB_OFFLINE=1 $(VENV)/bin/wide demo --overwrite   # replaces runs/demo: `make demo` can run again
 
 test: setup-dev
+	$(VENV)/bin/ruff check src tests benchmarks
 	HF_HUB_OFFLINE=1 $(PY) -m pytest -q -n 2   # two workers (pytest-xdist): CI's two cores
 
 clean:

@@ -12,13 +12,12 @@ if not torch.cuda.is_available():
     # Triton's interpreter must be chosen before any kernel module is imported.
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
-from wide_testutil import random_text, tiny_model, tiny_tokenizer  # noqa: E402,F401
-
 # Decorate every Triton kernel now, in the mode chosen above: a test that sets TRITON_INTERPRET=0 (the
 # ``reference_path`` fixtures) must not be the first to import a kernel module, or its kernels would stay
 # compiled-mode for the tests after it (which then fail for want of a GPU driver).
-import wide.inference.engine  # noqa: E402,F401  (imports wide.inference.fused)
+import wide.inference.engine  # noqa: E402,F401  (imports wide.kernels.fused)
 import wide.kernels  # noqa: E402,F401
+from wide_testutil import random_text, tiny_model, tiny_tokenizer  # noqa: E402,F401
 
 
 @pytest.fixture

@@ -11,11 +11,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from wide_testutil import random_text, tiny_model, tiny_tokenizer
-
 from wide.config import ModelDims, WideConfig
 from wide.errors import WideError
-from wide.modeling import WideModel, dims_of, router_param_count
+from wide.model import WideModel, dims_of, router_param_count
+from wide_testutil import random_text, tiny_model, tiny_tokenizer
 
 SMOL = ModelDims(num_layers=30, hidden_size=576, num_heads=9, num_kv_heads=3, head_dim=64, intermediate_size=1536)
 LLAMA8B = ModelDims(num_layers=32, hidden_size=4096, num_heads=32, num_kv_heads=8, head_dim=128, intermediate_size=14336)
@@ -159,7 +158,7 @@ def test_static_sliced_equals_fixed_mask(arch, s, ffn_g):
 
 def test_static_masks_and_realized_sparsity(model):
     from wide.baselines.static import StaticPruning
-    from wide.evaluation import SparsityMeter
+    from wide.eval.perplexity import SparsityMeter
 
     p = StaticPruning([[True, False], [False, True]], [[True] * 4 + [False] * 4] * 2, 32, 16, 0.5)
     assert p.attn_sparsity == 0.5 and p.ffn_sparsity == 0.5 and p.sparsity == 0.5
@@ -182,7 +181,7 @@ def test_static_allocation_choice_uses_loss_on_ties():
 
 def test_static_save_load_round_trip(tmp_path):
     from wide.baselines.static import StaticPruning, prune, save_pruned, slice_model
-    from wide.modeling import load_base_model
+    from wide.model import load_base_model
 
     m, tok = tiny_model(), tiny_tokenizer()
     p = prune(m, _blocks(tok), 0.5, ffn_group_size=16, batch_size=2)

@@ -1,11 +1,11 @@
 import pytest
 import torch
 
-from wide_testutil import tiny_model
 from wide.checkpoint import ROUTERS_NAME, load, save_wide
 from wide.config import WideConfig
 from wide.errors import WideError
-from wide.modeling import WideModel
+from wide.model import WideModel
+from wide_testutil import tiny_model
 
 
 def _saved(tmp_path, model):
@@ -85,7 +85,7 @@ def test_base_model_changed_in_one_middle_layer(tmp_path, model):
     # model too (fingerprint v2); a checkpoint written with the v1 fingerprint is still checked with v1
     import json
 
-    from wide.modeling import fingerprint
+    from wide.model import fingerprint
 
     _, path = _saved(tmp_path, model)
     assert json.loads((path / "base_model.json").read_text())["fingerprint"].startswith("v2:")
@@ -141,7 +141,7 @@ def test_train_state_mode_and_atomic_failure(tmp_path):
     import os
 
     from wide.config import atomic_write, new_file_mode
-    from wide.training import atomic_torch_save
+    from wide.train.loop import atomic_torch_save
 
     old = os.umask(0o022)
     try:
@@ -226,7 +226,7 @@ def test_load_names_a_recorded_base_model_that_moved(tmp_path, model):
 
 
 def test_a_wide_checkpoint_given_as_the_base_model_points_to_wide(tmp_path, model):
-    from wide.modeling import resolve_model
+    from wide.model import resolve_model
 
     _, path = _saved(tmp_path, model)
     with pytest.raises(WideError, match="is a WIDE checkpoint .* give it as --wide"):
@@ -237,7 +237,7 @@ def test_load_in_float16(tmp_path, model, model_dir):
     """fp16 rounds weights differently from the bf16 values the fingerprint hashes: wide.load(dtype=float16) checks
     an fp32 load, then casts; a module already in fp16 is refused with the way out named."""
     wm, path = _saved(tmp_path, model)
-    from wide.modeling import fingerprint
+    from wide.model import fingerprint
 
     half = tiny_model().half()
     assert fingerprint(half) != fingerprint(tiny_model())  # the case this test is about

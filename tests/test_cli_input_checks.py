@@ -12,7 +12,7 @@ import pytest
 
 from wide.cli import main
 from wide.errors import WideError
-from wide.training import CalibrationArgs
+from wide.train.loop import CalibrationArgs
 from wide_testutil import calibrate_args, error_after_loading, one_line_error
 from wide_testutil import run_cli as run
 
@@ -332,7 +332,7 @@ def test_eval_default_tasks_are_the_offline_zero_shot_ones():
 
     assert build_parser().parse_args(["eval"]).tasks == "zeroshot"
     if __import__("importlib").util.find_spec("lm_eval") is not None:
-        from wide.lm_eval_adapter import ZEROSHOT_TASKS, resolve_tasks
+        from wide.eval.lm_eval import ZEROSHOT_TASKS, resolve_tasks
 
         assert resolve_tasks("zeroshot") == list(ZEROSHOT_TASKS) and "wide_wikitext" not in ZEROSHOT_TASKS
         assert resolve_tasks("all") == [*ZEROSHOT_TASKS, "wide_wikitext"]
@@ -373,10 +373,10 @@ def test_lora_save_silences_only_peft_missing_config_warning(tmp_path):
     pytest.importorskip("peft")
     import warnings
 
-    from wide_testutil import tiny_model
     from wide.config import WideConfig
     from wide.lora import attach_lora, peft_model, save_adapter
-    from wide.modeling import WideModel
+    from wide.model import WideModel
+    from wide_testutil import tiny_model
 
     wm = WideModel(tiny_model(), WideConfig(ffn_group_size=32))
     attach_lora(wm)
@@ -455,7 +455,7 @@ def test_library_load_checks_the_device(monkeypatch, tmp_path):
     import torch
 
     import wide
-    from wide.modeling import load_base_model
+    from wide.model import load_base_model
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     with pytest.raises(WideError, match=r"device cuda: no CUDA GPU on this machine \(use device='cpu'\)"):
@@ -488,7 +488,7 @@ def _fake_memory(monkeypatch, available: int) -> None:
 def _tiny_train_memory(model_dir):
     from wide.config import WideConfig
     from wide.memory import train_memory_of
-    from wide.modeling import WideModel, load_base_model
+    from wide.model import WideModel, load_base_model
 
     model, _, _ = load_base_model(str(model_dir), device="cpu")  # as the CLI loads it (SDPA attention)
     return train_memory_of(WideModel(model, WideConfig(ffn_group_size=32)), "cpu")
@@ -581,7 +581,7 @@ def test_make_demo_settings_fit_in_memory():
 
     from wide.cli import _demo_settings, _hf_config, build_parser
     from wide.memory import GIB, HEADROOM, estimate_train_memory
-    from wide.modeling import dims_of
+    from wide.model import dims_of
 
     makefile = (Path(__file__).resolve().parents[1] / "Makefile").read_text()
     line = next(ln for ln in makefile.splitlines() if "bin/wide demo" in ln)

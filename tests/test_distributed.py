@@ -4,7 +4,7 @@ the job without a hang.
 
 The 2-process runs go through torchrun: either `wide ... --nproc 2` (the CLI path) or this file run as a
 torchrun worker script (``python -m torch.distributed.run ... tests/test_distributed.py SPEC``), which
-calls the same :func:`wide.training.calibrate` with an interruption hook.
+calls the same :func:`wide.train.loop.calibrate` with an interruption hook.
 """
 
 from __future__ import annotations
@@ -48,14 +48,14 @@ def _blocks():
 
 def _wide_model():
     from wide.config import WideConfig
-    from wide.modeling import WideModel
+    from wide.model import WideModel
 
     base = tiny_model()  # seeds the global RNG: routers initialize identically everywhere
     return WideModel(base, WideConfig(ffn_group_size=32, target_sparsity=0.5))
 
 
 def _args(batch_size, steps=5, grad_accum=2):
-    from wide.training import CalibrationArgs
+    from wide.train.loop import CalibrationArgs
 
     return CalibrationArgs(steps=steps, batch_size=batch_size, grad_accum=grad_accum, lr=2e-2, warmup_steps=1,
                            save_every=2)
@@ -67,7 +67,7 @@ class _Stop(Exception):
 
 def _calibrate(out, batch_size, stop_after=None, resume=False):
     """Stage-1 calibration of the tiny model in this process (under torchrun: this rank's share)."""
-    from wide.training import calibrate
+    from wide.train.loop import calibrate
 
     def cb(r):
         if stop_after is not None and r["step"] == stop_after:
@@ -80,7 +80,7 @@ def _calibrate(out, batch_size, stop_after=None, resume=False):
 
 
 def _worker(spec: dict) -> int:
-    from wide import distributed as D
+    import wide.train.fsdp as D
 
     env = D.init("cpu", timeout_s=60)
     ok = False

@@ -1,6 +1,6 @@
 """Gradient clipping and the optimizer step on FSDP2 shards (issue 6).
 
-:func:`wide.distributed.clip_grad_norm_` and :func:`wide.distributed.optimizer_step` work on each rank's local
+:func:`wide.train.fsdp.clip_grad_norm_` and :func:`wide.train.fsdp.optimizer_step` work on each rank's local
 shards (no per-parameter DTensor dispatch) and must give, bit for bit, what ``torch.nn.utils.clip_grad_norm_``
 and ``AdamW.step`` give over the DTensors.
 
@@ -10,7 +10,6 @@ plain torch calls.
 
 from __future__ import annotations
 
-import json
 import os
 import subprocess
 import sys
@@ -54,7 +53,7 @@ def _sharded(mesh):
 
 
 def _check_clip(mesh, rank):
-    from wide import distributed as D
+    import wide.train.fsdp as D
 
     env = D.current()
     for max_norm in (0.05, 1e6):  # clipping active / inactive
@@ -75,7 +74,7 @@ def _check_mixed_clip(mesh, rank):
     """DTensor gradients next to a replicated plain one: equal to clip_grad_norm_ over the full tensors."""
     from torch.distributed.tensor import Shard, distribute_tensor
 
-    from wide import distributed as D
+    import wide.train.fsdp as D
 
     torch.manual_seed(1)
     fulls = [torch.randn(5, 3), torch.randn(1, 4), torch.randn(3)]
@@ -97,7 +96,7 @@ def _check_optimizer(mesh, rank):
     from torch.distributed.checkpoint.state_dict import get_state_dict
     from torch.distributed.tensor import DTensor
 
-    from wide import distributed as D
+    import wide.train.fsdp as D
 
     for kw in ({}, {"foreach": True}, {"amsgrad": True}):
         a, b = _sharded(mesh), _sharded(mesh)
@@ -130,7 +129,7 @@ def _check_optimizer(mesh, rank):
 def _worker(what: str) -> int:
     from torch.distributed.device_mesh import init_device_mesh
 
-    from wide import distributed as D
+    import wide.train.fsdp as D
 
     env = D.init("cpu", timeout_s=60)
     try:
@@ -152,7 +151,7 @@ def test_two_processes_match_torch(what):
 
 
 def test_single_process_is_plain_torch():
-    from wide import distributed as D
+    import wide.train.fsdp as D
 
     a, b = _model(), _model()
     _backward(a, 0)

@@ -3,16 +3,15 @@ static KV cache decode, greedy generation, `wide generate`, bad input.  CPU only
 
 from __future__ import annotations
 
-import json
 import os
 
 import pytest
 import torch
 
-from wide_testutil import needs_bundled_model, tiny_model, tiny_tokenizer
 from wide import WideConfig, WideError
 from wide.kernels.reference import reorder_ref
-from wide.modeling import WideModel
+from wide.model import WideModel
+from wide_testutil import needs_bundled_model, tiny_model, tiny_tokenizer
 
 ATOL = 2e-5
 
@@ -293,7 +292,7 @@ def test_bad_input(reference_path):
 @pytest.fixture
 def wide_ckpt(tmp_path, model_dir):
     from wide.checkpoint import save_wide
-    from wide.modeling import load_base_model
+    from wide.model import load_base_model
 
     base, _, src = load_base_model(str(model_dir), device="cpu")
     wm = WideModel(base, WideConfig(ffn_group_size=32), init_keep=0.5)
@@ -718,7 +717,7 @@ def test_fused_kernels_match_model_ops(dtype):
     from transformers.models.llama.modeling_llama import LlamaRMSNorm, apply_rotary_pos_emb
 
     from wide.inference import StaticKVCache
-    from wide.inference.fused import add_rmsnorm, rope_cache, router_mask
+    from wide.kernels.fused import add_rmsnorm, rope_cache, router_mask
     from wide.routing import Router, argmax_mask
 
     g = torch.Generator().manual_seed(0)
@@ -766,7 +765,7 @@ def test_rope_cache_token_blocks(B, T, want_k):
     """Triton interpreter, fp32: the fused RoPE + cache write moves blocks of tokens per program (a partial last
     block at 74 tokens, one token at decode); bitwise equal to :func:`rope_cache_ref`, other cache slots untouched."""
     from wide.inference import StaticKVCache
-    from wide.inference.fused import rope_cache, rope_cache_ref
+    from wide.kernels.fused import rope_cache, rope_cache_ref
 
     g = torch.Generator().manual_seed(B * 100 + T)
     Hq, Hk, d, Tmax = 4, 2, 16, 48

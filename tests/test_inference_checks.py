@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from wide import WideConfig, WideError
-from wide.modeling import WideModel
+from wide.model import WideModel
 from wide_testutil import tiny_model, tiny_tokenizer
 
 
@@ -253,7 +253,7 @@ def test_cli_generate_wide_checks_the_context_before_loading(tmp_path, model_dir
     import transformers
 
     from wide.checkpoint import save_wide
-    from wide.modeling import load_base_model
+    from wide.model import load_base_model
 
     base, _, src = load_base_model(str(model_dir), device="cpu")
     ckpt = save_wide(WideModel(base, WideConfig(ffn_group_size=32)), tmp_path / "ckpt", src.ref)
@@ -290,7 +290,7 @@ def test_cli_generate_one_token_has_no_tpot(model_dir, capsys, reference_path):
 
 
 def test_cli_cpu_notice_names_the_path_and_why(monkeypatch):
-    from wide.inference.cli import _cpu_notice
+    from wide.cli.generate import _cpu_notice
 
     args = types.SimpleNamespace(device="cpu")
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)

@@ -6,12 +6,11 @@ and refusals that now come before the weights load (prune-static group sizes, ev
 import json
 
 import pytest
-import torch
 
 from wide.checkpoint import ROUTERS_NAME, load, save_wide
 from wide.config import WideConfig
 from wide.errors import WideError
-from wide.modeling import WideModel
+from wide.model import WideModel
 from wide_testutil import one_line_error, tiny_model
 from wide_testutil import run_cli as run
 
@@ -52,7 +51,7 @@ def test_wide_path_that_is_a_file(tmp_path, text_file, capsys, monkeypatch):
 
 # --- router weights that do not fit ---------------------------------------------------------------------------
 def test_router_shapes_match_the_model():
-    from wide.modeling import router_shapes
+    from wide.model import router_shapes
 
     for cfg in (WideConfig(ffn_group_size=32), WideConfig(ffn_group_size=16, routed="ffn", router_rank=4),
                 WideConfig(method="skipgpt", routed="attn")):
@@ -264,7 +263,7 @@ def test_eval_ppl_memory_check(tmp_path, model_dir, text_file, capsys, monkeypat
     memory available and a --batch-size that fits; --no-memory-check skips it."""
     import wide.memory as M
     from wide.memory import GIB, HEADROOM, config_param_count, estimate_eval_memory
-    from wide.modeling import dims_of
+    from wide.model import dims_of
     from wide_testutil import tiny_llama_config
 
     cfg = tiny_llama_config()

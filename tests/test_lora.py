@@ -8,15 +8,14 @@ import torch
 
 pytest.importorskip("peft")
 
-from wide_testutil import tiny_model  # noqa: E402
 from wide.checkpoint import load, save_wide  # noqa: E402
 from wide.cli import main  # noqa: E402
 from wide.config import WideConfig  # noqa: E402
 from wide.errors import WideError  # noqa: E402
-from wide.lora import (ADAPTER_DIR, LORA_TARGETS, LoraSettings, attach_lora, lora_named_parameters,  # noqa: E402
-                       peft_model, recover)
-from wide.modeling import WideModel, decoder_layers  # noqa: E402
-from wide.training import CalibrationArgs  # noqa: E402
+from wide.lora import ADAPTER_DIR, LORA_TARGETS, LoraSettings, attach_lora, lora_named_parameters, peft_model, recover  # noqa: E402
+from wide.model import WideModel, decoder_layers  # noqa: E402
+from wide.train.loop import CalibrationArgs  # noqa: E402
+from wide_testutil import tiny_model  # noqa: E402
 
 PROJ = {"q_proj": "self_attn", "k_proj": "self_attn", "v_proj": "self_attn", "o_proj": "self_attn",
         "gate_proj": "mlp", "up_proj": "mlp", "down_proj": "mlp"}
@@ -253,7 +252,7 @@ def test_load_corrupt_adapter(tmp_path):
 
 def test_keyed_dropout_depends_on_sample_not_batch():
     from wide.lora import KeyedDropout
-    from wide.training import GumbelNoise
+    from wide.train.loop import GumbelNoise
 
     d = KeyedDropout(0.5, "layers.0.mlp.down_proj").train()
     x = torch.ones(4, 3, 8)

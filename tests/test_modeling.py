@@ -1,10 +1,10 @@
 import pytest
 import torch
 
-from wide_testutil import tiny_model
 from wide.config import WideConfig
 from wide.errors import WideError
-from wide.modeling import WideModel, decoder_layers, router_param_count
+from wide.model import WideModel, decoder_layers, router_param_count
+from wide_testutil import tiny_model
 
 
 def ids(b=2, t=12, seed=0):
@@ -122,7 +122,7 @@ def test_bpe_cleanup_warning_silenced(tmp_path, monkeypatch):
     warning: load_base_model turns the (ignored) flag off; decoded text is unchanged."""
     from transformers import tokenization_utils_tokenizers as tut
 
-    from wide.modeling import load_base_model, quiet_bpe_cleanup
+    from wide.model import load_base_model, quiet_bpe_cleanup
 
     said = []
     monkeypatch.setattr(tut.logger, "warning_once", lambda msg, *a, **k: said.append(msg))
@@ -214,7 +214,7 @@ def test_gguf_config_is_parsed_once_per_file_version(tmp_path, monkeypatch):
 
     import transformers
 
-    from wide import modeling
+    import wide.model as modeling
 
     f = tmp_path / "m.gguf"
     f.write_bytes(b"x" * 10)
@@ -246,7 +246,7 @@ def test_gguf_config_disk_cache(tmp_path, monkeypatch):
 
     import transformers
 
-    from wide import modeling
+    import wide.model as modeling
 
     f = tmp_path / "m.gguf"
     f.write_bytes(b"x" * 10)
@@ -314,7 +314,7 @@ def test_gguf_config_disk_cache(tmp_path, monkeypatch):
 def test_config_check_runs_again_on_the_loaded_config(model_dir, monkeypatch):
     """load_base_model runs ``config_check`` before the tokenizer on read_hf_config's config (for a GGUF maybe a
     cached one) and again on the loaded model's own config: a stale config cannot let a bad option through."""
-    from wide import modeling
+    import wide.model as modeling
 
     real = modeling.read_hf_config
 

@@ -9,7 +9,7 @@ pytest.importorskip("matplotlib")
 
 from wide.config import WideConfig  # noqa: E402
 from wide.errors import WideError  # noqa: E402
-from wide.modeling import WideModel  # noqa: E402
+from wide.model import WideModel  # noqa: E402
 
 
 @pytest.fixture
@@ -19,7 +19,7 @@ def wm(model):
 
 
 def test_layer_profile_png(wm, tmp_path):
-    from wide.plots import layer_profile, plot_layer_profile
+    from wide.eval.plots import layer_profile, plot_layer_profile
 
     rep = layer_profile(wm, torch.randint(0, 128, (3, 16)))
     assert len(rep["per_layer"]) == 2 and all(0 <= r["attn"] <= 1 and 0 <= r["ffn"] <= 1 for r in rep["per_layer"])
@@ -28,7 +28,7 @@ def test_layer_profile_png(wm, tmp_path):
 
 
 def test_token_routing_png(wm, tokenizer, tmp_path):
-    from wide.plots import plot_token_routing, token_routing
+    from wide.eval.plots import plot_token_routing, token_routing
 
     text = "w1 w2 w3 w4 w5 w6"
     r = token_routing(wm, tokenizer, text)
@@ -42,7 +42,7 @@ def test_token_routing_png(wm, tokenizer, tmp_path):
 
 
 def test_plot_bad_input(tmp_path):
-    from wide.plots import plot_layer_profile, plot_token_routing
+    from wide.eval.plots import plot_layer_profile, plot_token_routing
 
     with pytest.raises(WideError, match="empty"):
         plot_layer_profile([], tmp_path / "a.png")

@@ -2,6 +2,7 @@
 
 import pytest
 import torch
+
 from wide_testutil import needs_bundled_model
 
 pytestmark = [pytest.mark.slow, needs_bundled_model]
@@ -9,7 +10,7 @@ pytestmark = [pytest.mark.slow, needs_bundled_model]
 
 @pytest.fixture(scope="module")
 def smol():
-    from wide.modeling import load_base_model
+    from wide.model import load_base_model
 
     model, tok, src = load_base_model(None, device="cpu")
     return model, tok
@@ -17,7 +18,7 @@ def smol():
 
 def test_dims_and_all_execute_equals_dense(smol):
     from wide.config import WideConfig
-    from wide.modeling import WideModel
+    from wide.model import WideModel
 
     model, tok = smol
     ids = tok("The capital of France is Paris. The capital of Italy is", return_tensors="pt")["input_ids"]
@@ -40,8 +41,8 @@ def test_short_calibration_and_reload(smol, tmp_path):
     from wide.checkpoint import load
     from wide.config import WideConfig
     from wide.data import load_texts, pack
-    from wide.modeling import WideModel
-    from wide.training import CalibrationArgs, calibrate
+    from wide.model import WideModel
+    from wide.train.loop import CalibrationArgs, calibrate
 
     model, tok = smol
     wm = WideModel(model, WideConfig(target_sparsity=0.5))

@@ -9,7 +9,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from wide.training import STATE_NAME
+from wide.train.loop import STATE_NAME
 from wide_testutil import calibrate_args, error_after_loading, interrupt_at, one_line_error
 from wide_testutil import run_cli as run
 
@@ -154,7 +154,7 @@ def test_a_demo_interrupted_after_calibration_points_to_eval_ppl(tmp_path, model
                                                                  monkeypatch):
     # interrupted in the WIDE evaluation ([4/5]): the calibration is complete, so the hint is eval-ppl (no --resume,
     # which would only say there is nothing to train), and that command evaluates the saved routers
-    import wide.evaluation as E
+    import wide.eval.perplexity as E
 
     out = tmp_path / "d"
     real, calls = E.perplexity, []

@@ -111,7 +111,6 @@ def test_sampled_generation_equals_a_step_by_step_reference(reference_path):
     """One prompt, 8 sampled tokens: the engine's generation equals drawing each token from the masking path's
     logits with the same seeded generator (one uniform per vocabulary entry per step, as the engine draws)."""
     from test_inference import _wide
-
     from wide.inference import Engine, generate
 
     wm = _wide(seed=4)
@@ -132,7 +131,6 @@ def test_sampled_generation_equals_a_step_by_step_reference(reference_path):
 
 def test_a_seed_reproduces_a_batch_and_temperature_zero_is_greedy(reference_path):
     from test_inference import _wide
-
     from wide.inference import Engine, generate
 
     eng, tok = Engine(_wide(seed=4)), tiny_tokenizer()
@@ -179,7 +177,6 @@ def test_cuda_sampled_decode_is_the_same_with_and_without_graphs():
     """The graph replay's logits feed the same seeded draws as eager decode steps (written in session 14 without
     a GPU left to run it; see benchmarks/NEXT_GPU_RUNS.md)."""
     from test_inference import _wide
-
     from wide.inference import Engine, generate
 
     eng = Engine(_wide(seed=4).cuda())

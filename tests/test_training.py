@@ -3,11 +3,11 @@ import json
 import pytest
 import torch
 
-from wide_testutil import tiny_model
 from wide.config import WideConfig
 from wide.errors import WideError
-from wide.modeling import WideModel
-from wide.training import STATE_NAME, CalibrationArgs, calibrate, lr_lambda, micro_batch
+from wide.model import WideModel
+from wide.train.loop import STATE_NAME, CalibrationArgs, calibrate, lr_lambda, micro_batch
+from wide_testutil import tiny_model
 
 
 def blocks(n=12, t=16):
@@ -47,7 +47,7 @@ def test_resume_gives_identical_losses(tmp_path, tied):
     st = torch.load(tmp_path / "b" / STATE_NAME, weights_only=True)
     assert all(k.startswith(("attn_routers.", "ffn_routers.")) for k in st["model"]), sorted(st["model"])[:3]
     if tied:  # a state written before the fix also held the frozen tied alias: it must still resume
-        from wide.training import atomic_torch_save
+        from wide.train.loop import atomic_torch_save
 
         st["model"]["base.lm_head.weight"] = torch.zeros(128, 64)
         atomic_torch_save(st, tmp_path / "b" / STATE_NAME)
@@ -142,8 +142,8 @@ import torch
 from wide_testutil import tiny_model
 from wide.config import WideConfig
 from wide.memory import train_memory_of
-from wide.modeling import WideModel
-from wide.training import CalibrationArgs, calibrate
+from wide.model import WideModel
+from wide.train.loop import CalibrationArgs, calibrate
 
 kw, B, T, ckpt, lora = json.loads(sys.argv[1])
 torch.set_num_threads(2)

@@ -9,11 +9,11 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-import wide.training as T
+import wide.train.loop as T
 from wide.config import WideConfig
 from wide.errors import WideError
-from wide.modeling import WideModel
-from wide.training import SEED_MAX, STATE_NAME, CalibrationArgs, calibrate, stream_rows
+from wide.model import WideModel
+from wide.train.loop import SEED_MAX, STATE_NAME, CalibrationArgs, calibrate, stream_rows
 from wide_testutil import calibrate_args, error_after_loading, interrupt_at, one_line_error, tiny_model
 from wide_testutil import run_cli as run
 
@@ -331,7 +331,7 @@ def test_sigterm_is_handled_like_ctrl_c(tmp_path, model_dir, text_file):
 
     out = tmp_path / "run"
     # a slow step (a sleep in every micro-batch read) so that SIGTERM arrives during training, after step 2's save
-    code = ("import sys, time, wide.training as T\n"
+    code = ("import sys, time, wide.train.loop as T\n"
             "real = T.stream_rows\n"
             "def slow(*a, **k):\n"
             "    time.sleep(0.5)\n"

@@ -84,9 +84,9 @@ def error_after_loading(rc, err, cmd, *words):
 
 
 def interrupt_at(monkeypatch, call: int) -> None:
-    """Raise KeyboardInterrupt at the ``call``-th micro-batch read of training (``wide.training.stream_rows``; one
+    """Raise KeyboardInterrupt at the ``call``-th micro-batch read of training (``wide.train.loop.stream_rows``; one
     read per step with ``--grad-accum 1``)."""
-    import wide.training as T
+    import wide.train.loop as T
 
     real, calls = T.stream_rows, []
 

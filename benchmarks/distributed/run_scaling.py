@@ -1,6 +1,6 @@
 """Calibration throughput on 1 vs N GPUs (issue 6): SmolLM2-135M and a Llama-3.1-8B-shaped model.
 
-Runs `wide`'s own stage-1 training loop (:func:`wide.training.calibrate`) — one process on one GPU, and
+Runs `wide`'s own stage-1 training loop (:func:`wide.train.loop.calibrate`) — one process on one GPU, and
 FSDP2 under ``torch.distributed.run`` on N GPUs — on random-weight models of the exact shapes (throughput
 and memory do not depend on the weight values) with random token blocks, and records global tokens/s
 (median over the measured steps, after warm-up) and the peak GPU memory of the busiest rank.
@@ -69,9 +69,9 @@ def worker(a) -> int:
     sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "src"))
     from wide import distributed as D
     from wide.config import WideConfig
-    from wide.modeling import WideModel
     from wide.lora import recover
-    from wide.training import CalibrationArgs, calibrate
+    from wide.model import WideModel
+    from wide.train.loop import CalibrationArgs, calibrate
 
     cuda = a.device == "cuda"
     t_start = time.time()
@@ -253,7 +253,7 @@ def main() -> int:
                      f"{'on' if r['grad_checkpoint'] else 'off'} | {r['tokens_per_s']:.0f} | {sp} | {r['peak_mem_gb']:.1f} |")
     gpu = next((r["gpu"] for r in records if "gpu" in r), "?")
     md = (f"# Training throughput, {' vs '.join(map(str, a.gpus))} GPUs ({gpu}, {date})\n\n"
-          "Stage 1 (router) through `wide.training.calibrate`, stage 2 (lora) through `wide.lora.recover`; weak scaling (fixed micro-batch per GPU, "
+          "Stage 1 (router) through `wide.train.loop.calibrate`, stage 2 (lora) through `wide.lora.recover`; weak scaling (fixed micro-batch per GPU, "
           "global batch = micro-batch x GPUs), global tokens/s = median over the measured steps after warm-up; "
           "peak = `torch.cuda.max_memory_allocated` of the busiest rank over steps 2..end (steady-state training).\n\n" + "\n".join(lines)
           + f"\n\nCommand: `{command}`\n")

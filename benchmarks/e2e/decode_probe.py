@@ -43,7 +43,6 @@ import traceback
 from types import SimpleNamespace
 
 
-
 class _ProbeRouter(SimpleNamespace):
     """A router's weights without the module (weak-referenceable: the fused router caches W1's bf16 pieces per
     router in a WeakKeyDictionary)."""

@@ -85,7 +85,7 @@ def main(argv=None) -> int:
     from wide import WideConfig
     from wide.bench import e2e
     from wide.inference.engine import Engine
-    from wide.modeling import WideModel
+    from wide.model import WideModel
 
     os.makedirs(args.out, exist_ok=True)
     torch.backends.cuda.matmul.allow_tf32 = False

@@ -36,10 +36,10 @@ def main(argv=None) -> int:
     p.add_argument("--ops", default="gemm_mn,swiglu")
     p.add_argument("--time-budget", type=float, default=400)
     a = p.parse_args(argv)
+    import importlib
+
     import torch
     from triton.testing import do_bench
-
-    import importlib
 
     gm = importlib.import_module("wide.kernels.gemm_mn")  # the module (wide.kernels.gemm_mn is also the op)
     from wide.kernels import reorder

@@ -35,7 +35,7 @@ SENTENCE = ("A boy is running down a track. The boy runs into a car and falls do
 def sweep_plot(records: list[dict], path: Path) -> Path:
     """Figure 6 analogue, two panels against target sparsity S: average zero-shot accuracy (left) and
     WikiText-2 token perplexity (right, log scale), one line per method and stage, dense as a gray line."""
-    from wide.plots import _plt
+    from wide.eval.plots import _plt
 
     plt = _plt()
     fig, axes = plt.subplots(1, 2, figsize=(9.5, 3.4), dpi=150)
@@ -72,7 +72,7 @@ def group_plot(records: list[dict], path: Path) -> Path:
     the default G_attn (key ``-gagqa-``: one GQA group), one varies G_attn at G_ffn 128; stage 1 solid,
     + LoRA dashed; dense as a gray line. Planned points of run_quality.py's group plan that have no
     record are listed under the panels."""
-    from wide.plots import _plt
+    from wide.eval.plots import _plt
 
     plt = _plt()
     wide = [r for r in records if r["method"] == "wide" and r.get("target_sparsity") == 0.5
@@ -139,7 +139,7 @@ def main() -> None:
     p.add_argument("--out", default="benchmarks/quality")
     a = p.parse_args()
     out = Path(a.out)
-    from wide.plots import layer_profile, plot_layer_profile, plot_token_routing, token_routing
+    from wide.eval.plots import layer_profile, plot_layer_profile, plot_token_routing, token_routing
 
     if a.results and a.profile:
         allrecs = json.loads(Path(a.results).read_text())

@@ -21,7 +21,7 @@ def main(argv: list[str] | None = None) -> int:
                    help=f"the .tar.gz to write; its folder is created (default: {DEFAULT_OUT})")
     args = p.parse_args(argv)
     from wide.errors import WideError
-    from wide.tasks.loaders import pack_task_data
+    from wide.eval.tasks.loaders import pack_task_data
 
     try:
         print(pack_task_data(args.output))

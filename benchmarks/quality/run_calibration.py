@@ -22,9 +22,9 @@ import torch
 from wide.checkpoint import save_wide
 from wide.config import WideConfig, atomic_write_text
 from wide.data import load_texts, pack, ppl_windows
-from wide.evaluation import perplexity
-from wide.modeling import WideModel, load_base_model
-from wide.training import CalibrationArgs, calibrate
+from wide.eval.perplexity import perplexity
+from wide.model import WideModel, load_base_model
+from wide.train.loop import CalibrationArgs, calibrate
 
 
 def main() -> None:

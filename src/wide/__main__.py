@@ -1,3 +1,3 @@
-from .cli import main
+from wide.cli import main
 
 raise SystemExit(main())

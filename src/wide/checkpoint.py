@@ -19,10 +19,21 @@ from pathlib import Path
 
 import torch
 
-from .config import CONFIG_NAME, ModelDims, WideConfig, atomic_write, atomic_write_text
-from .errors import WideError, WideWarning
-from .modeling import (DEFAULT_MODEL, WideModel, check_architecture, check_device, check_router_weights, dims_of,
-                       default_device, fingerprint, fingerprint_like, load_base_model, router_shapes)
+from wide.config import CONFIG_NAME, ModelDims, WideConfig, atomic_write, atomic_write_text
+from wide.errors import WideError, WideWarning
+from wide.model import (
+    DEFAULT_MODEL,
+    WideModel,
+    check_architecture,
+    check_device,
+    check_router_weights,
+    default_device,
+    dims_of,
+    fingerprint,
+    fingerprint_like,
+    load_base_model,
+    router_shapes,
+)
 
 ROUTERS_NAME = "routers.safetensors"
 BASE_NAME = "base_model.json"
@@ -70,7 +81,7 @@ def save_wide(model: WideModel, directory: str | os.PathLike, model_ref: str, ex
         extra: optional JSON-able facts stored in ``base_model.json`` under ``"extra"``.
         routers: router weights to write instead of ``model.router_state_dict()`` (float32 CPU tensors;
             used when the model is sharded with FSDP and the caller gathered them).
-        base_fingerprint: the base model's :func:`~wide.modeling.fingerprint`, if already computed
+        base_fingerprint: the base model's :func:`~wide.model.fingerprint`, if already computed
             (a sharded model cannot compute it).
     """
     directory = Path(directory)
@@ -224,7 +235,7 @@ def check_directory(path: Path, what: str, expected: str) -> None:
 
 def _check_routers(routers: dict[str, torch.Tensor], shapes: dict[str, tuple[int, ...]], path: Path,
                    source: str | None = None) -> None:
-    """:func:`wide.modeling.check_router_weights`, its WideError prefixed with the router file (and followed by
+    """:func:`wide.model.check_router_weights`, its WideError prefixed with the router file (and followed by
     where the needed shapes come from, ``source``, when that is not the loaded model)."""
     try:
         check_router_weights(routers, shapes)
@@ -266,7 +277,7 @@ def load(path: str | os.PathLike, model: str | torch.nn.Module | None = None, de
             the base weights with peft's own merge and scale (``lora_alpha / r``); otherwise (default) keep
             it as separate peft LoRA layers. Either way the routing hooks gate the adapted projections.
         check: optional callable ``f(hf_config, tokenizer)`` run after the checkpoint's own files are checked
-            and before any base weight is read (:func:`wide.modeling.load_base_model`'s hook), e.g. to validate
+            and before any base weight is read (:func:`wide.model.load_base_model`'s hook), e.g. to validate
             sizes against the model's context; not called when ``model`` is an already loaded module.
         config_check: optional callable ``f(hf_config)``, likewise, run before the base model's tokenizer loads.
 
@@ -284,7 +295,7 @@ def load(path: str | os.PathLike, model: str | torch.nn.Module | None = None, de
             checkpoint made for another base model, router keys or shapes that do not fit (the message counts and names
             the missing / unexpected keys; checked before any weight loads when ``base_model.json`` records the
             dims), a missing / corrupt LoRA
-            adapter, or a device this machine does not have (:func:`wide.modeling.check_device`); a ``path``
+            adapter, or a device this machine does not have (:func:`wide.model.check_device`); a ``path``
             that is not a str / ``os.PathLike``, ``tokenizer=True`` with a loaded module as ``model``, a
             ``dtype`` other than bf16 / fp16 / fp32, and (with ``model=None``) a recorded base model that is no
             longer at its path (the message says to pass it as ``model`` / ``--model``).
@@ -359,7 +370,7 @@ def load(path: str | os.PathLike, model: str | torch.nn.Module | None = None, de
     wm = WideModel(base, config)
     _check_routers(routers, {k: tuple(v.shape) for k, v in wm.router_state_dict().items()}, path)
     wm.load_router_state_dict(routers)
-    from .lora import ADAPTER_DIR, load_adapter
+    from wide.lora import ADAPTER_DIR, load_adapter
 
     if (path / ADAPTER_DIR).exists():
         load_adapter(wm, path / ADAPTER_DIR, merge=merge_lora)

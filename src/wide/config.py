@@ -16,7 +16,7 @@ import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
-from .errors import WideError
+from wide.errors import WideError
 
 #: Every ``--seed`` (calibration, LoRA, sampling) lies in ``[0, SEED_MAX]`` (the data order seeds a 64-bit generator
 #: with ``seed * 1_000_003 + epoch``).
@@ -215,7 +215,7 @@ class WideConfig:
                                 f"Gumbel-softmax temperature divides the router logits: below {TAU_MIN:g} they "
                                 f"overflow)")
 
-    def resolve(self, dims: ModelDims) -> "WideConfig":
+    def resolve(self, dims: ModelDims) -> WideConfig:
         """Return a copy with ``attn_group_size`` filled in and every size checked against ``dims``.
 
         For ``method="skipgpt"`` both group sizes become the full module widths (``N_G = 1`` per module).
@@ -264,7 +264,7 @@ class WideConfig:
         return dataclasses.asdict(self)
 
     @classmethod
-    def from_dict(cls, data: dict) -> "WideConfig":
+    def from_dict(cls, data: dict) -> WideConfig:
         """Build from a dict (e.g. a parsed ``wide_config.json``); missing keys take the defaults.
 
         Raises:
@@ -286,7 +286,7 @@ class WideConfig:
         return path
 
     @classmethod
-    def load(cls, directory: str | os.PathLike) -> "WideConfig":
+    def load(cls, directory: str | os.PathLike) -> WideConfig:
         """Read ``<directory>/wide_config.json``.
 
         Raises:

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import torch
 
-from .errors import WideError
+from wide.errors import WideError
 
 DEFAULT_TEXT = "boolq-passages"
 _BOOLQ = "hf_datasets/boolq/none/validation"

@@ -22,9 +22,9 @@ from pathlib import Path
 
 import torch
 
-from .config import set_new_file_mode
-from .errors import WideError
-from .modeling import WideModel
+from wide.config import set_new_file_mode
+from wide.errors import WideError
+from wide.model import WideModel
 
 LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 ADAPTER_DIR = "adapter"
@@ -105,7 +105,7 @@ def max_lora_rank(dims) -> tuple[int, list[str]]:
 class KeyedDropout(torch.nn.Module):
     """Dropout on the LoRA input whose mask depends only on (seed, sample position, module), not on the world
     size, the rank or recomputation (so stage-2 losses match across world sizes and under activation
-    checkpointing). Inside :func:`wide.training.train` the keep mask of row ``b`` is drawn from a generator
+    checkpointing). Inside :func:`wide.train.loop.train` the keep mask of row ``b`` is drawn from a generator
     seeded with ``(seed, positions[b], "lora_dropout", name)``; elsewhere in training mode it is plain
     ``torch.nn.functional.dropout``; in eval mode the identity.
 
@@ -123,7 +123,7 @@ class KeyedDropout(torch.nn.Module):
         """``x`` ``[B, T, in]`` (any float dtype) -> same shape and dtype."""
         if not self.training or self.p == 0.0:
             return x
-        from .training import current_samples, sample_keyed_uniform
+        from wide.train.loop import current_samples, sample_keyed_uniform
 
         if current_samples() is None:
             return torch.nn.functional.dropout(x, self.p, True)
@@ -218,12 +218,12 @@ def save_adapter(wm: WideModel, directory: str | os.PathLike, env=None) -> Path:
     Args:
         wm: a model with an adapter (:func:`attach_lora`).
         directory: the adapter folder, normally ``<WIDE dir>/adapter``.
-        env: :class:`wide.distributed.DistEnv` (default: the current one).
+        env: :class:`wide.train.fsdp.DistEnv` (default: the current one).
 
     Raises:
         WideError: ``wm`` has no adapter.
     """
-    from . import distributed as D
+    import wide.train.fsdp as D
 
     pm = peft_model(wm)
     if pm is None:
@@ -288,8 +288,8 @@ def check_stage1(path: str | os.PathLike) -> dict:
         WideError: missing directory (or a file given for it), missing or corrupt config / base info / router
             weights, or a directory that already holds a LoRA adapter.
     """
-    from .checkpoint import ROUTERS_NAME, check_directory, read_base_info, read_safetensors
-    from .config import WideConfig
+    from wide.checkpoint import ROUTERS_NAME, check_directory, read_base_info, read_safetensors
+    from wide.config import WideConfig
 
     path = Path(path)
     check_directory(path, "stage-1 checkpoint", "the -o of `wide calibrate`")
@@ -308,28 +308,28 @@ def recover(wm: WideModel, blocks: torch.Tensor, args, output: str | os.PathLike
     """Stage-2 LoRA recovery (paper §3.2): LoRA on all seven projections, routers trained unless frozen.
 
     Same loss (LM + Eq. 6 / Eq. 22 sparsity), schedule, checkpointing, resume and logging as stage 1
-    through :func:`wide.training.train`. Every save writes the WIDE directory (routers, config, base
+    through :func:`wide.train.loop.train`. Every save writes the WIDE directory (routers, config, base
     reference) and the adapter in peft format to ``<output>/adapter``.
 
     Args:
         wm: routed model loaded from a stage-1 checkpoint (no adapter yet: one is attached here, its
             ``lora_A`` drawn after ``torch.manual_seed(args.seed)``).
         blocks: int64 ``[N, seq_len]`` packed token blocks.
-        args: :class:`wide.training.CalibrationArgs` (the CLI's default ``lr`` for this stage is 2e-4).
+        args: :class:`wide.train.loop.CalibrationArgs` (the CLI's default ``lr`` for this stage is 2e-4).
         output: output WIDE directory.
         model_ref: the base model's reference (from the stage-1 checkpoint).
         settings: LoRA hyper-parameters (default ``r=16, alpha=32, dropout=0.1``).
         freeze_router: keep the stage-1 routers fixed; train only LoRA.
         stage1: the stage-1 directory, recorded in ``base_model.json``.
-        resume, progress, on_step, data_source, options: as in :func:`wide.training.train`.
+        resume, progress, on_step, data_source, options: as in :func:`wide.train.loop.train`.
 
     Returns:
-        the per-step records of :func:`wide.training.train`.
+        the per-step records of :func:`wide.train.loop.train`.
 
     Raises:
-        WideError: as :func:`attach_lora` and :func:`wide.training.train`.
+        WideError: as :func:`attach_lora` and :func:`wide.train.loop.train`.
     """
-    from .training import train
+    from wide.train.loop import train
 
     settings = settings or LoraSettings()
     settings.validate()

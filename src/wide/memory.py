@@ -1,6 +1,6 @@
 """Will one training micro-batch fit? An estimate of its forward + backward memory, and the memory available.
 
-:func:`wide.training.train` calls :func:`check_train_memory` before its first step, so that a batch too large
+:func:`wide.train.loop.train` calls :func:`check_train_memory` before its first step, so that a batch too large
 for the machine ends with one line naming the estimate, the memory available and a batch split that fits,
 instead of the operating system's OOM killer ending the process without a word. ``wide eval-ppl`` likewise calls
 :func:`check_eval_memory` before the weights load (weights plus one forward pass, whose ``batch x ctx x vocab``
@@ -43,8 +43,8 @@ from dataclasses import dataclass
 
 import torch
 
-from .config import ModelDims
-from .errors import WideError
+from wide.config import ModelDims
+from wide.errors import WideError
 
 GIB = 2 ** 30
 HEADROOM = 0.9  # use at most this fraction of the available memory (allocator slack, other processes)
@@ -176,14 +176,14 @@ class TrainMemory:
 
 
 def train_memory_of(wm, device: torch.device | str | None = None) -> TrainMemory:
-    """The inputs of the estimate for a :class:`wide.modeling.WideModel` as it will be trained on ``device``.
+    """The inputs of the estimate for a :class:`wide.model.WideModel` as it will be trained on ``device``.
 
     Counts the routers and any peft LoRA layer (its rank and, with dropout, its mask, output and temporaries)
     as extra values per layer (see the module docstring), and the parameters with ``requires_grad`` as trained
-    (all router parameters when none is marked yet, as in stage 1 before :func:`wide.training.calibrate`).
+    (all router parameters when none is marked yet, as in stage 1 before :func:`wide.train.loop.calibrate`).
 
     Args:
-        wm: a :class:`wide.modeling.WideModel`.
+        wm: a :class:`wide.model.WideModel`.
         device: where it will train (default: its weights' device); CUDA means bfloat16 autocast activations.
 
     Returns:
@@ -243,7 +243,7 @@ def train_memory_from_config(hf_config, config, device: torch.device | str) -> T
     Raises:
         WideError: the config does not fit the WideConfig (:meth:`wide.config.WideConfig.resolve`).
     """
-    from .modeling import dims_of, router_param_count
+    from wide.model import dims_of, router_param_count
 
     device = torch.device(device)
     dims = dims_of(hf_config)
@@ -304,7 +304,7 @@ def check_train_memory(wm, batch_size: int, seq_len: int, *, grad_checkpoint: bo
     """Refuse a micro-batch whose forward + backward would not fit in memory; return its estimate.
 
     Args:
-        wm: the :class:`wide.modeling.WideModel` to train, loaded on its device (LoRA attached for stage 2).
+        wm: the :class:`wide.model.WideModel` to train, loaded on its device (LoRA attached for stage 2).
         batch_size: sequences per micro-batch (per process).
         seq_len: tokens per sequence.
         grad_checkpoint: activation checkpointing is on.
@@ -397,7 +397,7 @@ def check_train_fits(mem: TrainMemory, batch_size: int, seq_len: int, *, device:
 
 
 # --- evaluation (wide eval-ppl) -------------------------------------------------------------------------------
-#: bytes per token and vocabulary entry around :func:`wide.evaluation.perplexity`'s loss: the logits, their
+#: bytes per token and vocabulary entry around :func:`wide.eval.perplexity.perplexity`'s loss: the logits, their
 #: flattened float32 copy and its float32 log-softmax are 12 (measured: 1326 MiB over the loaded SmolLM2-135M for
 #: 4 x 512 tokens, of which 1152 MiB are those three), rounded up to 16 for the allocator
 EVAL_LOGIT_BYTES = 16
@@ -420,7 +420,7 @@ def config_param_count(hf_config) -> int:
 
 def estimate_eval_memory(dims: ModelDims, vocab_size: int, params: int, batch_size: int, ctx: int, *,
                          param_bytes: int = 4, act_bytes: int = 4, gguf: bool = False) -> tuple[int, int]:
-    """Memory of evaluating perplexity (:func:`wide.evaluation.perplexity`) with a model not loaded yet, in bytes.
+    """Memory of evaluating perplexity (:func:`wide.eval.perplexity.perplexity`) with a model not loaded yet, in bytes.
 
     Per token of one forward pass (``batch_size x ctx`` tokens): one decoder layer's activations at a time
     (:func:`layer_values`, the training count, an over-estimate without a backward), the KV cache the forward
@@ -472,7 +472,7 @@ def check_eval_memory(hf_config, batch_size: int, ctx: int, device: torch.device
             (weights and forward pass), the memory available, a ``--batch-size`` (or ``--ctx``) that fits, and
             ``--no-memory-check``.
     """
-    from .modeling import dims_of
+    from wide.model import dims_of
 
     device = torch.device(device)
     got = available_memory(device)

@@ -41,7 +41,7 @@ def types_of(fn, **ptrs) -> dict:
 
 
 def main() -> None:
-    fused = importlib.import_module("wide.inference.fused")
+    fused = importlib.import_module("wide.kernels.fused")
     reorder = importlib.import_module("wide.kernels.reorder")
     decode = importlib.import_module("wide.kernels.decode")
     decode_attn = importlib.import_module("wide.kernels.decode_attn")

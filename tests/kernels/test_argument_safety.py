@@ -8,10 +8,18 @@ import sys
 
 import pytest
 import torch
-
 from kernel_testutil import DEVICE, check_close, make_mask, poisoned, randn, seed_for
+
 from wide.kernels import (
-    KernelArgumentError, Reordered, decode_attention, gemm_k, gemm_mn, gemv_k, gemv_mn, reorder, routed_attention,
+    KernelArgumentError,
+    Reordered,
+    decode_attention,
+    gemm_k,
+    gemm_mn,
+    gemv_k,
+    gemv_mn,
+    reorder,
+    routed_attention,
     swiglu,
 )
 from wide.kernels.reference import attention_ref, gemm_mn_ref

@@ -1,7 +1,7 @@
 import pytest
 import torch
-
 from kernel_testutil import DEVICE, DTYPES, check_close, make_mask, poisoned, randn, seed_for
+
 from wide.kernels import reorder, routed_attention
 from wide.kernels.reference import attention_ref
 

@@ -4,8 +4,8 @@ import importlib
 
 import pytest
 import torch
-
 from kernel_testutil import DEVICE, check_close, make_mask, poisoned, randn, seed_for
+
 from wide.kernels import decode_attention, gemv_k, gemv_mn, gemv_swiglu, routed_attention
 from wide.kernels.reference import attention_ref, gemm_k_ref, gemm_mn_ref, swiglu_ref
 

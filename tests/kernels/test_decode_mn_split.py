@@ -9,8 +9,8 @@ inactive (row, group) outputs exactly 0.
 
 import pytest
 import torch
-
 from kernel_testutil import check_close, make_mask, poisoned, randn, seed_for
+
 from wide.kernels import _common, decode, gemm_mn, gemv_mn, gemv_swiglu, swiglu
 from wide.kernels.reference import expand_route, gemm_mn_ref, swiglu_ref
 

@@ -8,8 +8,8 @@ separate tensors (the kernels address the tail by element offset from ``wq``).
 
 import pytest
 import torch
-
 from kernel_testutil import DEVICE, check_close, make_mask, poisoned, randn, seed_for
+
 from wide.kernels import decode, gemv_mn
 from wide.kernels.reference import expand_route
 

@@ -1,4 +1,4 @@
-"""The few-row router kernel behind :func:`wide.inference.fused.router_mask` (Eq. 4-5, decode path).
+"""The few-row router kernel behind :func:`wide.kernels.fused.router_mask` (Eq. 4-5, decode path).
 
 Logits are compared with a float64 evaluation of the router; decisions with the reference path
 (``argmax_mask(router(x))``) wherever the float64 margin between the two logits is not a near-tie.
@@ -6,11 +6,11 @@ Logits are compared with a float64 evaluation of the router; decisions with the 
 
 import pytest
 import torch
-
 from kernel_testutil import DEVICE, seed_for
+
 from wide.inference import fused
 from wide.kernels import _common
-from wide.inference.fused import ROUTER_MAX_ROWS, _router_logits, _router_mask_rowwise, router_mask
+from wide.kernels.fused import ROUTER_MAX_ROWS, _router_logits, _router_mask_rowwise, router_mask
 from wide.routing import Router, argmax_mask
 
 

@@ -6,8 +6,8 @@ direct-store path (1 split), the fp32-partials path (several splits) and splits 
 
 import pytest
 import torch
-
 from kernel_testutil import check_close, make_mask, poisoned, randn, seed_for
+
 from wide.kernels import _common, decode, gemm_k, gemv_k
 from wide.kernels.reference import gemm_k_ref
 

@@ -7,8 +7,8 @@ tile whose rows execute no group at all, empty splits, ragged group widths.
 
 import pytest
 import torch
-
 from kernel_testutil import DTYPES, check_close, make_mask, poisoned, randn, seed_for
+
 from wide.kernels import _common, decode, gemm_k
 from wide.kernels.reference import gemm_k_ref
 

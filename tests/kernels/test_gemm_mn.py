@@ -2,8 +2,8 @@ import importlib
 
 import pytest
 import torch
-
 from kernel_testutil import DEVICE, DTYPES, check_close, make_mask, poisoned, randn, seed_for
+
 from wide.kernels import gemm_mn, reorder
 from wide.kernels.reference import expand_route, gemm_mn_ref
 

@@ -4,8 +4,8 @@ checks run on any device.  Its sm_90 compile is checked on the CPU by ``aot_sm90
 
 import pytest
 import torch
-
 from kernel_testutil import check_close, make_mask, poisoned, randn, seed_for
+
 from wide.kernels import reorder
 from wide.kernels.gemm_mn_ws import HAS_GLUON, gemm_mn_ws
 from wide.kernels.reference import gemm_mn_ref, swiglu_ref

@@ -4,8 +4,8 @@ import zlib
 
 import pytest
 import torch
+from kernel_testutil import check_close
 
-from kernel_testutil import check_close, seed_for
 from wide.kernels import gemm_k, gemm_mn, reorder, routed_attention, swiglu
 from wide.kernels.reference import attention_ref, gemm_k_ref, gemm_mn_ref, swiglu_ref
 

@@ -4,9 +4,9 @@ executes, exact 0 elsewhere, rounded like the model's MLP; against a float64 eva
 import pytest
 import torch
 import torch.nn.functional as F
-
 from kernel_testutil import DEVICE, seed_for
-from wide.inference.fused import masked_swiglu_act, masked_swiglu_act_ref
+
+from wide.kernels.fused import masked_swiglu_act, masked_swiglu_act_ref
 
 # the rounding points of act_fn(gate) * up: SiLU rounded, then the product rounded -> <= 2 ulps of the dtype
 ULP = {torch.bfloat16: 2.0 ** -8, torch.float16: 2.0 ** -11, torch.float32: 2.0 ** -24}

@@ -2,8 +2,8 @@ import importlib
 
 import pytest
 import torch
-
 from kernel_testutil import DEVICE, make_mask, seed_for
+
 from wide.kernels import Reordered, reorder
 from wide.kernels._common import use_triton
 from wide.kernels.reference import reorder_ref

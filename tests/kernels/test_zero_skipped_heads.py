@@ -3,9 +3,9 @@ Algorithm 4's output for a skipped group): exact zeros where the route skips, ev
 
 import pytest
 import torch
-
 from kernel_testutil import DEVICE, seed_for
-from wide.inference.fused import zero_skipped_heads_
+
+from wide.kernels.fused import zero_skipped_heads_
 
 
 @pytest.mark.parametrize("B,H,T,D,NG", [(1, 8, 5, 16, 2), (2, 9, 7, 64, 3), (3, 4, 1, 32, 4), (2, 6, 33, 8, 1)])

@@ -15,8 +15,8 @@ from __future__ import annotations
 
 import dataclasses
 
-from ..config import ModelDims, WideConfig
-from ..errors import WideError
+from wide.config import ModelDims, WideConfig
+from wide.errors import WideError
 
 
 def router_params(dims: ModelDims, config: WideConfig) -> int:
@@ -32,7 +32,7 @@ def router_params(dims: ModelDims, config: WideConfig) -> int:
     Raises:
         WideError: group sizes that do not fit ``dims``.
     """
-    from ..modeling import router_param_count
+    from wide.model import router_param_count
 
     return router_param_count(dims, config.resolve(dims))
 

@@ -17,7 +17,7 @@ With few attention groups (SmolLM2: 3 per layer) several (attention, FFN) splits
 equally well; among the splits within half an FFN group of ``S`` the one with the lowest calibration LM
 loss is taken (:func:`choose_allocation`). ``attn_sparsity`` / ``ffn_sparsity`` fix the split by hand.
 
-Two equivalent forms (tested to give equal logits): a fixed mask on :class:`wide.modeling.WideModel`
+Two equivalent forms (tested to give equal logits): a fixed mask on :class:`wide.model.WideModel`
 (:meth:`StaticPruning.apply`) and a physically sliced model (:func:`slice_model`), whose speed is real.
 """
 
@@ -33,8 +33,8 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from ..config import ModelDims, WideConfig, atomic_write_text, set_new_file_mode
-from ..errors import WideError
+from wide.config import ModelDims, WideConfig, atomic_write_text, set_new_file_mode
+from wide.errors import WideError
 
 PRUNING_NAME = "static_pruning.json"
 
@@ -55,7 +55,7 @@ def channel_sq_norms(model: nn.Module, blocks: torch.Tensor, batch_size: int = 4
     Raises:
         WideError: empty ``blocks`` or ``batch_size < 1``.
     """
-    from ..modeling import decoder_layers
+    from wide.model import decoder_layers
 
     if blocks.ndim != 2 or blocks.shape[0] < 1:
         raise WideError(f"calibration blocks must be a non-empty [N, T] tensor, got shape {tuple(blocks.shape)}")
@@ -97,7 +97,7 @@ def group_scores(model: nn.Module, sq: dict[str, torch.Tensor], attn_group_size:
     Returns:
         ``{"attn": float64 [L, N_attn], "ffn": float64 [L, N_ffn]}``.
     """
-    from ..modeling import decoder_layers
+    from wide.model import decoder_layers
 
     out = {"attn": [], "ffn": []}
     for i, layer in enumerate(decoder_layers(model)):
@@ -149,7 +149,7 @@ class StaticPruning:
         return 0.5 * (self.attn_sparsity + self.ffn_sparsity)
 
     def masks(self) -> dict[str, torch.Tensor]:
-        """Fixed masks for :attr:`wide.modeling.WideModel.fixed_masks`: bool ``[L, 1, 1, N_G]`` each."""
+        """Fixed masks for :attr:`wide.model.WideModel.fixed_masks`: bool ``[L, 1, 1, N_G]`` each."""
         return {"attn": torch.tensor(self.attn_keep, dtype=torch.bool)[:, None, None, :],
                 "ffn": torch.tensor(self.ffn_keep, dtype=torch.bool)[:, None, None, :]}
 
@@ -159,12 +159,12 @@ class StaticPruning:
                           target_sparsity=min(self.target_sparsity, 0.999))
 
     def apply(self, base: nn.Module):
-        """A :class:`wide.modeling.WideModel` on ``base`` with these masks fixed (the fixed-mask form).
+        """A :class:`wide.model.WideModel` on ``base`` with these masks fixed (the fixed-mask form).
 
         Raises:
             WideError: group sizes that do not fit ``base``.
         """
-        from ..modeling import WideModel
+        from wide.model import WideModel
 
         wm = WideModel(base, self.wide_config())
         if (wm.n_attn_groups, wm.n_ffn_groups) != (len(self.attn_keep[0]), len(self.ffn_keep[0])) or \
@@ -183,7 +183,7 @@ class StaticPruning:
         return path
 
     @classmethod
-    def load(cls, directory: str | os.PathLike) -> "StaticPruning":
+    def load(cls, directory: str | os.PathLike) -> StaticPruning:
         """Read ``static_pruning.json`` from ``directory``.
 
         Raises:
@@ -232,7 +232,7 @@ def keep_lowest(scores: torch.Tensor, n_remove: int) -> list[list[bool]]:
 
 
 def remove_hooks(wm) -> None:
-    """Detach a :class:`wide.modeling.WideModel`'s routing hooks from its base model."""
+    """Detach a :class:`wide.model.WideModel`'s routing hooks from its base model."""
     for h in wm._handles:
         h.remove()
     wm._handles = []
@@ -354,7 +354,7 @@ def prune(model: nn.Module, blocks: torch.Tensor, sparsity: float, attn_group_si
     Raises:
         WideError: bad group sizes or sparsity values, empty ``blocks``.
     """
-    from ..modeling import check_architecture, dims_of
+    from wide.model import check_architecture, dims_of
 
     check_architecture(model.config)
     g_a = check_group_sizes(dims_of(model.config), attn_group_size, ffn_group_size)
@@ -412,7 +412,7 @@ def slice_model(model: nn.Module, pruning: StaticPruning) -> nn.Module:
     Raises:
         WideError: layer counts that differ, or a pruning that does not fit the model.
     """
-    from ..modeling import check_architecture, decoder_layers, dims_of
+    from wide.model import check_architecture, decoder_layers, dims_of
 
     arch = check_architecture(model.config)
     dims: ModelDims = dims_of(model.config)

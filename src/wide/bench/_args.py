@@ -90,7 +90,7 @@ def read_records(path: str) -> list:
     import json
     import os
 
-    from ..errors import WideError
+    from wide.errors import WideError
 
     if not os.path.isfile(path):
         raise WideError(f"--report-only: no results at {path}; --out-dir and --tag choose the file of an earlier run")
@@ -112,7 +112,7 @@ def report_only(path: str, write_report, out_dir: str, tag: str) -> int:
 
     Raises:
         WideError: as :func:`read_records`, or a record without a field the report needs (named)."""
-    from ..errors import WideError
+    from wide.errors import WideError
 
     recs = read_records(path)
     try:

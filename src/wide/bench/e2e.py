@@ -38,7 +38,7 @@ import statistics
 import sys
 import time
 
-from ._args import choice_list, float_above, group_list, int_at_least, int_list, report_only, sparsity_list
+from wide.bench._args import choice_list, float_above, group_list, int_at_least, int_list, report_only, sparsity_list
 
 PAPER_SPLIT = (0.66, 0.285)  # attention / FFN sparsity at overall 0.4725 (§4.4)
 LLAMA8B = dict(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
@@ -307,8 +307,8 @@ class _Ctx:
         self.out_json = os.path.join(args.out_dir, f"e2e_{args.tag}.json")
         self.versions = {"torch": torch.__version__}
         try:
-            import triton
             import transformers
+            import triton
 
             self.versions.update(triton=triton.__version__, transformers=transformers.__version__)
         except Exception:
@@ -633,7 +633,6 @@ def bench_smollm2(ctx):
     import torch
 
     import wide
-    from wide.inference.engine import Engine
 
     args = ctx.args
     wm, tok = wide.load(args.smollm2_ckpt, model=args.smollm2_model, device=DEVICE, dtype=torch.bfloat16,
@@ -731,7 +730,7 @@ def run(args) -> int:
     if not torch.cuda.is_available():
         raise WideError("wide bench e2e measures CUDA-graph latency and needs a CUDA GPU; none is available")
     from wide import WideConfig
-    from wide.modeling import WideModel
+    from wide.model import WideModel
 
     os.makedirs(args.out_dir, exist_ok=True)
     torch.backends.cuda.matmul.allow_tf32 = False

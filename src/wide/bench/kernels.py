@@ -25,7 +25,7 @@ import sys
 import time
 import zlib
 
-from ._args import choice_list, float_above, group_list, int_at_least, int_list, report_only, sparsity_list
+from wide.bench._args import choice_list, float_above, group_list, int_at_least, int_list, report_only, sparsity_list
 
 OPS = ("gemm_mn", "gemm_k", "swiglu", "attention_prefill", "attention_decode")
 LLAMA = dict(hidden=4096, ffn=14336, hq=32, hk=8, d=128)

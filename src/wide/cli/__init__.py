@@ -13,20 +13,29 @@ import shlex
 import sys
 import warnings
 
-from ..errors import WideError
-from .common import (WideArgumentParser, _add_dist, _add_layout, _add_method, _add_model, _add_train, _need_extra,
-                     check_device)
-from .common import _demo_settings, _hf_config  # noqa: F401  (re-exported: the tests import them from wide.cli)
-from .demo import cmd_demo
-from .evaluate import cmd_eval, cmd_eval_ppl, cmd_info, cmd_prune_static
-from .train import _take_saved_options, cmd_calibrate, cmd_lora
+from wide.cli.common import (  # noqa: F401  (re-exported: the tests import them from wide.cli)
+    WideArgumentParser,
+    _add_dist,
+    _add_layout,
+    _add_method,
+    _add_model,
+    _add_train,
+    _demo_settings,
+    _hf_config,
+    _need_extra,
+    check_device,
+)
+from wide.cli.demo import cmd_demo
+from wide.cli.evaluate import cmd_eval, cmd_eval_ppl, cmd_info, cmd_prune_static
+from wide.cli.train import _take_saved_options, cmd_calibrate, cmd_lora
+from wide.errors import WideError
 
 
 # --- parser ----------------------------------------------------------------------------------------
 def build_parser() -> argparse.ArgumentParser:
     """The ``wide`` parser; every (sub)command parser is a :class:`WideArgumentParser` (one-line usage errors)."""
     p = WideArgumentParser(prog="wide", description="WIDE: token-level dynamic width pruning for LLMs")
-    from .. import __version__
+    from wide import __version__
 
     p.add_argument("--version", action="version", version=f"wide {__version__}")
     sub = p.add_subparsers(dest="command", required=True)
@@ -116,7 +125,7 @@ def build_parser() -> argparse.ArgumentParser:
     s = sub.add_parser("lm-eval", help="lm-eval's own command line with the `wide` model type and our tasks "
                                        "(e.g. wide lm-eval --model wide --model_args wide=CKPT --tasks wide_zeroshot)")
     s.add_argument("lm_eval_args", nargs=argparse.REMAINDER)
-    s.set_defaults(func=lambda a: __import__("wide.lm_eval_adapter", fromlist=["x"]).lm_eval_main(a.lm_eval_args))
+    s.set_defaults(func=lambda a: __import__("wide.eval.lm_eval", fromlist=["x"]).lm_eval_main(a.lm_eval_args))
 
     s = sub.add_parser("prune-static", help="static width baseline: remove the same head groups / FFN groups for "
                                             "every token, scored on calibration text; saves a smaller HF model")
@@ -162,12 +171,12 @@ def build_parser() -> argparse.ArgumentParser:
     s.set_defaults(func=cmd_demo)
 
     try:
-        from ..bench import cli as bench_cli
+        from wide.bench import cli as bench_cli
     except ImportError:
         bench_cli = None
     if bench_cli is not None:
         bench_cli.register(sub)
-    from ..inference.cli import register as register_generate
+    from wide.cli.generate import register as register_generate
 
     register_generate(sub)
     return p
@@ -178,7 +187,7 @@ def _one_line_warnings(command: str):
     """While the command runs, show each :class:`~wide.errors.WideWarning` as one line on stderr,
     ``wide <command>: warning: <message>`` (no file name, line number or source line); other warnings keep
     Python's format."""
-    from ..errors import WideWarning
+    from wide.errors import WideWarning
 
     with warnings.catch_warnings():  # puts the original showwarning back afterwards
         python_show = warnings.showwarning
@@ -230,7 +239,7 @@ def main(argv: list[str] | None = None) -> int:
         except WideError as e:
             print(f"wide lm-eval: error: {e}", file=sys.stderr)
             return 2
-        from ..lm_eval_adapter import lm_eval_main
+        from wide.eval.lm_eval import lm_eval_main
 
         try:
             return lm_eval_main(raw[1:])  # lm-eval's own errors come back as one line and exit 2
@@ -239,10 +248,10 @@ def main(argv: list[str] | None = None) -> int:
             return 130
     args = build_parser().parse_args(argv)
     args.argv = raw
-    from ..distributed import launched_by_torchrun
+    from wide.train.fsdp import launched_by_torchrun
 
     if launched_by_torchrun():  # a torchrun worker: any rank's error ends the job with one line, no hang
-        from .. import distributed as D
+        import wide.train.fsdp as D
 
         ok = False
         try:
@@ -267,7 +276,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     except KeyboardInterrupt:
         hint = ""
-        from ..training import has_train_state
+        from wide.train.loop import has_train_state
 
         if args.command == "demo" and getattr(args, "calibrated", False):
             hint = (f"; the calibration was complete and is saved in {str(args.output)!r}: `wide eval-ppl --wide "

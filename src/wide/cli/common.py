@@ -7,7 +7,7 @@ import argparse
 import os
 from pathlib import Path
 
-from ..errors import WideError
+from wide.errors import WideError
 
 
 class WideArgumentParser(argparse.ArgumentParser):
@@ -150,7 +150,7 @@ def _config_from(args):
             An ``--ffn-group-size`` that is not a power of two >= 16 is named with the legal sizes of ``--model``
             (read from its config, as ``wide info`` lists them).
     """
-    from ..config import WideConfig
+    from wide.config import WideConfig
 
     _check_ffn_group_size(args)
     objective = {k: getattr(args, a) for k, a in (("target_sparsity", "sparsity"), ("alpha", "alpha"),
@@ -164,7 +164,7 @@ def _config_from(args):
     if getattr(args, "skipgpt_rank", None) is not None and method != "skipgpt":
         raise WideError(f"--skipgpt-rank {args.skipgpt_rank} needs --method skipgpt")
     if method == "skipgpt":  # §4.1: SkipGPT's rank matches the router capacity of this WIDE config
-        from ..baselines.skipgpt import skipgpt_config
+        from wide.baselines.skipgpt import skipgpt_config
 
         cfg = skipgpt_config(_model_dims(args.model), cfg, rank=args.skipgpt_rank)
     return cfg
@@ -180,7 +180,7 @@ def _check_ffn_group_size(args) -> None:
     """
     g = getattr(args, "ffn_group_size", None)
     if isinstance(g, int) and not isinstance(g, bool) and (g < 16 or g & (g - 1)) and hasattr(args, "model"):
-        from ..modeling import dims_of
+        from wide.model import dims_of
 
         src, hf = _hf_config(args.model)
         bad = dims_of(hf).ffn_group_size_error(g, f" of {src.ref}")
@@ -195,7 +195,7 @@ def _hf_config(model):
         WideError: the model is not found, its config cannot be read (a truncated GGUF is named as such), or its
             architecture is not supported.
     """
-    from ..modeling import check_architecture, read_hf_config, resolve_model
+    from wide.model import check_architecture, read_hf_config, resolve_model
 
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     src = resolve_model(model)
@@ -206,7 +206,7 @@ def _hf_config(model):
 
 def _model_dims(model):
     """ModelDims of ``--model`` read from its config alone (no weights)."""
-    from ..modeling import dims_of
+    from wide.model import dims_of
 
     return dims_of(_hf_config(model)[1])
 
@@ -230,12 +230,12 @@ def check_device(device) -> None:
     """``--device`` must be ``cpu``, ``cuda`` or ``cuda:N`` naming a GPU of this machine (None = automatic).
 
     Shared by every subcommand that takes ``--device`` (:func:`main` runs it before the command); the check
-    itself is :func:`wide.modeling.check_device`, which :func:`wide.load` runs too.
+    itself is :func:`wide.model.check_device`, which :func:`wide.load` runs too.
 
     Raises:
         WideError: an unknown device string, CUDA without a CUDA GPU, or ``cuda:N`` past the last GPU.
     """
-    from ..modeling import check_device as check
+    from wide.model import check_device as check
 
     check(device, "--device")
 
@@ -280,7 +280,7 @@ def _check_output_dir(option: str, path) -> None:
 
 def _train_args_from(args):
     """CalibrationArgs from the ``_add_train`` options, validated (WideError on a bad value)."""
-    from ..training import CalibrationArgs
+    from wide.train.loop import CalibrationArgs
 
     _at_least("--seq-len", args.seq_len, 2)
     _at_least("--max-blocks", args.max_blocks, 1)
@@ -311,15 +311,15 @@ def _load(args, cfg=None, then=None, env=None, hf_check=None, pre=()):
     before the tokenizer loads (a GGUF tokenizer takes seconds to build, so a bad option fails at once); then run
     ``hf_check(hf_config, tokenizer)`` and ``then(tokenizer)`` before the weights load.
 
-    Under torchrun (``env`` active) only rank 0 reads the weights; see :func:`wide.distributed.load_base`.
+    Under torchrun (``env`` active) only rank 0 reads the weights; see :func:`wide.train.fsdp.load_base`.
 
     Returns:
-        ``(model, tokenizer, source)`` as :func:`wide.modeling.load_base_model`.
+        ``(model, tokenizer, source)`` as :func:`wide.model.load_base_model`.
 
     Raises:
         WideError: from loading, ``cfg.resolve``, ``pre``, ``hf_check`` or ``then``.
     """
-    from ..modeling import dims_of, load_base_model
+    from wide.model import dims_of, load_base_model
 
     def config_check(hf):
         if cfg is not None:
@@ -334,7 +334,7 @@ def _load(args, cfg=None, then=None, env=None, hf_check=None, pre=()):
             then(tok)
 
     if env is not None and env.active:
-        from ..distributed import load_base
+        from wide.train.fsdp import load_base
 
         return load_base(args.model, env, check=check, config_check=config_check)
     return load_base_model(args.model, device=args.device, check=check, config_check=config_check)
@@ -342,7 +342,7 @@ def _load(args, cfg=None, then=None, env=None, hf_check=None, pre=()):
 
 def _maybe_launch(args, command: str, precheck) -> int | None:
     """``--nproc N`` outside torchrun: check cheap inputs here, then start N workers; else None."""
-    from .. import distributed as D
+    import wide.train.fsdp as D
 
     if args.nproc is None or D.launched_by_torchrun():
         return None
@@ -352,7 +352,7 @@ def _maybe_launch(args, command: str, precheck) -> int | None:
 
 
 def _precheck_train(args, cfg=None, stage: str = "router"):
-    from ..data import load_texts
+    from wide.data import load_texts
 
     _train_args_from(args)
     if cfg is not None:
@@ -367,8 +367,8 @@ def _check_output(args, stage: str | None = "router") -> None:
     (the new run then writes into it: the old training state and log are removed when training starts, each other
     file replaced atomically when its new version is complete; a stage-1 run (``stage="router"``) refuses a
     directory holding a LoRA adapter). Commands without ``--resume`` (demo, prune-static) get the same checks."""
-    from ..lora import ADAPTER_DIR
-    from ..training import STATE_NAME, has_train_state, load_train_state
+    from wide.lora import ADAPTER_DIR
+    from wide.train.loop import STATE_NAME, has_train_state, load_train_state
 
     out = str(args.output)
     _check_output_dir("-o", out)
@@ -402,7 +402,7 @@ def _data_source(args) -> str:
 
 def _text_name(spec) -> str:
     """The ``--text`` as given (the default text's name when none was), for messages about it."""
-    from ..data import DEFAULT_TEXT
+    from wide.data import DEFAULT_TEXT
 
     return DEFAULT_TEXT if spec is None else str(spec)
 
@@ -436,6 +436,6 @@ def _demo_settings(args, gpu: bool) -> tuple[int, int, int, int | None]:
 def _parser() -> argparse.ArgumentParser:
     """The ``wide`` parser of :func:`wide.cli.build_parser` (imported at call time: :mod:`wide.cli` imports this
     module's siblings, which use it to read option defaults)."""
-    from . import build_parser
+    from wide.cli import build_parser
 
     return build_parser()

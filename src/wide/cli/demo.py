@@ -9,7 +9,7 @@ import os
 import time
 from pathlib import Path
 
-from .common import (
+from wide.cli.common import (
     _at_least,
     _check_output,
     _config_from,
@@ -23,14 +23,14 @@ from .common import (
     _text_name,
     _train_args_from,
 )
-from .train import _NOT_RUN_OPTIONS, _run_options
+from wide.cli.train import _NOT_RUN_OPTIONS, _run_options
 
 
 def _demo_calibrate_options(args, steps: int, seq_len: int) -> dict:
     """The ``wide calibrate`` options that run the demo's calibration, kept with its training state so that
     ``wide calibrate -o DIR --resume`` alone continues an interrupted demo (:func:`_run_options`): calibrate's
     defaults, every option the demo shares with it as the demo ran it, ``--steps`` / ``--seq-len`` as resolved."""
-    from .. import distributed as D
+    import wide.train.fsdp as D
 
     ns = _parser().parse_args(["calibrate", "-o", str(args.output)])
     for dest in vars(ns):
@@ -51,12 +51,12 @@ def cmd_demo(args) -> int:
     """
     import torch
 
-    from ..checkpoint import save_wide
-    from ..config import atomic_write_text
-    from ..data import DEFAULT_TEXT, load_texts, pack, ppl_windows
-    from ..evaluation import format_layer_table, perplexity
-    from ..modeling import WideModel
-    from ..training import calibrate
+    from wide.checkpoint import save_wide
+    from wide.config import atomic_write_text
+    from wide.data import DEFAULT_TEXT, load_texts, pack, ppl_windows
+    from wide.eval.perplexity import format_layer_table, perplexity
+    from wide.model import WideModel
+    from wide.train.loop import calibrate
 
     for option, value, low in (("--ctx", args.ctx, 2), ("--eval-tokens", args.eval_tokens, 2),
                                ("--steps", args.steps, 1), ("--seq-len", args.seq_len, 2)):
@@ -85,7 +85,7 @@ def cmd_demo(args) -> int:
     wm = WideModel(model, cfg)
     targs = _train_args_from(argparse.Namespace(**{**vars(args), "steps": steps, "seq_len": seq_len}))
     if targs.memory_check:  # before the dense evaluation, not minutes later when calibration starts
-        from ..memory import check_train_memory
+        from wide.memory import check_train_memory
 
         check_train_memory(wm, targs.batch_size, seq_len, grad_checkpoint=targs.grad_checkpoint,
                            grad_accum=targs.grad_accum)

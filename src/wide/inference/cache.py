@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import torch
 
-from ..errors import WideError
+from wide.errors import WideError
 
 
 class StaticKVCache:

@@ -33,12 +33,12 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..errors import WideError
-from ..kernels import Reordered, gemm_k, gemm_mn, gemv_mn, reorder, routed_attention, swiglu
-from ..kernels._common import use_triton
-from ..modeling import check_architecture, check_token_ids, decoder_layers, dims_of, outside_vocab
-from .cache import StaticKVCache
-from .fused import add_rmsnorm, masked_swiglu_act, rope_cache, router_mask, zero_skipped_heads_
+from wide.errors import WideError
+from wide.inference.cache import StaticKVCache
+from wide.kernels import Reordered, gemm_k, gemm_mn, gemv_mn, reorder, routed_attention, swiglu
+from wide.kernels._common import use_triton
+from wide.kernels.fused import add_rmsnorm, masked_swiglu_act, rope_cache, router_mask, zero_skipped_heads_
+from wide.model import check_architecture, check_token_ids, decoder_layers, dims_of, outside_vocab
 
 OPS = ("routed", "dense")
 KAXIS = ("kernel", "auto", "dense")
@@ -148,13 +148,13 @@ def sliding_window(hf_config) -> int | None:
 
 
 def _gemm_mn_uses_reorder(M: int) -> bool:
-    from ..kernels.gemm_mn import uses_reorder
+    from wide.kernels.gemm_mn import uses_reorder
 
     return uses_reorder(M)
 
 
 def _gemm_k_uses_reorder(M: int, G: int) -> bool:
-    from ..kernels.gemm_k import uses_reorder
+    from wide.kernels.gemm_k import uses_reorder
 
     return uses_reorder(M, G)
 
@@ -227,14 +227,14 @@ class Engine:
         track_sparsity: accumulate executed / total groups over valid tokens on the device (a few tiny
             kernels per layer; off in the benchmarks).
         fused: on the Triton path, run RMSNorm (+ residual add), RoPE + KV-cache write and few-row routers as
-            the fused kernels of :mod:`wide.inference.fused` (default) instead of the model's PyTorch modules.
+            the fused kernels of :mod:`wide.kernels.fused` (default) instead of the model's PyTorch modules.
         kaxis: how the K-axis projections (O, down) run: ``"kernel"`` (``gemm_k``, Algorithm 3),
             ``"dense"`` (cuBLAS on the zero-filled input: the routed producer already wrote exact zeros for the
             skipped groups, so the function is the same), or ``"auto"`` (default: cuBLAS where the measured
             ``gemm_k`` is slower, see :meth:`kaxis_dense`).
         naxis: how the N-axis ops (Q projection, gate + up) run: ``"kernel"`` (``gemm_mn`` / fused ``swiglu``,
             Algorithm 2), ``"dense"`` (cuBLAS GEMMs; the routed attention ignores the Q rows of
-            skipped head groups and :func:`~wide.inference.fused.masked_swiglu_act` zeroes the skipped FFN
+            skipped head groups and :func:`~wide.kernels.fused.masked_swiglu_act` zeroes the skipped FFN
             groups, so the function is the same), or ``"auto"`` (default): cuBLAS for more than 4 rows (prefill,
             decode at batch > 4) in the layers whose executed fraction, measured by :meth:`measure_activity`, is
             above what the routed kernel needs to beat cuBLAS (:func:`naxis_dense_above`); the kernels
@@ -277,7 +277,7 @@ class Engine:
         self.fused, self.kaxis, self.naxis, self.attn = fused, kaxis, naxis, attn
         self.overlap = overlap
         self.expected_active: dict = {}  # {(kind, layer): executed fraction}, see measure_activity
-        from ..modeling import WideModel
+        from wide.model import WideModel
 
         if not isinstance(model, WideModel) and not (isinstance(model, nn.Module) and hasattr(model, "config")):
             raise WideError(f"Engine needs a WideModel (wide.load) or a Hugging Face causal LM; got "
@@ -324,7 +324,7 @@ class Engine:
     @property
     def uses_kernels(self) -> bool:
         """Whether the Triton kernels run (CUDA, or CPU under ``TRITON_INTERPRET=1``); else the references."""
-        from ..kernels._common import HAS_TRITON, interpret_mode
+        from wide.kernels._common import HAS_TRITON, interpret_mode
 
         return HAS_TRITON and (self.device.type == "cuda" or (self.device.type == "cpu" and interpret_mode()))
 
@@ -355,7 +355,7 @@ class Engine:
                             f"({self.window}); sliding-window attention is not supported by the inference engine")
         d = self.dims
         nbytes = StaticKVCache.buffer_bytes(d.num_layers, batch, d.num_kv_heads, d.head_dim, max_len, self.dtype)
-        from ..memory import available_memory
+        from wide.memory import available_memory
 
         avail = available_memory(self.device)
         if avail is not None and nbytes > avail[0]:  # the CPU would overcommit, then be killed while zeroing
@@ -437,7 +437,7 @@ class Engine:
     # --- one layer as named steps (also used by the per-op trace) ----------------------------------
     @property
     def fast(self) -> bool:
-        """Whether the fused unrouted kernels (:mod:`wide.inference.fused`) run (``fused`` and Triton)."""
+        """Whether the fused unrouted kernels (:mod:`wide.kernels.fused`) run (``fused`` and Triton)."""
         return self.fused and self.uses_kernels
 
     def overlaps_router(self, kind: str, phase: str) -> bool:

@@ -9,10 +9,10 @@ from dataclasses import dataclass, field
 
 import torch
 
-from ..errors import WideError
-from .engine import Engine, _tokens
-from .graphs import runner_for
-from .sampling import Sampling, next_tokens
+from wide.errors import WideError
+from wide.inference.engine import Engine, _tokens
+from wide.inference.graphs import runner_for
+from wide.inference.sampling import Sampling, next_tokens
 
 
 @dataclass

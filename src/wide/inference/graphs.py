@@ -11,8 +11,8 @@ from __future__ import annotations
 
 import torch
 
-from ..errors import WideError
-from .cache import StaticKVCache
+from wide.errors import WideError
+from wide.inference.cache import StaticKVCache
 
 BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128)
 

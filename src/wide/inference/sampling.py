@@ -14,8 +14,8 @@ from dataclasses import dataclass
 
 import torch
 
-from ..config import SEED_MAX
-from ..errors import WideError
+from wide.config import SEED_MAX
+from wide.errors import WideError
 
 
 @dataclass(frozen=True)

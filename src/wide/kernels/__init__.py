@@ -16,14 +16,14 @@ Triton is optional at import time.  On CPU without ``TRITON_INTERPRET=1`` (or wi
 every op falls back to its PyTorch reference (float32 compute, input dtype out).
 """
 
-from ._common import HAS_TRITON, KernelArgumentError, Reordered, cache_dir
-from .attention import routed_attention
-from .decode import gemv_k, gemv_mn, gemv_swiglu
-from .decode_attn import decode_attention
-from .gemm_k import gemm_k
-from .gemm_mn import gemm_mn
-from .reorder import reorder
-from .swiglu import swiglu
+from wide.kernels._common import HAS_TRITON, KernelArgumentError, Reordered, cache_dir
+from wide.kernels.attention import routed_attention
+from wide.kernels.decode import gemv_k, gemv_mn, gemv_swiglu
+from wide.kernels.decode_attn import decode_attention
+from wide.kernels.gemm_k import gemm_k
+from wide.kernels.gemm_mn import gemm_mn
+from wide.kernels.reorder import reorder
+from wide.kernels.swiglu import swiglu
 
 __all__ = [
     "HAS_TRITON", "KernelArgumentError", "Reordered", "cache_dir", "decode_attention", "gemm_k", "gemm_mn",

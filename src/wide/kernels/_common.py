@@ -14,7 +14,8 @@ import os
 import statistics
 import tempfile
 import threading
-from typing import Callable, NamedTuple, Sequence
+from collections.abc import Callable, Sequence
+from typing import NamedTuple
 
 import torch
 

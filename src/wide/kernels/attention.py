@@ -20,17 +20,27 @@ from __future__ import annotations
 
 import torch
 
-from . import reference
-from ._common import (
-    HALF_DTYPES, HAS_TRITON, Reordered, check_flag, check_out, check_reordered, check_same_device, check_tensor, fail,
-    interpret_mode, softmax_scale, use_triton,
+from wide.kernels import reference
+from wide.kernels._common import (
+    HALF_DTYPES,
+    HAS_TRITON,
+    Reordered,
+    check_flag,
+    check_out,
+    check_reordered,
+    check_same_device,
+    check_tensor,
+    fail,
+    interpret_mode,
+    softmax_scale,
+    use_triton,
 )
 
 if HAS_TRITON:
     import triton
     import triton.language as tl
 
-    from ._common import left_pad_at, mm, mma  # noqa: F401
+    from wide.kernels._common import left_pad_at, mm, mma  # noqa: F401
 
     @triton.jit
     def _attn_inner(acc, l_i, m_i, q, kbase, vbase, skt, svt, start, end, qpos, lo, Tk, qk_scale,
@@ -216,10 +226,10 @@ def routed_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, route: t
     if B * Tq == 0:
         return out
     if Tq == 1:
-        from .decode_attn import decode_attention
+        from wide.kernels.decode_attn import decode_attention
         return decode_attention(q, k, v, route, left_pad=left_pad, scale=scale, out=out)
     if reordered is None:
-        from .reorder import reorder
+        from wide.kernels.reorder import reorder
         reordered = reorder(route)
     if left_pad is not None:
         left_pad = left_pad.contiguous()  # the kernel reads left_pad[b] at offset b

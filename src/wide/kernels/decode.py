@@ -13,16 +13,25 @@ from __future__ import annotations
 
 import torch
 
-from . import reference
-from ._common import (
-    HAS_TRITON, check_out, fail, interpret_mode, launch_opts, next_pow2, pick_config, pow2_part, tile_counters, use_triton,
+from wide.kernels import reference
+from wide.kernels._common import (
+    HAS_TRITON,
+    check_out,
+    fail,
+    interpret_mode,
+    launch_opts,
+    next_pow2,
+    pick_config,
+    pow2_part,
+    tile_counters,
+    use_triton,
 )
 
 if HAS_TRITON:
     import triton
     import triton.language as tl
 
-    from ._common import mm, mma, swiglu_act  # noqa: F401
+    from wide.kernels._common import mm, mma, swiglu_act  # noqa: F401
 
     @triton.jit
     def _tail_shift(n0, N1, N2, OFF2, OFF3, stride_wn):
@@ -471,7 +480,7 @@ def gemv_mn(x: torch.Tensor, w: torch.Tensor, route: torch.Tensor, G: int, *,
             tail weight whose width is not a multiple of G or whose K, dtype or device differs, more than
             two tail weights, or a tail together with ``w2``.
     """
-    from .gemm_mn import _validate
+    from wide.kernels.gemm_mn import _validate
 
     _validate(x, w, route, G)
     if w2 is not None:
@@ -646,7 +655,7 @@ def gemv_k(a: torch.Tensor, w: torch.Tensor, route: torch.Tensor, G: int, *,
     Raises:
         ValueError: M > 4, or bad shapes/dtypes/devices/G/route/out (as :func:`wide.kernels.gemm_k`).
     """
-    from ._common import FLOAT_DTYPES, check_group, check_route, check_same_device, check_tensor
+    from wide.kernels._common import FLOAT_DTYPES, check_group, check_route, check_same_device, check_tensor
 
     check_tensor("a", a, 2, FLOAT_DTYPES)
     check_tensor("w", w, 2, (a.dtype,))

@@ -10,16 +10,24 @@ from __future__ import annotations
 
 import torch
 
-from . import reference
-from ._common import (
-    HAS_TRITON, check_out, fail, interpret_mode, next_pow2, num_sms, resident_programs, softmax_scale, use_triton,
+from wide.kernels import reference
+from wide.kernels._common import (
+    HAS_TRITON,
+    check_out,
+    fail,
+    interpret_mode,
+    next_pow2,
+    num_sms,
+    resident_programs,
+    softmax_scale,
+    use_triton,
 )
 
 if HAS_TRITON:
     import triton
     import triton.language as tl
 
-    from ._common import left_pad_at, mm  # noqa: F401
+    from wide.kernels._common import left_pad_at, mm  # noqa: F401
 
     @triton.jit
     def _pack_flags(route_ptr, PACKS, Hk, NG, REP, HPG, PP: tl.constexpr, GPP: tl.constexpr):
@@ -260,7 +268,7 @@ def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, route: t
             in memory; ``splits``,
             ``max_splits`` or ``wave`` not None and not an int >= 1, or a ``scale`` that is not a finite number.
     """
-    from .attention import _validate as _validate_attention
+    from wide.kernels.attention import _validate as _validate_attention
 
     _validate_attention(q, k, v, route, left_pad)
     check_out(out, tuple(q.shape), q.dtype, q.device, q=q, k=k, v=v, route=route, left_pad=left_pad)

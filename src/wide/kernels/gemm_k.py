@@ -28,11 +28,29 @@ from __future__ import annotations
 
 import torch
 
-from . import reference
-from ._common import (
-    FLOAT_DTYPES, HAS_TRITON, Reordered, check_flag, check_group, check_in_place, check_out, check_reordered,
-    check_route, check_same_device, check_tensor, fail, interpret_mode, launch_opts, m_bucket, next_pow2,
-    pick_config, pow2_part, small_or_fallback, tma_aligned, use_triton,
+from wide.kernels import reference
+from wide.kernels._common import (
+    FLOAT_DTYPES,
+    HAS_TRITON,
+    Reordered,
+    check_flag,
+    check_group,
+    check_in_place,
+    check_out,
+    check_reordered,
+    check_route,
+    check_same_device,
+    check_tensor,
+    fail,
+    interpret_mode,
+    launch_opts,
+    m_bucket,
+    next_pow2,
+    pick_config,
+    pow2_part,
+    small_or_fallback,
+    tma_aligned,
+    use_triton,
 )
 
 SPARSE_MIN_M = 512
@@ -207,7 +225,7 @@ if HAS_TRITON:
     import triton
     import triton.language as tl
 
-    from ._common import mm, mma  # noqa: F401
+    from wide.kernels._common import mm, mma  # noqa: F401
 
     @triton.jit
     def _use_dense(cnt_ptr, M, NG, THR_PPM, NG_P2: tl.constexpr):
@@ -451,7 +469,7 @@ def gemm_k(a: torch.Tensor, w: torch.Tensor, route: torch.Tensor, G: int, *,
         check_in_place(a, "gemm_k(overwrite_a=True)", layout=False, w=w, route=route)
     if reordered is not None:  # checked on every path, so that code that runs on the CPU runs on a GPU too
         reordered = check_reordered(reordered, (M, NG), route.device)
-    from .decode import gemv_k
+    from wide.kernels.decode import gemv_k
 
     done = small_or_fallback(a, M, N, out, lambda: reference.gemm_k_ref(a, w, route, G),
                              lambda: gemv_k(a, w, route, G, out=out))
@@ -471,7 +489,7 @@ def gemm_k(a: torch.Tensor, w: torch.Tensor, route: torch.Tensor, G: int, *,
                            lambda c: _masked_mm(a, w, route, G, out, c["ROWS"]))
         return _masked_mm(a, w, route, G, out, mcfg["ROWS"])
     if path == "splitk" or (path == "auto" and M < SPARSE_MIN_M):
-        from .decode import _dense_tuner, splitk_cands, splitk_k
+        from wide.kernels.decode import _dense_tuner, splitk_cands, splitk_k
 
         def run_small(cfg, route=route):
             kind = cfg.pop("KIND", "splitk")
@@ -508,7 +526,7 @@ def gemm_k(a: torch.Tensor, w: torch.Tensor, route: torch.Tensor, G: int, *,
         return out
 
     if reordered is None:
-        from .reorder import reorder
+        from wide.kernels.reorder import reorder
         reordered = reorder(route)
     idx, cnt = reordered.index, reordered.counts
     ws = torch.empty((M, N), dtype=torch.float32, device=a.device)

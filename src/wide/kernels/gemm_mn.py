@@ -19,18 +19,33 @@ from __future__ import annotations
 
 import torch
 
-from . import reference
-from ._common import (
-    FLOAT_DTYPES, HAS_TRITON, Reordered, check_group, check_out, check_reordered, check_route,
-    check_same_device, check_tensor, fail, interpret_mode, launch_opts, m_bucket, num_sms, pick_config,
-    pow2_part, small_or_fallback, tma_aligned,
+from wide.kernels import reference
+from wide.kernels._common import (
+    FLOAT_DTYPES,
+    HAS_TRITON,
+    Reordered,
+    check_group,
+    check_out,
+    check_reordered,
+    check_route,
+    check_same_device,
+    check_tensor,
+    fail,
+    interpret_mode,
+    launch_opts,
+    m_bucket,
+    num_sms,
+    pick_config,
+    pow2_part,
+    small_or_fallback,
+    tma_aligned,
 )
 
 if HAS_TRITON:
     import triton
     import triton.language as tl
 
-    from ._common import mm, mma, swiglu_act  # noqa: F401
+    from wide.kernels._common import mm, mma, swiglu_act  # noqa: F401
 
     @triton.jit
     def grouped_tile(tile, M, N, BM: tl.constexpr, BN: tl.constexpr, GROUP_M: tl.constexpr):
@@ -187,7 +202,7 @@ def _ws_candidates(x, w, w2, G: int, swiglu: bool) -> list[dict]:
     G multiples of 64).  On the H200 (benchmarks/kernels/ws_probe_h200-s22*) its persistent grid ran the SwiGLU 5 %
     faster than the Triton kernel with every group executed (0.985-0.998x of the cuBLAS pair against 0.93-0.95x at
     M = 4096 / 16384) and 1-3 % slower at s = 0.5; the plain GEMM was never faster, so it gets none."""
-    from .gemm_mn_ws import HAS_GLUON, default_ws_config, ws_supported
+    from wide.kernels.gemm_mn_ws import HAS_GLUON, default_ws_config, ws_supported
 
     if not swiglu or not HAS_GLUON or not ws_supported(x, w, w2, G):
         return []
@@ -221,7 +236,7 @@ def launch_gemm_mn(x, w, w2, route, G, reordered, out, swiglu):
     if direct:
         reordered = None
     elif reordered is None:
-        from .reorder import reorder
+        from wide.kernels.reorder import reorder
         reordered = reorder(route)
     if x.stride(1) != 1:
         x = x.contiguous()
@@ -238,7 +253,7 @@ def launch_gemm_mn(x, w, w2, route, G, reordered, out, swiglu):
 
     def run(cfg):
         if cfg.get("WS"):  # the warp-specialized Gluon kernel (Hopper)
-            from .gemm_mn_ws import gemm_mn_ws
+            from wide.kernels.gemm_mn_ws import gemm_mn_ws
 
             gemm_mn_ws(x, w, route, G, w2=w2, reordered=reordered, out=out,
                        config={k: v for k, v in cfg.items() if k != "WS"})
@@ -296,7 +311,7 @@ def gemm_mn(x: torch.Tensor, w: torch.Tensor, route: torch.Tensor, G: int, *,
     check_out(out, (M, N), x.dtype, x.device, x=x, w=w, route=route)
     if reordered is not None:  # checked on every path, so that code that runs on the CPU runs on a GPU too
         reordered = check_reordered(reordered, (M, N // G), route.device)
-    from .decode import gemv_mn
+    from wide.kernels.decode import gemv_mn
 
     done = small_or_fallback(x, M, N, out, lambda: reference.gemm_mn_ref(x, w, route, G),
                              lambda: gemv_mn(x, w, route, G, out=out))

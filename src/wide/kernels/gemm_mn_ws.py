@@ -35,7 +35,7 @@ from __future__ import annotations
 
 import torch
 
-from ._common import HAS_TRITON, check_out, check_reordered, fail, num_sms, tma_aligned
+from wide.kernels._common import HAS_TRITON, check_out, check_reordered, fail, num_sms, tma_aligned
 
 HAS_GLUON = False
 if HAS_TRITON:
@@ -43,7 +43,12 @@ if HAS_TRITON:
         from triton.experimental import gluon
         from triton.experimental.gluon import language as gl
         from triton.experimental.gluon.language.nvidia.hopper import (
-            async_copy, fence_async_shared, mbarrier, tma, warpgroup_mma, warpgroup_mma_wait,
+            async_copy,
+            fence_async_shared,
+            mbarrier,
+            tma,
+            warpgroup_mma,
+            warpgroup_mma_wait,
         )
         from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
@@ -220,7 +225,7 @@ def gemm_mn_ws(x: torch.Tensor, w: torch.Tensor, route: torch.Tensor, G: int, *,
         ValueError: shapes, dtypes, devices or G outside the above (checked first, on any device).
         RuntimeError: no Gluon in this Triton, or not a CUDA sm_90 device.
     """
-    from .gemm_mn import _validate  # the checks every gemm_mn / SwiGLU path runs
+    from wide.kernels.gemm_mn import _validate  # the checks every gemm_mn / SwiGLU path runs
 
     M, N, K = _validate(x, w, route, G)
     if w2 is not None:
@@ -243,7 +248,7 @@ def gemm_mn_ws(x: torch.Tensor, w: torch.Tensor, route: torch.Tensor, G: int, *,
     if G % cfg["BN"] or K % cfg["BK"]:
         fail(f"config BN={cfg['BN']} must divide G={G} and BK={cfg['BK']} divide K={K}")
     if reordered is None:
-        from .reorder import reorder
+        from wide.kernels.reorder import reorder
         reordered = reorder(route.contiguous())
     reordered = check_reordered(reordered, (M, NG), route.device)
     x = x if x.stride(1) == 1 else x.contiguous()

@@ -15,7 +15,7 @@ import math
 import torch
 import torch.nn.functional as F
 
-from ._common import Reordered
+from wide.kernels._common import Reordered
 
 
 def _acc_dtype(dtype: torch.dtype) -> torch.dtype:

@@ -44,8 +44,8 @@ from __future__ import annotations
 
 import torch
 
-from . import reference
-from ._common import HAS_TRITON, Reordered, check_tensor, fail, interpret_mode, use_triton
+from wide.kernels import reference
+from wide.kernels._common import HAS_TRITON, Reordered, check_tensor, fail, interpret_mode, use_triton
 
 if HAS_TRITON:
     import triton

@@ -8,9 +8,9 @@ from __future__ import annotations
 
 import torch
 
-from . import reference
-from ._common import Reordered, check_out, check_reordered, fail, small_or_fallback
-from .gemm_mn import _validate, launch_gemm_mn
+from wide.kernels import reference
+from wide.kernels._common import Reordered, check_out, check_reordered, fail, small_or_fallback
+from wide.kernels.gemm_mn import _validate, launch_gemm_mn
 
 
 def swiglu(x: torch.Tensor, w_gate: torch.Tensor, w_up: torch.Tensor, route: torch.Tensor, G: int, *,
@@ -42,7 +42,7 @@ def swiglu(x: torch.Tensor, w_gate: torch.Tensor, w_up: torch.Tensor, route: tor
     check_out(out, (M, N), x.dtype, x.device, x=x, w_gate=w_gate, w_up=w_up, route=route)
     if reordered is not None:  # checked on every path, so that code that runs on the CPU runs on a GPU too
         reordered = check_reordered(reordered, (M, N // G), route.device)
-    from .decode import gemv_swiglu
+    from wide.kernels.decode import gemv_swiglu
 
     done = small_or_fallback(x, M, N, out, lambda: reference.swiglu_ref(x, w_gate, w_up, route, G),
                              lambda: gemv_swiglu(x, w_gate, w_up, route, G, out=out))

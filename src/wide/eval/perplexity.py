@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
-from .modeling import WideModel
+from wide.model import WideModel
 
 
 @dataclass

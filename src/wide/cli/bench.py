@@ -25,7 +25,7 @@ def _runner(name: str, module: str):
         if not getattr(args, "report_only", False):
             import torch
 
-            from ..errors import WideError
+            from wide.errors import WideError
 
             if not torch.cuda.is_available():
                 raise WideError(f"wide bench {name} times GPU code and needs a CUDA GPU; none is available "

@@ -1,7 +1,7 @@
 """Training loop for both stages of paper §3.2: router calibration (stage 1) and LoRA recovery (stage 2).
 
 One loop, :func:`train`, trains whatever parameter set the caller marked ``requires_grad`` on a
-:class:`~wide.modeling.WideModel`: the routers (stage 1, base frozen), the LoRA adapters with or without
+:class:`~wide.model.WideModel`: the routers (stage 1, base frozen), the LoRA adapters with or without
 the routers (stage 2, see :mod:`wide.lora`). :func:`calibrate` is stage 1.
 
 Loss = LM loss + sparsity loss (Eq. 6, or Eq. 22 in uniform mode); hard Gumbel-softmax masks with a
@@ -37,13 +37,13 @@ from pathlib import Path
 
 import torch
 
-from . import distributed as D
-from .checkpoint import save_wide
-from .config import SEED_MAX, atomic_write
-from .errors import WideError, WideWarning
-from .memory import check_train_memory
-from .modeling import WideModel, fingerprint, fingerprint_like
-from .routing import sparsity_loss, uniform_noise
+import wide.train.fsdp as D
+from wide.checkpoint import save_wide
+from wide.config import SEED_MAX, atomic_write
+from wide.errors import WideError, WideWarning
+from wide.memory import check_train_memory
+from wide.model import WideModel, fingerprint, fingerprint_like
+from wide.routing import sparsity_loss, uniform_noise
 
 STATE_NAME = "train_state.pt"
 DCP_NAME = "train_state.dcp"
@@ -205,7 +205,7 @@ class GumbelNoise:
 _CURRENT_SAMPLES: list = []  # stack of the GumbelNoise objects of the micro-batches being run
 
 
-def current_samples() -> "GumbelNoise | None":
+def current_samples() -> GumbelNoise | None:
     """The :class:`GumbelNoise` of the micro-batch :func:`train` is running (its ``seed`` and this process's
     sample ``positions``), or None outside training. Keyed LoRA dropout (:mod:`wide.lora`) reads it."""
     return _CURRENT_SAMPLES[-1] if _CURRENT_SAMPLES else None
@@ -351,7 +351,7 @@ def _check_base_identity(output: Path, wm: WideModel, fp: str | None, env: D.Dis
         WideError: ``--resume: the run in <output> was trained on base model <saved ref> (fingerprint ...,
             dims ...), not on the model given now (fingerprint ..., dims ...); pass --model <saved ref> ...``.
     """
-    from .checkpoint import BASE_NAME, read_base_info
+    from wide.checkpoint import BASE_NAME, read_base_info
 
     msg = None
     if (output / BASE_NAME).is_file():
@@ -447,7 +447,7 @@ def _newest_state(output: Path, mmap: bool = False) -> tuple[dict | None, dict |
     :func:`load_train_state`.
 
     Raises:
-        WideError: a corrupt state (:func:`load_train_state`, :func:`wide.distributed.sharded_meta`).
+        WideError: a corrupt state (:func:`load_train_state`, :func:`wide.train.fsdp.sharded_meta`).
     """
     pt = output / STATE_NAME
     meta = D.sharded_meta(output / DCP_NAME)
@@ -560,7 +560,7 @@ def train(wm: WideModel, blocks: torch.Tensor, args: CalibrationArgs, output: st
           data_source: str | None = None, options: dict | None = None) -> list[dict]:
     """Train the parameters of ``wm`` that have ``requires_grad=True`` (paper §3.2, Eq. 6 / Eq. 22).
 
-    Works single-process and under torchrun (see :mod:`wide.distributed`): with an open process group the
+    Works single-process and under torchrun (see :mod:`wide.train.fsdp`): with an open process group the
     model is sharded with FSDP2 here, each rank reads its slice of every global micro-batch, the keep
     ratios entering the sparsity loss are those of the global micro-batch, and the state is saved with DCP.
 

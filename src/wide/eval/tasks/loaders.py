@@ -25,8 +25,8 @@ import os
 import re
 from pathlib import Path
 
-from ..config import atomic_write
-from ..errors import WideError
+from wide.config import atomic_write
+from wide.errors import WideError
 
 UNCOND_OFFSET = 1_000_000
 WIKITEXT_ENV = "WIDE_WIKITEXT"

@@ -8,7 +8,7 @@ import argparse
 import os
 import sys
 
-from ..errors import WideError
+from wide.errors import WideError
 
 
 def add_arguments(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
@@ -47,7 +47,7 @@ def sampling_from(args):
         WideError: a value out of range (as :class:`~wide.inference.sampling.Sampling`), or ``--top-k``,
             ``--top-p`` or ``--seed`` given at temperature 0, where generation is greedy and they would do nothing.
     """
-    from .sampling import Sampling
+    from wide.inference.sampling import Sampling
 
     sampling = Sampling(args.temperature, args.top_k, args.top_p, args.seed)
     if args.temperature == 0:
@@ -78,7 +78,7 @@ def check_sizes(args, hf_config=None, longest: int | None = None) -> None:
             new tokens, or a KV cache (``--max-cache-len``, default prompt + ``--max-new-tokens``) longer than the
             model's context or sliding window.
     """
-    from .engine import _tokens
+    from wide.inference.engine import _tokens
 
     n, cap = args.max_new_tokens, args.max_cache_len
     if n < 1:
@@ -97,7 +97,7 @@ def check_sizes(args, hf_config=None, longest: int | None = None) -> None:
                             f"use --max-cache-len {need_cap} or fewer new tokens")
     if hf_config is None:
         return
-    from .engine import sliding_window
+    from wide.inference.engine import sliding_window
 
     need = cap if cap is not None else lo + n
     what = f"--max-cache-len {cap}" if cap is not None else f"{prompt} + --max-new-tokens {n}"
@@ -131,7 +131,7 @@ def _cpu_notice(engine, args) -> str:
     """The one stderr line of a run off CUDA: which path the engine takes on the CPU, and why."""
     import torch
 
-    from ..kernels._common import HAS_TRITON
+    from wide.kernels._common import HAS_TRITON
 
     why = "no CUDA device" if not torch.cuda.is_available() else f"--device {args.device}"
     if engine.ops == "dense":
@@ -160,9 +160,9 @@ def run(args) -> int:
             ``--chat`` without a chat template.  (A bad
             ``--device`` is refused earlier, by :func:`wide.cli.main`'s :func:`wide.cli.check_device`.)
     """
-    from ..modeling import load_base_model
-    from .engine import Engine
-    from .generation import generate, stream_delta
+    from wide.inference.engine import Engine
+    from wide.inference.generation import generate, stream_delta
+    from wide.model import load_base_model
 
     check_sizes(args)
     sampling = sampling_from(args)
@@ -176,7 +176,7 @@ def run(args) -> int:
         check_sizes(args, hf_config, _longest(tok, early["prompts"]))
 
     if args.wide:
-        from ..checkpoint import load
+        from wide.checkpoint import load
 
         model, tok = load(args.wide, model=args.model, device=dev, tokenizer=True, merge_lora=True, check=check)
     else:

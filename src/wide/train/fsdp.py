@@ -1,6 +1,6 @@
 """Multi-process calibration and LoRA recovery on FSDP2 (issue 6; the paper trains with FSDP2, §4.1).
 
-One code path serves one process and many: :func:`wide.training.train` asks :func:`current` for the
+One code path serves one process and many: :func:`wide.train.loop.train` asks :func:`current` for the
 process group. Under ``torchrun`` (or ``wide calibrate --nproc N``, which starts ``torch.distributed.run``
 itself) :func:`init` opens the group (NCCL on GPUs, gloo on CPU) with a timeout on every collective, and
 :func:`shard` applies PyTorch's ``fully_shard`` (FSDP2) per decoder layer:
@@ -37,7 +37,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from .errors import WideError
+from wide.errors import WideError
 
 DEFAULT_TIMEOUT_S = 600.0
 ERROR_DIR_ENV = "WIDE_ERROR_DIR"  # set by launch(): each failing rank writes rank<r>.txt there
@@ -137,7 +137,7 @@ def shutdown(synchronize: bool = False) -> None:
 
 
 def shard(wm: nn.Module, env: DistEnv, reshard_after_forward: bool = True) -> None:
-    """Apply FSDP2 ``fully_shard`` to a :class:`wide.modeling.WideModel` in place, per decoder layer, with the
+    """Apply FSDP2 ``fully_shard`` to a :class:`wide.model.WideModel` in place, per decoder layer, with the
     weights of rank 0.
 
     Routers: all of them one float32 unit (no parameter cast), not resharded after forward: one all-gather
@@ -165,7 +165,7 @@ def shard(wm: nn.Module, env: DistEnv, reshard_after_forward: bool = True) -> No
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
-    from .modeling import decoder_layers
+    from wide.model import decoder_layers
 
     if not env.active:
         raise WideError("shard() needs an open process group (run under torchrun)")
@@ -205,13 +205,13 @@ def shard(wm: nn.Module, env: DistEnv, reshard_after_forward: bool = True) -> No
 def load_base(spec: str | None, env: DistEnv, device: str | None = None, check=None, config_check=None):
     """Load the frozen base model for this process: everything on rank 0, only the structure elsewhere.
 
-    Single process: :func:`wide.modeling.load_base_model` on ``device``. Under a process group: rank 0
+    Single process: :func:`wide.model.load_base_model` on ``device``. Under a process group: rank 0
     loads the weights on the CPU (bf16 when training on GPUs) and every other rank builds the same model
     on the ``meta`` device (no memory), so no GPU ever holds the whole model; :func:`shard` then hands
     each rank its shard from rank 0. Every rank reads the config and the tokenizer and runs ``check``.
 
     Args:
-        spec: ``--model`` (see :func:`wide.modeling.resolve_model`).
+        spec: ``--model`` (see :func:`wide.model.resolve_model`).
         env: this process's :class:`DistEnv`.
         device: single-process device (default CUDA when available).
         check: callable ``f(hf_config, tokenizer)`` run before weights are read (see ``load_base_model``).
@@ -221,9 +221,9 @@ def load_base(spec: str | None, env: DistEnv, device: str | None = None, check=N
         ``(model, tokenizer, source)`` with ``requires_grad=False`` and eval mode.
 
     Raises:
-        WideError: as :func:`wide.modeling.load_base_model`.
+        WideError: as :func:`wide.model.load_base_model`.
     """
-    from .modeling import check_architecture, load_base_model, quiet_bpe_cleanup, resolve_model
+    from wide.model import check_architecture, load_base_model, quiet_bpe_cleanup, resolve_model
 
     if not env.active:
         return load_base_model(spec, device=device, check=check, config_check=config_check)

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import torch
 
-from .errors import WideError
+from wide.errors import WideError
 
 
 def _plt():
@@ -32,7 +32,7 @@ def _plt():
 
 @torch.no_grad()
 def layer_profile(wm, windows: torch.Tensor, batch_size: int = 1) -> dict:
-    """Per-layer realized sparsity of a :class:`wide.modeling.WideModel` on token windows (Figure 9).
+    """Per-layer realized sparsity of a :class:`wide.model.WideModel` on token windows (Figure 9).
 
     Args:
         wm: the routed model (argmax routing is used).
@@ -40,10 +40,10 @@ def layer_profile(wm, windows: torch.Tensor, batch_size: int = 1) -> dict:
         batch_size: windows per forward pass.
 
     Returns:
-        :func:`wide.evaluation.perplexity`'s dict: ``per_layer`` (``[{"layer", "attn", "ffn"}]``, skipped
+        :func:`wide.eval.perplexity.perplexity`'s dict: ``per_layer`` (``[{"layer", "attn", "ffn"}]``, skipped
         fraction of groups per module), ``attn_sparsity``, ``ffn_sparsity``, ``realized_sparsity``, ``ppl``.
     """
-    from .evaluation import perplexity
+    from wide.eval.perplexity import perplexity
 
     return perplexity(wm, windows, batch_size=batch_size, progress=False, desc="profile")
 
@@ -101,7 +101,7 @@ def token_routing(wm, tokenizer, text: str) -> dict:
     """Route one sentence and report, per layer and token, the fraction of groups executed (Figure 10).
 
     Args:
-        wm: a :class:`wide.modeling.WideModel` (argmax routing).
+        wm: a :class:`wide.model.WideModel` (argmax routing).
         tokenizer: its tokenizer.
         text: the sentence (no special tokens are added).
 

@@ -23,9 +23,9 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from .config import ModelDims, WideConfig
-from .errors import WideError
-from .routing import Router, argmax_mask, gumbel_hard_mask, masked_mean
+from wide.config import ModelDims, WideConfig
+from wide.errors import WideError
+from wide.routing import Router, argmax_mask, gumbel_hard_mask, masked_mean
 
 DEFAULT_MODEL = "smollm2-135m"
 SUPPORTED_ARCHITECTURES = {
@@ -91,7 +91,7 @@ def resolve_model(spec: str | None) -> ModelSource:
     if not p.exists():
         raise WideError(f"model {spec!r} not found: give a local Hugging Face checkpoint directory, a .gguf file, "
                         f"or {DEFAULT_MODEL!r}")
-    from .checkpoint import ROUTERS_NAME  # (checkpoint imports this module)
+    from wide.checkpoint import ROUTERS_NAME  # (checkpoint imports this module)
 
     if p.is_dir() and (p / ROUTERS_NAME).is_file():
         raise WideError(f"model {spec!r} is a WIDE checkpoint ({ROUTERS_NAME}), not a base model: give it as "
@@ -244,7 +244,7 @@ def _config_digest(key: tuple, config: dict) -> str:
 
 def _gguf_config_cache_path(key: tuple) -> Path:
     """``$WIDE_CACHE_DIR/gguf_configs/<sha256 of the key>.json`` (:func:`wide.config.cache_dir`)."""
-    from .config import cache_dir
+    from wide.config import cache_dir
 
     digest = hashlib.sha256(json.dumps(list(key)).encode()).hexdigest()[:32]
     return Path(cache_dir()) / "gguf_configs" / f"{digest}.json"
@@ -277,7 +277,7 @@ def _write_gguf_config_cache(key: tuple, hf) -> None:
     arrays are parsed with it). Written atomically; a cache that cannot be written is skipped silently."""
     import transformers
 
-    from .config import atomic_write_text
+    from wide.config import atomic_write_text
 
     path = _gguf_config_cache_path(key)
     try:

@@ -5,8 +5,8 @@ Importing this module registers the lm-eval model type ``wide`` (:class:`WideLM`
 ``--include_package``), so the registration happens when something imports this module:
 
 * ``wide eval --tasks ... [--wide CKPT] [--model M]`` (a shortcut that runs :func:`evaluate`), or
-* ``wide lm-eval ARGS`` / ``python -m wide.lm_eval_adapter ARGS``: lm-eval's own command line with
-  ``wide`` registered and this package's offline tasks (:mod:`wide.tasks`) on the include path, e.g.
+* ``wide lm-eval ARGS`` / ``python -m wide.eval.lm_eval ARGS``: lm-eval's own command line with
+  ``wide`` registered and this package's offline tasks (:mod:`wide.eval.tasks`) on the include path, e.g.
   ``wide lm-eval --model wide --model_args pretrained=smollm2-135m,wide=runs/s50 --tasks wide_zeroshot``.
 
 Model arguments of ``wide`` (``--model_args``): ``pretrained`` (base model: ``smollm2-135m`` = the bundled
@@ -15,7 +15,7 @@ model recorded in the WIDE checkpoint, else ``smollm2-135m``), ``wide`` (a WIDE 
 directory, stage 1 or stage 2; omit for the dense model), ``merge_lora`` (default true: fold a stage-2
 LoRA adapter into the weights through :func:`wide.load`), ``device``,
 ``dtype`` (``bfloat16``/``float16``/``float32``), ``batch_size``, ``max_length`` and the other ``HFLM``
-options. The base model is loaded by :func:`wide.modeling.load_base_model` (so the GGUF works) and handed
+options. The base model is loaded by :func:`wide.model.load_base_model` (so the GGUF works) and handed
 to ``HFLM`` as a model object.
 
 Routing is argmax (deterministic, Eq. 5). lm-eval scores loglikelihood requests on right-padded
@@ -34,10 +34,10 @@ import torch
 from lm_eval.api.registry import model_registry, register_model
 from lm_eval.models.huggingface import HFLM
 
-from .errors import WideError
-from .evaluation import SparsityMeter
-from .modeling import RoutingRecord, WideModel
-from .tasks import ALL_TASKS, PAPER_METRIC, TASKS_DIR, WIKITEXT_TASK, ZEROSHOT_TASKS
+from wide.errors import WideError
+from wide.eval.perplexity import SparsityMeter
+from wide.eval.tasks import ALL_TASKS, PAPER_METRIC, TASKS_DIR, WIKITEXT_TASK, ZEROSHOT_TASKS
+from wide.model import RoutingRecord, WideModel
 
 _DTYPES = {"bfloat16": torch.bfloat16, "bf16": torch.bfloat16, "float16": torch.float16, "fp16": torch.float16,
            "float32": torch.float32, "fp32": torch.float32}
@@ -82,8 +82,8 @@ class WideLM(HFLM):
     def __init__(self, pretrained=None, wide=None, tokenizer=None, device: str | None = None, dtype=None,
                  merge_lora=None, batch_size: int | str = 1, max_batch_size: int = 64,
                  max_length: int | None = None, **kwargs) -> None:
-        from .checkpoint import load
-        from .modeling import load_base_model
+        from wide.checkpoint import load
+        from wide.model import load_base_model
 
         tdtype = _dtype(dtype)
         if device is not None and str(device).startswith("cuda") and not torch.cuda.is_available():
@@ -147,7 +147,7 @@ class WideLM(HFLM):
         """Realized sparsity over every real (non-padding) token scored so far, or ``None`` when dense.
 
         Returns:
-            :meth:`wide.evaluation.SparsityMeter.report` fields (``attn_sparsity``, ``ffn_sparsity``,
+            :meth:`wide.eval.perplexity.SparsityMeter.report` fields (``attn_sparsity``, ``ffn_sparsity``,
             ``realized_sparsity`` = mean over the 2N routed modules as in Eq. 6, ``flop_weighted_sparsity``,
             ``per_layer``) plus ``tokens`` (real tokens counted) and ``sequences``; the FLOP weighting uses
             the mean sequence length as the context.
@@ -272,7 +272,7 @@ def resolve_tasks(spec: str | list[str]) -> list[str]:
 
 
 def task_manager(metadata: dict | None = None):
-    """An lm-eval ``TaskManager`` over this package's task YAMLs alone (:data:`wide.tasks.TASKS_DIR`; each is
+    """An lm-eval ``TaskManager`` over this package's task YAMLs alone (:data:`wide.eval.tasks.TASKS_DIR`; each is
     self-contained). lm-eval's own task index is left out (``include_defaults=False``): indexing its thousands
     of YAMLs took ~10 s per call, and :func:`evaluate` runs only our tasks (``wide lm-eval`` keeps lm-eval's)."""
     from lm_eval.tasks import TaskManager
@@ -324,7 +324,7 @@ def evaluate(lm: WideLM, tasks: str | list[str], limit: int | float | None = Non
         tasks: see :func:`resolve_tasks`.
         limit: at most this many documents per task (an int), or a fraction; ``None`` = all (the paper).
         wikitext_path: ``wiki.test.raw`` for ``wide_wikitext`` (default: see
-            :func:`wide.tasks.loaders.wikitext_path`).
+            :func:`wide.eval.tasks.loaders.wikitext_path`).
         bootstrap_iters: lm-eval's stderr bootstrap iterations (0 = none).
         log_samples: keep lm-eval's per-sample records in the result.
 

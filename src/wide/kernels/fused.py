@@ -26,14 +26,21 @@ import weakref
 import torch
 import torch.nn.functional as F
 
-from ..kernels._common import (HAS_TRITON, check_tensor, interpret_mode, next_pow2, pow2_part, tile_counters,
-                               use_triton)
+from wide.kernels._common import (
+    HAS_TRITON,
+    check_tensor,
+    interpret_mode,
+    next_pow2,
+    pow2_part,
+    tile_counters,
+    use_triton,
+)
 
 if HAS_TRITON:
     import triton
     import triton.language as tl
 
-    from ..kernels._common import mm, mma, round_to  # noqa: F401
+    from wide.kernels._common import mm, mma, round_to  # noqa: F401
 
     @triton.jit
     def _add_rmsnorm_kernel(h_ptr, add_ptr, hout_ptr, y_ptr, w_ptr, D, eps,
@@ -607,7 +614,7 @@ def _router_few(router, x2: torch.Tensor, add2: torch.Tensor | None = None) -> t
     candidate is the two-launch form :func:`_router_mm_launch` (a cuBLAS GEMM on tensor cores, then one small
     kernel; plus the residual add when ``add2`` is given), which has no arrival counter and no serial sum of
     partials (not yet timed on the GPU when written: the tuner decides)."""
-    from ..kernels._common import pick_config
+    from wide.kernels._common import pick_config
 
     rows, D = x2.shape
     R = router.w1.out_features
@@ -716,8 +723,8 @@ def _router_many(router, x2: torch.Tensor) -> torch.Tensor:
     """Many-row (prefill) router: the fastest of the tile kernel (fp32 dots, or for bf16 input tensor-core dots
     against the split W1; two tile shapes, four up to 8192 rows), the split-W1 cuBLAS GEMM (bf16 input) and the
     module itself, timed once per shape on the GPU (:func:`pick_config`, cached)."""
-    from ..kernels._common import m_bucket, pick_config
-    from ..routing import argmax_mask
+    from wide.kernels._common import m_bucket, pick_config
+    from wide.routing import argmax_mask
 
     rows, D = x2.shape
     # (BM, num_warps); up to a few thousand rows, 64-row tiles alone leave most SMs idle
@@ -788,7 +795,7 @@ def router_mask(router, x: torch.Tensor, add: torch.Tensor | None = None) -> tor
         ValueError: ``x.shape[-1] != D`` on the kernel path (the reference path raises torch's
             ``RuntimeError`` from the linear layer instead); ``add`` of another shape, dtype or device than x.
     """
-    from ..routing import argmax_mask
+    from wide.routing import argmax_mask
 
     if add is not None and not isinstance(add, torch.Tensor):
         raise ValueError(f"router_mask: add must be a tensor of x's shape {tuple(x.shape)}, got {type(add).__name__}")
@@ -838,7 +845,7 @@ def _router_mask_rowwise(router, x: torch.Tensor) -> torch.Tensor:
 
 def zero_skipped_heads_ref(a: torch.Tensor, route: torch.Tensor) -> torch.Tensor:
     """Reference of :func:`zero_skipped_heads_`: ``a.masked_fill_(~head_route(route), 0)``, in place."""
-    from ..kernels.reference import head_route
+    from wide.kernels.reference import head_route
 
     return a.masked_fill_(~head_route(route, a.shape[1]).unsqueeze(-1), 0)
 
@@ -894,7 +901,7 @@ def zero_skipped_heads_(a: torch.Tensor, route: torch.Tensor) -> torch.Tensor:
 def masked_swiglu_act_ref(g: torch.Tensor, u: torch.Tensor, route: torch.Tensor, G: int) -> torch.Tensor:
     """Reference of :func:`masked_swiglu_act`: ``(silu(g) * u)`` in the model dtype (the MLP's own ops), times
     the route expanded to channels."""
-    from ..kernels.reference import expand_route
+    from wide.kernels.reference import expand_route
 
     y = F.silu(g) * u
     return torch.where(expand_route(route, G), y, torch.zeros((), dtype=y.dtype, device=y.device))

@@ -1,0 +1,1 @@
+"""Evaluation: perplexity, the lm-eval model, zero-shot tasks, routing plots."""

@@ -1,0 +1,1 @@
+"""Router calibration and LoRA recovery: the training loop, its state, FSDP."""
