@@ -230,7 +230,7 @@ def test_interrupted_training_says_how_to_resume(tmp_path, model_dir, text_file,
     def stop(args):
         raise KeyboardInterrupt
 
-    monkeypatch.setattr(cli, "cmd_calibrate", stop)
+    monkeypatch.setattr(cli.train, "cmd_calibrate", stop)
     argv = ["calibrate", "--model", model_dir, "--text", text_file, "-o", tmp_path / "o", "--save-every", "5"]
     rc, _, err = run(argv, capsys)
     assert rc == 130  # no state saved yet: --resume would fail, so it is not offered

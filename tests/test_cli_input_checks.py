@@ -181,7 +181,7 @@ def test_device_is_checked_first_by_every_command(tmp_path, capsys, monkeypatch,
 def test_check_device_accepts_cpu_and_present_gpus(monkeypatch):
     import torch
 
-    from wide.cli import check_device
+    from wide.model import check_device
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
@@ -579,7 +579,9 @@ def test_make_demo_settings_fit_in_memory():
     machine: its estimate fits in 8 GiB with the headroom."""
     from pathlib import Path
 
-    from wide.cli import _demo_settings, _hf_config, build_parser
+    from wide.cli import build_parser
+    from wide.cli.common import hf_config as _hf_config
+    from wide.cli.demo import demo_settings
     from wide.memory import GIB, HEADROOM, estimate_train_memory
     from wide.model import dims_of
 
@@ -587,7 +589,7 @@ def test_make_demo_settings_fit_in_memory():
     line = next(ln for ln in makefile.splitlines() if "bin/wide demo" in ln)
     argv = line.split("bin/wide ", 1)[1].split("#")[0].split()
     args = build_parser().parse_args(argv)
-    _, seq_len, _, _ = _demo_settings(args, gpu=False)
+    seq_len = demo_settings(args, gpu=False)["seq_len"]
     try:
         _, hf = _hf_config(args.model)
     except WideError as e:

