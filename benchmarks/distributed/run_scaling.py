@@ -1,12 +1,13 @@
-"""Calibration throughput on 1 vs N GPUs (issue 6): SmolLM2-135M and a Llama-3.1-8B-shaped model.
+"""Calibration throughput on 1 vs N GPUs: SmolLM2-135M and a Llama-3.1-8B-shaped model.
 
 Runs `wide`'s own stage-1 training loop (:func:`wide.train.loop.calibrate`) — one process on one GPU, and
 FSDP2 under ``torch.distributed.run`` on N GPUs — on random-weight models of the exact shapes (throughput
 and memory do not depend on the weight values) with random token blocks, and records global tokens/s
 (median over the measured steps, after warm-up) and the peak GPU memory of the busiest rank.
 
-Writes ``scaling.json`` (a list of records with ``model``, ``gpus``, ``tokens_per_s``, ``peak_mem_gb``,
-``seq_len``, ``gpu``, ``date``, ``command`` and more) and ``scaling.md`` into ``--out``.
+Writes ``<tag>.json`` into ``--out``: one record per run (``op`` calibrate / lora, ``model``, ``gpus``,
+``seq_len``, ``micro_batch_per_gpu``, ``tokens_per_s``, ``speedup`` over the 1-GPU run, ``peak_mem_gb``,
+``baseline``, ``gpu``, ``commit``, ``date``, ``command`` and more).
 
 On a 2-GPU machine, from the repository root (plain python3 holding a CUDA PyTorch, transformers, peft,
 safetensors; nothing to install):
@@ -42,6 +43,9 @@ SHAPES = {
                  num_key_value_heads=2, head_dim=16, vocab_size=128, tie_word_embeddings=False,
                  max_position_embeddings=256),
 }
+UNIT = "target Eq. 6 group rate of the routers (random weights and tokens: throughput does not depend on it)"
+BASELINE = ("the record with gpus = 1 of the same command (one process, same micro-batch per GPU); "
+            "speedup = global tokens/s over its tokens/s")
 DEFAULT_RUNS = {  # model -> (seq_len, micro-batch per GPU)
     "smollm2-135m": (2048, 8),
     "llama-3.1-8b": (4096, 1),
@@ -67,10 +71,10 @@ def worker(a) -> int:
     import torch
 
     sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "src"))
-    from wide import distributed as D
     from wide.config import WideConfig
     from wide.lora import recover
     from wide.model import WideModel
+    from wide.train import fsdp as D
     from wide.train.loop import CalibrationArgs, calibrate
 
     cuda = a.device == "cuda"
@@ -116,6 +120,7 @@ def worker(a) -> int:
     if env.is_main:
         tps = [r["tokens_per_s"] for r in recs[a.warmup:]]
         res = {
+            "op": "calibrate" if a.stage == "router" else "lora",
             "model": f"{a.model} shape, random bf16 weights ({n_params / 1e9:.2f}B params)",
             "gpus": env.world_size,
             "stage": a.stage,
@@ -127,6 +132,8 @@ def worker(a) -> int:
             "seq_len": a.seq_len,
             "micro_batch_per_gpu": a.micro_batch,
             "global_batch": a.micro_batch * env.world_size,
+            "sparsity": 0.5,
+            "unit": UNIT,
             "grad_checkpoint": a.grad_checkpoint,
             "reshard_after_forward": (not a.keep_gathered) if env.active else None,
             "warmup_steps": a.warmup,
@@ -185,6 +192,7 @@ def main() -> int:
 
     command = "PYTHONPATH=src python3 " + " ".join(shlex.quote(x) for x in sys.argv)
     date = dt.datetime.now(dt.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
+    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
     records = []
@@ -192,7 +200,8 @@ def main() -> int:
     runs = []
     for stage in a.stages:
         for model in a.models:
-            ckpts = [False] if model == "smollm2-135m" else {"off": [False], "on": [True], "both": [False, True]}[a.grad_checkpoint]
+            ckpts = {"off": [False], "on": [True], "both": [False, True]}[a.grad_checkpoint]
+            ckpts = [False] if model == "smollm2-135m" else ckpts
             mbs = [DEFAULT_RUNS[model][1]]
             if model == "llama-3.1-8b" and a.micro_batch_8b:
                 mbs = a.micro_batch_8b
@@ -220,46 +229,24 @@ def main() -> int:
         proc = subprocess.run(cmd)
         if proc.returncode != 0 or not os.path.getsize(result):
             print(f"   FAILED (exit {proc.returncode})", flush=True)
-            records.append({"model": model, "gpus": n, "stage": stage, "grad_checkpoint": ck,
+            records.append({"op": "calibrate" if stage == "router" else "lora", "model": model, "gpus": n,
+                            "stage": stage, "grad_checkpoint": ck,
                             "error": f"exit {proc.returncode}", "date": date, "command": command,
                             "seq_len": seq_len, "micro_batch_per_gpu": mb,
                             "reshard_after_forward": raf if n > 1 else None})
             continue
         rec = json.loads(Path(result).read_text())
         os.unlink(result)
-        rec.update(date=date, command=command, wall_s=time.time() - t0)
+        rec.update(baseline=BASELINE, commit=commit, date=date, command=command, wall_s=time.time() - t0)
         one = [r for r in records if r.get("gpus") == 1 and r.get("seq_len") == seq_len and r.get("stage") == stage
                and r.get("grad_checkpoint") == ck and r.get("micro_batch_per_gpu") == mb
                and r["model"] == rec["model"] and "tokens_per_s" in r]
         if one and n > 1:
-            rec["speedup_vs_1gpu"] = rec["tokens_per_s"] / one[0]["tokens_per_s"]
+            rec["speedup"] = rec["tokens_per_s"] / one[0]["tokens_per_s"]
         print(f"   {rec['tokens_per_s']:.0f} tokens/s, peak {rec['peak_mem_gb']:.1f} GB/GPU"
-              + (f", x{rec['speedup_vs_1gpu']:.2f} vs 1 GPU" if "speedup_vs_1gpu" in rec else ""), flush=True)
+              + (f", x{rec['speedup']:.2f} vs 1 GPU" if "speedup" in rec else ""), flush=True)
         records.append(rec)
         (out / f"{a.tag}.json").write_text(json.dumps(records, indent=2) + "\n")
-    lines = ["| stage | model | GPUs | mode | seq len | micro-batch/GPU | grad ckpt | tokens/s | speed-up | peak GB/GPU |",
-             "|---|---|---|---|---|---|---|---|---|---|"]
-
-    def mode(r):  # FSDP2 runs name the reshard setting when it is not FSDP2's default
-        return r["mode"] + (" (no reshard after forward)" if r.get("reshard_after_forward") is False else "")
-    for r in records:
-        if "error" in r:
-            lines.append(f"| {r['stage']} | {r['model']} | {r['gpus']} | failed: {r['error']} | {r['seq_len']} | "
-                         f"{r.get('micro_batch_per_gpu', '')} | "
-                         f"{r['grad_checkpoint']} | | | |")
-            continue
-        sp = f"{r['speedup_vs_1gpu']:.2f}x" if "speedup_vs_1gpu" in r else "1.00x" if r["gpus"] == 1 else ""
-        lines.append(f"| {r['stage']} | {r['model']} | {r['gpus']} | {mode(r)} | {r['seq_len']} | {r['micro_batch_per_gpu']} | "
-                     f"{'on' if r['grad_checkpoint'] else 'off'} | {r['tokens_per_s']:.0f} | {sp} | {r['peak_mem_gb']:.1f} |")
-    gpu = next((r["gpu"] for r in records if "gpu" in r), "?")
-    md = (f"# Training throughput, {' vs '.join(map(str, a.gpus))} GPUs ({gpu}, {date})\n\n"
-          "Stage 1 (router) through `wide.train.loop.calibrate`, stage 2 (lora) through `wide.lora.recover`; weak scaling (fixed micro-batch per GPU, "
-          "global batch = micro-batch x GPUs), global tokens/s = median over the measured steps after warm-up; "
-          "peak = `torch.cuda.max_memory_allocated` of the busiest rank over steps 2..end (steady-state training).\n\n" + "\n".join(lines)
-          + f"\n\nCommand: `{command}`\n")
-    (out / f"{a.tag}.md").write_text(md)
-    (out / f"{a.tag}.json").write_text(json.dumps(records, indent=2) + "\n")
-    print(md)
     return 0 if all("error" not in r for r in records) else 1
 
 
