@@ -1,4 +1,4 @@
-"""Figures of §4.3-4.4 from committed results (runs on a CPU).
+"""Figures of §4.3-4.4 from the kept results (runs on a CPU).
 
 * Figure 9 analogue: layer-wise realized attention / FFN sparsity, from the ``per_layer`` field of a
   record in ``<out>/<tag>.json`` (``--profile KEY``) or measured now from a router checkpoint
@@ -11,9 +11,9 @@
   the group size (G_ffn sweep at the default G_attn, G_attn sweep at G_ffn 128), from a group-sweep record
   file (``--group FILE``); planned points without a record are named under the plot.
 
-    PYTHONPATH=src python3 benchmarks/quality/make_plots.py --results benchmarks/quality/table.json \
+    python benchmarks/quality/make_plots.py --results benchmarks/quality/table.json \
         --profile wide-global-s50-gagqa-gf128-router \
-        --checkpoint benchmarks/quality/checkpoints/wide-global-s50-gagqa-gf128-router \
+        --checkpoint benchmarks/quality/checkpoints/smollm2-global-s50-g128 \
         --sweep benchmarks/quality/sparsity.json --group benchmarks/quality/group.json --out benchmarks/quality
 """
 
@@ -32,11 +32,18 @@ SENTENCE = ("A boy is running down a track. The boy runs into a car and falls do
             "keeps running toward the finish line.")
 
 
+def _plt():
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
 def sweep_plot(records: list[dict], path: Path) -> Path:
     """Figure 6 analogue, two panels against target sparsity S: average zero-shot accuracy (left) and
     WikiText-2 token perplexity (right, log scale), one line per method and stage, dense as a gray line."""
-    from wide.eval.plots import _plt
-
     plt = _plt()
     fig, axes = plt.subplots(1, 2, figsize=(9.5, 3.4), dpi=150)
     dense = [r for r in records if r["method"] == "dense" and r["stage"] == "router" and r.get("avg_acc") is not None]
@@ -48,8 +55,8 @@ def sweep_plot(records: list[dict], path: Path) -> Path:
                              (axes[1], "ppl", "WikiText-2 perplexity (token, ctx 2048)")):
         scale = 100 if field == "avg_acc" else 1
         for (m, st), rs in sorted(series.items()):
-            rs = sorted(rs, key=lambda r: r["target_sparsity"])
-            ax.plot([100 * r["target_sparsity"] for r in rs], [scale * r[field] for r in rs], marker="o", ms=3,
+            rs = sorted(rs, key=lambda r: r["target"])
+            ax.plot([100 * r["target"] for r in rs], [scale * r[field] for r in rs], marker="o", ms=3,
                     ls="-" if st == "router" else "--", label=f"{m} ({'router' if st == 'router' else '+LoRA'})")
         if dense and dense[0].get(field) is not None:
             ax.axhline(scale * dense[0][field], color="gray", ls=":", label="dense")
@@ -72,10 +79,8 @@ def group_plot(records: list[dict], path: Path) -> Path:
     the default G_attn (key ``-gagqa-``: one GQA group), one varies G_attn at G_ffn 128; stage 1 solid,
     + LoRA dashed; dense as a gray line. Planned points of run_quality.py's group plan that have no
     record are listed under the panels."""
-    from wide.eval.plots import _plt
-
     plt = _plt()
-    wide = [r for r in records if r["method"] == "wide" and r.get("target_sparsity") == 0.5
+    wide = [r for r in records if r["method"] == "wide" and r.get("target") == 0.5
             and r.get("sparsity_mode", "global") == "global" and r.get("avg_acc") is not None]
     dense = [r for r in records if r["method"] == "dense" and r["stage"] == "router" and r.get("avg_acc") is not None]
     if not wide:
@@ -139,7 +144,8 @@ def main() -> None:
     p.add_argument("--out", default="benchmarks/quality")
     a = p.parse_args()
     out = Path(a.out)
-    from wide.eval.plots import layer_profile, plot_layer_profile, plot_token_routing, token_routing
+    from wide.eval.perplexity import perplexity
+    from wide.eval.plots import plot_layer_profile, plot_token_routing, token_routing
 
     if a.results and a.profile:
         allrecs = json.loads(Path(a.results).read_text())
@@ -151,18 +157,17 @@ def main() -> None:
             raise SystemExit(f"no record {a.profile!r} with per_layer in {a.results}")
         r = recs[-1]
         name = r.get("key") or f"{Path(a.results).stem}{a.profile}"
-        title = (f"{r.get('method', 'wide')} S={r['target_sparsity']} G_attn={r['G_attn']} G_ffn={r['G_ffn']} "
+        title = (f"{r.get('method', 'wide')} S={r['target']} G_attn={r['G_attn']} G_ffn={r['G_ffn']} "
                  f"({r.get('stage', 'router')}, {r.get('steps', '?')} steps): realized "
-                 f"{100 * r['realized_sparsity']:.1f}% on WikiText-2")
+                 f"{100 * r['realized']:.1f}% on WikiText-2")
         print(plot_layer_profile(r["per_layer"], out / f"fig9_layer_sparsity_{name}.png", title,
-                                 target=r["target_sparsity"]))
+                                 target=r["target"]))
     if a.checkpoint:
         import torch
 
-        from wide.checkpoint import load
+        import wide
 
-        torch.set_num_threads(max(1, torch.get_num_threads()))
-        wm, tok = load(a.checkpoint, model=a.model, device="cpu", dtype=torch.float32, tokenizer=True)
+        wm, tok = wide.load(a.checkpoint, model=a.model, device="cpu", dtype=torch.float32, tokenizer=True)
         name = Path(a.checkpoint).name
         routing = token_routing(wm, tok, a.sentence)
         c = wm.config
@@ -173,7 +178,7 @@ def main() -> None:
             from wide.data import load_texts, ppl_windows
 
             win = ppl_windows(load_texts(a.wikitext), tok, 2048, max_tokens=a.max_tokens)
-            rep = layer_profile(wm, win)
+            rep = perplexity(wm, win, progress=False)
             print(plot_layer_profile(rep["per_layer"], out / f"fig9_layer_sparsity_{name}.png",
                                      f"{name}: realized {100 * rep['realized_sparsity']:.1f}% on "
                                      f"{rep['tokens']:,} WikiText-2 tokens", target=c.target_sparsity))

@@ -1,10 +1,11 @@
-"""Stage-1 calibration of SmolLM2-135M at several target sparsities, evaluated on WikiText-2 test.
+"""Stage-1 calibration at several target sparsities, evaluated on WikiText-2 test (``calibration.json``).
 
-Writes ``calibration.json`` (a list of records) and ``calibration.md`` into ``--out``. Run on a GPU:
+Each sparsity is one ``wide calibrate`` run into ``--runs`` followed by ``wide eval-ppl`` of its checkpoint
+(dense and WIDE token perplexity in ``--ctx`` windows, realized sparsity); one record per run goes to
+``<out>/<tag>.json``. On a GPU:
 
-    PYTHONPATH=src python3 benchmarks/quality/run_calibration.py --model PATH.gguf \
-        --calib ../shared/data/calibration/wiki_owt.jsonl --eval ../shared/data/wikitext-2-raw/wiki.test.raw \
-        --sparsity 0.5 0.25 --steps 600 --out benchmarks/quality
+    python benchmarks/quality/run_calibration.py --model PATH.gguf --calib wiki_owt.jsonl \\
+        --eval wikitext-2-raw/wiki.test.raw --sparsity 0.25 0.5 --steps 600 2000 --out benchmarks/quality
 """
 
 from __future__ import annotations
@@ -13,25 +14,28 @@ import argparse
 import datetime as dt
 import json
 import shlex
+import statistics
+import subprocess
 import sys
 import time
 from pathlib import Path
 
-import torch
+UNIT = ("Eq. 6 group rate: mean over the 2N routed modules of the fraction of groups skipped, over the evaluation "
+        "tokens; flop_weighted_sparsity = fraction of prunable compute skipped")
 
-from wide.checkpoint import save_wide
-from wide.config import WideConfig, atomic_write_text
-from wide.data import load_texts, pack, ppl_windows
-from wide.eval.perplexity import perplexity
-from wide.model import WideModel, load_base_model
-from wide.train.loop import CalibrationArgs, calibrate
+
+def wide(*args) -> None:
+    """Run one ``wide`` command (the CLI of the interpreter running this script); stop on failure."""
+    cmd = [sys.executable, "-m", "wide", *map(str, args)]
+    print("+", shlex.join(cmd), flush=True)
+    subprocess.run(cmd, check=True)
 
 
 def main() -> None:
-    p = argparse.ArgumentParser()
-    p.add_argument("--model", required=True)
-    p.add_argument("--calib", required=True)
-    p.add_argument("--eval", required=True)
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--model", default="smollm2-135m")
+    p.add_argument("--calib", required=True, help="calibration text (a --text of wide calibrate)")
+    p.add_argument("--eval", required=True, help="evaluation text, e.g. WikiText-2's wiki.test.raw")
     p.add_argument("--sparsity", type=float, nargs="+", default=[0.5, 0.25])
     p.add_argument("--steps", type=int, nargs="+", default=[600], help="one value, or one per sparsity")
     p.add_argument("--batch-size", type=int, default=8)
@@ -39,69 +43,50 @@ def main() -> None:
     p.add_argument("--lr", type=float, default=5e-3)
     p.add_argument("--ctx", type=int, default=2048)
     p.add_argument("--ffn-group-size", type=int, default=128)
-    p.add_argument("--mode", default="global")
+    p.add_argument("--mode", default="global", choices=["global", "uniform"])
     p.add_argument("--runs", default="runs")
     p.add_argument("--out", default="benchmarks/quality")
     p.add_argument("--tag", default="calibration")
     a = p.parse_args()
-    command = "PYTHONPATH=src python3 " + " ".join(shlex.quote(x) for x in sys.argv)
+    if len(a.steps) not in (1, len(a.sparsity)):
+        p.error("--steps takes one value or one per --sparsity")
+    steps_of = dict(zip(a.sparsity, a.steps * len(a.sparsity) if len(a.steps) == 1 else a.steps))
+    command = "python " + shlex.join(sys.argv)
+    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
+    import torch
+
     gpu = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
-    model, tok, src = load_base_model(a.model)
-    win = ppl_windows(load_texts(a.eval), tok, a.ctx)
-    blocks = pack(load_texts(a.calib), tok, a.seq_len)
-    print(f"eval windows {tuple(win.shape)}, calibration blocks {tuple(blocks.shape)}", flush=True)
-    dense = perplexity(model, win, batch_size=4, desc="dense")
-    print(f"dense ppl {dense['ppl']:.3f}", flush=True)
+    out = Path(a.out)
+    out.mkdir(parents=True, exist_ok=True)
     records = []
-    steps_for = dict(zip(a.sparsity, a.steps if len(a.steps) == len(a.sparsity) else a.steps * len(a.sparsity)))
     for s in a.sparsity:
-        steps = steps_for[s]
-        cfg = WideConfig(target_sparsity=s, ffn_group_size=a.ffn_group_size, sparsity_mode=a.mode)
-        torch.manual_seed(0)
-        wm = WideModel(model, cfg)
-        targs = CalibrationArgs(steps=steps, batch_size=a.batch_size, lr=a.lr, warmup_steps=steps // 20,
-                                save_every=max(1, steps // 2))
+        steps = steps_of[s]
+        run = Path(a.runs) / f"smollm2-{a.mode}-s{round(s * 100)}-g{a.ffn_group_size}"
         t0 = time.time()
-        out_dir = Path(a.runs) / f"smollm2-{a.mode}-s{int(s * 100)}-g{a.ffn_group_size}"
-        recs = calibrate(wm, blocks, targs, out_dir, src.ref, progress=False,
-                         on_step=lambda r: print(json.dumps(r), flush=True) if r["step"] % 50 == 0 else None)
+        wide("calibrate", "-o", run, "--overwrite", "--model", a.model, "--text", a.calib, "-S", s, "--mode", a.mode,
+             "--ffn-group-size", a.ffn_group_size, "--steps", steps, "--batch-size", a.batch_size,
+             "--seq-len", a.seq_len, "--lr", a.lr)
         wall = time.time() - t0
-        res = perplexity(wm, win, batch_size=4, desc="wide")
-        save_wide(wm, out_dir, src.ref)
-        tokens = steps * a.batch_size * a.seq_len
-        rec = {
-            "method": "wide", "stage": "router", "model": "SmolLM2-135M-Instruct (Q4_1 GGUF, dequantized, bf16)",
-            "target_sparsity": s, "sparsity_mode": a.mode,
-            "G_attn": wm.config.attn_group_size, "G_ffn": wm.config.ffn_group_size,
-            "realized_sparsity": res["realized_sparsity"], "attn_sparsity": res["attn_sparsity"],
-            "ffn_sparsity": res["ffn_sparsity"], "flop_weighted_sparsity": res["flop_weighted_sparsity"],
-            "ppl": res["ppl"], "dense_ppl": dense["ppl"], "ppl_ratio": res["ppl"] / dense["ppl"],
-            "ctx": a.ctx, "eval_tokens": res["tokens"], "text": "wikitext-2-raw test",
-            "calib_text": "wiki_owt.jsonl", "steps": steps, "batch_size": a.batch_size, "seq_len": a.seq_len,
-            "lr": a.lr, "tokens": tokens, "wall_s": wall, "tokens_per_s": tokens / wall,
-            "final_train_lm_loss": recs[-1]["lm_loss"],
-            "per_layer": res["per_layer"], "gpu": gpu, "date": dt.date.today().isoformat(), "command": command,
-        }
-        records.append(rec)
-        print(f"S={s}: ppl {res['ppl']:.3f} (dense {dense['ppl']:.3f}, x{rec['ppl_ratio']:.2f}), realized "
-              f"{res['realized_sparsity']:.3f} (attn {res['attn_sparsity']:.3f}, ffn {res['ffn_sparsity']:.3f}), "
-              f"{wall:.0f}s, {rec['tokens_per_s']:.0f} tok/s", flush=True)
-        for h in wm._handles:
-            h.remove()
-        write(records, Path(a.out), a.tag, gpu, command)
-
-
-def write(records: list[dict], out: Path, tag: str, gpu: str, command: str) -> None:
-    atomic_write_text(out / f"{tag}.json", json.dumps(records, indent=2) + "\n")
-    lines = ["| S | G_attn | G_ffn | realized | attn | FFN | FLOP-weighted | ppl | dense ppl | ratio | steps | tokens | wall s | tok/s |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
-    for r in records:
-        lines.append(f"| {r['target_sparsity']} | {r['G_attn']} | {r['G_ffn']} | {r['realized_sparsity']:.3f} | "
-                     f"{r['attn_sparsity']:.3f} | {r['ffn_sparsity']:.3f} | {r['flop_weighted_sparsity']:.3f} | "
-                     f"{r['ppl']:.2f} | {r['dense_ppl']:.2f} | {r['ppl_ratio']:.2f} | {r['steps']} | {r['tokens']:,} | "
-                     f"{r['wall_s']:.0f} | {r['tokens_per_s']:.0f} |")
-    lines += ["", f"GPU: {gpu}; date {records[0]['date']}", "", "Command:", "", "```", command, "```"]
-    atomic_write_text(out / f"{tag}.md", "\n".join(lines) + "\n")
+        wide("eval-ppl", "--wide", run, "--model", a.model, "--text", a.eval, "--ctx", a.ctx, "--batch-size", 4,
+             "--json", run / "eval_ppl.json")
+        res = json.loads((run / "eval_ppl.json").read_text())
+        dense, w = res["dense"], res["wide"]
+        log = [json.loads(line) for line in (run / "train_log.jsonl").read_text().splitlines() if line.strip()]
+        cfg = json.loads((run / "wide_config.json").read_text())
+        records.append({
+            "method": "wide", "stage": "router", "target": s, "unit": UNIT, "realized": w["realized_sparsity"],
+            "ppl": w["ppl"], "commit": commit, "date": dt.date.today().isoformat(), "command": command,
+            "model": a.model, "sparsity_mode": a.mode, "G_attn": cfg["attn_group_size"], "G_ffn": cfg["ffn_group_size"],
+            "attn_sparsity": w["attn_sparsity"], "ffn_sparsity": w["ffn_sparsity"],
+            "flop_weighted_sparsity": w["flop_weighted_sparsity"], "dense_ppl": dense["ppl"],
+            "ppl_ratio": w["ppl"] / dense["ppl"], "ctx": a.ctx, "eval_tokens": w["tokens"], "steps": steps,
+            "batch_size": a.batch_size, "seq_len": a.seq_len, "lr": a.lr, "tokens": steps * a.batch_size * a.seq_len,
+            "calibrate_wall_s": wall, "tokens_per_s": statistics.median(r["tokens_per_s"] for r in log),
+            "final_train_lm_loss": log[-1]["lm_loss"], "per_layer": w["per_layer"], "gpu": gpu, "checkpoint": str(run),
+        })
+        (out / f"{a.tag}.json").write_text(json.dumps(records, indent=1) + "\n")
+        print(f"S={s}: ppl {w['ppl']:.3f} (dense {dense['ppl']:.3f}), realized {w['realized_sparsity']:.3f}",
+              flush=True)
 
 
 if __name__ == "__main__":

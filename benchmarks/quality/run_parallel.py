@@ -8,19 +8,18 @@ bound by Python on one CPU core. This launcher therefore
 2. makes one job per run (one ``run_quality.py --only-keys KEY`` process) and starts up to ``--workers`` of
    them at a time, each on the GPU with the fewest running jobs; a LoRA job starts once its stage-1 job has
    written the stage-1 checkpoint, and evaluation of the stage-1 model runs alongside the LoRA training,
-3. starts no job after ``--time-budget`` seconds and kills what still runs at ``--hard-limit`` (a device call
-   allows 600 s); finished runs are kept and a later call skips them (``--resume-dir``),
-4. merges the records into ``<plan>.json`` / ``<plan>.md`` per plan (with the shared runs, and retention
-   against the dense run of the same ``--limit``), and packs them with the job logs into ``<out>/quality.tgz``
-   plus the stage-1 router checkpoints of the ``--keep-routers-plans`` into ``<out>/routers.tar`` (the
-   device returns at most 8 files).
+3. starts no job after ``--time-budget`` seconds and kills what still runs at ``--hard-limit``; finished runs
+   are kept and a later call skips them (``--resume-dir``),
+4. merges the records into ``<plan>.json`` per plan (with the shared runs, and retention against the dense run
+   of the same ``--limit``), and packs them with the job logs into ``<out>/quality.tgz`` plus the stage-1 router
+   checkpoints of the ``--keep-routers-plans`` into ``<out>/routers.tar``.
 
-GPU example (after the setup lines of QUALITY_SUITE.md):
+GPU example (the task data and WikiText-2 as in the README's evaluation section):
 
-    python3 benchmarks/quality/run_parallel.py --plans table uniform sparsity group --workers 12 \
+    python benchmarks/quality/run_parallel.py --plans table uniform sparsity group --workers 12 \
         --time-budget 420 --hard-limit 560 --resume-dir benchmarks/quality --out $OUT -- \
-        --model /tmp/wide-model/SmolLM2-135M-Instruct.Q4_1.gguf --calib .device/data/calibration/wiki_owt.jsonl \
-        --wikitext .device/data/wikitext-2-raw/wiki.test.raw --steps 300 --lora-steps 200 --limit 1000 \
+        --model SmolLM2-135M-Instruct.Q4_1.gguf --calib data/calibration/wiki_owt.jsonl \
+        --wikitext data/wikitext-2-raw/wiki.test.raw --steps 300 --lora-steps 200 --limit 1000 \
         --bootstrap-iters 0 --runs /tmp/runs
 
 CPU check of the launcher itself (tiny steps / limits; not a measurement): ``--workers 2`` and small
@@ -137,7 +136,8 @@ def main() -> None:
                    help="per GPU: sum of the running jobs' memory guesses (MEM_GB) allowed at once")
     p.add_argument("--time-budget", type=float, default=420, help="seconds: start no job after this")
     p.add_argument("--hard-limit", type=float, default=560, help="seconds: kill running jobs, then merge")
-    p.add_argument("--resume-dir", default=None, help="folder with <plan>.json of earlier calls (their runs are skipped)")
+    p.add_argument("--resume-dir", default=None,
+                   help="folder with <plan>.json of earlier calls (their runs are skipped)")
     p.add_argument("--keep-routers-plans", nargs="*", default=["table", "uniform"])
     p.add_argument("--work", default="/tmp/wide-quality", help="job records and logs")
     p.add_argument("--out", required=True)
@@ -148,7 +148,7 @@ def main() -> None:
     (work / "parts").mkdir(parents=True, exist_ok=True)
     (work / "logs").mkdir(parents=True, exist_ok=True)
     out.mkdir(parents=True, exist_ok=True)
-    command = "PYTHONPATH=src python3 " + " ".join(shlex.quote(x) for x in [sys.argv[0], *argv])
+    command = "python " + " ".join(shlex.quote(x) for x in [sys.argv[0], *argv])
 
     earlier: dict[str, list[dict]] = {}
     done: set[str] = set()
@@ -244,9 +244,8 @@ def main() -> None:
     (work / "jobs.json").write_text(json.dumps(summary, indent=1) + "\n")
     with tarfile.open(out / "quality.tgz", "w:gz") as tar:
         for plan in a.plans:
-            for ext in ("json", "md"):
-                if (work / f"{plan}.{ext}").is_file():
-                    tar.add(work / f"{plan}.{ext}", arcname=f"{plan}.{ext}")
+            if (work / f"{plan}.json").is_file():
+                tar.add(work / f"{plan}.json", arcname=f"{plan}.json")
         tar.add(work / "jobs.json", arcname="jobs.json")
         tar.add(work / "logs", arcname="logs")
     routers = sorted((work / "parts").glob("*_routers.tar"))
@@ -256,9 +255,6 @@ def main() -> None:
                 with tarfile.open(f) as src:
                     for m in src.getmembers():
                         dst.addfile(m, src.extractfile(m) if m.isfile() else None)
-    for plan in a.plans:
-        if (work / f"{plan}.md").is_file():
-            print(f"\n## {plan}\n" + (work / f"{plan}.md").read_text().split("\n\nAccuracy")[0], flush=True)
     print(json.dumps({k: v for k, v in summary.items() if k != "jobs"}), flush=True)
 
 

