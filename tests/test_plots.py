@@ -19,10 +19,17 @@ def wm(model):
 
 
 def test_layer_profile_png(wm, tmp_path):
-    from wide.eval.plots import layer_profile, plot_layer_profile
+    from wide.eval.perplexity import perplexity
+    from wide.eval.plots import plot_layer_profile
 
-    rep = layer_profile(wm, torch.randint(0, 128, (3, 16)))
-    assert len(rep["per_layer"]) == 2 and all(0 <= r["attn"] <= 1 and 0 <= r["ffn"] <= 1 for r in rep["per_layer"])
+    ids = torch.randint(0, 128, (3, 16))
+    rep = perplexity(wm, ids, progress=False)
+    wm.record_masks = True
+    wm(ids)
+    for r in rep["per_layer"]:  # the skipped fraction of the model's own argmax masks
+        for kind in ("attn", "ffn"):
+            skipped = 1 - wm.record.masks[(kind, r["layer"])].double().mean().item()
+            assert r[kind] == pytest.approx(skipped, abs=1e-9)
     p = plot_layer_profile(rep["per_layer"], tmp_path / "fig9" / "profile.png", title="tiny", target=0.5)
     assert p.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 

