@@ -1,4 +1,5 @@
-# Fresh machine:  `make demo`  (set up .venv and run the main job)   |   `make test`  (set up with dev extras and run all tests)
+# On a fresh machine: `make demo` sets up .venv and runs the main job; `make test` sets up .venv with the dev extras and
+# runs ruff and the whole test suite. `make setup` / `make setup-dev` only set up.
 PYTHON ?= python3
 VENV   ?= .venv
 PY     := $(VENV)/bin/python
