@@ -1,31 +1,20 @@
-"""Static width pruning: the same GQA head groups and FFN channel groups removed for every token.
+"""Static width pruning: the same GQA head groups and FFN channel groups removed for every token (the static
+baseline family of §4.1, scored on calibration text).
 
-The static-width baseline of the WIDE comparison (§4.1 compares against static width pruning such as
-SliceGPT / DDP; this is a simple, calibration-scored member of that family). Units are those of WIDE
-(Eq. 2-3): attention groups of ``G_attn`` channels of the ``o_proj`` input (default the GQA group, i.e.
-one KV head with its query heads) and FFN groups of ``G_ffn`` channels of the ``down_proj`` input.
-
-Importance (activation magnitude x weight norm, a structured form of Wanda's score): over the
-calibration tokens ``t``, channel ``c`` of a projection input ``x`` scores
-``sqrt(sum_t x_{t,c}^2) * ||W[:, c]||_2`` (``W`` = ``o_proj`` / ``down_proj`` weight); a group scores the
-sum over its channels. Every layer removes the same number of attention groups and of FFN groups (its
-lowest scored ones), so the pruned model is an ordinary, smaller Llama-family model (fewer heads and KV
-heads, smaller intermediate size) with the same config in every layer.
-
-Allocation: ``S`` is matched as the mean over the ``2N`` modules of the pruned fraction, as in Eq. 6.
-With few attention groups (SmolLM2: 3 per layer) several (attention, FFN) splits reach ``S`` about
-equally well; among the splits within half an FFN group of ``S`` the one with the lowest calibration LM
-loss is taken (:func:`choose_allocation`). ``attn_sparsity`` / ``ffn_sparsity`` fix the split by hand.
-
-Two equivalent forms (tested to give equal logits): a fixed mask on :class:`wide.model.WideModel`
-(:meth:`StaticPruning.apply`) and a physically sliced model (:func:`slice_model`), whose speed is real.
+Units are WIDE's (Eq. 2-3): attention groups of ``G_attn`` channels of the ``o_proj`` input (default the GQA group:
+one KV head with its query heads) and FFN groups of ``G_ffn`` channels of the ``down_proj`` input. Channel ``c`` of
+a projection input ``x`` scores ``sqrt(sum_t x_{t,c}^2) * ||W[:, c]||_2`` over the calibration tokens (a structured
+Wanda score); a group scores the sum over its channels. Every layer removes the same number of its lowest groups,
+so the result is an ordinary, smaller model. ``S`` is the mean removed fraction over the 2N modules (as in Eq. 6);
+among the (attention, FFN) splits within half an FFN group of ``S`` the one with the lowest calibration LM loss is
+taken. The fixed-mask form (:meth:`StaticPruning.apply`) and the sliced model (:func:`slice_model`) give equal
+logits.
 """
 
 from __future__ import annotations
 
 import copy
 import json
-import math
 import os
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -35,92 +24,56 @@ from torch import nn
 
 from wide.config import ModelDims, WideConfig, atomic_write_text, set_new_file_mode
 from wide.errors import WideError
+from wide.model import WideModel, check_architecture, decoder_layers, dims_of
 
 PRUNING_NAME = "static_pruning.json"
 
 
-# --- importance -----------------------------------------------------------------------------------
 @torch.no_grad()
-def channel_sq_norms(model: nn.Module, blocks: torch.Tensor, batch_size: int = 4) -> dict[str, torch.Tensor]:
-    """Per-channel sum of squares of the ``o_proj`` and ``down_proj`` inputs over calibration tokens.
-
-    Args:
-        model: a supported HF causal LM (dense; eval mode).
-        blocks: int64 ``[N, T]`` token blocks (:func:`wide.data.pack`).
-        batch_size: blocks per forward pass, ``>= 1``.
+def group_scores(model: nn.Module, blocks: torch.Tensor, attn_group_size: int, ffn_group_size: int,
+                 batch_size: int = 4) -> dict[str, torch.Tensor]:
+    """Group importance over int64 calibration ``blocks`` ``[N, T]`` (module docstring).
 
     Returns:
-        ``{"attn": float64 [L, H_q*head_dim], "ffn": float64 [L, D']}`` (CPU), summed over all N*T tokens.
-
-    Raises:
-        WideError: empty ``blocks`` or ``batch_size < 1``.
+        ``{"attn": float64 [L, N_attn], "ffn": float64 [L, N_ffn]}`` on the CPU.
     """
-    from wide.model import decoder_layers
-
-    if blocks.ndim != 2 or blocks.shape[0] < 1:
-        raise WideError(f"calibration blocks must be a non-empty [N, T] tensor, got shape {tuple(blocks.shape)}")
-    if batch_size < 1:
-        raise WideError(f"batch size {batch_size} must be >= 1")
     layers = decoder_layers(model)
     device = next(model.parameters()).device
-    acc = {"attn": [None] * len(layers), "ffn": [None] * len(layers)}
+    sq = {"attn": [0.0] * len(layers), "ffn": [0.0] * len(layers)}
 
     def hook(kind, i):
         def f(module, args):
-            x = args[0].detach().double()
-            s = x.pow(2).flatten(0, -2).sum(0)
-            acc[kind][i] = s if acc[kind][i] is None else acc[kind][i] + s
+            sq[kind][i] = sq[kind][i] + args[0].detach().double().pow(2).flatten(0, -2).sum(0)
         return f
 
-    handles = []
-    for i, layer in enumerate(layers):
-        handles.append(layer.self_attn.o_proj.register_forward_pre_hook(hook("attn", i)))
-        handles.append(layer.mlp.down_proj.register_forward_pre_hook(hook("ffn", i)))
+    handles = [lin.register_forward_pre_hook(hook(kind, i)) for i, layer in enumerate(layers)
+               for kind, lin in (("attn", layer.self_attn.o_proj), ("ffn", layer.mlp.down_proj))]
     was = model.training
     model.eval()
     try:
         for b in range(0, blocks.shape[0], batch_size):
-            ids = blocks[b:b + batch_size].to(device)
             with torch.autocast(device.type, dtype=torch.bfloat16, enabled=device.type == "cuda"):
-                model(input_ids=ids)
+                model(input_ids=blocks[b:b + batch_size].to(device))
     finally:
         for h in handles:
             h.remove()
         model.train(was)
-    return {k: torch.stack([t.cpu() for t in v]) for k, v in acc.items()}
+    out = {}
+    for kind, g, proj in (("attn", attn_group_size, "self_attn.o_proj"), ("ffn", ffn_group_size, "mlp.down_proj")):
+        w = [layer.get_submodule(proj).weight.detach().double().cpu().norm(dim=0) for layer in layers]
+        out[kind] = torch.stack([(s.cpu().sqrt() * wn).view(-1, g).sum(-1) for s, wn in zip(sq[kind], w)])
+    return out
 
 
-def group_scores(model: nn.Module, sq: dict[str, torch.Tensor], attn_group_size: int,
-                 ffn_group_size: int) -> dict[str, torch.Tensor]:
-    """Group importance ``sum_{c in g} sqrt(sq_c) * ||W[:, c]||_2`` from :func:`channel_sq_norms` output.
-
-    Returns:
-        ``{"attn": float64 [L, N_attn], "ffn": float64 [L, N_ffn]}``.
-    """
-    from wide.model import decoder_layers
-
-    out = {"attn": [], "ffn": []}
-    for i, layer in enumerate(decoder_layers(model)):
-        for kind, lin, g in (("attn", layer.self_attn.o_proj, attn_group_size),
-                             ("ffn", layer.mlp.down_proj, ffn_group_size)):
-            w = lin.weight.detach().double().cpu().norm(dim=0)  # [in]
-            s = sq[kind][i].sqrt() * w
-            out[kind].append(s.view(-1, g).sum(-1))
-    return {k: torch.stack(v) for k, v in out.items()}
-
-
-# --- the pruning ----------------------------------------------------------------------------------
 @dataclass
 class StaticPruning:
-    """Which groups a static pruning keeps (True = keep), the same for every token.
+    """Which groups a static pruning keeps, the same for every token.
 
     Attributes:
-        attn_keep: ``[L][N_attn]`` bools; every layer keeps the same number.
-        ffn_keep: ``[L][N_ffn]`` bools; every layer keeps the same number.
-        attn_group_size, ffn_group_size: ``G`` in channels (attention: a multiple of the GQA group).
-        target_sparsity: the requested ``S``.
-        model: the base model's ``--model`` reference; fingerprint: its weight fingerprint.
-        score: the importance score's name; calib: facts about the calibration data (free form).
+        attn_keep, ffn_keep: ``[L][N_G]`` bools (True = keep), the same count in every layer.
+        attn_group_size, ffn_group_size: ``G`` in channels. target_sparsity: the requested ``S``.
+        model, fingerprint: the base model's ``--model`` reference and weight fingerprint.
+        score: the importance score's name. calib: facts about the calibration data.
     """
 
     attn_keep: list
@@ -135,43 +88,31 @@ class StaticPruning:
 
     @property
     def attn_sparsity(self) -> float:
-        """Fraction of attention groups removed (same in every layer)."""
         return 1.0 - sum(map(sum, self.attn_keep)) / sum(map(len, self.attn_keep))
 
     @property
     def ffn_sparsity(self) -> float:
-        """Fraction of FFN groups removed (same in every layer)."""
         return 1.0 - sum(map(sum, self.ffn_keep)) / sum(map(len, self.ffn_keep))
 
     @property
     def sparsity(self) -> float:
-        """Mean over the 2N modules of the removed fraction (the quantity Eq. 6 targets)."""
+        """Mean removed fraction over the 2N modules (what Eq. 6 targets)."""
         return 0.5 * (self.attn_sparsity + self.ffn_sparsity)
 
-    def masks(self) -> dict[str, torch.Tensor]:
-        """Fixed masks for :attr:`wide.model.WideModel.fixed_masks`: bool ``[L, 1, 1, N_G]`` each."""
-        return {"attn": torch.tensor(self.attn_keep, dtype=torch.bool)[:, None, None, :],
-                "ffn": torch.tensor(self.ffn_keep, dtype=torch.bool)[:, None, None, :]}
-
-    def wide_config(self) -> WideConfig:
-        """The :class:`WideConfig` whose group sizes these masks use (routers unused)."""
-        return WideConfig(attn_group_size=self.attn_group_size, ffn_group_size=self.ffn_group_size,
-                          target_sparsity=min(self.target_sparsity, 0.999))
-
-    def apply(self, base: nn.Module):
-        """A :class:`wide.model.WideModel` on ``base`` with these masks fixed (the fixed-mask form).
+    def apply(self, base: nn.Module) -> WideModel:
+        """A WideModel on ``base`` with these masks fixed (bool ``[L, 1, 1, N_G]``; routers unused).
 
         Raises:
-            WideError: group sizes that do not fit ``base``.
+            WideError: groups that do not fit ``base``.
         """
-        from wide.model import WideModel
-
-        wm = WideModel(base, self.wide_config())
-        if (wm.n_attn_groups, wm.n_ffn_groups) != (len(self.attn_keep[0]), len(self.ffn_keep[0])) or \
-                len(self.attn_keep) != wm.dims.num_layers:
+        wm = WideModel(base, WideConfig(attn_group_size=self.attn_group_size, ffn_group_size=self.ffn_group_size,
+                                        target_sparsity=min(self.target_sparsity, 0.999)))
+        if (len(self.attn_keep), wm.n_attn_groups, wm.n_ffn_groups) != \
+                (wm.dims.num_layers, len(self.attn_keep[0]), len(self.ffn_keep[0])):
             raise WideError(f"static pruning with {len(self.attn_keep)} layers x ({len(self.attn_keep[0])}, "
                             f"{len(self.ffn_keep[0])}) groups does not fit this model")
-        wm.fixed_masks = self.masks()
+        wm.fixed_masks = {k: torch.tensor(v, dtype=torch.bool)[:, None, None, :]
+                          for k, v in (("attn", self.attn_keep), ("ffn", self.ffn_keep))}
         return wm
 
     def save(self, directory: str | os.PathLike) -> Path:
@@ -194,132 +135,35 @@ class StaticPruning:
             raise WideError(f"no {PRUNING_NAME} in {str(directory)!r}: not a `wide prune-static` output")
         try:
             data = json.loads(path.read_text())
-            known = {k: data[k] for k in cls.__dataclass_fields__ if k in data}
-            return cls(**known)
+            return cls(**{k: data[k] for k in cls.__dataclass_fields__ if k in data})
         except (json.JSONDecodeError, UnicodeDecodeError, TypeError, KeyError) as e:
             raise WideError(f"corrupt {path}: {e}") from None
 
 
-def _closest_pairs(n_attn: int, n_ffn: int, sparsity: float) -> list[tuple[int, int]]:
-    """(attention, FFN) groups removed per layer whose mean removed fraction is within half an FFN group
-    (or the best available) of ``sparsity``; at least one group of each kind stays."""
+def closest_pairs(n_attn: int, n_ffn: int, sparsity: float) -> list[tuple[int, int]]:
+    """(attention, FFN) groups removed per layer whose mean removed fraction is within half an FFN group of
+    ``sparsity`` (or the closest there is); at least one group of each kind stays."""
     best = {}
     for pa in range(n_attn):
         pf = min(max(round((2 * sparsity - pa / n_attn) * n_ffn), 0), n_ffn - 1)
         best[pa] = (abs(0.5 * (pa / n_attn + pf / n_ffn) - sparsity), pf)
-    tol = max(0.5 / n_ffn * 0.5, min(e for e, _ in best.values())) + 1e-9
+    tol = max(0.25 / n_ffn, min(e for e, _ in best.values())) + 1e-9
     return [(pa, pf) for pa, (e, pf) in best.items() if e <= tol]
 
 
 def keep_lowest(scores: torch.Tensor, n_remove: int) -> list[list[bool]]:
-    """Per row, keep everything but the ``n_remove`` lowest scores (ties: lower index removed first).
-
-    Args:
-        scores: ``[L, N]`` importance scores.
-        n_remove: groups removed per row, ``0 <= n_remove < N``.
-
-    Returns:
-        ``[L][N]`` bools, True = keep.
-    """
-    L, n = scores.shape
-    if not 0 <= n_remove < n:
-        raise WideError(f"cannot remove {n_remove} of {n} groups per layer (need 0 <= k < {n})")
-    keep = torch.ones(L, n, dtype=torch.bool)
-    if n_remove:
-        idx = torch.argsort(scores, dim=1, stable=True)[:, :n_remove]
-        keep.scatter_(1, idx, False)
+    """Per row of ``scores`` ``[L, N]``, keep all but the ``n_remove`` lowest (ties: lower index removed first)."""
+    keep = torch.ones(scores.shape, dtype=torch.bool)
+    keep.scatter_(1, torch.argsort(scores, dim=1, stable=True)[:, :n_remove], False)
     return keep.tolist()
 
 
-def remove_hooks(wm) -> None:
-    """Detach a :class:`wide.model.WideModel`'s routing hooks from its base model."""
-    for h in wm._handles:
-        h.remove()
-    wm._handles = []
-
-
-@torch.no_grad()
-def lm_loss(model: nn.Module, blocks: torch.Tensor, batch_size: int = 4) -> float:
-    """Mean next-token cross entropy (nats/token) of ``model`` (a HF LM or a WideModel) over ``blocks``."""
-    device = next(model.parameters()).device
-    tot, n = 0.0, 0
-    for b in range(0, blocks.shape[0], batch_size):
-        ids = blocks[b:b + batch_size].to(device)
-        with torch.autocast(device.type, dtype=torch.bfloat16, enabled=device.type == "cuda"):
-            logits = model(ids).logits
-        tot += float(nn.functional.cross_entropy(logits[:, :-1].flatten(0, 1).float(), ids[:, 1:].flatten(),
-                                                 reduction="sum"))
-        n += ids[:, 1:].numel()
-    return tot / n
-
-
-def choose_allocation(model: nn.Module, scores: dict[str, torch.Tensor], sparsity: float, attn_group_size: int,
-                      ffn_group_size: int, blocks: torch.Tensor | None = None, batch_size: int = 4,
-                      attn_sparsity: float | None = None, ffn_sparsity: float | None = None) -> StaticPruning:
-    """Pick the groups to remove (see the module docstring).
-
-    Args:
-        model: the dense base model.
-        scores: :func:`group_scores` output.
-        sparsity: target ``S`` in ``[0, 1)``: mean over modules of the removed fraction.
-        attn_group_size, ffn_group_size: group sizes used by ``scores``.
-        blocks: calibration blocks used to break ties between allocations by LM loss (if several qualify).
-        attn_sparsity, ffn_sparsity: fix the per-module fractions instead (both or neither; each rounded
-            to whole groups per layer).
-
-    Returns:
-        a :class:`StaticPruning` (``model``/``fingerprint`` left empty).
-
-    Raises:
-        WideError: ``S`` outside ``[0, 1)``, only one of the two overrides, or overrides outside ``[0, 1)``.
-    """
-    if not (isinstance(sparsity, (int, float)) and 0.0 <= sparsity < 1.0) or math.isnan(sparsity):
-        raise WideError(f"target sparsity S={sparsity!r} is outside [0, 1)")
-    n_a, n_f = scores["attn"].shape[1], scores["ffn"].shape[1]
-    if (attn_sparsity is None) != (ffn_sparsity is None):
-        raise WideError("give both --attn-sparsity and --ffn-sparsity, or neither")
-    if attn_sparsity is not None:
-        for name, v in (("attention", attn_sparsity), ("FFN", ffn_sparsity)):
-            if not 0.0 <= v < 1.0:
-                raise WideError(f"{name} sparsity {v!r} is outside [0, 1)")
-        pairs = [(min(round(attn_sparsity * n_a), n_a - 1), min(round(ffn_sparsity * n_f), n_f - 1))]
-    else:
-        pairs = _closest_pairs(n_a, n_f, sparsity)
-
-    def make(pa, pf):
-        return StaticPruning(keep_lowest(scores["attn"], pa), keep_lowest(scores["ffn"], pf), attn_group_size,
-                             ffn_group_size, float(sparsity))
-
-    cands = [make(pa, pf) for pa, pf in pairs]
-    if len(cands) == 1 or blocks is None:
-        return cands[0]
-    losses = []
-    for c in cands:
-        wm = c.apply(model)
-        try:
-            losses.append(lm_loss(wm, blocks, batch_size))
-        finally:
-            remove_hooks(wm)
-    best = min(range(len(cands)), key=lambda k: losses[k])
-    cands[best].calib["allocation_losses"] = {f"attn {c.attn_sparsity:.3f} / ffn {c.ffn_sparsity:.3f}": l
-                                              for c, l in zip(cands, losses)}
-    return cands[best]
-
-
 def check_group_sizes(dims: ModelDims, attn_group_size: int | None, ffn_group_size: int) -> int:
-    """Check static pruning's group sizes against a model's dims (e.g. read from its config, before its weights).
-
-    Args:
-        dims: the model's shape.
-        attn_group_size: a multiple of the GQA group ``H_q/H_k * head_dim`` dividing the attention width, or None
-            for the GQA group.
-        ffn_group_size: FFN ``G``, a power of two ``>= 16`` dividing the FFN size.
-
-    Returns:
-        the attention group size (the GQA group for None).
+    """The attention group size (None: the GQA group), checked with the FFN one against ``dims``.
 
     Raises:
-        WideError: a group size that does not fit; the message lists the legal ones.
+        WideError: an attention size that is not a multiple of the GQA group dividing the attention width (whole
+            KV heads are removed), or a bad FFN size; the message lists the legal ones.
     """
     g_a = dims.gqa_group_size if attn_group_size is None else int(attn_group_size)
     legal = [g for g in range(dims.gqa_group_size, dims.attn_width + 1, dims.gqa_group_size)
@@ -335,56 +179,53 @@ def check_group_sizes(dims: ModelDims, attn_group_size: int | None, ffn_group_si
 def prune(model: nn.Module, blocks: torch.Tensor, sparsity: float, attn_group_size: int | None = None,
           ffn_group_size: int = 128, batch_size: int = 4, attn_sparsity: float | None = None,
           ffn_sparsity: float | None = None, select_blocks: int = 4) -> StaticPruning:
-    """Score groups on ``blocks`` and choose the static pruning for target ``S`` (module docstring).
-
-    Args:
-        model: a supported dense HF causal LM.
-        blocks: int64 ``[N, T]`` calibration token blocks.
-        sparsity: target ``S`` in ``[0, 1)``.
-        attn_group_size: a multiple of the GQA group ``H_q/H_k * head_dim`` dividing the attention width
-            (default: the GQA group); whole groups are removed with their KV heads.
-        ffn_group_size: FFN ``G`` (power of two ``>= 16`` dividing the FFN size).
-        batch_size: blocks per forward pass.
-        attn_sparsity, ffn_sparsity: optional fixed split (see :func:`choose_allocation`).
-        select_blocks: how many of ``blocks`` the allocation choice evaluates the LM loss on.
-
-    Returns:
-        a :class:`StaticPruning`.
+    """Score the groups of a dense HF causal LM on int64 ``blocks`` ``[N, T]`` and choose the static pruning for
+    target ``S`` in [0, 1) (module docstring); ``attn_sparsity`` / ``ffn_sparsity`` fix the split instead (both
+    or neither, rounded to whole groups); the split's LM loss is measured on the first ``select_blocks`` blocks.
 
     Raises:
-        WideError: bad group sizes or sparsity values, empty ``blocks``.
+        WideError: bad group sizes or sparsities.
     """
-    from wide.model import check_architecture, dims_of
+    from wide.eval.perplexity import perplexity
 
     check_architecture(model.config)
     g_a = check_group_sizes(dims_of(model.config), attn_group_size, ffn_group_size)
-    sq = channel_sq_norms(model, blocks, batch_size)
-    scores = group_scores(model, sq, g_a, ffn_group_size)
-    sel = blocks[:max(1, select_blocks)]
-    p = choose_allocation(model, scores, sparsity, g_a, ffn_group_size, blocks=sel, batch_size=batch_size,
-                          attn_sparsity=attn_sparsity, ffn_sparsity=ffn_sparsity)
-    p.calib.update({"blocks": int(blocks.shape[0]), "seq_len": int(blocks.shape[1])})
-    return p
+    WideConfig(target_sparsity=sparsity)
+    if (attn_sparsity is None) != (ffn_sparsity is None):
+        raise WideError("give both --attn-sparsity and --ffn-sparsity, or neither")
+    scores = group_scores(model, blocks, g_a, ffn_group_size, batch_size)
+    n_a, n_f = scores["attn"].shape[1], scores["ffn"].shape[1]
+    if attn_sparsity is not None:
+        pairs = [(min(round(attn_sparsity * n_a), n_a - 1), min(round(ffn_sparsity * n_f), n_f - 1))]
+    else:
+        pairs = closest_pairs(n_a, n_f, sparsity)
+    cands = [StaticPruning(keep_lowest(scores["attn"], pa), keep_lowest(scores["ffn"], pf), g_a, ffn_group_size,
+                           float(sparsity)) for pa, pf in pairs]
+    best = cands[0]
+    if len(cands) > 1:
+        losses = []
+        for c in cands:
+            wm = c.apply(model)
+            try:
+                losses.append(perplexity(wm, blocks[:select_blocks], batch_size, progress=False)["nll"])
+            finally:
+                for h in wm._handles:  # detach the routing hooks from the base model
+                    h.remove()
+        best = cands[min(range(len(cands)), key=losses.__getitem__)]
+        best.calib["allocation_losses"] = {f"attn {c.attn_sparsity:.3f} / ffn {c.ffn_sparsity:.3f}": loss
+                                           for c, loss in zip(cands, losses)}
+    best.calib.update({"blocks": int(blocks.shape[0]), "seq_len": int(blocks.shape[1])})
+    return best
 
 
-# --- physical slicing -----------------------------------------------------------------------------
-def _rows(lin: nn.Linear, idx: torch.Tensor) -> nn.Linear:
-    new = nn.Linear(lin.in_features, len(idx), bias=lin.bias is not None, device=lin.weight.device,
-                    dtype=lin.weight.dtype)
+def _linear(lin: nn.Linear, idx: torch.Tensor, dim: int) -> nn.Linear:
+    """A copy of ``lin`` keeping the output rows (``dim=0``) or input columns (``dim=1``) ``idx``."""
+    w = lin.weight.index_select(dim, idx.to(lin.weight.device))
+    new = nn.Linear(w.shape[1], w.shape[0], bias=lin.bias is not None, device=w.device, dtype=w.dtype)
     with torch.no_grad():
-        new.weight.copy_(lin.weight[idx])
+        new.weight.copy_(w)
         if lin.bias is not None:
-            new.bias.copy_(lin.bias[idx])
-    return new
-
-
-def _cols(lin: nn.Linear, idx: torch.Tensor) -> nn.Linear:
-    new = nn.Linear(len(idx), lin.out_features, bias=lin.bias is not None, device=lin.weight.device,
-                    dtype=lin.weight.dtype)
-    with torch.no_grad():
-        new.weight.copy_(lin.weight[:, idx])
-        if lin.bias is not None:
-            new.bias.copy_(lin.bias)
+            new.bias.copy_(lin.bias[idx] if dim == 0 else lin.bias)
     return new
 
 
@@ -393,81 +234,57 @@ def _channels(keep: list[bool], group: int) -> torch.Tensor:
 
 
 def slice_model(model: nn.Module, pruning: StaticPruning) -> nn.Module:
-    """A physically smaller copy of ``model`` with the pruned groups removed (``model`` is unchanged).
-
-    Per layer: ``q_proj`` rows and ``o_proj`` columns of the removed query heads, ``k_proj`` / ``v_proj``
-    rows of their KV heads (used by no remaining query head), ``gate_proj`` / ``up_proj`` rows and
-    ``down_proj`` columns of the removed FFN channels. The config gets ``num_attention_heads``,
-    ``num_key_value_heads``, ``intermediate_size`` and an explicit ``head_dim``; its output equals the
-    fixed-mask form's (:meth:`StaticPruning.apply`). A model loaded from GGUF (dequantized by transformers) is
-    saved as a plain float checkpoint (its GGUF quantizer marker is dropped from the copy).
-
-    Args:
-        model: the dense HF causal LM the pruning was made for.
-        pruning: a :class:`StaticPruning` with the same kept count in every layer.
+    """A physically smaller copy of ``model`` (unchanged) without the pruned groups: ``q_proj`` rows and
+    ``o_proj`` columns of the removed query heads, ``k_proj`` / ``v_proj`` rows of their KV heads, ``gate_proj`` /
+    ``up_proj`` rows and ``down_proj`` columns of the removed FFN channels; the config follows. A GGUF-loaded
+    model's copy is a plain float checkpoint.
 
     Returns:
-        a new ``*ForCausalLM`` (same class, dtype and device), eval mode, ``requires_grad=False``.
+        a new model of the same class, dtype and device, eval mode, ``requires_grad=False``.
 
     Raises:
-        WideError: layer counts that differ, or a pruning that does not fit the model.
+        WideError: a pruning whose layers or groups do not fit the model, or that keeps a different (or zero)
+            number of groups in some layer.
     """
-    from wide.model import check_architecture, decoder_layers, dims_of
-
     arch = check_architecture(model.config)
-    dims: ModelDims = dims_of(model.config)
+    dims = dims_of(model.config)
     ga, gf = pruning.attn_group_size, pruning.ffn_group_size
-    if ga % dims.gqa_group_size or dims.attn_width % ga or dims.intermediate_size % gf:
-        raise WideError(f"static pruning groups ({ga}, {gf}) do not fit this model")
-    if len(pruning.attn_keep) != dims.num_layers or len(pruning.ffn_keep) != dims.num_layers:
-        raise WideError(f"static pruning has {len(pruning.attn_keep)} layers, the model {dims.num_layers}")
-    ka = {sum(r) for r in pruning.attn_keep}
-    kf = {sum(r) for r in pruning.ffn_keep}
+    ka, kf = {sum(r) for r in pruning.attn_keep}, {sum(r) for r in pruning.ffn_keep}
     if len(ka) != 1 or len(kf) != 1 or 0 in ka or 0 in kf:
         raise WideError("physical slicing needs the same, non-zero number of kept groups in every layer")
-    kv_per_group = ga // dims.gqa_group_size
-    q_per_kv = dims.num_heads // dims.num_kv_heads
+    if (ga % dims.gqa_group_size or dims.attn_width % ga or dims.intermediate_size % gf
+            or len(pruning.attn_keep) != dims.num_layers or len(pruning.ffn_keep) != dims.num_layers):
+        raise WideError(f"static pruning of {len(pruning.attn_keep)} layers, groups ({ga}, {gf}), does not fit this "
+                        f"model ({dims.num_layers} layers)")
+    kv_per_group, q_per_kv = ga // dims.gqa_group_size, dims.num_heads // dims.num_kv_heads
     cfg = copy.deepcopy(model.config)
     cfg.num_key_value_heads = ka.pop() * kv_per_group
     cfg.num_attention_heads = cfg.num_key_value_heads * q_per_kv
-    cfg.head_dim = dims.head_dim
-    cfg.intermediate_size = kf.pop() * gf
-    cfg.architectures = [arch]
+    cfg.head_dim, cfg.intermediate_size, cfg.architectures = dims.head_dim, kf.pop() * gf, [arch]
     if hasattr(cfg, "quantization_config"):  # a GGUF load is dequantized: the copy holds plain float weights
         del cfg.quantization_config
     new = copy.deepcopy(model)
     if getattr(new, "hf_quantizer", None) is not None:
         new.hf_quantizer = None
-        for attr in ("is_quantized", "quantization_method"):
-            if hasattr(new, attr):
-                try:
-                    setattr(new, attr, False if attr == "is_quantized" else None)
-                except AttributeError:  # a read-only property derived from hf_quantizer
-                    pass
+        for attr, value in (("is_quantized", False), ("quantization_method", None)):
+            try:
+                setattr(new, attr, value)
+            except AttributeError:  # a read-only property derived from hf_quantizer
+                pass
     new.config = cfg
-    if hasattr(new, "model") and hasattr(new.model, "config"):
+    if hasattr(new, "model"):
         new.model.config = cfg
-    hd = dims.head_dim
     for layer, akeep, fkeep in zip(decoder_layers(new), pruning.attn_keep, pruning.ffn_keep):
         attn, mlp = layer.self_attn, layer.mlp
-        q_idx = _channels(akeep, ga)                                   # query channels kept
-        kv_keep = [k for k in akeep for _ in range(kv_per_group)]      # per KV head
-        kv_idx = _channels(kv_keep, hd)
-        attn.q_proj = _rows(attn.q_proj, q_idx)
-        attn.k_proj = _rows(attn.k_proj, kv_idx)
-        attn.v_proj = _rows(attn.v_proj, kv_idx)
-        attn.o_proj = _cols(attn.o_proj, q_idx)
-        attn.config = cfg
-        if hasattr(attn, "num_key_value_groups"):
-            attn.num_key_value_groups = q_per_kv
+        q_idx = _channels(akeep, ga)
+        kv_idx = _channels([k for k in akeep for _ in range(kv_per_group)], dims.head_dim)
+        attn.q_proj, attn.o_proj = _linear(attn.q_proj, q_idx, 0), _linear(attn.o_proj, q_idx, 1)
+        attn.k_proj, attn.v_proj = _linear(attn.k_proj, kv_idx, 0), _linear(attn.v_proj, kv_idx, 0)
+        attn.config, attn.num_key_value_groups = cfg, q_per_kv
         f_idx = _channels(fkeep, gf)
-        mlp.gate_proj = _rows(mlp.gate_proj, f_idx)
-        mlp.up_proj = _rows(mlp.up_proj, f_idx)
-        mlp.down_proj = _cols(mlp.down_proj, f_idx)
-        if hasattr(mlp, "intermediate_size"):
-            mlp.intermediate_size = cfg.intermediate_size
-        if hasattr(mlp, "config"):
-            mlp.config = cfg
+        mlp.gate_proj, mlp.up_proj = _linear(mlp.gate_proj, f_idx, 0), _linear(mlp.up_proj, f_idx, 0)
+        mlp.down_proj = _linear(mlp.down_proj, f_idx, 1)
+        mlp.intermediate_size, mlp.config = cfg.intermediate_size, cfg
     new.eval()
     new.requires_grad_(False)
     return new
@@ -479,23 +296,13 @@ def param_count(model: nn.Module) -> int:
 
 
 def save_pruned(model: nn.Module, tokenizer, pruning: StaticPruning, directory: str | os.PathLike) -> Path:
-    """Write the sliced model (``save_pretrained``: ``config.json`` + safetensors), its tokenizer and
-    ``static_pruning.json`` into ``directory``; the folder then works as ``--model DIR``.
-
-    Args:
-        model: the output of :func:`slice_model`.
-        tokenizer: the base model's tokenizer.
-        pruning: the pruning it was made with.
-        directory: output folder (created).
-
-    Every file written gets the mode of a newly created file (``0o666 & ~umask``), the weights too.
-    """
+    """Write the sliced model (``save_pretrained``), its tokenizer and ``static_pruning.json`` into ``directory``,
+    usable as ``--model``; every file written gets a new file's mode (safetensors writes 0600)."""
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
     before = {f.name: f.stat().st_ino for f in directory.iterdir() if f.is_file()}
     model.save_pretrained(directory)
     tokenizer.save_pretrained(directory)
     pruning.save(directory)
-    # the files just created (new names or replaced inodes) get a new file's mode; safetensors writes 0600
     set_new_file_mode(f for f in directory.iterdir() if f.is_file() and before.get(f.name) != f.stat().st_ino)
     return directory
