@@ -3,6 +3,7 @@ dispatches. Bad input ends with one line on stderr naming the value and what is 
 
 from __future__ import annotations
 
+import argparse
 import contextlib
 import os
 import shlex
@@ -10,7 +11,7 @@ import sys
 import warnings
 
 from wide.cli import bench, demo, evaluate, generate, train
-from wide.cli.common import WideArgumentParser, need_extra
+from wide.cli.common import WideArgumentParser
 
 
 def build_parser() -> WideArgumentParser:
@@ -27,11 +28,6 @@ def build_parser() -> WideArgumentParser:
     bench.register(sub)
     generate.register(sub)
     return p
-
-
-def _ours(e: BaseException) -> bool:
-    """Bad input: a ValueError subclass defined in ``wide`` (WideError, the kernels' KernelArgumentError)."""
-    return isinstance(e, ValueError) and any(c.__module__.split(".")[0] == "wide" for c in type(e).__mro__)
 
 
 @contextlib.contextmanager
@@ -95,31 +91,16 @@ def _resume_hint(args) -> str:
     return ""
 
 
-def _lm_eval(argv: list[str]) -> int:
-    """``wide lm-eval ...``: handed to lm-eval untouched (argparse would eat its options)."""
-    try:
-        need_extra("lm_eval", "wide lm-eval")
-    except ValueError as e:
-        print(f"wide lm-eval: error: {e}", file=sys.stderr)
-        return 2
-    from wide.eval.lm_eval import lm_eval_main
-
-    try:
-        return lm_eval_main(argv)
-    except KeyboardInterrupt:
-        print("wide lm-eval: interrupted", file=sys.stderr)
-        return 130
-
-
 def main(argv: list[str] | None = None) -> int:
     """Run ``wide <argv>`` (default ``sys.argv[1:]``) and return its exit code."""
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     raw = list(sys.argv[1:] if argv is None else argv)
-    if raw[:1] == ["lm-eval"]:
-        return _lm_eval(raw[1:])
     parser = build_parser()
-    args = parser.parse_args(raw)
+    if raw[:1] == ["lm-eval"]:  # lm-eval parses its own options
+        args = argparse.Namespace(command="lm-eval", func=evaluate.cmd_lm_eval)
+    else:
+        args = parser.parse_args(raw)
     args.argv = raw
     from wide.model import check_device
     from wide.train.fsdp import launched_by_torchrun
@@ -146,8 +127,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         with _term_as_interrupt() as term:
             return run()
-    except ValueError as e:
-        if not _ours(e):
+    except ValueError as e:  # bad input: a ValueError of ours (WideError, the kernels' KernelArgumentError)
+        if not any(c.__module__.split(".")[0] == "wide" for c in type(e).__mro__):
             raise
         print(f"wide {args.command}: error: {e}", file=sys.stderr)
         return 2

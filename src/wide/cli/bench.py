@@ -1,8 +1,5 @@
-"""``wide bench``: registers the benchmarks as subcommands (``wide bench kernels``, ``wide bench e2e``).
-
-Each benchmark module exposes ``add_arguments(parser)`` and ``run(args) -> int``; modules are imported only
-when their subcommand runs, so ``wide --help`` stays light.
-"""
+"""``wide bench kernels`` and ``wide bench e2e``: each benchmark module has ``add_arguments(parser)`` and
+``run(args) -> int`` and is imported when its subcommand is parsed."""
 
 from __future__ import annotations
 
@@ -16,26 +13,21 @@ BENCHMARKS = {
 
 def _runner(name: str, module: str):
     def run(args) -> int:
-        """Run ``wide bench <name>``.
-
-        Raises:
-            WideError: no CUDA GPU (unless ``--report-only``); both benchmarks time GPU code. The CLI prints it
-                as ``wide bench: error: ...`` with exit code 2, the same for every benchmark.
-        """
-        if not getattr(args, "report_only", False):
+        """Run ``wide bench <name>``; raises WideError without a CUDA GPU (unless ``--report-only``)."""
+        if not args.report_only:
             import torch
 
             from wide.errors import WideError
 
             if not torch.cuda.is_available():
                 raise WideError(f"wide bench {name} times GPU code and needs a CUDA GPU; none is available "
-                                f"(--report-only rebuilds the table and plot from an earlier run's JSON)")
+                                "(--report-only rebuilds the table and plot from an earlier run's JSON)")
         return importlib.import_module(module).run(args)
     return run
 
 
 def register(sub) -> None:
-    """Add ``bench <name>`` to the ``wide`` subcommands (``sub`` from ``ArgumentParser.add_subparsers``)."""
+    """Add ``bench <name>`` to the ``wide`` subcommands."""
     b = sub.add_parser("bench", help="benchmarks: " + ", ".join(BENCHMARKS))
     bsub = b.add_subparsers(dest="bench", required=True, metavar="{" + ",".join(BENCHMARKS) + "}",
                             title="benchmark (one of)")

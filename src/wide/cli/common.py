@@ -1,5 +1,5 @@
-"""Shared pieces of the ``wide`` command line: the parser class, the option groups, the input checks that run
-before any weight loads, and model loading."""
+"""Shared pieces of the ``wide`` command line: the parser class, option groups, the checks that run before any
+weight loads, and model loading."""
 
 from __future__ import annotations
 
@@ -13,11 +13,10 @@ from wide.errors import WideError
 
 class WideArgumentParser(argparse.ArgumentParser):
     """An ArgumentParser whose usage errors are one line, ``<prog>: error: <message> (see <prog> --help)``, exit
-    code 2, reported by the innermost subcommand; abbreviated options are refused (``--mode`` is not ``--model``)."""
+    code 2, from the innermost subcommand; abbreviations are refused (``--mode`` is not ``--model``)."""
 
     def __init__(self, *args, **kwargs):
-        kwargs.setdefault("allow_abbrev", False)
-        super().__init__(*args, **kwargs)
+        super().__init__(*args, **{"allow_abbrev": False, **kwargs})
 
     def error(self, message: str):
         self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
@@ -29,18 +28,16 @@ class WideArgumentParser(argparse.ArgumentParser):
         return ns
 
     def innermost(self, ns) -> argparse.ArgumentParser:
-        """The parser of the deepest subcommand chosen in ``ns`` (this one when none was)."""
+        """The parser of the deepest subcommand chosen in ``ns``."""
         for action in self._actions:
-            if isinstance(action, argparse._SubParsersAction):
-                sub = action.choices.get(getattr(ns, action.dest, None))
-                if sub is not None:
-                    return sub.innermost(ns) if isinstance(sub, WideArgumentParser) else sub
+            sub = isinstance(action, argparse._SubParsersAction) and action.choices.get(getattr(ns, action.dest, None))
+            if sub:
+                return sub.innermost(ns)
         return self
 
 
-# --- option groups ---------------------------------------------------------------------------------
 def add_model(p, device: bool = True) -> None:
-    """``--model`` and ``--device`` (``device=False``: accepted and checked, but hidden from the help)."""
+    """``--model`` and ``--device`` (``device=False``: accepted and checked, not in the help)."""
     p.add_argument("--model", default=None, help="local HF checkpoint dir, .gguf file, or 'smollm2-135m' "
                                                  "(default: the bundled SmolLM2-135M-Instruct GGUF)")
     p.add_argument("--device", default=None,
@@ -48,7 +45,7 @@ def add_model(p, device: bool = True) -> None:
 
 
 def add_method(p) -> None:
-    """The WideConfig options of a training command: the calibration objective and the router layout."""
+    """The WideConfig options of a training command: the objective and the router layout."""
     g = p.add_argument_group("WIDE method (WideConfig)")
     g.add_argument("--sparsity", "-S", type=float, default=0.5, help="target sparsity S in [0, 1) (default: 0.5)")
     g.add_argument("--alpha", type=float, default=20.0, help="sparsity-loss weight (>= 0; default 20.0)")
@@ -62,7 +59,7 @@ def add_method(p) -> None:
 
 
 def add_layout(g) -> None:
-    """The options that decide the routers' shape and count (all ``wide info`` needs)."""
+    """The options that decide the routers' shape and count."""
     g.add_argument("--attn-group-size", type=int, default=None,
                    help="attention G: multiple of head_dim dividing the attention width (default: the GQA group)")
     g.add_argument("--ffn-group-size", type=int, default=128,
@@ -72,27 +69,21 @@ def add_layout(g) -> None:
                    help="which sublayers get routers (default: both)")
     g.add_argument("--method", choices=["wide", "skipgpt"], default="wide",
                    help="wide = group routing (§3.1); skipgpt = the dynamic-depth baseline (§4.1): one router per "
-                        "module, whole-module gates, rank raised to match the router parameters of WIDE with "
-                        "--rank / --attn-group-size / --ffn-group-size")
+                        "module, whole-module gates, rank raised to match WIDE's router parameters")
     g.add_argument("--skipgpt-rank", type=int, default=None,
                    help="with --method skipgpt: use this router rank instead of the matched one")
 
 
-def add_train(p, steps: int | None = 500, batch: int = 8, seq_len: int | None = 2048, lr: float = 5e-3,
-              auto: dict[str, str] | None = None) -> None:
-    """The training options; ``auto`` maps ``steps`` / ``seq_len`` to the help of an automatic default (None)."""
+def add_train(p, batch: int = 8, lr: float = 5e-3, auto: dict[str, str] | None = None) -> None:
+    """The training options; ``auto`` gives ``steps`` / ``seq_len`` an automatic default (None) and its help."""
     auto = auto or {}
-
-    def default(name: str, value) -> str:
-        return f"default: auto, {auto[name]}" if name in auto else f"default: {value}"
-
     g = p.add_argument_group("calibration run")
-    g.add_argument("--steps", type=int, default=None if "steps" in auto else steps,
-                   help=f"optimizer steps (>= 1; {default('steps', steps)})")
+    g.add_argument("--steps", type=int, default=None if auto else 500,
+                   help=f"optimizer steps (>= 1; default: {auto.get('steps', 500)})")
     g.add_argument("--batch-size", type=int, default=batch, help=f"sequences per micro-batch (default: {batch})")
     g.add_argument("--grad-accum", type=int, default=1, help="micro-batches per optimizer step (default: 1)")
-    g.add_argument("--seq-len", type=int, default=None if "seq_len" in auto else seq_len,
-                   help=f"tokens per packed sequence (>= 2; {default('seq_len', seq_len)})")
+    g.add_argument("--seq-len", type=int, default=None if auto else 2048,
+                   help=f"tokens per packed sequence (>= 2; default: {auto.get('seq_len', 2048)})")
     g.add_argument("--lr", type=float, default=lr, help=f"peak learning rate (> 0, at most 1; default: {lr:g})")
     g.add_argument("--warmup-steps", type=int, default=None,
                    help="linear warm-up steps (0 to --steps; default: 5%% of --steps)")
@@ -108,19 +99,6 @@ def add_train(p, steps: int | None = 500, batch: int = 8, seq_len: int | None = 
                         "fits in the memory available (RAM on CPU, free GPU memory on CUDA)")
 
 
-def add_output(p, what: str, resume: bool) -> None:
-    """``-o`` and ``--overwrite`` (and ``--resume`` for a training command)."""
-    p.add_argument("--output", "-o", required=True, help=what)
-    if resume:
-        p.add_argument("--resume", action="store_true",
-                       help="continue from the training state in --output (train_state.pt, or train_state.dcp of a "
-                            "multi-process run); options not given take the saved run's values")
-    p.add_argument("--overwrite", action="store_true",
-                   help="start a new run in a non-empty --output: its old training state and log are removed "
-                        "when training starts, its other files replaced as the new ones are saved")
-
-
-# --- checks before any weight loads ----------------------------------------------------------------
 def at_least(option: str, value, low: int) -> None:
     """Raise WideError ``<option> <value> must be >= <low>`` unless ``value`` is None or ``>= low``."""
     if value is not None and not value >= low:
@@ -132,12 +110,12 @@ def need_extra(module: str, what: str) -> None:
     import importlib.util
 
     if importlib.util.find_spec(module) is None:
-        raise WideError(f"{what} needs the '{module}' package, which is not installed: "
-                        f"pip install 'wide[quality]' (or, in this repository, .venv/bin/pip install -e '.[quality]')")
+        raise WideError(f"{what} needs the '{module}' package, which is not installed: pip install 'wide[quality]' "
+                        f"(or, in this repository, .venv/bin/pip install -e '.[quality]')")
 
 
 def hf_config(model):
-    """``(source, Hugging Face config)`` of ``--model``, read from its config alone.
+    """``(source, Hugging Face config)`` of ``--model``, from its config alone.
 
     Raises:
         WideError: the model is not found, its config is unreadable, or its architecture is not supported.
@@ -150,18 +128,18 @@ def hf_config(model):
     return src, hf
 
 
-def check_ffn_group_size(args, why: str = "") -> None:
-    """An ``--ffn-group-size`` that is not a power of two >= 16 is named with the legal sizes of ``--model``."""
+def check_ffn_group_size(args) -> None:
+    """Refuse an ``--ffn-group-size`` that is not a power of two >= 16, naming the legal sizes of ``--model``."""
     g = args.ffn_group_size
     if g < 16 or g & (g - 1):
         from wide.model import dims_of
 
         src, hf = hf_config(args.model)
-        raise WideError(dims_of(hf).ffn_group_size_error(g, f" of {src.ref}", why))
+        raise WideError(dims_of(hf).ffn_group_size_error(g, f" of {src.ref}"))
 
 
 def config_from(args):
-    """The WideConfig of the method / layout options; SkipGPT gets the rank matched to that layout (§4.1).
+    """The WideConfig of the method / layout options; SkipGPT's rank is matched to that layout (§4.1).
 
     Raises:
         WideError: a bad value, or ``--skipgpt-rank`` without ``--method skipgpt``.
@@ -174,7 +152,7 @@ def config_from(args):
     objective = {k: getattr(args, a) for k, a in names.items() if hasattr(args, a)}
     cfg = WideConfig(attn_group_size=args.attn_group_size, ffn_group_size=args.ffn_group_size,
                      router_rank=args.rank, routed=args.routed, **objective)
-    if objective:  # a training command: the temperatures must be in the trainable range
+    if objective:  # a training command: the temperatures must be trainable
         cfg.check_training()
     if args.skipgpt_rank is not None and args.method != "skipgpt":
         raise WideError(f"--skipgpt-rank {args.skipgpt_rank} needs --method skipgpt")
@@ -203,31 +181,28 @@ def train_args_from(args, steps: int | None = None):
 
 
 def check_writable(option: str, path) -> None:
-    """Refuse a path below a file, or whose nearest existing folder takes no new entry (probed, so root too)."""
+    """Refuse a path below a file, or whose nearest existing folder takes no new entry (probed: root too)."""
     target = Path(os.path.abspath(path))
-    for parent in ([target] if target.is_dir() else []) + list(target.parents):
-        if parent.exists():
-            if not parent.is_dir():
-                raise WideError(f"{option} {str(path)!r}: {str(parent)!r} is a file, not a directory")
-            try:
-                os.rmdir(tempfile.mkdtemp(prefix=".wide-write-check-", dir=parent))
-            except OSError as e:
-                raise WideError(f"{option} {str(path)!r}: nothing can be written in {str(parent)!r} "
-                                f"({e.strerror or e})") from None
-            return
+    parent = next(p for p in ([target] if target.is_dir() else []) + list(target.parents) if p.exists())
+    if not parent.is_dir():
+        raise WideError(f"{option} {str(path)!r}: {str(parent)!r} is a file, not a directory")
+    try:
+        os.rmdir(tempfile.mkdtemp(prefix=".wide-write-check-", dir=parent))
+    except OSError as e:
+        raise WideError(f"{option} {str(path)!r}: nothing can be written in {str(parent)!r} ({e.strerror or e})") \
+            from None
 
 
 def check_output_file(option: str, path) -> None:
-    """An output file (``--json``) must not be a folder and must be writable; its folders are made later."""
-    if path is None:
-        return
-    if os.path.isdir(path):
+    """An output file (``--json``) must not be a folder and must be writable."""
+    if path is not None and os.path.isdir(path):
         raise WideError(f"{option} {str(path)!r} is a directory; give a file path")
-    check_writable(option, path)
+    if path is not None:
+        check_writable(option, path)
 
 
 def check_output(args, stage: str | None = "router") -> None:
-    """``-o``: a folder or new, writable; with ``--resume`` it holds a readable training state, else it is empty
+    """``-o``: a writable folder or new; with ``--resume`` it holds a readable training state, else it is empty
     unless ``--overwrite`` (which a stage-1 run refuses over a LoRA adapter).
 
     Raises:
@@ -242,8 +217,8 @@ def check_output(args, stage: str | None = "router") -> None:
     if os.path.exists(out) and not os.path.isdir(out):
         raise WideError(f"-o {out!r} is a file; give a directory for the checkpoint")
     check_writable("-o", out)
-    resume, overwrite = getattr(args, "resume", False), args.overwrite
-    if resume and overwrite:
+    resume = getattr(args, "resume", False)
+    if resume and args.overwrite:
         raise WideError(f"--resume and --overwrite exclude each other: --resume continues the run in {out!r}, "
                         "--overwrite replaces it")
     if resume and not has_train_state(out):
@@ -252,7 +227,7 @@ def check_output(args, stage: str | None = "router") -> None:
         load_train_state(Path(out) / STATE_NAME, mmap=True)  # a corrupt state fails here
     if resume or not os.path.isdir(out) or not any(os.scandir(out)):
         return
-    if not overwrite:
+    if not args.overwrite:
         use = "--resume to continue that run or --overwrite" if hasattr(args, "resume") else "--overwrite"
         raise WideError(f"output {out!r} exists and is not empty (use {use} to write over it: the files this "
                         "command writes are replaced, any others are left as they are)")
@@ -271,11 +246,10 @@ def fits_context(option: str, tokens: int):
     return check
 
 
-# --- loading and printing --------------------------------------------------------------------------
 def load(args, cfg=None, pre=(), hf_check=None, env=None):
-    """``(model, tokenizer, source)`` of ``--model``. Before the tokenizer: ``cfg`` is resolved against the
-    model's dims and each ``pre(hf_config)`` runs; before the weights: ``hf_check(hf_config, tokenizer)``.
-    Under torchrun (``env`` active) only rank 0 reads the weights."""
+    """``(model, tokenizer, source)`` of ``--model``. Before the tokenizer loads, ``cfg`` is resolved against the
+    model's dims and each ``pre(hf_config)`` runs; before the weights, ``hf_check(hf_config, tokenizer)``. Under
+    torchrun (``env`` active) only rank 0 reads the weights."""
     from wide.model import dims_of, load_base_model
 
     def config_check(hf):
@@ -296,12 +270,6 @@ def text_name(spec) -> str:
     from wide.data import DEFAULT_TEXT
 
     return DEFAULT_TEXT if spec is None else str(spec)
-
-
-def data_source(args) -> str:
-    """How a run's text was given, for a later ``--resume`` message."""
-    text = f"--text {os.path.abspath(args.text)!r}" if args.text else "no --text (the default text)"
-    return text + (f" --max-blocks {args.max_blocks}" if args.max_blocks is not None else "")
 
 
 def say(msg: str = "") -> None:

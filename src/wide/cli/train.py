@@ -8,23 +8,7 @@ import shlex
 import time
 from pathlib import Path
 
-from wide.cli.common import (
-    add_method,
-    add_model,
-    add_output,
-    add_train,
-    at_least,
-    check_output,
-    config_from,
-    data_source,
-    fits_context,
-    hf_config,
-    load,
-    need_extra,
-    say,
-    text_name,
-    train_args_from,
-)
+from wide.cli import common as C
 from wide.errors import WideError
 
 #: parsed names that are not options of a run: never saved with its state, nor taken from it on --resume
@@ -38,30 +22,39 @@ RESUME_FIXED = ("sparsity", "alpha", "tau_start", "tau_end", "mode", "attn_group
 def add_parsers(sub) -> None:
     """Add ``calibrate`` and ``lora`` to the ``wide`` subcommands."""
     s = sub.add_parser("calibrate", help="stage 1: train the routers to a target sparsity (base frozen)")
-    add_model(s)
     s.add_argument("--text", default=None, help="calibration text: .txt, .jsonl with 'text', datasets folder "
                                                 "(default: BoolQ Wikipedia passages, calibration split)")
-    add_output(s, "checkpoint directory", resume=True)
-    add_method(s)
-    add_train(s)
+    _add_common(s, "checkpoint directory")
+    C.add_method(s)
+    C.add_train(s)
     _add_dist(s)
     s.set_defaults(func=cmd_calibrate)
 
     s = sub.add_parser("lora", help="stage 2: LoRA recovery on top of a stage-1 checkpoint (peft, all 7 projections)")
-    add_model(s)
     s.add_argument("--wide", default=None, help="stage-1 WIDE checkpoint directory (`wide calibrate` output); "
                                                 "required, except with --resume (the saved run's)")
     s.add_argument("--text", default=None, help="training text (default: BoolQ passages, calibration split)")
-    add_output(s, "output WIDE directory (routers, config, adapter/)", resume=True)
+    _add_common(s, "output WIDE directory (routers, config, adapter/)")
     s.add_argument("--freeze-router", action="store_true", help="keep the stage-1 routers fixed; train only LoRA")
     g = s.add_argument_group("LoRA (peft)")
     g.add_argument("--lora-r", type=int, default=16, help="LoRA rank r")
     g.add_argument("--lora-alpha", type=float, default=32.0, help="lora_alpha; peft scales by alpha / r")
     g.add_argument("--lora-dropout", type=float, default=0.1,
                    help="dropout on the LoRA input, in [0, 1) (default: 0.1)")
-    add_train(s, lr=2e-4)
+    C.add_train(s, lr=2e-4)
     _add_dist(s)
     s.set_defaults(func=cmd_lora)
+
+
+def _add_common(s, output: str) -> None:
+    C.add_model(s)
+    s.add_argument("--output", "-o", required=True, help=output)
+    s.add_argument("--resume", action="store_true",
+                   help="continue from the training state in --output (train_state.pt, or train_state.dcp of a "
+                        "multi-process run); options not given take the saved run's values")
+    s.add_argument("--overwrite", action="store_true",
+                   help="start a new run in a non-empty --output: its old training state and log are removed "
+                        "when training starts, its other files replaced as the new ones are saved")
 
 
 def _add_dist(p) -> None:
@@ -74,51 +67,54 @@ def _add_dist(p) -> None:
                         "all-gather of the base a step instead of two; every GPU then holds the whole base)")
 
 
+def _prechecks(args, stage: str = "router"):
+    """The checks that need no model (options, ``-o``, the text); returns the CalibrationArgs and documents."""
+    from wide.data import load_texts
+
+    targs = C.train_args_from(args)
+    C.check_output(args, stage)
+    return targs, load_texts(args.text, split="calib")
+
+
 def _launch(args, precheck) -> int | None:
-    """``--nproc N`` outside torchrun: run the cheap checks here, then N workers; else None."""
+    """``--nproc N`` outside torchrun: run ``precheck`` here, then N workers; else None."""
     import wide.train.fsdp as D
 
     if args.nproc is None or D.launched_by_torchrun():
         return None
-    at_least("--nproc", args.nproc, 1)
+    C.at_least("--nproc", args.nproc, 1)
     precheck()
     return D.launch(args.nproc, args.command, D.strip_nproc(args.argv))
 
 
-def _prechecks(args, stage: str = "router"):
-    """The checks of a training run that need no model: options, ``-o``, the text; returns the CalibrationArgs
-    and the text's documents."""
-    from wide.data import load_texts
-
-    targs = train_args_from(args)
-    check_output(args, stage)
-    return targs, load_texts(args.text, split="calib")
-
-
-def _absolute(spec: str | None, name: str | None = None) -> str | None:
-    """``spec`` as an absolute path when it names an existing path (and is not the reserved ``name``)."""
-    if spec is None or spec == name or not os.path.exists(os.path.expanduser(spec)):
-        return spec
-    return os.path.abspath(os.path.expanduser(spec))
+def data_source(args) -> str:
+    """How a run's text was given, for a later ``--resume`` message."""
+    text = f"--text {os.path.abspath(args.text)!r}" if args.text else "no --text (the default text)"
+    return text + (f" --max-blocks {args.max_blocks}" if args.max_blocks is not None else "")
 
 
 def run_options(args, env) -> dict:
-    """The options of a run as its training state keeps them for ``--resume``: paths absolute, ``nproc`` the
-    number of processes that ran it (None without torchrun)."""
+    """The options of a run as its training state keeps them for ``--resume``: existing paths absolute,
+    ``nproc`` the number of processes that ran it (None without torchrun)."""
     from wide.data import DEFAULT_TEXT
     from wide.model import DEFAULT_MODEL
 
+    def absolute(spec, reserved=None):
+        if spec is None or spec == reserved or not os.path.exists(os.path.expanduser(spec)):
+            return spec
+        return os.path.abspath(os.path.expanduser(spec))
+
     opts = {k: v for k, v in vars(args).items() if k not in NOT_RUN_OPTIONS}
-    opts.update(model=_absolute(args.model, DEFAULT_MODEL), text=_absolute(args.text, DEFAULT_TEXT),
+    opts.update(model=absolute(args.model, DEFAULT_MODEL), text=absolute(args.text, DEFAULT_TEXT),
                 nproc=env.world_size if env.active else None)
     if "wide" in opts:
-        opts["wide"] = _absolute(args.wide)
+        opts["wide"] = absolute(args.wide)
     return opts
 
 
 def take_saved_options(parser, args) -> None:
-    """``--resume``: every run option not on the command line (``args.argv`` parsed again without defaults)
-    takes the saved run's value, and one line names those that differ from the defaults.
+    """``--resume``: each run option not on the command line (``args.argv`` parsed again without defaults) takes
+    the saved run's value, and one line names those taken.
 
     Raises:
         WideError: a corrupt training state, or a :data:`RESUME_FIXED` option given unlike the saved run's.
@@ -137,10 +133,10 @@ def take_saved_options(parser, args) -> None:
         a.default = argparse.SUPPRESS
     given = set(vars(parser.parse_args(args.argv)))
 
-    def flag(action):
-        return next(o for o in action.option_strings if o.startswith("--"))
+    def flag(dest):
+        return next(o for o in actions[dest].option_strings if o.startswith("--"))
 
-    differ = [f"{flag(actions[d])}: saved {saved[d]!r}, now {getattr(args, d)!r}" for d in RESUME_FIXED
+    differ = [f"{flag(d)}: saved {saved[d]!r}, now {getattr(args, d)!r}" for d in RESUME_FIXED
               if d in given and d in actions and saved.get(d) is not None and saved[d] != getattr(args, d)]
     if differ:
         raise WideError(f"--resume: the run in {str(args.output)!r} was written with other settings: "
@@ -148,22 +144,22 @@ def take_saved_options(parser, args) -> None:
                         f"are reused; or start over with --overwrite)")
     taken = []
     for dest, value in saved.items():
-        action = actions.get(dest)
-        if action is None or dest in given or value is None or value == getattr(args, dest, None):
-            continue
-        setattr(args, dest, value)
-        taken.append(flag(action) if action.nargs == 0 else f"{flag(action)} {shlex.quote(str(value))}")
+        if dest in actions and dest not in given and value is not None and value != getattr(args, dest, None):
+            setattr(args, dest, value)
+            taken.append(flag(dest) if actions[dest].nargs == 0 else f"{flag(dest)} {shlex.quote(str(value))}")
     if taken and not launched_by_torchrun():
-        say(f"resuming with the saved settings: {' '.join(taken)}")
+        C.say(f"resuming with the saved settings: {' '.join(taken)}")
 
 
-def _note_repeats(say_, blocks, global_batch: int) -> None:
-    """A note when the text gives fewer sequences than one global batch (every step then repeats some)."""
-    n = int(blocks.shape[0])
-    if n < global_batch:
-        say_(f"note: the text gives {n} sequence{'s' if n != 1 else ''} of {int(blocks.shape[1])} tokens, fewer "
-             f"than the global batch of {global_batch}: every step repeats some of them (more text, a smaller "
-             f"--seq-len or a smaller --batch-size avoids it)")
+def _start(say, what: str, blocks, targs, env) -> float:
+    """Print the run's first line and a note when the text gives fewer sequences than one global batch."""
+    n, batch = int(blocks.shape[0]), targs.batch_size * targs.grad_accum * env.world_size
+    say(f"{what}, {targs.steps} steps, {env.world_size} process(es), global batch {batch}")
+    if n < batch:
+        say(f"note: the text gives {n} sequence{'s' if n != 1 else ''} of {int(blocks.shape[1])} tokens, fewer "
+            f"than the global batch of {batch}: every step repeats some of them (more text, a smaller --seq-len or "
+            f"a smaller --batch-size avoids it)")
+    return time.time()
 
 
 def done_line(recs: list[dict], t0: float) -> str:
@@ -182,17 +178,17 @@ def cmd_calibrate(args) -> int:
     from wide.model import WideModel, default_device
     from wide.train.loop import calibrate
 
-    cfg = config_from(args)
+    cfg = C.config_from(args)
     launched = _launch(args, lambda: _prechecks(args))
     if launched is not None:
         return launched
     targs, docs = _prechecks(args)
     env = D.init(args.device)
-    out_ = say if env.is_main else (lambda *_: None)
+    say = C.say if env.is_main else (lambda *_: None)
     packed = {}
 
     def hf_check(hf, tok):  # before any weight is read: the text first, then a batch far too large
-        packed["blocks"] = pack(docs, tok, args.seq_len, max_blocks=args.max_blocks, source=text_name(args.text))
+        packed["blocks"] = pack(docs, tok, args.seq_len, max_blocks=args.max_blocks, source=C.text_name(args.text))
         if targs.memory_check:
             from wide.memory import check_train_fits, train_memory_from_config
 
@@ -202,28 +198,25 @@ def cmd_calibrate(args) -> int:
                              device=device, grad_checkpoint=targs.grad_checkpoint, grad_accum=targs.grad_accum,
                              procs=procs)
 
-    model, tok, src = load(args, cfg, pre=[fits_context("--seq-len", args.seq_len)], hf_check=hf_check, env=env)
+    model, tok, src = C.load(args, cfg, pre=[C.fits_context("--seq-len", args.seq_len)], hf_check=hf_check, env=env)
     blocks = packed["blocks"]
     torch.manual_seed(args.seed)  # identical router initialization on every rank
     wm = WideModel(model, cfg)
-    global_batch = targs.batch_size * targs.grad_accum * env.world_size
-    out_(f"calibrating {src.ref}: {blocks.shape[0]} sequences x {blocks.shape[1]} tokens, S={cfg.target_sparsity}, "
-         f"G_attn={wm.config.attn_group_size}, G_ffn={wm.config.ffn_group_size}, {targs.steps} steps, "
-         f"{env.world_size} process(es), global batch {global_batch}")
-    _note_repeats(out_, blocks, global_batch)
-    t0 = time.time()
+    t0 = _start(say, f"calibrating {src.ref}: {blocks.shape[0]} sequences x {blocks.shape[1]} tokens, "
+                     f"S={cfg.target_sparsity}, G_attn={wm.config.attn_group_size}, "
+                     f"G_ffn={wm.config.ffn_group_size}", blocks, targs, env)
     recs = calibrate(wm, blocks, targs, Path(args.output), src.ref, resume=args.resume,
                      data_source=data_source(args), options=run_options(args, env))
     if recs:  # none: --resume of a finished run, nothing written
-        out_(done_line(recs, t0))
-        out_(f"saved WIDE checkpoint to {args.output}")
+        say(done_line(recs, t0))
+        say(f"saved WIDE checkpoint to {args.output}")
     return 0
 
 
 def cmd_lora(args) -> int:
     """``wide lora``: stage-2 LoRA recovery (peft, all 7 projections) on a stage-1 checkpoint, ``--resume``."""
     import wide.train.fsdp as D
-    from wide.checkpoint import load as load_wide
+    from wide.checkpoint import load
     from wide.data import pack
     from wide.lora import LoraSettings, check_stage1, recover
     from wide.model import dims_of
@@ -232,45 +225,40 @@ def cmd_lora(args) -> int:
         raise WideError("--wide is required: the stage-1 checkpoint directory (the -o of `wide calibrate`); "
                         "only a --resume of a run that saved it may leave it out")
     settings = LoraSettings(r=args.lora_r, alpha=args.lora_alpha, dropout=args.lora_dropout)
-    out = Path(args.output)
     info = {}
 
     def precheck():
-        need_extra("peft", "wide lora")
+        C.need_extra("peft", "wide lora")
         settings.validate()
         info.update(check_stage1(args.wide))
-        settings.check_dims(dims_of(hf_config(args.model or info["model"])[1]))
-        if Path(args.wide).resolve() == out.resolve():
-            raise WideError(f"-o {str(out)!r} must differ from the stage-1 checkpoint --wide {args.wide!r}")
+        settings.check_dims(dims_of(C.hf_config(args.model or info["model"])[1]))
+        if Path(args.wide).resolve() == Path(args.output).resolve():
+            raise WideError(f"-o {str(args.output)!r} must differ from the stage-1 checkpoint --wide {args.wide!r}")
         return _prechecks(args, stage="lora")
 
     launched = _launch(args, precheck)
     if launched is not None:
         return launched
     targs, docs = precheck()
-    fits = fits_context("--seq-len", args.seq_len)
+    fits = C.fits_context("--seq-len", args.seq_len)
     env = D.init(args.device)
-    out_ = say if env.is_main else (lambda *_: None)
+    say = C.say if env.is_main else (lambda *_: None)
     if env.active:  # rank 0 holds the weights (CPU) and checks the checkpoint; the others only the structure
         from wide.checkpoint import read_config
         from wide.model import WideModel
 
         base, tok, _ = D.load_base(args.model or info["model"], env, config_check=fits)
-        wm = load_wide(args.wide, model=base) if env.is_main else WideModel(base, read_config(args.wide, base))
+        wm = load(args.wide, model=base) if env.is_main else WideModel(base, read_config(args.wide, base))
     else:
-        wm, tok = load_wide(args.wide, model=args.model, device=args.device, tokenizer=True, config_check=fits)
-    blocks = pack(docs, tok, args.seq_len, max_blocks=args.max_blocks, source=text_name(args.text))
-    global_batch = targs.batch_size * targs.grad_accum * env.world_size
-    out_(f"LoRA recovery on {args.wide} ({info['model']}): {blocks.shape[0]} sequences x {blocks.shape[1]} tokens, "
-         f"r={settings.r} alpha={settings.alpha} dropout={settings.dropout}, routers "
-         f"{'frozen' if args.freeze_router else 'trained'}, {targs.steps} steps, {env.world_size} process(es), "
-         f"global batch {global_batch}")
-    _note_repeats(out_, blocks, global_batch)
-    t0 = time.time()
-    recs = recover(wm, blocks, targs, out, args.model or info["model"], settings=settings,
+        wm, tok = load(args.wide, model=args.model, device=args.device, tokenizer=True, config_check=fits)
+    blocks = pack(docs, tok, args.seq_len, max_blocks=args.max_blocks, source=C.text_name(args.text))
+    t0 = _start(say, f"LoRA recovery on {args.wide} ({info['model']}): {blocks.shape[0]} sequences x "
+                     f"{blocks.shape[1]} tokens, r={settings.r} alpha={settings.alpha} dropout={settings.dropout}, "
+                     f"routers {'frozen' if args.freeze_router else 'trained'}", blocks, targs, env)
+    recs = recover(wm, blocks, targs, Path(args.output), args.model or info["model"], settings=settings,
                    freeze_router=args.freeze_router, stage1=args.wide, resume=args.resume,
                    data_source=data_source(args), options=run_options(args, env))
     if recs:
-        out_(done_line(recs, t0))
-        out_(f"saved WIDE checkpoint with LoRA adapter to {out}")
+        say(done_line(recs, t0))
+        say(f"saved WIDE checkpoint with LoRA adapter to {args.output}")
     return 0
