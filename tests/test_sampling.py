@@ -174,8 +174,7 @@ def test_cli_sampling_options(tmp_path, model_dir, capsys, reference_path):
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 def test_cuda_sampled_decode_is_the_same_with_and_without_graphs():
-    """The graph replay's logits feed the same seeded draws as eager decode steps (written in session 14 without
-    a GPU left to run it; see benchmarks/NEXT_GPU_RUNS.md)."""
+    """The graph replay's logits feed the same seeded draws as eager decode steps."""
     from test_inference import _wide
     from wide.inference import Engine, generate
 

@@ -1,101 +1,54 @@
-"""CUDA-graph capture of decode steps, one graph per batch-size bucket (paper §4.4 measures under CUDA graphs).
+"""CUDA-graph decode (the paper's §4.4 measures under CUDA graphs): one captured greedy step per batch-size bucket.
 
-A decode step of :class:`~wide.inference.engine.Engine` does no host synchronisation: routing, the kernels'
-path choices, the KV-cache writes (device-side slots) and the length update all stay on the GPU, so the whole
-step, including the greedy ``argmax`` that feeds the next step, is captured once and replayed.  A batch of
-``B`` prompts runs in the smallest bucket ``>= B`` (rows past ``B`` are idle sequences of length 0, excluded
-from the sparsity statistics).
+A decode step of :class:`~wide.inference.engine.Engine` does no host synchronisation, so the whole step, the
+``argmax`` that feeds the next one included, is captured once and replayed.  A batch of ``B`` prompts runs in the
+smallest bucket ``>= B``; the idle rows are excluded from the sparsity statistics.
 """
 
 from __future__ import annotations
 
 import torch
 
-from wide.errors import WideError
 from wide.inference.cache import StaticKVCache
 
 BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128)
 
 
 def bucket_for(batch: int) -> int:
-    """Smallest bucket in :data:`BUCKETS` holding ``batch`` rows (``batch`` itself above the largest).
-
-    Raises:
-        WideError: ``batch < 1``.
-    """
-    if batch < 1:
-        raise WideError(f"batch size {batch} must be >= 1")
-    for b in BUCKETS:
-        if b >= batch:
-            return b
-    return batch
-
-
-def capture(fn, warmup: int = 2) -> torch.cuda.CUDAGraph:
-    """Run ``fn`` ``warmup`` times on a side stream (compiles and autotunes the kernels outside capture),
-    then capture one call into a CUDA graph and return it (not yet replayed).
-
-    ``fn`` must only read and write tensors that stay alive while the graph is used; its side effects run
-    ``warmup`` times here.
-
-    Raises:
-        WideError: no CUDA device.
-    """
-    if not torch.cuda.is_available():
-        raise WideError("CUDA graphs need a CUDA GPU; none is available on this machine")
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        for _ in range(warmup):
-            fn()
-    torch.cuda.current_stream().wait_stream(s)
-    torch.cuda.synchronize()
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        fn()
-    return g
+    """The smallest bucket holding ``batch`` rows (``batch`` itself above the largest)."""
+    return next((b for b in BUCKETS if b >= batch), batch)
 
 
 class DecodeRunner:
-    """Greedy decode steps over a static cache of one bucket, replayed from a CUDA graph when ``graph=True``.
+    """Greedy decode steps of ``engine`` over ``cache``, replayed from a CUDA graph when ``graph``.
 
-    Args:
-        engine: the :class:`~wide.inference.engine.Engine`.
-        cache: its :class:`StaticKVCache` (``cache.batch`` = the bucket).
-        graph: capture the step in a CUDA graph (needs the engine on CUDA); False runs it eagerly.
-
-    Attributes:
-        tokens: int64 ``[bucket]``: the tokens fed to the next step; after :meth:`step` it holds the greedy
-            next tokens (``argmax`` of :attr:`logits`).
-        valid: bool ``[bucket]``: rows counted in the sparsity statistics.
-        logits: ``[bucket, V]`` of the last step.
-
-    Raises:
-        WideError: ``graph=True`` on a machine without CUDA, or an engine not on CUDA.
+    ``tokens`` int64 ``[B]`` feeds the next step and then holds its ``argmax``; ``valid`` bool ``[B]`` marks the rows
+    counted in the statistics; ``logits`` ``[B, V]`` are the last step's.
     """
 
     def __init__(self, engine, cache: StaticKVCache, graph: bool) -> None:
-        self.engine, self.cache = engine, cache
-        B = cache.batch
-        self.tokens = torch.zeros(B, dtype=torch.int64, device=cache.device)
-        self.valid = torch.ones(B, dtype=torch.bool, device=cache.device)
-        self.logits = None
-        self.graph = None
+        self.engine, self.cache, self.logits, self.graph = engine, cache, None, None
+        self.tokens = torch.zeros(cache.batch, dtype=torch.int64, device=cache.device)
+        self.valid = torch.ones(cache.batch, dtype=torch.bool, device=cache.device)
         if graph:
-            if not torch.cuda.is_available():
-                raise WideError("CUDA-graph decode needs a CUDA GPU; none is available on this machine")
-            if cache.device.type != "cuda":
-                raise WideError(f"CUDA-graph decode needs the model on a CUDA device, it is on {cache.device}")
             saved = cache.lengths.clone()
-            self.graph = capture(self._step)
-            cache.lengths.copy_(saved)  # warm-up runs advanced the lengths; stale slots are never visible
+            side = torch.cuda.Stream()
+            side.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(side):  # compile and autotune the kernels outside the capture
+                for _ in range(2):
+                    self._step()
+            torch.cuda.current_stream().wait_stream(side)
+            self.graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(self.graph):
+                self._step()
+            cache.lengths.copy_(saved)
 
     def _step(self) -> None:
         self.logits = self.engine.decode(self.tokens, self.cache, valid=self.valid)
         self.tokens.copy_(self.logits.argmax(-1))
 
     def step(self) -> torch.Tensor:
-        """Feed :attr:`tokens`, advance every row by one position; returns the next tokens (device, no sync)."""
+        """Feed :attr:`tokens` and advance every row by one position; returns the next tokens (no host sync)."""
         if self.graph is not None:
             self.graph.replay()
         else:
@@ -104,14 +57,12 @@ class DecodeRunner:
 
 
 def runner_for(engine, batch: int, max_len: int, graph: bool) -> DecodeRunner:
-    """The cached :class:`DecodeRunner` of ``engine`` for ``bucket_for(batch)`` rows and ``max_len`` tokens
-    (captured on first use, reused by later calls with the same bucket and capacity)."""
-    cache_key = (bucket_for(batch), int(max_len), bool(graph))
+    """The :class:`DecodeRunner` of ``engine`` for ``bucket_for(batch)`` rows of ``max_len`` tokens, made on first use
+    and reused (one captured runner at a time: their caches can be large)."""
+    key = (bucket_for(batch), max_len, graph)
     runners = engine.__dict__.setdefault("_runners", {})
-    r = runners.get(cache_key)
-    if r is None:
+    if key not in runners:
         if graph:
-            runners.clear()  # one captured cache at a time (they can be large)
-        cache = engine.new_cache(cache_key[0], max_len)
-        r = runners[cache_key] = DecodeRunner(engine, cache, graph)
-    return r
+            runners.clear()
+        runners[key] = DecodeRunner(engine, engine.new_cache(key[0], max_len), graph)
+    return runners[key]
