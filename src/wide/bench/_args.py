@@ -1,4 +1,5 @@
-"""Comma-separated list options of the ``wide bench`` commands, checked when parsed (one clear error each)."""
+"""Option types of the ``wide bench`` commands (comma-separated lists checked when parsed, one clear error each) and
+``--report-only``."""
 
 from __future__ import annotations
 
@@ -23,10 +24,9 @@ def _number(v: str, conv, what: str):
 
 
 def int_list(lo: int = 1):
-    """Parser of a comma-separated list of integers >= ``lo``."""
+    """Comma-separated integers >= ``lo``."""
     def parse(s):
-        out = [_number(v, int, f"an integer (comma-separated integers >= {lo})")
-               for v in _items(s, "integers")]
+        out = [_number(v, int, f"an integer (comma-separated integers >= {lo})") for v in _items(s, "integers")]
         low = [x for x in out if x < lo]
         if low:
             raise argparse.ArgumentTypeError(f"{low[0]} is below {lo} (comma-separated integers >= {lo})")
@@ -37,8 +37,7 @@ def int_list(lo: int = 1):
 
 
 def group_list(s):
-    """Comma-separated FFN group sizes: powers of two >= 16, as :class:`wide.WideConfig` requires (they divide
-    Llama-3.1-8B's FFN width 14336 = 2^11 * 7 up to 2048)."""
+    """Comma-separated FFN group sizes: powers of two from 16 to 2048, as :class:`wide.WideConfig` requires."""
     out = int_list(16)(s)
     bad = [g for g in out if g & (g - 1) or g > 2048]
     if bad:
@@ -47,9 +46,9 @@ def group_list(s):
 
 
 def sparsity_list(s):
-    """Comma-separated sparsities ``s`` in [0, 1)."""
-    out = [_number(v, float, "a number (comma-separated sparsities in [0, 1))")
-           for v in _items(s, "sparsities in [0, 1)")]
+    """Comma-separated sparsities in [0, 1)."""
+    what = "a number (comma-separated sparsities in [0, 1))"
+    out = [_number(v, float, what) for v in _items(s, "sparsities in [0, 1)")]
     for x in out:
         if not (math.isfinite(x) and 0.0 <= x < 1.0):
             raise argparse.ArgumentTypeError(f"sparsity {x} is outside [0, 1)")
@@ -57,12 +56,13 @@ def sparsity_list(s):
 
 
 def choice_list(*choices: str):
-    """Parser of a comma-separated list of names from ``choices``."""
+    """Comma-separated names from ``choices``."""
     def parse(s):
         out = _items(s, "names from " + ", ".join(choices))
         bad = [v for v in out if v not in choices]
         if bad:
-            raise argparse.ArgumentTypeError(f"{', '.join(map(repr, bad))} not allowed; choose from {', '.join(choices)}")
+            raise argparse.ArgumentTypeError(f"{', '.join(map(repr, bad))} not allowed; choose from "
+                                             f"{', '.join(choices)}")
         return out
 
     parse.__name__ = "list"
@@ -70,7 +70,7 @@ def choice_list(*choices: str):
 
 
 def int_at_least(lo: int):
-    """Parser of one integer >= ``lo``."""
+    """One integer >= ``lo``."""
     def parse(v):
         x = _number(v, int, f"an integer (an integer >= {lo})")
         if x < lo:
@@ -81,11 +81,24 @@ def int_at_least(lo: int):
     return parse
 
 
-def read_records(path: str) -> list:
-    """The JSON record list of an earlier run, for ``--report-only``.
+def float_above(lo: float):
+    """One finite number > ``lo``."""
+    def parse(v):
+        x = _number(v, float, f"a number (a number > {lo:g})")
+        if not (math.isfinite(x) and x > lo):
+            raise argparse.ArgumentTypeError(f"{x:g} must be a finite number > {lo:g}")
+        return x
+
+    parse.__name__ = "number"
+    return parse
+
+
+def report_only(path: str, write_report, out_dir: str, tag: str) -> int:
+    """``--report-only``: rebuild the table and plot of ``tag`` in ``out_dir`` from the records at ``path``.
 
     Raises:
-        WideError: the file is missing or is not a JSON list (names the file and the options that choose it).
+        WideError: a missing or unreadable file, one that is not a list of JSON objects, or a record without a field
+            the report needs (named).
     """
     import json
     import os
@@ -101,35 +114,12 @@ def read_records(path: str) -> list:
         raise WideError(f"--report-only: {path} is not a readable JSON file ({e})") from None
     if not isinstance(recs, list):
         raise WideError(f"--report-only: {path} holds a {type(recs).__name__}, not a list of records")
-    for i, r in enumerate(recs):
-        if not isinstance(r, dict):
-            raise WideError(f"--report-only: record {i} of {path} is a {type(r).__name__}, not a JSON object")
-    return recs
-
-
-def report_only(path: str, write_report, out_dir: str, tag: str) -> int:
-    """``--report-only``: rebuild the table and plot of ``tag`` in ``out_dir`` from the records at ``path``.
-
-    Raises:
-        WideError: as :func:`read_records`, or a record without a field the report needs (named)."""
-    from wide.errors import WideError
-
-    recs = read_records(path)
+    bad = next((i for i, r in enumerate(recs) if not isinstance(r, dict)), None)
+    if bad is not None:
+        raise WideError(f"--report-only: record {bad} of {path} is a {type(recs[bad]).__name__}, not a JSON object")
     try:
         write_report(recs, out_dir, tag)
     except KeyError as e:
         raise WideError(f"--report-only: a record of {path} lacks the field {e}; the file is not this "
                         "benchmark's output") from None
     return 0
-
-
-def float_above(lo: float):
-    """Parser of one finite number > ``lo``."""
-    def parse(v):
-        x = _number(v, float, f"a number (a number > {lo:g})")
-        if not (math.isfinite(x) and x > lo):
-            raise argparse.ArgumentTypeError(f"{x:g} must be a finite number > {lo:g}")
-        return x
-
-    parse.__name__ = "number"
-    return parse
