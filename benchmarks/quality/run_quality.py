@@ -211,7 +211,7 @@ def engine_speed(model, vocab: int, wm=None, sample=None, runs: int = 100) -> di
         return {}
     import copy
 
-    from wide.bench.e2e import decode_ms, prefill_ms
+    from wide.bench.e2e import decode_fn, gpu_ms, prefill_fn
     from wide.inference.engine import Engine
 
     if wm is None:
@@ -230,11 +230,11 @@ def engine_speed(model, vocab: int, wm=None, sample=None, runs: int = 100) -> di
                 out[f"{kind}_sparsity"] = 1.0 - sum(v) / len(v)
     for B, T in SPEED_POINTS:
         ids = torch.randint(0, vocab, (B, T), device="cuda", generator=g)
-        out[f"engine_ttft_ms_b{B}_t{T}"] = prefill_ms(eng, ids, runs)[0]
+        out[f"engine_ttft_ms_b{B}_t{T}"] = gpu_ms(prefill_fn(eng, ids), runs)
         cache = eng.new_cache(B, T + 8)
         cache.k.normal_(0, 1)
         cache.v.normal_(0, 1)
-        out[f"engine_tpot_ms_b{B}_ctx{T}"] = decode_ms(eng, cache, T, vocab, runs)
+        out[f"engine_tpot_ms_b{B}_ctx{T}"] = gpu_ms(decode_fn(eng, cache, T, ids[:, 0].clone()), runs)
         del cache
     del eng, m
     torch.cuda.empty_cache()
