@@ -31,8 +31,6 @@ def int_list(lo: int = 1):
         if low:
             raise argparse.ArgumentTypeError(f"{low[0]} is below {lo} (comma-separated integers >= {lo})")
         return out
-
-    parse.__name__ = "integer list"
     return parse
 
 
@@ -64,8 +62,6 @@ def choice_list(*choices: str):
             raise argparse.ArgumentTypeError(f"{', '.join(map(repr, bad))} not allowed; choose from "
                                              f"{', '.join(choices)}")
         return out
-
-    parse.__name__ = "list"
     return parse
 
 
@@ -76,8 +72,6 @@ def int_at_least(lo: int):
         if x < lo:
             raise argparse.ArgumentTypeError(f"{x} is below {lo}")
         return x
-
-    parse.__name__ = "integer"
     return parse
 
 
@@ -88,18 +82,12 @@ def float_above(lo: float):
         if not (math.isfinite(x) and x > lo):
             raise argparse.ArgumentTypeError(f"{x:g} must be a finite number > {lo:g}")
         return x
-
-    parse.__name__ = "number"
     return parse
 
 
 def report_only(path: str, write_report, out_dir: str, tag: str) -> int:
-    """``--report-only``: rebuild the table and plot of ``tag`` in ``out_dir`` from the records at ``path``.
-
-    Raises:
-        WideError: a missing or unreadable file, one that is not a list of JSON objects, or a record without a field
-            the report needs (named).
-    """
+    """``--report-only``: rebuild the table and plot of ``tag`` in ``out_dir`` from the records at ``path``; raises
+    WideError for a missing or unreadable file, or one that is not this benchmark's list of records."""
     import json
     import os
 
@@ -112,11 +100,8 @@ def report_only(path: str, write_report, out_dir: str, tag: str) -> int:
             recs = json.load(f)
     except (OSError, ValueError) as e:
         raise WideError(f"--report-only: {path} is not a readable JSON file ({e})") from None
-    if not isinstance(recs, list):
-        raise WideError(f"--report-only: {path} holds a {type(recs).__name__}, not a list of records")
-    bad = next((i for i, r in enumerate(recs) if not isinstance(r, dict)), None)
-    if bad is not None:
-        raise WideError(f"--report-only: record {bad} of {path} is a {type(recs[bad]).__name__}, not a JSON object")
+    if not isinstance(recs, list) or not all(isinstance(r, dict) for r in recs):
+        raise WideError(f"--report-only: {path} holds a {type(recs).__name__}, not a list of JSON records")
     try:
         write_report(recs, out_dir, tag)
     except KeyError as e:

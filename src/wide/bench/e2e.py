@@ -1,14 +1,11 @@
 """``wide bench e2e``: end-to-end latency of the inference engine against the dense engine on one GPU (paper §4.4).
 
-TTFT is one prefill of ``batch x prompt_len`` random tokens; TPOT one greedy decode step over a cache of
-``prompt_len`` random keys and values (the lengths are reset before every step, so each step sees that context).
-Both are medians of ``triton.testing.do_bench_cudagraph`` (CUDA-graph replays), bf16.  ``dense_ms``: the dense
-engine (cuBLAS, SDPA flash prefill, the split-KV decode attention); ``wide_ms``: the WIDE engine with every routed op
-as its kernel; ``wide_auto_ms``: with its default dispatch; ``hf_eager_ms``: the Hugging Face model in eager mode
-(``triton.testing.do_bench``).  Models: Llama-3.1-8B shapes with random weights and routers biased to the target
-sparsity (split between attention and FFN as in §4.4, or uniformly), and the bundled SmolLM2-135M with its
-calibrated routers.  Writes ``e2e_<tag>.json`` (records), ``.md``, ``.png`` and ``e2e_<tag>_trace.json`` (one
-layer's GPU time per op against the Amdahl bound).
+TTFT: one prefill of ``batch x prompt_len`` random tokens; TPOT: one greedy decode step at ``prompt_len`` tokens of
+context (the lengths reset before each step); medians of ``triton.testing.do_bench_cudagraph``, bf16.  ``dense_ms``:
+the dense engine; ``wide_ms``: every routed op as its kernel; ``wide_auto_ms``: the default dispatch;
+``hf_eager_ms``: the Hugging Face model, eager.  Models: Llama-3.1-8B shapes with random weights and routers biased
+to the target sparsity (the §4.4 split or uniform), and the bundled SmolLM2-135M with its calibrated routers.  Writes
+``e2e_<tag>.json`` (records), ``.md``, ``.png`` and ``_trace.json`` (one layer's GPU time per op, Amdahl's bound).
 """
 
 from __future__ import annotations
@@ -38,26 +35,23 @@ BASELINE = ("dense engine in the same process (cuBLAS projections, SDPA prefill 
 
 def _trace_points(s):
     out = []
-    for item in [v for v in str(s).split(",") if v]:
+    for item in [v for v in str(s).split(",") if v] or [""]:
         try:
             phase, B, T = item.split(":")
-            B, T = int(B), int(T)
+            out.append((phase, int(B), int(T)))
         except ValueError:
-            raise argparse.ArgumentTypeError(f"trace point {item!r} is not phase:batch:tokens") from None
-        if phase not in ("prefill", "decode") or B < 1 or T < 1:
-            raise argparse.ArgumentTypeError(f"trace point {item!r}: phase must be prefill or decode, "
-                                             "batch and tokens >= 1")
-        out.append((phase, B, T))
-    if not out:
-        raise argparse.ArgumentTypeError("empty list; give phase:batch:tokens points, e.g. prefill:1:2048")
+            raise argparse.ArgumentTypeError(f"trace point {item!r} is not phase:batch:tokens, e.g. prefill:1:2048") \
+                from None
+        if phase not in ("prefill", "decode") or min(out[-1][1:]) < 1:
+            raise argparse.ArgumentTypeError(f"trace point {item!r}: phase must be prefill or decode, batch and "
+                                             "tokens >= 1")
     return out
 
 
 def add_arguments(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
-    p.add_argument("--quick", action="store_true",
-                   help="subset: prefill B=1 x {512,2048,16384}, decode B={1,16} x {512,2048} (+16384 at B=1, 2048 at "
-                        "B=4), s={0,0.5}, G=128, paper split (+ uniform at prefill 16384 / 2048 and decode 2048), "
-                        "trace, SmolLM2")
+    p.add_argument("--quick", action="store_true", help="subset: prefill B=1 x {512,2048,16384}, decode B={1,16} x "
+                   "{512,2048} (+16384 at B=1, 2048 at B=4), s={0,0.5}, G=128, paper split (+ uniform at prefill "
+                   "16384 / 2048 and decode 2048), trace, SmolLM2")
     p.add_argument("--batch", default="1,8,16,32", type=int_list(1), help="batch sizes (default: 1,8,16,32)")
     p.add_argument("--prompt", default="512,2048,16384", type=int_list(1),
                    help="prompt lengths in tokens (default: 512,2048,16384)")
@@ -68,35 +62,30 @@ def add_arguments(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
                    help="attention/FFN split of s: paper, uniform (default: both)")
     p.add_argument("--phases", default="prefill,decode", type=choice_list("prefill", "decode"),
                    help="prefill, decode (default: both)")
-    p.add_argument("--models", default="llama8b,smollm2", type=choice_list("llama8b", "smollm2"),
-                   help="llama8b (Llama-3.1-8B shapes, random weights), smollm2 (the bundled model with its "
-                        "calibrated routers) (default: both)")
-    p.add_argument("--runs", default=50, type=int_at_least(5),
-                   help="calls timed per point, over 10 CUDA-graph replays (default: 50; fewer where a replay would "
-                        "take over ~0.6 s)")
+    p.add_argument("--models", default="llama8b,smollm2", type=choice_list("llama8b", "smollm2"), help="llama8b "
+                   "(Llama-3.1-8B shapes, random weights), smollm2 (the bundled model with its calibrated routers) "
+                   "(default: both)")
+    p.add_argument("--runs", default=50, type=int_at_least(5), help="calls timed per point, over 10 CUDA-graph "
+                   "replays (default: 50; fewer where a replay would take over ~0.6 s)")
     p.add_argument("--max-prefill-tokens", default=65536, type=int_at_least(1),
                    help="skip prefills with batch*prompt above (default: 65536)")
     p.add_argument("--max-kv-gb", default=40.0, type=float_above(0),
                    help="skip decode points whose KV cache is larger (default: 40)")
     p.add_argument("--no-hf", action="store_true", help="skip the dense HF eager baseline")
     p.add_argument("--no-trace", action="store_true", help="skip the per-op trace of one layer")
-    p.add_argument("--trace-sparsity", default="0.5", type=sparsity_list,
-                   help="sparsities at which one layer is traced op by op; only points of the sweep with the paper "
-                        "split and G_ffn 128 are traced (default: 0.5)")
+    p.add_argument("--trace-sparsity", default="0.5", type=sparsity_list, help="sparsities at which one layer is "
+                   "traced op by op; only points of the sweep with the paper split and G_ffn 128 (default: 0.5)")
     p.add_argument("--trace-points", default="prefill:1:16384,decode:1:2048", type=_trace_points,
                    help="phase:batch:tokens points of the per-op trace (default: prefill:1:16384,decode:1:2048)")
     p.add_argument("--smollm2-ckpt", default="benchmarks/quality/checkpoints/smollm2-global-s50-g128",
                    help="WIDE checkpoint of the SmolLM2 points (default: the committed S = 0.5 routers)")
-    p.add_argument("--smollm2-model", default=None,
-                   help="base model of that checkpoint (a GGUF file or HF directory) when its bundled package is "
-                        "not installed, e.g. on a GPU machine")
-    p.add_argument("--smollm2-text", default=None,
-                   help="text the auto engine measures SmolLM2's per-layer activity on (a --text spec of wide "
-                        "calibrate, e.g. a .jsonl/.txt file; default: the bundled text)")
+    p.add_argument("--smollm2-model", default=None, help="base model of that checkpoint (a GGUF file or HF "
+                   "directory) when its bundled package is not installed, e.g. on a GPU machine")
+    p.add_argument("--smollm2-text", default=None, help="text the auto engine measures SmolLM2's per-layer activity "
+                   "on (a --text spec of wide calibrate, e.g. a .jsonl/.txt file; default: the bundled text)")
     p.add_argument("--out-dir", default="benchmarks/e2e", help="where results go (default: benchmarks/e2e)")
     p.add_argument("--tag", default="h200", help="result file stem e2e_<tag> (default: h200)")
-    p.add_argument("--time-budget", default=1e9, type=float_above(0),
-                   help="seconds; stop starting new points past this")
+    p.add_argument("--time-budget", default=1e9, type=float_above(0), help="seconds; no new point past this")
     p.add_argument("--report-only", action="store_true", help="rebuild table and plot from the JSON")
     return p
 
@@ -220,9 +209,9 @@ class Run:
         self.records.append(rec)
         with open(self.out_json, "w") as f:
             json.dump(self.records, f, indent=1)
-        print(" ".join(f"{k}={rec.get(k)}" for k in ("phase", "model", "split", "batch", "prompt_len", "sparsity",
-                                                      "dense_ms", "wide_auto_ms", "speedup_auto", "hf_eager_ms")),
-              flush=True)
+        keys = ("phase", "model", "split", "batch", "prompt_len", "sparsity", "dense_ms", "wide_auto_ms",
+                "speedup_auto")
+        print(" ".join(f"{k}={rec.get(k)}" for k in keys), flush=True)
 
 
 def _realized(engine, run):
@@ -249,8 +238,7 @@ def bench_prefill(run: Run, model: str, base, engs: dict, B: int, T: int, extra:
         with torch.no_grad():
             rec["hf_eager_ms"] = round(do_bench(lambda: base(input_ids=ids, use_cache=False, logits_to_keep=1),
                                                 return_mode="median"), 4)
-    if engs["wide"].ops == "routed":
-        rec["realized_sparsity"] = _realized(engs["wide"], prefill_fn(engs["wide"], ids[:, :4096]))
+    rec["realized_sparsity"] = _realized(engs["wide"], prefill_fn(engs["wide"], ids[:, :4096]))
     run.add(rec)
 
 
@@ -283,8 +271,7 @@ def bench_decode(run: Run, model: str, base, engs: dict, B: int, T: int, extra: 
                 base(input_ids=tok, past_key_values=hfc, position_ids=pos, use_cache=True)
             rec["hf_eager_ms"] = round(do_bench(step, return_mode="median"), 4)
             del hfc
-    if engs["wide"].ops == "routed":
-        rec["realized_sparsity"] = _realized(engs["wide"], decode_fn(engs["wide"], cache, T, first.clone()))
+    rec["realized_sparsity"] = _realized(engs["wide"], decode_fn(engs["wide"], cache, T, first.clone()))
     del cache
     torch.cuda.empty_cache()
     run.add(rec)
@@ -386,26 +373,23 @@ def write_report(records: list, out_dir: str, tag: str) -> None:
         import matplotlib.pyplot as plt
     except ImportError:
         return
-    colors, markers = {0.0: "tab:gray", 0.25: "tab:blue", 0.5: "tab:red", 0.75: "tab:purple"}, {64: "^", 128: "o",
-                                                                                                 256: "s"}
+    colors, markers = {0.0: "tab:gray", 0.25: "tab:blue", 0.5: "tab:red", 0.75: "tab:purple"}, {64: "^", 256: "s"}
     fig, axes = plt.subplots(1, 2, figsize=(12, 4.5))
     for ax, phase in zip(axes, ("prefill", "decode")):
         series: dict = {}
-        for r in records:
-            if r["phase"] == phase and r["model"] == "llama8b-shapes":
-                other = r["batch"] if phase == "prefill" else r["prompt_len"]
-                x = r["batch"] * r["prompt_len"] if phase == "prefill" else r["batch"]
-                key = (r["sparsity"], r.get("split"), r["G_ffn"], other)
-                series.setdefault(key, []).append((x, r.get("speedup_auto", r["speedup"])))
+        for r in (r for r in records if r["phase"] == phase and r["model"] == "llama8b-shapes"):
+            B, T = r["batch"], r["prompt_len"]
+            other, x = (B, B * T) if phase == "prefill" else (T, B)
+            series.setdefault((r["sparsity"], r.get("split"), r["G_ffn"], other), []).append(
+                (x, r.get("speedup_auto", r["speedup"])))
         for (sp, split, G, other), pts in sorted(series.items(), key=lambda kv: str(kv[0])):
-            pts.sort()
-            ax.plot(*zip(*pts), color=colors.get(sp, "k"), marker=markers.get(G, "x"), ms=5,
-                    ls="-" if split != "uniform" else "--", label=f"s={sp} G={G} {split} "
-                    + (f"B={other}" if phase == "prefill" else f"ctx={other}"))
+            ax.plot(*zip(*sorted(pts)), color=colors.get(sp, "k"), marker=markers.get(G, "o"), ms=5,
+                    ls="--" if split == "uniform" else "-",
+                    label=f"s={sp} G={G} {split} " + (f"B={other}" if phase == "prefill" else f"ctx={other}"))
         ax.axhline(1.0, color="k", lw=0.6)
         ax.set_xscale("log", base=2)
-        ax.set_xlabel("prompt tokens (batch x prompt length)" if phase == "prefill" else "batch size")
-        ax.set_ylabel("speedup vs dense CUDA graph (default engine)")
+        ax.set(xlabel="prompt tokens (batch x prompt length)" if phase == "prefill" else "batch size",
+               ylabel="speedup vs dense CUDA graph (default engine)")
         ax.set_title(f"{phase}: Llama-3.1-8B shapes, bf16", fontsize=9)
         ax.grid(alpha=0.3)
         ax.legend(fontsize=5.5, ncol=2, loc="best")

@@ -11,30 +11,26 @@ from wide.errors import WideError
 
 
 def add_arguments(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
-    p.add_argument("--model", default=None,
-                   help="base model: local HF dir, .gguf, or 'smollm2-135m' (default: the checkpoint's base, "
-                        "else the bundled SmolLM2-135M)")
+    p.add_argument("--model", default=None, help="base model: local HF dir, .gguf, or 'smollm2-135m' (default: the "
+                   "checkpoint's base, else the bundled SmolLM2-135M)")
     p.add_argument("--wide", default=None, help="WIDE checkpoint directory (routers); omit for the dense model (s = 0)")
-    p.add_argument("--prompt", action="append", required=True,
-                   help="prompt text; repeat for a batch (left-padded prefill, batched decode)")
+    p.add_argument("--prompt", action="append", required=True, help="prompt text; repeat for a batch")
     p.add_argument("--max-new-tokens", type=int, default=64, help="tokens to generate per prompt (>= 1; default: 64)")
-    p.add_argument("--max-cache-len", type=int, default=None,
-                   help="KV-cache capacity per sequence in tokens (default: longest prompt + --max-new-tokens)")
+    p.add_argument("--max-cache-len", type=int, default=None, help="KV-cache capacity per sequence in tokens "
+                   "(default: longest prompt + --max-new-tokens)")
     p.add_argument("--device", default=None, help="cpu, cuda or cuda:N (default: cuda if available)")
-    p.add_argument("--dense-ops", action="store_true",
-                   help="run cuBLAS/SDPA dense ops instead of the routed kernels (routers ignored)")
+    p.add_argument("--dense-ops", action="store_true", help="run cuBLAS/SDPA dense ops (routers ignored)")
     p.add_argument("--no-graphs", action="store_true", help="decode eagerly instead of replaying CUDA graphs")
     p.add_argument("--chat", action="store_true", help="wrap each prompt in the tokenizer's chat template")
     p.add_argument("--no-stream", action="store_true", help="print the texts at the end only")
-    p.add_argument("--temperature", type=float, default=0.0,
-                   help="sample with this softmax temperature (> 0); 0 = greedy (default: 0)")
-    p.add_argument("--top-k", type=int, default=0,
-                   help="with --temperature: sample among the k most likely tokens (default: 0 = all)")
-    p.add_argument("--top-p", type=float, default=1.0,
-                   help="with --temperature: sample among the most likely tokens whose probability sums to p "
-                        "(nucleus, 0 < p <= 1; default: 1 = all)")
-    p.add_argument("--seed", type=int, default=None,
-                   help="with --temperature: seed of the sampling, for reproducible tokens (default: random)")
+    p.add_argument("--temperature", type=float, default=0.0, help="sample at this temperature (> 0); 0 = greedy "
+                   "(default: 0)")
+    p.add_argument("--top-k", type=int, default=0, help="with --temperature: sample among the k most likely tokens "
+                   "(default: 0 = all)")
+    p.add_argument("--top-p", type=float, default=1.0, help="with --temperature: sample among the most likely tokens "
+                   "whose probability sums to p (nucleus, 0 < p <= 1; default: 1 = all)")
+    p.add_argument("--seed", type=int, default=None, help="with --temperature: seed of the sampling, for "
+                   "reproducible tokens (default: random)")
     return p
 
 
@@ -100,25 +96,21 @@ def _cpu_notice(engine, args) -> str:
 
     why = "no CUDA device" if not torch.cuda.is_available() else f"--device {args.device}"
     if engine.ops == "dense":
-        how = "runs dense PyTorch ops on the CPU" + (
-            ", its few Triton kernels (fused norm / RoPE, decode attention, Q/K/V GEMV) in the Triton interpreter "
-            "(TRITON_INTERPRET=1)" if engine.fast else "")
+        how = "runs dense PyTorch ops on the CPU" + (", its few Triton kernels (fused norm / RoPE, decode attention, "
+                                                     "Q/K/V GEMV) in the Triton interpreter (TRITON_INTERPRET=1)"
+                                                     if engine.fast else "")
     elif engine.fast:
         how = "runs the routed Triton kernels in the Triton interpreter on the CPU (TRITON_INTERPRET=1)"
     else:
-        how = "falls back to the reference path on the CPU (the PyTorch reference of every kernel)"
-        if os.environ.get("TRITON_INTERPRET") == "1" and not HAS_TRITON:
-            how += " (TRITON_INTERPRET=1, but Triton is not installed: pip install -e '.[kernels]')"
+        how = "falls back to the reference path on the CPU (the PyTorch reference of every kernel)" + (
+            " (TRITON_INTERPRET=1, but Triton is not installed: pip install -e '.[kernels]')"
+            if os.environ.get("TRITON_INTERPRET") == "1" and not HAS_TRITON else "")
     return f"wide generate: {why}: the engine {how}; no CUDA graphs, slow"
 
 
 def run(args) -> int:
-    """Run ``wide generate``; bad sizes are refused before the weights load (:func:`check_sizes`).
-
-    Raises:
-        WideError: an empty prompt, bad sizes or sampling options, ``--chat`` without a chat template, or a checkpoint
-            made for another base model.
-    """
+    """Run ``wide generate``.  Raises WideError for an empty prompt, bad sizes (before the weights load) or sampling
+    options, ``--chat`` without a chat template, or a checkpoint made for another base model."""
     from wide.hub import load_base_model
     from wide.inference.engine import Engine
     from wide.inference.generation import generate, stream_delta

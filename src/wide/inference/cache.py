@@ -1,10 +1,7 @@
-"""Static KV cache: fixed-shape buffers, so that decode steps can be captured in CUDA graphs.
-
-Token ``i`` (0-based, padding excluded) of sequence ``b`` sits at slot ``T_max - 1 - i``: after ``n_b`` tokens the
-visible keys are the slots ``[T_max - n_b, T_max)``, which is what the attention kernels keep with
-``left_pad[b] = T_max - n_b``.  Attention is order-independent over keys (RoPE is applied before caching), and the
-lengths live on the device, so a decode step needs no host synchronisation.
-"""
+"""Static KV cache: fixed-shape buffers, so that decode steps can be captured in CUDA graphs.  Token ``i`` of row
+``b`` (padding excluded) sits at slot ``T_max - 1 - i``: the visible keys after ``n_b`` tokens are the slots from
+``left_pad[b] = T_max - n_b`` on, the attention kernels' key range (attention is order-independent over keys), and
+the lengths live on the device, so a decode step needs no host synchronisation."""
 
 from __future__ import annotations
 

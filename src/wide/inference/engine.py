@@ -1,13 +1,11 @@
 """The WIDE inference engine: a Llama-family forward pass built from the routed kernels (paper §3.3, Appendix B).
 
-In each decoder layer the attention router reads the residual stream entering ``input_layernorm`` (Eq. 4-5); one
-reorder of its mask (Eq. 7, Algorithm 1) is shared by the Q projection (``gemm_mn``, Algorithm 2) and the routed
-attention (Algorithm 4); the O projection is ``gemm_k`` (Algorithm 3); K and V are dense (Eq. 2).  The FFN router
-reads the stream entering ``post_attention_layernorm`` and gates the fused SwiGLU and ``down_proj``.  Each routed op
-runs as its kernel or as cuBLAS / SDPA with the skipped groups zeroed (the same function), chosen per layer from the
-measured activity and the tuned thresholds of :func:`wide.kernels.tuned_config`.  On CUDA each router runs on a
-second stream beside the work that does not read its mask.  Embeddings, norm weights, rotary tables and ``lm_head``
-are the model's own.  ``ops="dense"`` runs the same structure unrouted: the benchmarks' baseline.
+Per layer the attention router reads the stream entering ``input_layernorm`` (Eq. 4-5); one reorder of its mask
+(Eq. 7, Algorithm 1) serves the Q projection (``gemm_mn``, Algorithm 2) and the attention (Algorithm 4); O is
+``gemm_k`` (Algorithm 3); K and V are dense (Eq. 2).  The FFN router gates the fused SwiGLU and ``down_proj``.  Each
+routed op runs as its kernel or as cuBLAS / SDPA with the skipped groups zeroed (the same function), chosen per layer
+from the measured activity and :func:`wide.kernels.tuned_config`; on CUDA the routers run on a second stream beside
+the work that reads no mask.  ``ops="dense"`` is the same structure unrouted (the benchmarks' baseline).
 """
 
 from __future__ import annotations
@@ -49,13 +47,9 @@ MODES = ("kernel", "auto", "dense")
 
 def naxis_dense_above(tuned: dict, op: str, G: int, M: int, router_beside: bool = False) -> float:
     """Executed fraction above which the N-axis ``op`` ("gemm_mn": Q, "swiglu": gate + up) of ``M`` rows and group
-    size ``G`` runs as cuBLAS under ``naxis="auto"``; ``tuned`` is the ``"engine"`` section of the tuned config.
-
-    From 1024 rows the measured crossover ``naxis_crossover`` interpolated linearly in ``log2 M`` at the nearest G in
-    ``log2``; 65-1023 rows a fixed rule; up to 64 rows Q always runs dense and the SwiGLU routed, or, with its router
-    beside cuBLAS's gate / up (5+ rows), routed while the groups no row executes, ``(1 - p)^M``, exceed
-    ``beside_skip_min``.
-    """
+    size ``G`` runs as cuBLAS (``tuned``: the tuned config's ``"engine"`` section).  From 1024 rows the measured
+    ``naxis_crossover``, linear in ``log2 M`` at the nearest G in ``log2``; 65-1023 rows a fixed rule; up to 64 rows Q
+    dense, the SwiGLU routed, or with its router beside gate / up routed while ``(1 - p)^M > beside_skip_min``."""
     if M <= 64:
         if op != "swiglu":
             return 0.0
@@ -128,9 +122,8 @@ def _sdpa(q, k, v, pad, causal: bool, scale: float):
 
 @dataclass
 class Pass:
-    """What the layers of one forward share: ``phase`` ("prefill" / "decode"), the cache, RoPE ``cos`` / ``sin``,
-    ``valid`` (bool ``[B, T]`` tokens counted in the statistics, or None), ``pad`` (int64 ``[B]``: keys below it are
-    masked; None: no padding), ``slots`` (int64 ``[B, T]``: where K / V go)."""
+    """What the layers of one forward share: ``valid`` (bool ``[B, T]``: tokens counted in the statistics, or None),
+    ``pad`` (int64 ``[B]``: keys below it are masked, or None), ``slots`` (int64 ``[B, T]``: where K / V go)."""
 
     engine: Engine
     phase: str
@@ -331,23 +324,16 @@ class Layer(nn.Module):
 
 
 class Engine(nn.Module):
-    """The routed (or dense) forward pass of a Llama-family model, with a static KV cache.
+    """The routed (or dense) forward pass of a Llama-family model over a static KV cache.
 
-    Args:
-        model: a :class:`wide.WideModel` (argmax routing by its routers) or a Hugging Face ``*ForCausalLM`` (no
-            routers: every group executes, through the routed kernels unless ``ops="dense"``).
-        ops: ``"routed"``, or ``"dense"``: cuBLAS linears and SDPA prefill attention, routers ignored.
-        track_sparsity: count the executed groups of valid tokens on the device (:meth:`realized_sparsity`).
-        kaxis: O and down as ``"kernel"`` (``gemm_k``), ``"dense"`` (cuBLAS on their zero-filled input) or
-            ``"auto"`` (cuBLAS above 4 rows).
-        naxis: Q and gate + up as ``"kernel"`` (``gemm_mn``, ``swiglu``), ``"dense"`` (cuBLAS, then the skipped
-            groups zeroed) or ``"auto"``: cuBLAS in the layers whose activity measured by :meth:`measure_activity`
-            is above :func:`naxis_dense_above`.
-        attn: the prefill attention as ``"kernel"``, ``"dense"`` (SDPA, skipped head groups zeroed) or ``"auto"``
-            (SDPA where the measured activity is above the tuned ``attn_dense_above``).
+    ``model``: a :class:`wide.WideModel` (argmax routing) or a Hugging Face ``*ForCausalLM`` (every group executes).
+    ``ops``: "routed", or "dense" (cuBLAS, SDPA prefill; routers ignored).  ``track_sparsity``: count the executed
+    groups of valid tokens (:meth:`realized_sparsity`).  ``kaxis`` (O, down), ``naxis`` (Q, gate + up) and ``attn``
+    (prefill attention): "kernel", "dense" (cuBLAS / SDPA, the skipped groups zeroed) or "auto": O / down dense above
+    4 rows, the others dense in the layers whose activity (:meth:`measure_activity`) is above the tuned threshold.
 
     Raises:
-        WideError: a model that is neither, an unsupported architecture or activation, a wrapped (unmerged LoRA)
+        WideError: another kind of model, an unsupported architecture or activation, a wrapped (unmerged LoRA)
             projection, FFN biases, or an option outside the values above.
     """
 
@@ -387,14 +373,10 @@ class Engine(nn.Module):
         self.device, self.dtype = p.device, p.dtype
         self.tuned = tuned_config(self.device)["engine"]
         d, L = self.dims, self.dims.num_layers
-        if wide is not None:
-            self.g_attn, self.g_ffn = wide.config.attn_group_size, wide.config.ffn_group_size
-            attn_r = list(wide.attn_routers) or [None] * L
-            ffn_r = list(wide.ffn_routers) or [None] * L
-        else:
-            self.g_attn = d.gqa_group_size
-            self.g_ffn = 128 if d.intermediate_size % 128 == 0 else d.intermediate_size
-            attn_r = ffn_r = [None] * L
+        self.g_attn, self.g_ffn = ((wide.config.attn_group_size, wide.config.ffn_group_size) if wide is not None else
+                                   (d.gqa_group_size, 128 if d.intermediate_size % 128 == 0 else d.intermediate_size))
+        attn_r, ffn_r = ((list(wide.attn_routers) or [None] * L, list(wide.ffn_routers) or [None] * L)
+                         if wide is not None else ([None] * L, [None] * L))
         self.layers = nn.ModuleList(Layer(hf_layers[i], i, attn_r[i], ffn_r[i]) for i in range(L))
         self.n_attn, self.n_ffn = d.attn_width // self.g_attn, d.intermediate_size // self.g_ffn
         kv = d.num_kv_heads * d.head_dim
@@ -457,22 +439,15 @@ class Engine(nn.Module):
 
     # --- cache, statistics, activity -----------------------------------------------------------------------------
     def new_cache(self, batch: int, max_len: int) -> StaticKVCache:
-        """A zeroed :class:`StaticKVCache` of ``batch`` rows and ``max_len`` tokens per row for this model.
-
-        Raises:
-            WideError: a size that is not an int >= 1, a ``max_len`` beyond the model's context or sliding window,
-                or buffers larger than the device's available memory.
-        """
+        """A zeroed :class:`StaticKVCache` of ``batch`` rows and ``max_len`` tokens per row for this model.  Raises
+        WideError for a size that is not an int >= 1, or beyond the model's context, its sliding window or the
+        device's available memory."""
         for name, v in (("batch", batch), ("max_len", max_len)):
-            try:
-                n = operator.index(v) if not isinstance(v, bool) else None
-            except TypeError:
-                n = None
-            if n is None:
+            if isinstance(v, bool) or not hasattr(v, "__index__"):
                 raise WideError(f"new_cache: {name}={v!r} must be an int >= 1")
-            if n < 1:
-                raise WideError(f"new_cache: {name}={n} must be >= 1")
-        batch, max_len = int(batch), int(max_len)
+            if v < 1:
+                raise WideError(f"new_cache: {name}={v} must be >= 1")
+        batch, max_len = operator.index(batch), operator.index(max_len)
         ctx = getattr(self.base.config, "max_position_embeddings", None)
         if ctx is not None and max_len > ctx:
             raise WideError(f"a KV cache of {max_len} tokens exceeds the model's context of {ctx} tokens "
@@ -518,8 +493,7 @@ class Engine(nn.Module):
             masks = self.masks
         finally:
             (self.record_masks, self.track_sparsity), self.masks = prev, {}
-        w = (attention_mask.bool() if attention_mask is not None else torch.ones_like(input_ids, dtype=torch.bool))
-        w = w.to(torch.float64)
+        w = (attention_mask if attention_mask is not None else torch.ones_like(input_ids)).to(torch.float64)
         keys = [(kind, i) for kind, i in masks if getattr(self.layers[i], kind + "_router") is not None]
         fr = [(masks[k].to(torch.float64).mean(-1) * w).sum() / w.sum() for k in keys]
         measured = dict(zip(keys, torch.stack(fr).tolist())) if keys else {}
@@ -541,16 +515,11 @@ class Engine(nn.Module):
     @torch.no_grad()
     def prefill(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None, cache: StaticKVCache,
                 all_logits: bool = False) -> torch.Tensor:
-        """Prefill a left-padded batch into rows ``0..B-1`` of ``cache`` (lengths set to the real token counts).
-
-        ``input_ids`` int64 ``[B, T]``; ``attention_mask`` ``[B, T]`` rows ``[0]*pad + [1]*n`` (n >= 1) or None.
-        Positions count real tokens only, so a padded row gives the logits of its prompt alone.  Returns logits
-        ``[B, V]`` of the last position, or ``[B, T, V]`` with ``all_logits``.
-
-        Raises:
-            WideError: ids that are not an integer ``[B, T]`` tensor of the vocabulary, a mask that is not left-padded
-                0/1, another device, a cache too small or made for another model.
-        """
+        """Prefill ``input_ids`` int64 ``[B, T]``, left-padded by ``attention_mask`` (rows ``[0]*pad + [1]*n``, n >= 1,
+        or None), into rows ``0..B-1`` of ``cache``; logits ``[B, V]`` of the last position (``[B, T, V]`` with
+        ``all_logits``).  Positions count real tokens only: a padded row gives its prompt's logits alone.  Raises
+        WideError for ids that are not an integer ``[B, T]`` tensor of the vocabulary, a mask that is not left-padded
+        0/1, another device, a cache too small or made for another model."""
         self._check_ids(input_ids)
         self._check_cache(cache, "prefill")
         B, T = input_ids.shape
@@ -584,14 +553,12 @@ class Engine(nn.Module):
 
     @torch.no_grad()
     def decode(self, tokens: torch.Tensor, cache: StaticKVCache, valid: torch.Tensor | None = None) -> torch.Tensor:
-        """One decode step: token ``tokens[b]`` (int64 ``[cache.batch]``) joins row ``b`` at position
-        ``cache.lengths[b]``, the lengths grow by 1 on the device; returns logits ``[B, V]``.  ``valid`` (bool
-        ``[B]``) only weights the sparsity statistics.  No host synchronisation on a GPU (CUDA-graph capturable).
+        """One decode step: ``tokens[b]`` (int64 ``[cache.batch]``) joins row ``b`` at position ``cache.lengths[b]`` and
+        the lengths grow by 1; logits ``[B, V]``.  ``valid`` (bool ``[B]``) weights the statistics.  No host sync.
 
         Raises:
-            WideError: tokens that are not int64 ``[cache.batch]``, a ``valid`` that is not bool ``[B]``, another
-                device, a cache of another model; on the CPU also ids outside the vocabulary and a full cache row
-                (on a GPU those would need a host sync: the caller sizes the cache).
+            WideError: tokens that are not int64 ``[cache.batch]``, a bad ``valid``, another device, a cache of another
+                model; on the CPU also ids outside the vocabulary and a full row (on a GPU the caller sizes the cache).
         """
         if not isinstance(tokens, torch.Tensor) or tokens.dim() != 1 or tokens.dtype != torch.int64:
             got = f"{tokens.dtype} {list(tokens.shape)}" if isinstance(tokens, torch.Tensor) else type(tokens).__name__

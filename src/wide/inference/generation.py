@@ -17,9 +17,8 @@ from wide.inference.sampling import Sampling, next_tokens
 @dataclass
 class GenerationResult:
     """``tokens`` / ``texts`` per prompt (up to and including EOS); ``ttft_s`` (prefill + first token on the host);
-    ``tpot_s`` (mean wall time of a batched decode step); ``tokens_per_s`` (all prompts); ``sparsity`` (realized
-    skipped fractions ``{"attn", "ffn", "overall"}``, empty when nothing is routed); ``path`` (:func:`path_of`);
-    ``steps`` (decode steps run)."""
+    ``tpot_s`` (mean time of a batched decode step); ``tokens_per_s``; ``sparsity`` (realized skipped fractions,
+    empty when nothing is routed); ``path`` (:func:`path_of`); ``steps`` (decode steps run)."""
 
     tokens: list = field(default_factory=list)
     texts: list = field(default_factory=list)
@@ -41,11 +40,8 @@ def path_of(engine, graphs: bool) -> str:
 
 def encode_prompts(prompts, tokenizer, device: torch.device) -> list[torch.Tensor]:
     """Prompts (strings, 1-D token tensors or lists of token ids) as 1-D int64 tensors (text and lists on ``device``).
-
-    Raises:
-        WideError: no prompt, an empty one, text without a tokenizer or that it cannot encode, tensors on mixed
-            devices or that are not one row of integers, an id beyond int64, or another kind of prompt.
-    """
+    Raises WideError for no prompt, an empty one, text that cannot be encoded, tensors on mixed devices or that are
+    not one row of integers, an id beyond int64, or another kind of prompt."""
     if isinstance(prompts, (str, torch.Tensor)):
         prompts = [prompts]
     if not isinstance(prompts, (list, tuple)):
@@ -120,18 +116,11 @@ def left_pad(seqs: list[torch.Tensor], pad_id: int) -> tuple[torch.Tensor, torch
 def generate(engine: Engine, tokenizer, prompts, max_new_tokens: int = 32, *, max_len: int | None = None,
              graphs: bool | None = None, stop_at_eos: bool = True, on_token=None,
              sampling: Sampling | None = None) -> GenerationResult:
-    """Generate up to ``max_new_tokens`` tokens for each of ``prompts`` (a string, token tensors or lists, or a list of
-    them) through ``engine``; greedy unless ``sampling`` (:class:`~wide.inference.sampling.Sampling`; with a seed
-    the tokens are reproducible on one device).
-
-    ``max_len``: cache capacity per row (default: longest prompt + ``max_new_tokens``); ``graphs``: replay decode
-    steps from a CUDA graph (default: on CUDA); ``stop_at_eos``: a row stops at an EOS of :func:`eos_ids` and the
-    loop when every row has; ``on_token(row, token_id, text_so_far)`` streams.
-
-    Raises:
-        WideError: a bad argument or prompt (:func:`encode_prompts`), prompts on another device than the model, a
-            cache too small for the prompt and the new tokens or beyond the model's context, or graphs without CUDA.
-    """
+    """Up to ``max_new_tokens`` tokens for each of ``prompts`` (:func:`encode_prompts`) through ``engine``, greedy
+    unless ``sampling`` (seeded: reproducible on one device).  ``max_len``: cache tokens per row (default: longest
+    prompt + new tokens); ``graphs``: decode from a CUDA graph (default: on CUDA); ``stop_at_eos``: a row stops at an
+    id of :func:`eos_ids`; ``on_token(row, token_id, text_so_far)`` streams.  Raises WideError for a bad argument or
+    prompt, prompts on another device, a cache too small or beyond the model's context, or graphs without CUDA."""
     if not isinstance(engine, Engine):
         raise WideError(f"engine must be a wide.inference.Engine (e.g. Engine(wide.load(ckpt))), got "
                         f"{type(engine).__name__}")
@@ -158,10 +147,6 @@ def generate(engine: Engine, tokenizer, prompts, max_new_tokens: int = 32, *, ma
     if longest + max_new_tokens > max_len:
         raise WideError(f"prompt of {tokens_str(longest)} + {max_new_tokens} new does not fit the KV cache "
                         f"({tokens_str(max_len)})")
-    ctx = getattr(engine.base.config, "max_position_embeddings", None)
-    if ctx is not None and max_len > ctx:
-        raise WideError(f"a KV cache of {max_len} tokens (prompt of {longest} + {max_new_tokens} new, or "
-                        f"--max-cache-len) exceeds the model's context of {ctx} tokens (max_position_embeddings)")
     sampling = sampling or Sampling()
     pad_id = 0 if tokenizer is None else (
         tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id or 0)

@@ -1,9 +1,6 @@
-"""CUDA-graph decode (the paper's §4.4 measures under CUDA graphs): one captured greedy step per batch-size bucket.
-
-A decode step of :class:`~wide.inference.engine.Engine` does no host synchronisation, so the whole step, the
-``argmax`` that feeds the next one included, is captured once and replayed.  A batch of ``B`` prompts runs in the
-smallest bucket ``>= B``; the idle rows are excluded from the sparsity statistics.
-"""
+"""CUDA-graph decode (§4.4 measures under CUDA graphs): a decode step does no host synchronisation, so the step and
+the ``argmax`` feeding the next one are captured once per batch-size bucket and replayed; a batch of ``B`` prompts
+runs in the smallest bucket ``>= B``, its idle rows left out of the sparsity statistics."""
 
 from __future__ import annotations
 
@@ -20,11 +17,9 @@ def bucket_for(batch: int) -> int:
 
 
 class DecodeRunner:
-    """Greedy decode steps of ``engine`` over ``cache``, replayed from a CUDA graph when ``graph``.
-
-    ``tokens`` int64 ``[B]`` feeds the next step and then holds its ``argmax``; ``valid`` bool ``[B]`` marks the rows
-    counted in the statistics; ``logits`` ``[B, V]`` are the last step's.
-    """
+    """Greedy decode steps of ``engine`` over ``cache``, replayed from a CUDA graph when ``graph``: ``tokens`` int64
+    ``[B]`` feeds a step and then holds its argmax, ``valid`` marks the rows counted in the statistics, ``logits``
+    ``[B, V]`` are the last step's."""
 
     def __init__(self, engine, cache: StaticKVCache, graph: bool) -> None:
         self.engine, self.cache, self.logits, self.graph = engine, cache, None, None
