@@ -1,4 +1,4 @@
-"""Gradient clipping and the optimizer step on FSDP2 shards (issue 6).
+"""Gradient clipping and the optimizer step on FSDP2 shards.
 
 :func:`wide.train.fsdp.clip_grad_norm_` and :func:`wide.train.fsdp.optimizer_step` work on each rank's local
 shards (no per-parameter DTensor dispatch) and must give, bit for bit, what ``torch.nn.utils.clip_grad_norm_``

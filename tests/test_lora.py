@@ -12,9 +12,9 @@ from wide.checkpoint import load, save_wide  # noqa: E402
 from wide.cli import main  # noqa: E402
 from wide.config import WideConfig  # noqa: E402
 from wide.errors import WideError  # noqa: E402
-from wide.lora import ADAPTER_DIR, LORA_TARGETS, LoraSettings, attach_lora, lora_named_parameters, peft_model, recover  # noqa: E402
+from wide.lora import ADAPTER_DIR, LORA_TARGETS, LoraSettings, attach_lora, lora_named_parameters, peft_model  # noqa: E402
 from wide.model import WideModel, decoder_layers  # noqa: E402
-from wide.train.loop import CalibrationArgs  # noqa: E402
+from wide.train.loop import CalibrationArgs, recover  # noqa: E402
 from wide_testutil import tiny_model  # noqa: E402
 
 PROJ = {"q_proj": "self_attn", "k_proj": "self_attn", "v_proj": "self_attn", "o_proj": "self_attn",
@@ -246,25 +246,20 @@ def test_load_corrupt_adapter(tmp_path):
     wm = load(stage1(tmp_path), model=tiny_model())
     recover(wm, blocks(), args(steps=2), tmp_path / "out", "tiny", progress=False)
     (tmp_path / "out" / ADAPTER_DIR / "adapter_model.safetensors").write_bytes(b"junk")
-    with pytest.raises(WideError, match="corrupt LoRA adapter weights"):
+    with pytest.raises(WideError, match="corrupt checkpoint file .*adapter_model.safetensors: does not match its SHA-256"):
         load(tmp_path / "out", model=tiny_model())
 
 
 def test_keyed_dropout_depends_on_sample_not_batch():
     from wide.lora import KeyedDropout
-    from wide.train.loop import GumbelNoise
+    from wide.routing import sample_keyed
 
     d = KeyedDropout(0.5, "layers.0.mlp.down_proj").train()
     x = torch.ones(4, 3, 8)
-    wm = WideModel(tiny_model(), WideConfig(ffn_group_size=32))
-    noise = GumbelNoise(wm, seed=7)
-    noise.positions = [10, 11, 12, 13]
-    with noise:
+    with sample_keyed(7, [10, 11, 12, 13]):
         full = d(x)
-    noise.positions = [12, 13]
-    with noise:
+    with sample_keyed(7, [12, 13]):
         half = d(x[2:])
-    noise.remove()
     assert torch.equal(full[2:], half)  # rows are a function of their sample position alone
     assert set(full.unique().tolist()) == {0.0, 2.0}  # inverted dropout scaling 1 / (1 - p)
     assert torch.equal(d.eval()(x), x)

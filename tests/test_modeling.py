@@ -122,7 +122,7 @@ def test_bpe_cleanup_warning_silenced(tmp_path, monkeypatch):
     warning: load_base_model turns the (ignored) flag off; decoded text is unchanged."""
     from transformers import tokenization_utils_tokenizers as tut
 
-    from wide.model import load_base_model, quiet_bpe_cleanup
+    from wide.hub import load_base_model, quiet_bpe_cleanup
 
     said = []
     monkeypatch.setattr(tut.logger, "warning_once", lambda msg, *a, **k: said.append(msg))
@@ -207,130 +207,42 @@ def test_forward_refuses_a_mask_that_does_not_fit(model):
             wm(x, attention_mask=m)
 
 
-def test_gguf_config_is_parsed_once_per_file_version(tmp_path, monkeypatch):
-    """read_hf_config parses a GGUF's metadata once per process and file version (the CLI reads the config several
-    times before the weights); callers get copies, and a changed file is read again."""
+def test_gguf_is_parsed_once_per_file_version(tmp_path, monkeypatch):
+    """gguf_reader parses a file once per (path, size, mtime); transformers' loaders get that parse too."""
     import os
 
-    import transformers
+    import gguf
+    import gguf.gguf_reader
 
-    import wide.model as modeling
+    import wide.hub as hub
 
+    parsed = []
+
+    class Reader:
+        def __init__(self, path, mode="r"):
+            parsed.append(path)
+
+    monkeypatch.setattr(gguf.gguf_reader, "GGUFReader", Reader)
+    hub._parse_gguf.cache_clear()
     f = tmp_path / "m.gguf"
     f.write_bytes(b"x" * 10)
-    calls = []
-
-    def fake(directory, **kw):
-        calls.append(kw.get("gguf_file"))
-        return transformers.LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                                        num_attention_heads=4, num_key_value_heads=2, vocab_size=100)
-
-    monkeypatch.setattr(transformers.AutoConfig, "from_pretrained", fake)
-    monkeypatch.setattr(modeling, "_GGUF_CONFIGS", {})
-    monkeypatch.setenv("WIDE_CACHE_DIR", str(tmp_path / "cache"))
-    src = modeling.ModelSource(tmp_path, "m.gguf", "m")
-    a = modeling.read_hf_config(src)
-    a.hidden_size = 1  # a caller's change must not reach the next caller
-    b = modeling.read_hf_config(src)
-    assert calls == ["m.gguf"] and b.hidden_size == 64 and b is not a
+    a = hub.gguf_reader(f)
+    with hub._gguf_parsed_once():
+        assert gguf.GGUFReader(str(f)) is a is hub.gguf_reader(str(tmp_path / "." / "m.gguf"))
+    assert gguf.GGUFReader is not Reader and len(parsed) == 1
     f.write_bytes(b"y" * 11)
     os.utime(f, ns=(1, 1))
-    assert modeling.read_hf_config(src).hidden_size == 64 and len(calls) == 2
+    assert hub.gguf_reader(f) is not a and len(parsed) == 2
+    hub._parse_gguf.cache_clear()
 
 
-def test_gguf_config_disk_cache(tmp_path, monkeypatch):
-    """A later process reads a GGUF's parsed config from $WIDE_CACHE_DIR/gguf_configs (JSON) instead of parsing
-    the file again; the cached config equals the parsed one field for field. A corrupt or foreign cache entry,
-    or a changed file, is parsed again; an unwritable cache directory is no error."""
-    import os
+def test_corrupt_gguf_and_config_copies(tmp_path, model_dir):
+    import wide.hub as hub
 
-    import transformers
-
-    import wide.model as modeling
-
-    f = tmp_path / "m.gguf"
-    f.write_bytes(b"x" * 10)
-    calls = []
-    cfg = transformers.LlamaConfig(hidden_size=96, intermediate_size=256, num_hidden_layers=3,
-                                   num_attention_heads=6, num_key_value_heads=2, vocab_size=123,
-                                   max_position_embeddings=777, rope_theta=12345.0)
-
-    def fake(directory, **kw):
-        calls.append(kw.get("gguf_file"))
-        return transformers.LlamaConfig.from_dict(cfg.to_dict())
-
-    monkeypatch.setattr(transformers.AutoConfig, "from_pretrained", fake)
-    monkeypatch.setenv("WIDE_CACHE_DIR", str(tmp_path / "cache"))
-    src = modeling.ModelSource(tmp_path, "m.gguf", "m")
-
-    def new_process():
-        monkeypatch.setattr(modeling, "_GGUF_CONFIGS", {})
-
-    new_process()
-    a = modeling.read_hf_config(src)
-    files = list((tmp_path / "cache" / "gguf_configs").glob("*.json"))
-    assert calls == ["m.gguf"] and len(files) == 1
-    new_process()
-    b = modeling.read_hf_config(src)
-    assert calls == ["m.gguf"], "a second process parsed the GGUF again"
-    assert type(b) is transformers.LlamaConfig and b.to_dict() == a.to_dict() == cfg.to_dict()
-    assert b.max_position_embeddings == 777 and b.num_key_value_heads == 2
-
-    for bad in ("{not json", '{"key": [], "transformers": "0", "config": {}}', ""):
-        files[0].write_text(bad)
-        new_process()
-        assert modeling.read_hf_config(src).to_dict() == cfg.to_dict()
-    assert len(calls) == 4
-    rec = __import__("json").loads(files[0].read_text())  # rewritten whole by the last parse
-    rec["config"]["hidden_size"] = -5  # a hand-edited entry that check_config_dims rejects: parsed again
-    files[0].write_text(__import__("json").dumps(rec))
-    new_process()
-    assert modeling.read_hf_config(src).hidden_size == 96 and len(calls) == 5
-    rec = __import__("json").loads(files[0].read_text())
-    rec["config"]["max_position_embeddings"] = 200000  # plausible, but it no longer matches the entry's digest
-    files[0].write_text(__import__("json").dumps(rec))
-    new_process()
-    assert modeling.read_hf_config(src).max_position_embeddings == 777 and len(calls) == 6
-    st = f.stat()
-    f.write_bytes(b"z" * 10)  # same size, same mtime, other bytes: the head digest tells them apart
-    os.utime(f, ns=(st.st_atime_ns, st.st_mtime_ns))
-    assert f.stat().st_mtime_ns == st.st_mtime_ns and f.stat().st_size == st.st_size
-    new_process()
-    key_before = len(list((tmp_path / "cache" / "gguf_configs").glob("*.json")))
-    modeling.read_hf_config(src)
-    assert len(calls) == 7 and len(list((tmp_path / "cache" / "gguf_configs").glob("*.json"))) == key_before + 1
-
-    f.write_bytes(b"y" * 11)  # another file version: another key
-    os.utime(f, ns=(1, 1))
-    new_process()
-    assert modeling.read_hf_config(src).hidden_size == 96 and len(calls) == 8
-
-    (tmp_path / "blocker").write_text("a file, not a directory")
-    monkeypatch.setenv("WIDE_CACHE_DIR", str(tmp_path / "blocker"))
-    new_process()
-    assert modeling.read_hf_config(src).hidden_size == 96 and len(calls) == 9
-
-
-def test_config_check_runs_again_on_the_loaded_config(model_dir, monkeypatch):
-    """load_base_model runs ``config_check`` before the tokenizer on read_hf_config's config (for a GGUF maybe a
-    cached one) and again on the loaded model's own config: a stale config cannot let a bad option through."""
-    import wide.model as modeling
-
-    real = modeling.read_hf_config
-
-    def stale(src):
-        hf = real(src)
-        hf.max_position_embeddings = 100000  # what a stale cache entry could claim; the model's is 256
-        return hf
-
-    monkeypatch.setattr(modeling, "read_hf_config", stale)
-    seen = []
-
-    def fits(hf):
-        seen.append(hf.max_position_embeddings)
-        if 512 > hf.max_position_embeddings:
-            raise WideError(f"context {hf.max_position_embeddings}")
-
-    with pytest.raises(WideError, match="context 256"):
-        modeling.load_base_model(str(model_dir), device="cpu", config_check=fits)
-    assert seen == [100000, 256]
+    (tmp_path / "bad.gguf").write_bytes(b"GGUF" + b"\x00" * 20)
+    with pytest.raises(WideError, match=r"GGUF file .*bad.gguf' is truncated or corrupt \(24 bytes"):
+        hub.read_hf_config(hub.resolve_model(str(tmp_path / "bad.gguf")))
+    src = hub.resolve_model(str(model_dir))
+    a = hub.read_hf_config(src)
+    a.hidden_size = 1  # a caller's change does not reach the next caller
+    assert hub.read_hf_config(src).hidden_size == 64

@@ -6,7 +6,7 @@ import torch
 from wide.config import WideConfig
 from wide.errors import WideError
 from wide.model import WideModel
-from wide.train.loop import STATE_NAME, CalibrationArgs, calibrate, lr_lambda, micro_batch
+from wide.train.loop import STATE_NAME, CalibrationArgs, calibrate, lr_lambda, micro_batch, read_meta
 from wide_testutil import tiny_model
 
 
@@ -39,18 +39,17 @@ def losses(path):
 
 @pytest.mark.parametrize("tied", [False, True], ids=["untied", "tied-embeddings"])
 def test_resume_gives_identical_losses(tmp_path, tied):
-    """Interrupted and resumed = uninterrupted. Tied embeddings (SmolLM2, the bundled default) once broke
-    resume: torch listed the frozen tied lm_head in the saved state, which then never matched."""
+    """Interrupted and resumed = uninterrupted; the state holds the trained routers only (with tied embeddings, as
+    SmolLM2's, torch lists the frozen tied lm_head too)."""
     a = run(tmp_path / "a", 6, tied=tied)
     # interrupted after step 5; last checkpoint at step 4, so step 5 is redone on resume
     run(tmp_path / "b", 6, stop_after=5, tied=tied)
-    st = torch.load(tmp_path / "b" / STATE_NAME, weights_only=True)
-    assert all(k.startswith(("attn_routers.", "ffn_routers.")) for k in st["model"]), sorted(st["model"])[:3]
-    if tied:  # a state written before the fix also held the frozen tied alias: it must still resume
-        from wide.train.loop import atomic_torch_save
+    from torch.distributed.checkpoint import FileSystemReader
 
-        st["model"]["base.lm_head.weight"] = torch.zeros(128, 64)
-        atomic_torch_save(st, tmp_path / "b" / STATE_NAME)
+    keys = [k for k in FileSystemReader(str(tmp_path / "b" / STATE_NAME)).read_metadata().state_dict_metadata
+            if k.startswith("model.")]
+    assert keys and all(k.startswith(("model.attn_routers.", "model.ffn_routers.")) for k in keys), keys[:3]
+    assert read_meta(tmp_path / "b")["step"] == 4
     b = run(tmp_path / "b", 6, resume=True, tied=tied)
     la, lb = losses(tmp_path / "a" / "train_log.jsonl"), losses(tmp_path / "b" / "train_log.jsonl")
     assert [s for s, *_ in lb] == [1, 2, 3, 4, 5, 6]
@@ -69,7 +68,7 @@ def test_routers_train_base_frozen(tmp_path):
     assert all(torch.equal(v, wm.base.state_dict()[k]) for k, v in base_before.items())
     assert any(not torch.equal(v, wm.router_state_dict()[k]) for k, v in r_before.items())
     assert not wm.stochastic and not wm.training
-    assert (tmp_path / STATE_NAME).is_file() and (tmp_path / "routers.safetensors").is_file()
+    assert read_meta(tmp_path)["step"] == 3 and (tmp_path / "routers.safetensors").is_file()
 
 
 def test_sparsity_loss_drives_sparsity(tmp_path):
@@ -82,11 +81,18 @@ def test_sparsity_loss_drives_sparsity(tmp_path):
 
 def test_resume_errors(tmp_path):
     wm = WideModel(tiny_model(), WideConfig(ffn_group_size=32))
-    with pytest.raises(WideError, match="no train_state.pt"):
+    with pytest.raises(WideError, match="no train_state.dcp"):
         calibrate(wm, blocks(), CalibrationArgs(steps=2), tmp_path, "tiny", resume=True, progress=False)
-    (tmp_path / STATE_NAME).write_bytes(b"not a checkpoint")
+    run(tmp_path, 2)
+    for f in (tmp_path / STATE_NAME).glob("*.distcp"):
+        f.write_bytes(f.read_bytes()[:20])
+    wm = WideModel(tiny_model(), WideConfig(ffn_group_size=32, target_sparsity=0.5))
+    args = CalibrationArgs(steps=2, batch_size=3, grad_accum=2, lr=1e-2, warmup_steps=1, save_every=2)
     with pytest.raises(WideError, match="corrupt training state"):
-        calibrate(wm, blocks(), CalibrationArgs(steps=2), tmp_path, "tiny", resume=True, progress=False)
+        calibrate(wm, blocks(), args, tmp_path, "tiny", resume=True, progress=False)
+    (tmp_path / STATE_NAME / "train_state.json").write_text("{not json")
+    with pytest.raises(WideError, match="corrupt training state .*train_state.json"):
+        calibrate(wm, blocks(), args, tmp_path, "tiny", resume=True, progress=False)
 
 
 def test_resume_with_other_settings(tmp_path):
@@ -161,7 +167,8 @@ def step(batch, seq, measure):
     args = CalibrationArgs(steps=1, batch_size=batch, save_every=1, grad_checkpoint=ckpt, memory_check=False)
     with tempfile.TemporaryDirectory() as out:
         if lora:
-            from wide.lora import LoraSettings, attach_lora, recover, use_keyed_dropout
+            from wide.lora import LoraSettings, attach_lora, use_keyed_dropout
+            from wide.train.loop import recover
             torch.manual_seed(0)
             attach_lora(wm, LoraSettings())
             use_keyed_dropout(wm)

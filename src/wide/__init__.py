@@ -1,10 +1,8 @@
 """wide: token-level dynamic width pruning (WIDE) for Llama-family LLMs.
 
-Quick use::
-
     import wide
-    model = wide.load("runs/smollm2-s50")        # WideModel with argmax routing
-    out = model(input_ids)                        # Hugging Face CausalLMOutput
+    model = wide.load("runs/smollm2-s50")  # a WideModel with argmax routing
+    out = model(input_ids)                  # a Hugging Face CausalLMOutput
 """
 
 from wide.config import ModelDims, WideConfig
@@ -12,18 +10,14 @@ from wide.errors import WideError
 
 __version__ = "0.1.0"
 __all__ = ["WideConfig", "ModelDims", "WideError", "WideModel", "load", "load_base_model", "__version__"]
+_LAZY = {"load": "wide.checkpoint", "WideModel": "wide.model", "load_base_model": "wide.hub"}
 
 
-def __getattr__(name):  # lazy: keep `import wide` light (no transformers import until needed)
-    if name == "load":
-        from wide.checkpoint import load
-        return load
-    if name == "WideModel":
-        from wide.model import WideModel
-        return WideModel
-    if name == "load_base_model":
-        from wide.model import load_base_model
-        return load_base_model
+def __getattr__(name):  # `import wide` stays light: transformers loads on first use
+    if name in _LAZY:
+        import importlib
+
+        return getattr(importlib.import_module(_LAZY[name]), name)
     raise AttributeError(name)
 
 

