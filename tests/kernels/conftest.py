@@ -1,8 +1,7 @@
 """Kernel tests run on the CPU under Triton's interpreter when no CUDA device is present.
 
-TRITON_INTERPRET must be set before ``triton.jit`` decorates the kernels (decoration time), so it
-is set here, before ``wide.kernels`` is imported; if some other test module imported
-``wide.kernels`` first, its modules are reloaded so that the kernels are re-decorated.
+TRITON_INTERPRET must be set before ``triton.jit`` decorates the kernels; if ``wide.kernels`` was imported without
+it, its modules are reloaded (in import order) so that the kernels are decorated again.
 """
 
 import importlib
@@ -11,14 +10,16 @@ import sys
 
 import torch
 
+MODULES = ("_common", "reference", "reorder", "gemm_mn_ws", "gemm_mn", "gemm_k", "decode_attn", "attention", "router",
+           "rmsnorm", "rope", "activation", "zero_heads")
+
 if not torch.cuda.is_available():
     _was = os.environ.get("TRITON_INTERPRET")
     os.environ["TRITON_INTERPRET"] = "1"
-    if _was != "1" and "wide.kernels" in sys.modules:  # decorated without the interpreter: re-decorate
-        for name in ("_common", "reference", "reorder", "gemm_mn", "swiglu", "gemm_k", "decode", "decode_attn", "attention"):
-            mod = sys.modules.get(f"wide.kernels.{name}")
-            if mod is not None:
-                importlib.reload(mod)
+    if _was != "1" and "wide.kernels" in sys.modules:
+        for name in MODULES:
+            if f"wide.kernels.{name}" in sys.modules:
+                importlib.reload(sys.modules[f"wide.kernels.{name}"])
         importlib.reload(sys.modules["wide.kernels"])
 
 import pytest  # noqa: E402

@@ -43,7 +43,7 @@ def test_gemm_mn_ws_matches_reference(dtype, M, N, K, G, kind, swiglu):
 @hopper[0]
 @hopper[1]
 @pytest.mark.parametrize("cfg", [dict(BN=128, STAGES=5, GROUP_M=16), dict(BN=64, STAGES=4, PREGS=56, maxnreg=160),
-                                 dict(BN=128, STAGES=4, DIRECT_STORE=True, PERSIST=False),
+                                 dict(BN=128, STAGES=4, PERSIST=False),
                                  dict(BN=128, BK=32, STAGES=6, PERSIST=False)])
 def test_gemm_mn_ws_other_configs(cfg):
     gen = seed_for("ws-cfg", repr(cfg))

@@ -1,62 +1,64 @@
-"""Import without Triton, CPU fallback without the interpreter, the autotuning cache and its launchable fallback."""
+"""The package around the kernels: a leaf of ``wide``, import without Triton, the reference fallback, the one-time
+warning, the per-GPU tuned settings (shipped as package data) and the autotuning cache."""
 
+import ast
 import json
 import os
 import subprocess
 import sys
 import types
+import warnings
+from pathlib import Path
 
 import pytest
 import torch
 
 from wide.kernels import _common
 
-_NO_TRITON = """
-import sys
-class _Block:
-    def find_spec(self, name, path=None, target=None):
-        if name == 'triton' or name.startswith('triton.'):
-            raise ImportError('blocked for the test')
-sys.meta_path.insert(0, _Block())
-import torch, wide.kernels as K
-from wide.kernels.reference import gemm_mn_ref
-assert not K.HAS_TRITON
-x = torch.randn(6, 32, dtype=torch.bfloat16); w = torch.randn(64, 32, dtype=torch.bfloat16)
-r = torch.rand(6, 2) < 0.5
-out = K.gemm_mn(x, w, r, 32)
-assert torch.equal(out, gemm_mn_ref(x, w, r, 32))
-print('ok')
-"""
+KERNELS = Path(_common.__file__).parent
 
 
-def _env(**kw):
-    env = dict(os.environ)
-    env.pop("TRITON_INTERPRET", None)
+def _env():
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env["CUDA_VISIBLE_DEVICES"] = ""
-    env.update(kw)
     return env
 
 
-def test_import_and_fallback_without_triton():
-    res = subprocess.run([sys.executable, "-c", _NO_TRITON], env=_env(), capture_output=True, text=True,
-                         timeout=120)
-    assert res.returncode == 0 and "ok" in res.stdout, res.stderr
-
-
-def test_cpu_without_interpreter_falls_back_to_reference():
-    code = ("import torch, wide.kernels as K\n"
-            "from wide.kernels.reference import attention_ref\n"
-            "q = torch.randn(1, 2, 5, 16); k = torch.randn(1, 1, 7, 16)\n"
-            "r = torch.rand(1, 5, 2) < 0.5\n"
-            "assert torch.allclose(K.routed_attention(q, k, k, r, True), attention_ref(q, k, k, r, True))\n"
-            "print('ok')\n")
+def _python(code: str):
     res = subprocess.run([sys.executable, "-c", code], env=_env(), capture_output=True, text=True, timeout=120)
-    assert res.returncode == 0 and "ok" in res.stdout, res.stderr
+    assert res.returncode == 0 and "ok" in res.stdout, res.stderr + res.stdout
 
 
-def test_cpu_reference_fallback_checks_reordered_as_the_kernels_do():
-    """A malformed ``reordered`` is refused on the CPU fallback too (code that runs on the CPU runs on a GPU)."""
-    code = ("import torch, wide.kernels as K\n"
+def test_kernels_import_nothing_else_from_wide():
+    for path in KERNELS.glob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            names = ([a.name for a in node.names] if isinstance(node, ast.Import)
+                     else [node.module or ""] if isinstance(node, ast.ImportFrom) else [])
+            for name in names:
+                assert not (name == "wide" or name.startswith("wide.")) or name.startswith("wide.kernels"), (path, name)
+
+
+def test_import_and_fallback_without_triton():
+    _python("import sys\n"
+            "class Block:\n"
+            "    def find_spec(self, name, path=None, target=None):\n"
+            "        if name == 'triton' or name.startswith('triton.'):\n"
+            "            raise ImportError('blocked for the test')\n"
+            "sys.meta_path.insert(0, Block())\n"
+            "import torch, wide.kernels as K\n"
+            "from wide.kernels.reference import gemm_mn_ref\n"
+            "assert not K.HAS_TRITON\n"
+            "x = torch.randn(6, 32, dtype=torch.bfloat16); w = torch.randn(64, 32, dtype=torch.bfloat16)\n"
+            "r = torch.rand(6, 2) < 0.5\n"
+            "assert torch.equal(K.gemm_mn(x, w, r, 32), gemm_mn_ref(x, w, r, 32))\n"
+            "print('ok')\n")
+
+
+def test_cpu_without_interpreter_runs_the_references_and_checks_as_the_kernels_do():
+    _python("import torch, wide.kernels as K\n"
+            "from wide.kernels.reference import attention_ref\n"
+            "q = torch.randn(1, 2, 5, 16); k = torch.randn(1, 1, 7, 16); r = torch.rand(1, 5, 2) < 0.5\n"
+            "assert torch.allclose(K.routed_attention(q, k, k, r, True), attention_ref(q, k, k, r, True))\n"
             "x = torch.randn(8, 32); w = torch.randn(64, 32); r = torch.rand(8, 2) < 0.5\n"
             "for op in (lambda rr: K.gemm_mn(x, w, r, 32, reordered=rr),\n"
             "           lambda rr: K.swiglu(x, w, w, r, 32, reordered=rr),\n"
@@ -64,91 +66,86 @@ def test_cpu_reference_fallback_checks_reordered_as_the_kernels_do():
             "    for bad in ('x', K.reorder(torch.ones(9, 2, dtype=torch.bool))):\n"
             "        try:\n"
             "            op(bad)\n"
-            "        except ValueError as e:\n"
+            "        except K.KernelArgumentError as e:\n"
             "            assert 'reordered' in str(e), e\n"
             "        else:\n"
             "            raise SystemExit('accepted')\n"
             "print('ok')\n")
-    res = subprocess.run([sys.executable, "-c", code], env=_env(), capture_output=True, text=True, timeout=120)
-    assert res.returncode == 0 and "ok" in res.stdout, res.stderr + res.stdout
 
 
-def test_a_gpu_tensor_without_triton_warns_once(monkeypatch):
-    """Without Triton a CUDA tensor takes the reference path (no pruned work skipped): one RuntimeWarning says so;
-    a CPU tensor (the documented reference fallback) does not warn. A stand-in for a CUDA tensor: no GPU here."""
-    from types import SimpleNamespace
-
+def test_missing_triton_warns_once(monkeypatch):
+    """A CUDA tensor (a stand-in: no GPU here) or the interpreter without Triton: one RuntimeWarning per process;
+    a CPU tensor without TRITON_INTERPRET (the documented fallback) none."""
     monkeypatch.setattr(_common, "HAS_TRITON", False)
-    monkeypatch.setattr(_common, "_WARNED_NO_TRITON", [])
-    fake_cuda = SimpleNamespace(is_cuda=True, device=torch.device("cuda", 0))
-    with pytest.warns(RuntimeWarning, match=r"Triton is not installed, so the routed ops on cuda:0 run their PyTorch "
-                                            r"references .*pip install -e '\.\[kernels\]'"):
-        assert not _common.use_triton(fake_cuda)
-    import warnings
-
-    with warnings.catch_warnings():
-        warnings.simplefilter("error")
-        assert not _common.use_triton(fake_cuda)  # once per process
-        assert not _common.use_triton(torch.zeros(1))  # CPU: no warning
-
-
-def test_interpreter_without_triton_warns_once(monkeypatch):
-    """TRITON_INTERPRET=1 with no Triton installed (e.g. the core install of `make demo`): the CPU ops run the
-    references, and one RuntimeWarning says the interpreter runs no kernel; without the variable, no warning."""
-    import warnings
-
-    monkeypatch.setattr(_common, "HAS_TRITON", False)
-    monkeypatch.setattr(_common, "_WARNED_NO_TRITON", [])
+    monkeypatch.setattr(_common, "_WARNED", [])
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         assert not _common.use_triton(torch.zeros(1))
+    fake_cuda = types.SimpleNamespace(is_cuda=True, device=torch.device("cuda", 0))
+    with pytest.warns(RuntimeWarning, match=r"Triton is not installed, so the routed ops on cuda:0 run their PyTorch "
+                                            r"references .*pip install -e '\.\[kernels\]'"):
+        assert not _common.use_triton(fake_cuda)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert not _common.use_triton(fake_cuda)
+    monkeypatch.setattr(_common, "_WARNED", [])
     monkeypatch.setenv("TRITON_INTERPRET", "1")
-    with pytest.warns(RuntimeWarning, match=r"routed ops on cpu run their PyTorch references \(TRITON_INTERPRET=1 is "
-                                            r"set, but no Triton kernel runs in the interpreter\)"):
+    with pytest.warns(RuntimeWarning, match=r"TRITON_INTERPRET=1 is set, but no Triton kernel runs"):
         assert not _common.use_triton(torch.zeros(1))
 
 
-def test_autotune_cache_roundtrip(tmp_path, monkeypatch):
-    monkeypatch.setenv("WIDE_CACHE_DIR", str(tmp_path))
-    monkeypatch.setattr(_common, "_CACHE", None)
-    assert _common.cache_dir() == str(tmp_path)
-    _common._store_cache("op|gpu|key", {"BM": 64})
-    data = json.loads((tmp_path / "kernel_autotune.json").read_text())
-    assert data["op|gpu|key"] == {"BM": 64}
-    monkeypatch.setattr(_common, "_CACHE", None)
-    assert _common._load_cache()["op|gpu|key"] == {"BM": 64}
-    # off the GPU the first candidate is used and nothing is tuned
-    cfg = _common.pick_config("op", (1,), torch.device("cpu"), [{"a": 1}, {"a": 2}], lambda c: None)
-    assert cfg == {"a": 1}
+def test_tuned_config_per_gpu(tmp_path, monkeypatch):
+    """configs/<GPU name>.json over default.json, section by section; the CPU and unknown GPUs get the defaults; the
+    JSON files ship with the package."""
+    assert _common.tuned_config("cpu") is _common.tuned_config(torch.device("cpu"))
+    default = json.loads((KERNELS / "configs" / "default.json").read_text())
+    assert _common.tuned_config("cpu") == default
+    assert {"gemm_mn", "gemm_k", "router", "engine"} <= set(default)
+    assert json.loads((KERNELS / "configs" / "NVIDIA_H200.json").read_text()).keys() <= default.keys()
+    (tmp_path / "default.json").write_text(json.dumps({"gemm_k": {"masked_min_m": 512}, "router": {"max_rows": 32}}))
+    (tmp_path / "Fake_GPU.json").write_text(json.dumps({"gemm_k": {"masked_min_m": 64}}))
+    monkeypatch.setattr(_common, "CONFIG_DIR", str(tmp_path))
+    _common._tuned.cache_clear()
+    try:
+        assert _common._tuned("Fake_GPU") == {"gemm_k": {"masked_min_m": 64}, "router": {"max_rows": 32}}
+        assert _common._tuned("Other_GPU") == {"gemm_k": {"masked_min_m": 512}, "router": {"max_rows": 32}}
+    finally:
+        _common._tuned.cache_clear()
+    pyproject = (KERNELS.parents[2] / "pyproject.toml").read_text()
+    assert '"kernels/configs/*.json"' in pyproject
 
 
-def test_autotune_retunes_when_the_candidates_change(tmp_path, monkeypatch):
-    """The cached winner is reused for the same candidate list; a list that gains a config (a newer wide) re-tunes
-    instead of returning the old winner forever.  The GPU timing is replaced by fixed times per config."""
+def test_autotune_cache_across_processes(tmp_path, monkeypatch):
+    """The winner is timed once, written to $WIDE_CACHE_DIR/kernel_autotune.json and reused by a second process; a
+    candidate list that changes is tuned afresh.  GPU timings replaced by fixed times per config."""
     import triton.testing
 
     monkeypatch.setenv("WIDE_CACHE_DIR", str(tmp_path))
     monkeypatch.setattr(_common, "_CACHE", None)
-    monkeypatch.setattr(_common, "_device_tag", lambda d: "fake-gpu")
+    monkeypatch.setattr(_common, "device_name", lambda d: "fake-gpu")
     monkeypatch.setattr(_common, "_capturing", lambda: False)
     monkeypatch.setattr(torch.cuda, "synchronize", lambda *a, **k: None)
     ran = []
-    monkeypatch.setattr(triton.testing, "do_bench", lambda fn, **kw: (fn(), {1: 2.0, 2: 1.0, 3: 0.5}[ran[-1]])[1])
+    times = {1: 2.0, 2: 1.0, 3: 0.5}
+    monkeypatch.setattr(triton.testing, "do_bench", lambda fn, **kw: (fn(), times[ran[-1]])[1])
+    monkeypatch.setattr(triton.testing, "do_bench_cudagraph", lambda fn, **kw: (fn(), times[ran[-1]])[1])
     dev = types.SimpleNamespace(type="cuda")
     old = [{"a": 1}, {"a": 2}]
-    assert _common.pick_config("op", (7,), dev, old, lambda c: ran.append(c["a"])) == {"a": 2}
+    for graph in (False, True):
+        assert _common.pick_config(f"op{graph}", (7,), dev, old, lambda c: ran.append(c["a"]), graph) == {"a": 2}
     ran.clear()
-    assert _common.pick_config("op", (7,), dev, old, lambda c: ran.append(c["a"])) == {"a": 2}
-    assert ran == []  # cached: nothing timed
     monkeypatch.setattr(_common, "_CACHE", None)  # a second process reads the file
-    assert _common.pick_config("op", (7,), dev, old, lambda c: ran.append(c["a"])) == {"a": 2} and ran == []
-    assert _common.pick_config("op", (7,), dev, old + [{"a": 3}], lambda c: ran.append(c["a"])) == {"a": 3}
+    assert _common.pick_config("opFalse", (7,), dev, old, lambda c: ran.append(c["a"])) == {"a": 2} and ran == []
+    assert _common.pick_config("opFalse", (7,), dev, old + [{"a": 3}], lambda c: ran.append(c["a"])) == {"a": 3}
+    assert len(json.loads((tmp_path / "kernel_autotune.json").read_text())) == 3
+    # off the GPU the first candidate, nothing timed
+    assert _common.pick_config("op", (1,), torch.device("cpu"), [{"a": 1}, {"a": 2}], lambda c: 1 / 0) == {"a": 1}
 
 
-def test_first_launchable_skips_configs_that_run_out_of_resources():
-    # an fp32 model can need more shared memory than a bf16-sized tile list allows (H200: 245,760 B asked,
-    # 232,448 B there); the untuned choice is the first config that launches, other errors propagate
+def test_untuned_choice_is_the_first_that_launches(monkeypatch):
+    """WIDE_AUTOTUNE=0: the first config that does not run out of GPU resources (an fp32 model may need more shared
+    memory than a bf16-sized list allows); other errors propagate."""
     from triton.runtime.errors import OutOfResources
 
     tried = []
@@ -159,13 +156,12 @@ def test_first_launchable_skips_configs_that_run_out_of_resources():
             raise OutOfResources(245760, 232448, "shared memory")
 
     cands = [{"BM": 128}, {"BM": 256}, {"BM": 64}, {"BM": 32}]
-    assert _common.first_launchable(cands, run) == {"BM": 64}
+    monkeypatch.setenv("WIDE_AUTOTUNE", "0")
+    monkeypatch.setattr(_common, "_capturing", lambda: False)
+    monkeypatch.setattr(_common, "device_name", lambda d: "fake-gpu")
+    assert _common.pick_config("oor", (1,), types.SimpleNamespace(type="cuda"), cands, run) == {"BM": 64}
     assert tried == [128, 256, 64]
     with pytest.raises(OutOfResources):
         _common.first_launchable(cands[:2], run)
-
-    def bad(cfg):
-        raise ValueError("a real bug, not a resource limit")
-
     with pytest.raises(ValueError, match="real bug"):
-        _common.first_launchable(cands, bad)
+        _common.first_launchable(cands, lambda c: (_ for _ in ()).throw(ValueError("a real bug")))

@@ -1,78 +1,85 @@
+"""The fused routed SwiGLU (swiglu, and gemv_swiglu for M <= 4) against the float64 reference (Eq. 3)."""
+
 import importlib
 
 import pytest
 import torch
-from kernel_testutil import DEVICE, DTYPES, check_close, make_mask, poisoned, randn, seed_for
+import torch.nn.functional as F
+from kernel_testutil import DEVICE, DTYPES, KINDS, check_close, gpu, make_mask, poisoned, randn, seed_for
 
-from wide.kernels import reorder, swiglu
+from wide.kernels import KernelArgumentError, gemv_swiglu, reorder, swiglu, tuned_config
 from wide.kernels.reference import expand_route, swiglu_ref
 
-gemm_mn_mod = importlib.import_module("wide.kernels.gemm_mn")  # the module, not the op it exports
+mod = importlib.import_module("wide.kernels.gemm_mn")
 
 
 @pytest.fixture(params=["sorted", "direct"])
 def mode(request, monkeypatch):
-    """sorted: reorder + gathered tiles (Algorithm 2); direct: few-row path reading the route."""
-    monkeypatch.setattr(gemm_mn_mod, "DIRECT_MAX_M", 0 if request.param == "sorted" else 10**9)
+    monkeypatch.setitem(tuned_config(DEVICE)["gemm_mn"], "direct_max_m", 0 if request.param == "sorted" else 10**9)
     return request.param
 
 
-def _run(M, N, K, G, dtype, kind, shared=False):
+def run(M, N, K, G, dtype, kind, shared=False, op=swiglu):
     gen = seed_for("swiglu", M, N, K, G, dtype, kind, shared)
-    x = randn((M, K), dtype, gen)
-    wg = randn((N, K), dtype, gen)
-    wu = randn((N, K), dtype, gen)
+    x, wg, wu = randn((M, K), dtype, gen), randn((N, K), dtype, gen), randn((N, K), dtype, gen)
     route = make_mask(kind, (M, N // G), gen)
     out = poisoned((M, N), dtype)
-    kw = {"reordered": reorder(route)} if shared else {}
-    swiglu(x, wg, wu, route, G, out=out, **kw)
+    op(x, wg, wu, route, G, out=out, **({"reordered": reorder(route)} if shared else {}))
     check_close(out, swiglu_ref(x.double(), wg.double(), wu.double(), route, G))
     assert (out[~expand_route(route, G)] == 0).all()
 
 
-@pytest.mark.parametrize("G", [16, 32, 64, 128, 256, 512])
-@pytest.mark.parametrize("dtype", DTYPES)
-def test_every_group_size(G, dtype, mode):
-    _run(37, max(G, 64), 32, G, dtype, "random")
+@pytest.mark.parametrize("G", [16, 64, 512])
+@pytest.mark.parametrize("dtype", DTYPES + [torch.float32])
+def test_group_sizes_and_dtypes(G, dtype, mode):
+    run(37, max(G, 64), 32, G, dtype, "random")
 
 
-@pytest.mark.parametrize("M", [1, 2, 3, 4])
-def test_decode_rows(M):
-    _run(M, 128, 80, 32, torch.bfloat16, "random")
-
-
-@pytest.mark.parametrize("kind", ["all", "none", "one_row"])
+@pytest.mark.parametrize("kind", KINDS)
 def test_mask_kinds(kind, mode):
-    _run(40, 64, 32, 16, torch.float16, kind, shared=True)
+    run(40, 64, 32, 16, torch.float16, kind, shared=True)
 
 
-def test_errors():
-    x = torch.zeros(8, 32, dtype=torch.bfloat16, device=DEVICE)
-    w = torch.zeros(64, 32, dtype=torch.bfloat16, device=DEVICE)
-    r = torch.ones(8, 2, dtype=torch.bool, device=DEVICE)
-    with pytest.raises(ValueError, match="w_up"):
-        swiglu(x, w, w[:, :16], r, 32)
-    # a w_up with fewer rows is named as such (it used to read as a route of the wrong shape)
-    with pytest.raises(ValueError, match=r"w_up shape \(32, 32\) must equal w_gate shape \(64, 32\)"):
-        swiglu(x, w, w[:32], r, 32)
-    with pytest.raises(ValueError, match="reordered must be a Reordered"):
-        swiglu(x, w, w, r, 32, reordered="x")
-    with pytest.raises(ValueError, match="multiple of 16"):
-        swiglu(x, w, w, torch.ones(8, 3, dtype=torch.bool, device=DEVICE), 21)
+@pytest.mark.parametrize("M", [1, 4])
+@pytest.mark.parametrize("kernel", ["tile", "split"])
+@pytest.mark.parametrize("kind", ["random", "all", "none"])
+def test_gemv(M, kernel, kind, monkeypatch):
+    # both decode kernels forced; the split kernel sums the gate and up partials in split order before the SiLU
+    cfg = dict(BN=16, BK=32) if kernel == "tile" else dict(BN=32, BK=16, SPLIT=2, SMAX=5)
+    monkeypatch.setattr(mod, "_gemv_cands", lambda *a, **k: [cfg])
+    run(M, 128, 80, 32, torch.bfloat16, kind, op=gemv_swiglu)
 
 
 def test_reference_rounds_like_the_model_mlp():
-    # bf16: gate, up, SiLU and product each rounded to bf16, as act_fn(gate_proj(x)) * up_proj(x) computes
-    # it in the model (the masking path), so the engine's SwiGLU flips no router decision downstream by a
-    # different rounding; one rounding of an fp32 result matched the model on only ~58 % of the elements
-    import torch.nn.functional as F
-
+    # bf16: gate, up, SiLU and product each rounded, as act_fn(gate_proj(x)) * up_proj(x) does; one rounding of the
+    # fp32 result would differ from the model on many elements
     g = torch.Generator().manual_seed(0)
     x = torch.randn(64, 256, generator=g).bfloat16()
-    wg = (torch.randn(512, 256, generator=g) / 16).bfloat16()
-    wu = (torch.randn(512, 256, generator=g) / 16).bfloat16()
-    route = torch.ones(64, 512 // 32, dtype=torch.bool)
+    wg, wu = ((torch.randn(512, 256, generator=g) / 16).bfloat16() for _ in range(2))
     model = F.silu(x @ wg.T) * (x @ wu.T)
-    assert (swiglu_ref(x, wg, wu, route, 32) == model).float().mean() > 0.999
-    once = (F.silu(x.float() @ wg.float().T) * (x.float() @ wu.float().T)).bfloat16()
-    assert (once == model).float().mean() < 0.9
+    assert (swiglu_ref(x, wg, wu, torch.ones(64, 16, dtype=torch.bool), 32) == model).float().mean() > 0.999
+    assert ((F.silu(x.float() @ wg.float().T) * (x.float() @ wu.float().T)).bfloat16() == model).float().mean() < 0.9
+
+
+def test_refusals():
+    x = torch.zeros(8, 32, dtype=torch.bfloat16, device=DEVICE)
+    w = torch.zeros(64, 32, dtype=torch.bfloat16, device=DEVICE)
+    r = torch.ones(8, 2, dtype=torch.bool, device=DEVICE)
+    for call, msg in [
+        (lambda: swiglu(x, w, w[:, :16], r, 32), "w_up must have shape"),
+        (lambda: swiglu(x, w, w[:32], r, 32), r"w_up shape \(32, 32\) must equal w_gate shape \(64, 32\)"),
+        (lambda: swiglu(x, w, w, r, 32, reordered="x"), "reordered must be a Reordered"),
+        (lambda: swiglu(x, w, w, torch.ones(8, 3, dtype=torch.bool, device=DEVICE), 21), "multiple of 16"),
+        (lambda: swiglu(x, w[:32], w[:32].clone(), r[:, :1], 32, out=x), "out overlaps x"),
+        (lambda: swiglu(x, w.clone(), w, r, 32, out=w.view(-1)[:512].view(8, 64)), "out overlaps w_up"),
+        (lambda: gemv_swiglu(x, w, w, r, 32), "M <= 4"),
+    ]:
+        with pytest.raises(KernelArgumentError, match=msg):
+            call()
+
+
+@gpu
+@pytest.mark.parametrize("M", [1, 3, 333, 4100])
+@pytest.mark.parametrize("G", [32, 128, 512])
+def test_real_shapes(M, G):
+    run(M, 14336, 4096, G, torch.bfloat16, "random")  # Llama-3.1-8B's gate / up

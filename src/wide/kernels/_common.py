@@ -1,64 +1,52 @@
-"""Shared helpers for the routed kernels: Triton guard, argument checks, the reorder result type,
-and the on-disk autotuning cache.
+"""Shared helpers of the routed kernels: the Triton guard, argument checks of the public ops, the reorder result,
+the per-GPU tuned settings (``configs/*.json``), the autotuning cache and launch helpers.
 
-Triton is imported in a guarded way: ``import wide.kernels`` works without Triton installed.  The
-public ops then run the plain PyTorch reference (see :func:`use_triton`).
+``import wide.kernels`` works without Triton; the public ops then run their PyTorch references.
 """
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import math
 import os
-import statistics
 import tempfile
 import threading
+import warnings
 from collections.abc import Callable, Sequence
 from typing import NamedTuple
 
 import torch
 
-from wide.config import cache_dir  # noqa: F401 - re-exported: the autotuning cache's directory
-
-try:  # pragma: no cover - exercised implicitly
-    from wide.errors import WideError as _KernelError
-except Exception:  # pragma: no cover
-    _KernelError = ValueError
-
 try:
-    import triton  # noqa: F401
-    import triton.language as tl  # noqa: F401
+    import triton
+    import triton.language as tl
 
     HAS_TRITON = True
 except Exception:  # pragma: no cover - only without triton
-    triton = None
-    tl = None
+    triton = tl = None
     HAS_TRITON = False
 
+FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
-class KernelArgumentError(_KernelError):
-    """Bad argument to a routed kernel; a ``ValueError`` naming the value and what is allowed."""
+
+class KernelArgumentError(ValueError):
+    """Bad argument to a public kernel op; the message names the value and what is allowed."""
 
 
 class Reordered(NamedTuple):
-    """Result of :func:`wide.kernels.reorder` (Eq. 7, Algorithm 1).
-
-    Attributes:
-        index: int32 ``[..., M, N_G]``. ``index[j, g]`` is the original row of the j-th row of
-            routing column g after the stable descending sort; active rows form the prefix.
-        mask: bool ``[..., M, N_G]``, the sorted mask: ``mask[j, g] = route[index[j, g], g]``,
-            equivalently ``j < counts[g]``.
-        counts: int32 ``[..., N_G]``, number of active rows per routing column.
-    """
+    """Result of :func:`wide.kernels.reorder` (Eq. 7, Algorithm 1): ``index`` int32 ``[..., M, N_G]`` (original row of
+    each sorted row, active rows first), ``mask`` the sorted bool mask, ``counts`` int32 ``[..., N_G]`` active rows."""
 
     index: torch.Tensor
     mask: torch.Tensor
     counts: torch.Tensor
 
 
-HALF_DTYPES = (torch.float16, torch.bfloat16)
-FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+def cache_dir() -> str:
+    """Directory of wide's caches: ``$WIDE_CACHE_DIR`` or ``~/.cache/wide`` (not created here)."""
+    return os.environ.get("WIDE_CACHE_DIR") or os.path.join(os.path.expanduser("~"), ".cache", "wide")
 
 
 def interpret_mode() -> bool:
@@ -66,207 +54,187 @@ def interpret_mode() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 
 
-def small_or_fallback(x: torch.Tensor, M: int, N: int, out, ref, gemv):
-    """Shared front of the routed GEMM ops (``gemm_mn``, ``swiglu``, ``gemm_k``).
-
-    Returns the finished result, or ``None`` when the tiled Triton kernel must run:
-
-    * no Triton for ``x`` (see :func:`use_triton`): ``ref()``, copied into ``out`` if given;
-    * ``M == 0``: ``out`` or an empty ``[0, N]`` tensor of ``x``'s dtype and device;
-    * ``M <= 4``: ``gemv()``, the reorder-free decode path (Appendix B, GEMV variants).
-
-    ``ref`` and ``gemv`` are zero-argument callables, so only the chosen path is computed.
-    """
-    if not use_triton(x):
-        res = ref()
-        return out.copy_(res) if out is not None else res
-    if M == 0:
-        return out if out is not None else torch.empty((0, N), dtype=x.dtype, device=x.device)
-    if M <= 4:
-        return gemv()
-    return None
-
-
 def use_triton(t: torch.Tensor) -> bool:
-    """Whether the Triton kernels run for tensor ``t``.
-
-    Triton runs on CUDA tensors, or on CPU tensors under ``TRITON_INTERPRET=1``.  Otherwise
-    (no Triton, or CPU without the interpreter) the public ops fall back to the PyTorch reference
-    in :mod:`wide.kernels.reference`, computed in float32 and returned in the input dtype.  A CUDA tensor, or a
-    CPU tensor under ``TRITON_INTERPRET=1``, without Triton installed gets one ``RuntimeWarning`` per process: the
-    GPU then skips no pruned work, and the interpreter does not run the kernels.
-    """
-    if not HAS_TRITON:
-        if t.is_cuda or (interpret_mode() and t.device.type == "cpu"):
-            _warn_no_triton(t.device)
-        return False
-    if t.is_cuda:
-        return True
-    return interpret_mode() and t.device.type == "cpu"
-
-
-_WARNED_NO_TRITON = []
-
-
-def _warn_no_triton(device) -> None:
-    """One RuntimeWarning per process: routed ops on a GPU, or on the CPU under ``TRITON_INTERPRET=1``, fall back to
-    the references (Triton missing)."""
-    if not _WARNED_NO_TRITON:
-        _WARNED_NO_TRITON.append(True)
-        import warnings
-
-        what = ("no pruned work is skipped; slower than dense" if torch.device(device).type == "cuda"
+    """Whether the Triton kernels run for tensor ``t``: CUDA, or CPU under ``TRITON_INTERPRET=1``.  Where Triton is
+    wanted but missing, one ``RuntimeWarning`` per process says the reference runs instead."""
+    wanted = t.is_cuda or (interpret_mode() and t.device.type == "cpu")
+    if wanted and not HAS_TRITON and not _WARNED:
+        _WARNED.append(True)
+        what = ("no pruned work is skipped; slower than dense" if t.device.type == "cuda"
                 else "TRITON_INTERPRET=1 is set, but no Triton kernel runs in the interpreter")
-        warnings.warn(f"wide.kernels: Triton is not installed, so the routed ops on {device} run their PyTorch "
+        warnings.warn(f"wide.kernels: Triton is not installed, so the routed ops on {t.device} run their PyTorch "
                       f"references ({what}). Install Triton: the project's 'kernels' extra, "
-                      f"pip install -e '.[kernels]' (triton==3.6.0)", RuntimeWarning, stacklevel=3)
+                      "pip install -e '.[kernels]' (triton==3.6.0)", RuntimeWarning, stacklevel=3)
+    return wanted and HAS_TRITON
 
 
-def fail(msg: str) -> None:
+_WARNED: list = []
+
+
+# ----------------------------------------------------------------------------------------------
+# Tuned settings per GPU
+# ----------------------------------------------------------------------------------------------
+
+CONFIG_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "configs")
+
+
+def device_name(device=None) -> str:
+    """Name of a CUDA ``device`` (None: the current one) with spaces as ``_`` (``NVIDIA_H200``); ``"cpu"`` elsewhere."""
+    dev = torch.device("cuda" if device is None else device)
+    if dev.type != "cuda" or not torch.cuda.is_available():
+        return "cpu"
+    return torch.cuda.get_device_name(dev).replace(" ", "_").replace("/", "_")
+
+
+@functools.cache
+def _tuned(name: str) -> dict:
+    with open(os.path.join(CONFIG_DIR, "default.json")) as f:
+        cfg = json.load(f)
+    path = os.path.join(CONFIG_DIR, f"{name}.json")
+    if os.path.isfile(path):
+        with open(path) as f:
+            for section, values in json.load(f).items():
+                cfg[section] = {**cfg.get(section, {}), **values}
+    return cfg
+
+
+def tuned_config(device=None) -> dict:
+    """Tuned thresholds for ``device`` (None: the current CUDA device): ``configs/<GPU name>.json`` laid section by
+    section over ``configs/default.json``, read once per GPU name (do not modify the returned dict)."""
+    return _tuned(device_name(device))
+
+
+# ----------------------------------------------------------------------------------------------
+# Argument checks of the public ops (one line each, naming the value and what is allowed)
+# ----------------------------------------------------------------------------------------------
+
+
+def fail(msg: str):
     raise KernelArgumentError(msg)
 
 
-def check_tensor(name: str, t, ndim: int | None = None, dtypes: Sequence[torch.dtype] | None = None):
+def _dt(d: torch.dtype) -> str:
+    return str(d).replace("torch.", "")
+
+
+def check_tensor(name: str, t, ndim: int | None = None, dtypes: Sequence[torch.dtype] | None = None) -> None:
     if not isinstance(t, torch.Tensor):
         fail(f"{name} must be a torch.Tensor, got {type(t).__name__}")
     if ndim is not None and t.dim() != ndim:
         fail(f"{name} must have {ndim} dimensions, got shape {tuple(t.shape)}")
     if dtypes is not None and t.dtype not in dtypes:
-        allowed = ", ".join(str(d).replace("torch.", "") for d in dtypes)
-        fail(f"{name} has dtype {str(t.dtype).replace('torch.', '')}; allowed: {allowed}")
+        fail(f"{name} has dtype {_dt(t.dtype)}; allowed: {', '.join(_dt(d) for d in dtypes)}")
 
 
-def check_same_device(**tensors: torch.Tensor) -> None:
+def check_same_device(**tensors) -> None:
     devs = {k: v.device for k, v in tensors.items() if v is not None}
     if len(set(devs.values())) > 1:
-        desc = ", ".join(f"{k} on {v}" for k, v in devs.items())
-        fail(f"all tensors must be on one device; got {desc}")
+        fail("all tensors must be on one device; got " + ", ".join(f"{k} on {v}" for k, v in devs.items()))
 
 
 def check_group(G, dim: int, what: str) -> int:
-    """G must be a positive multiple of 16 dividing ``dim`` (FFN: powers of two 16..512; attention
-    projections: the head-group width, a multiple of head_dim such as 192)."""
+    """G: a positive multiple of 16 dividing ``dim`` (FFN: 16, 32, ..., 512; attention: the head-group width)."""
     if isinstance(G, bool) or not isinstance(G, int):
         fail(f"G must be an int, got {G!r}")
-    if G < 16 or G % 16 != 0:
+    if G < 16 or G % 16:
         fail(f"G={G} is not allowed; G must be a multiple of 16 (FFN: 16, 32, ..., 512)")
-    if dim % G != 0:
+    if dim % G:
         fail(f"G={G} does not divide {what}={dim}")
     return G
 
 
-def check_route(route: torch.Tensor, M: int, NG: int, name: str = "route") -> None:
+def check_route(route, M: int, NG: int, name: str = "route") -> None:
     check_tensor(name, route, 2, (torch.bool,))
     if tuple(route.shape) != (M, NG):
         fail(f"{name} must have shape [M, N_G] = [{M}, {NG}], got {tuple(route.shape)}")
 
 
-def check_reordered(r, shape: tuple, device: torch.device | None = None, name: str = "reordered") -> Reordered:
-    """``r`` as a :class:`Reordered` whose index is int32 ``shape`` and counts int32 ``shape[:-2] + shape[-1:]``,
-    on ``device`` (the route's) when given; index and counts are returned contiguous (the kernels index them
-    row-major; a no-op for what :func:`wide.kernels.reorder` returns).
-
-    Raises:
-        ValueError (:class:`KernelArgumentError`): anything else, e.g. a tuple that does not hold three tensors,
-            or tensors on another device than the route.
-    """
-    if not isinstance(r, tuple) or len(r) != 3 or not all(isinstance(t, torch.Tensor) for t in r):
-        fail(f"{name} must be a Reordered(index, mask, counts) from wide.kernels.reorder; got "
-             f"{type(r).__name__}{'' if not isinstance(r, tuple) else ' of ' + ', '.join(type(t).__name__ for t in r)}")
-    r = Reordered(*r)
-    if tuple(r.index.shape) != tuple(shape) or r.index.dtype != torch.int32:
-        fail(f"{name}.index must be int32 with shape {tuple(shape)}, got {r.index.dtype} {tuple(r.index.shape)}")
-    if tuple(r.counts.shape) != tuple(shape[:-2]) + (shape[-1],) or r.counts.dtype != torch.int32:
-        fail(f"{name}.counts must be int32 with shape {tuple(shape[:-2]) + (shape[-1],)}, got "
-             f"{r.counts.dtype} {tuple(r.counts.shape)}")
-    if device is not None and (r.index.device != device or r.counts.device != device):
-        fail(f"{name} must be on the route's device {device}; got index on {r.index.device}, counts on "
-             f"{r.counts.device}")
-    return Reordered(r.index.contiguous(), r.mask, r.counts.contiguous())
-
-
-def check_no_overlap(out: torch.Tensor | None, *, _written: str = "out", **inputs: torch.Tensor | None) -> None:
-    """Refuse an ``out`` whose memory overlaps one of ``inputs``: the kernels write tiles of ``out`` while other
-    programs still read the inputs, so an aliased ``out`` would give a wrong result on the GPU (and the CPU
-    reference, which computes before it copies, would hide it).  ``_written`` names the written tensor in the
-    message (``"a"`` for an in-place ``overwrite_a``).
-
-    Raises:
-        ValueError (:class:`KernelArgumentError`): naming the overlapping input."""
-    if out is None or out.numel() == 0 or out.device.type == "meta":
-        return
-
-    def span(t):
-        extent = sum((n - 1) * abs(st) for n, st in zip(t.shape, t.stride())) + 1
-        return t.data_ptr(), t.data_ptr() + extent * t.element_size()
-
-    o0, o1 = span(out)
-    for name, t in inputs.items():
-        if t is None or t.numel() == 0 or t.device != out.device:
-            continue
-        t0, t1 = span(t)
-        if o0 < t1 and t0 < o1:
-            if _written != "out":
-                fail(f"{_written} overlaps {name} in memory, and {_written} is written in place: pass tensors that "
-                     f"do not share memory (or leave the in-place option off)")
-            fail(f"out overlaps {name} in memory; the kernels read {name} while they write out: pass a separate "
-                 "out tensor (or none)")
-
-
-def check_in_place(a: torch.Tensor, what: str, layout: bool = True, **inputs: torch.Tensor | None) -> None:
-    """A 2-D ``a`` that an op may overwrite in place (``overwrite_a=True``) must have no autograd history to break, no
-    memory shared with ``inputs`` and, with ``layout`` (the op writes this very tensor rather than a copy), a unit
-    column stride and rows that do not share memory (no ``expand``-ed or overlapping rows: row stride >= K).
-
-    Raises:
-        ValueError (:class:`KernelArgumentError`): naming ``what`` (the op and option) and the problem."""
-    M, K = a.shape
-    if M == 0 or K == 0:
-        return
-    if layout and a.stride(1) != 1:
-        fail(f"{what} needs a with unit column stride, got strides {tuple(a.stride())}")
-    if layout and M > 1 and abs(a.stride(0)) < K:
-        fail(f"{what} needs a whose rows do not share memory (row stride >= K={K}), got strides {tuple(a.stride())} "
-             "(an expanded or overlapping view): pass a.contiguous()")
-    if a.requires_grad:
-        fail(f"{what} cannot zero an a that requires grad in place (it would break autograd): pass a.detach() or "
-             "leave it off")
-    check_no_overlap(a, _written="a", **inputs)
-
-
 def check_flag(name: str, value) -> bool:
-    """``value`` must be a bool (not a truthy int or string).
-
-    Raises:
-        ValueError (:class:`KernelArgumentError`): naming the flag and the value."""
     if not isinstance(value, bool):
         fail(f"{name}={value!r} must be True or False")
     return value
 
 
-def check_out(out, shape, dtype, device, name: str = "out", **inputs):
-    """``out`` (None allowed) must be a contiguous ``shape`` tensor of ``dtype`` on ``device`` that overlaps none of
-    ``inputs`` (name = tensor, see :func:`check_no_overlap`).
+def check_gemm(x, w, route, G: int, along: str, xname: str = "x", wname: str = "w", w2=None,
+               w2name: str = "w2") -> tuple[int, int, int]:
+    """``x [M, K]`` and ``w [N, K]`` (and ``w2`` like ``w``) of one float dtype, ``G`` dividing ``N`` (``along="N"``)
+    or ``K``, ``route`` bool ``[M, dim // G]``, all on one device.  Returns ``(M, N, K)``."""
+    check_tensor(xname, x, 2, FLOAT_DTYPES)
+    for name, t in ((wname, w), (w2name, w2)):
+        if name == w2name and t is None:
+            continue
+        check_tensor(name, t, 2, FLOAT_DTYPES)
+        if t.dtype != x.dtype:
+            fail(f"{name} dtype {_dt(t.dtype)} must match {xname} dtype {_dt(x.dtype)}")
+        if t.shape[1] != x.shape[1]:
+            fail(f"{name} must have shape [N, K] with K={x.shape[1]} ({xname} is [M, K]); got {tuple(t.shape)}")
+    if w2 is not None and w2.shape != w.shape:
+        fail(f"{w2name} shape {tuple(w2.shape)} must equal {wname} shape {tuple(w.shape)}")
+    (M, K), N = x.shape, w.shape[0]
+    dim = N if along == "N" else K
+    check_group(G, dim, "N (output features)" if along == "N" else "K (input features)")
+    check_route(route, M, dim // G)
+    check_same_device(**{xname: x, wname: w, w2name: w2, "route": route})
+    return M, N, K
 
-    Raises:
-        ValueError (:class:`KernelArgumentError`): naming what is wrong with ``out``."""
+
+def check_reordered(r, shape: tuple, device: torch.device) -> Reordered:
+    """``r`` as a :class:`Reordered` of int32 ``index`` ``shape`` and ``counts`` ``shape[:-2] + shape[-1:]`` on
+    ``device``, index and counts made contiguous."""
+    if not isinstance(r, tuple) or len(r) != 3 or not all(isinstance(t, torch.Tensor) for t in r):
+        got = type(r).__name__ + ("" if not isinstance(r, tuple) else " of " + ", ".join(type(t).__name__ for t in r))
+        fail(f"reordered must be a Reordered(index, mask, counts) from wide.kernels.reorder; got {got}")
+    r = Reordered(*r)
+    cshape = tuple(shape[:-2]) + (shape[-1],)
+    if tuple(r.index.shape) != tuple(shape) or r.index.dtype != torch.int32:
+        fail(f"reordered.index must be int32 with shape {tuple(shape)}, got {_dt(r.index.dtype)} "
+             f"{tuple(r.index.shape)}")
+    if tuple(r.counts.shape) != cshape or r.counts.dtype != torch.int32:
+        fail(f"reordered.counts must be int32 with shape {cshape}, got {_dt(r.counts.dtype)} {tuple(r.counts.shape)}")
+    if r.index.device != device or r.counts.device != device:
+        fail(f"reordered must be on the route's device {device}; got index on {r.index.device}, counts on "
+             f"{r.counts.device}")
+    return Reordered(r.index.contiguous(), r.mask, r.counts.contiguous())
+
+
+def _span(t: torch.Tensor) -> tuple[int, int]:
+    extent = sum((n - 1) * abs(s) for n, s in zip(t.shape, t.stride())) + 1
+    return t.data_ptr(), t.data_ptr() + extent * t.element_size()
+
+
+def check_no_overlap(out, written: str = "out", **inputs) -> None:
+    """Refuse a written tensor whose memory overlaps one of ``inputs``: the kernels read the inputs while they write."""
+    if out is None or out.numel() == 0 or out.device.type == "meta":
+        return
+    o0, o1 = _span(out)
+    for name, t in inputs.items():
+        if t is None or t.numel() == 0 or t.device != out.device:
+            continue
+        t0, t1 = _span(t)
+        if o0 < t1 and t0 < o1:
+            if written != "out":
+                fail(f"{written} overlaps {name} in memory, and {written} is written in place: pass tensors that do "
+                     "not share memory (or leave the in-place option off)")
+            fail(f"out overlaps {name} in memory; the kernels read {name} while they write out: pass a separate out "
+                 "tensor (or none)")
+
+
+def check_out(out, shape, dtype, device, **inputs):
+    """``out`` (None allowed): a contiguous ``shape`` tensor of ``dtype`` on ``device``, overlapping no input."""
     if out is None:
         return None
-    check_tensor(name, out)
+    check_tensor("out", out)
     if tuple(out.shape) != tuple(shape) or out.dtype != dtype or out.device != device:
-        fail(f"{name} must be a {str(dtype).replace('torch.', '')} tensor of shape {tuple(shape)} on {device}; "
-             f"got {str(out.dtype).replace('torch.', '')} {tuple(out.shape)} on {out.device}")
+        fail(f"out must be a {_dt(dtype)} tensor of shape {tuple(shape)} on {device}; got {_dt(out.dtype)} "
+             f"{tuple(out.shape)} on {out.device}")
     if not out.is_contiguous():
-        fail(f"{name} must be contiguous")
+        fail("out must be contiguous")
     check_no_overlap(out, **inputs)
     return out
 
 
 def softmax_scale(scale, head_dim: int) -> float:
-    """The attention softmax scale: ``1 / sqrt(head_dim)`` when ``scale`` is None, else ``float(scale)``.
-
-    Raises:
-        ValueError (:class:`KernelArgumentError`): a scale that is not a finite number (NaN, inf, not a number)."""
+    """``1 / sqrt(head_dim)`` when ``scale`` is None, else ``float(scale)``, which must be a finite number."""
     if scale is None:
         return 1.0 / math.sqrt(head_dim)
     try:
@@ -278,54 +246,126 @@ def softmax_scale(scale, head_dim: int) -> float:
     return val
 
 
-def pow2_part(G: int) -> int:
-    """Largest power of two dividing G (the largest tile width that stays inside one group)."""
-    return G & -G
+def check_attention(q, k, v, route, left_pad) -> tuple:
+    """SDPA-layout ``q [B, Hq, Tq, d]``, ``k, v [B, Hk, Tk, d]`` of q's dtype, ``route`` bool ``[B, Tq, N_G]``, optional
+    int ``left_pad [B]``.  Returns ``(B, Hq, Tq, d, Hk, Tk, N_G)``."""
+    check_tensor("q", q, 4, FLOAT_DTYPES)
+    for name, t in (("k", k), ("v", v)):
+        check_tensor(name, t, 4)
+        if t.dtype != q.dtype:
+            fail(f"{name} has dtype {_dt(t.dtype)}, q {_dt(q.dtype)}: k and v must have q's dtype")
+    B, Hq, Tq, D = q.shape
+    if k.shape != v.shape:
+        fail(f"k and v must have the same shape, got {tuple(k.shape)} and {tuple(v.shape)}")
+    if k.shape[0] != B or k.shape[3] != D:
+        fail(f"k/v must be [B={B}, Hk, Tk, d={D}], got {tuple(k.shape)}")
+    Hk, Tk = k.shape[1], k.shape[2]
+    if Hk == 0 or Hq % Hk:
+        fail(f"Hq={Hq} must be a multiple of Hk={Hk} (GQA)")
+    if Tq > Tk:
+        fail(f"Tq={Tq} must not exceed Tk={Tk} (queries are the last Tq positions of the key sequence)")
+    if D < 16 or D > 256 or D & (D - 1):
+        fail(f"head_dim d={D} must be a power of two in [16, 256]")
+    check_tensor("route", route, 3, (torch.bool,))
+    if route.shape[0] != B or route.shape[1] != Tq:
+        fail(f"route must be [B={B}, Tq={Tq}, N_G], got {tuple(route.shape)}")
+    NG = route.shape[2]
+    if NG == 0 or Hq % NG:
+        fail(f"route has N_G={NG} head groups; N_G must divide Hq={Hq} (G = Hq*d/N_G a multiple of d={D})")
+    if left_pad is not None:
+        check_tensor("left_pad", left_pad, 1, (torch.int32, torch.int64))
+        if left_pad.shape[0] != B:
+            fail(f"left_pad must have shape [B={B}], got {tuple(left_pad.shape)}")
+    check_same_device(q=q, k=k, v=v, route=route, left_pad=left_pad)
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        if t.stride(3) != 1:
+            fail(f"{name} must have a contiguous last dimension (stride 1), got strides {t.stride()}")
+    return B, Hq, Tq, D, Hk, Tk, NG
 
 
-TILE_COUNTERS: dict = {}  # (device, stream) -> int32 arrival counters, see tile_counters()
-
-
-def tma_aligned(*tensors: torch.Tensor) -> bool:
-    """Whether 2-D row-major ``tensors`` can be read through a TMA tensor descriptor: non-empty, 16-byte aligned
-    base, a positive row stride that is a multiple of 16 bytes, unit column stride (the bulk tensor copy engine's
-    rules; a broadcast row stride of 0 is not allowed).  A config that asks for TMA runs its pointer-load variant
-    otherwise."""
-    return all(t.numel() > 0 and t.data_ptr() % 16 == 0 and t.stride(0) > 0
-               and (t.stride(0) * t.element_size()) % 16 == 0 and t.stride(1) == 1 for t in tensors)
-
-
-def tile_counters(device: torch.device, n: int) -> torch.Tensor:
-    """int32 arrival counters (at least ``n``, one per output tile) of the kernels whose last-arriving program
-    finishes a tile (the split decode GEMVs, the split-D prefill router), one buffer per (device, stream).
-
-    Zeroed once; the last program of each tile resets its counter, so no memset runs per call (CUDA-graph replays
-    included).  Kernels on one stream run one after another, so they can share the buffer."""
-    stream = torch.cuda.current_stream(device).cuda_stream if device.type == "cuda" else 0
-    key = (str(device), stream)
-    buf = TILE_COUNTERS.get(key)
-    if buf is None or buf.numel() < n:
-        buf = torch.zeros((max(n, 1024),), dtype=torch.int32, device=device)
-        TILE_COUNTERS[key] = buf
-    return buf
+# ----------------------------------------------------------------------------------------------
+# Launch helpers
+# ----------------------------------------------------------------------------------------------
 
 
 def next_pow2(x: int) -> int:
     return 1 if x <= 1 else 1 << (int(x) - 1).bit_length()
 
 
+def pow2_part(G: int) -> int:
+    """Largest power of two dividing G (the widest tile that stays inside one group)."""
+    return G & -G
+
+
 def m_bucket(M: int) -> int:
-    """Autotuning key bucket for a row count (next power of two, capped)."""
+    """Autotuning key bucket of a row count (next power of two, capped)."""
     return min(next_pow2(M), 1 << 16)
 
 
+def launch_opts(cfg: dict) -> dict:
+    return {} if interpret_mode() else {"num_warps": cfg.get("num_warps", 4), "num_stages": cfg.get("num_stages", 3)}
+
+
+def warps(n: int) -> dict:
+    return {} if interpret_mode() else {"num_warps": n}
+
+
+def num_sms(device: torch.device) -> int:
+    """SMs of a CUDA ``device``; 3 elsewhere (so a persistent grid's programs take several tiles in the CPU tests)."""
+    return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 3
+
+
+def tma_aligned(*tensors: torch.Tensor) -> bool:
+    """Whether 2-D row-major tensors can be read by a TMA descriptor: non-empty, 16-byte aligned base and row stride,
+    unit column stride."""
+    return all(t.numel() > 0 and t.data_ptr() % 16 == 0 and t.stride(0) > 0
+               and (t.stride(0) * t.element_size()) % 16 == 0 and t.stride(1) == 1 for t in tensors)
+
+
+_COUNTERS: dict = {}  # (device, stream) -> int32 arrival counters
+
+
+def tile_counters(device: torch.device, n: int) -> torch.Tensor:
+    """At least ``n`` int32 arrival counters, one buffer per (device, stream), zeroed once: the last program of a
+    tile resets its counter, so nothing is cleared per call (CUDA-graph replays included)."""
+    stream = torch.cuda.current_stream(device).cuda_stream if device.type == "cuda" else 0
+    buf = _COUNTERS.get((str(device), stream))
+    if buf is None or buf.numel() < n:
+        buf = _COUNTERS[(str(device), stream)] = torch.zeros((max(n, 1024),), dtype=torch.int32, device=device)
+    return buf
+
+
+_RESIDENT: dict = {}
+
+
+def resident_programs(kernel, key: tuple, device: torch.device, args: tuple, consts: dict, opts: dict) -> int:
+    """Programs of the compiled ``kernel`` the whole GPU holds at once (SMs x per-SM occupancy from its shared memory,
+    registers and threads; cached per ``key``); 2 per SM when the compiled kernel cannot be inspected."""
+    props = torch.cuda.get_device_properties(device)
+    key = (device.index, *key)
+    if key not in _RESIDENT:
+        w = opts.get("num_warps", 4)
+        try:
+            k = kernel.warmup(*args, grid=(1,), **consts, **opts)
+            k._init_handles()
+            smem = getattr(props, "shared_memory_per_multiprocessor", 0) or 228 * 1024
+            regs = getattr(props, "regs_per_multiprocessor", 0) or 65536
+            threads = getattr(props, "max_threads_per_multi_processor", 0) or 2048
+            shared = int(getattr(k.metadata, "shared", 0)) + 1024  # + the 1 KB the driver reserves per block
+            per_sm = min(smem // shared, regs // max(1, int(k.n_regs) * 32 * w), threads // (32 * w), 32)
+        except Exception:  # an inspection API that moved: the estimate only sets how work is split
+            per_sm = 2
+        _RESIDENT[key] = max(1, int(per_sm))
+    return _RESIDENT[key] * props.multi_processor_count
+
+
 # ----------------------------------------------------------------------------------------------
-# Autotuning cache
+# Autotuning with a cache across processes
 # ----------------------------------------------------------------------------------------------
 
-_CACHE_LOCK = threading.Lock()
+_LOCK = threading.Lock()
 _CACHE: dict | None = None
-_LAUNCHABLE: dict = {}  # untuned choices that were checked to launch (this process only, never written)
+_LAUNCHABLE: dict = {}  # untuned choices checked to launch (this process only)
 
 
 def _cache_path() -> str:
@@ -359,13 +399,7 @@ def _store_cache(key: str, value: dict) -> None:
             json.dump(disk, f, indent=0, sort_keys=True)
         os.replace(tmp, path)
     except OSError:
-        pass  # cache is an optimisation only
-
-
-def _device_tag(device: torch.device) -> str:
-    if device.type == "cuda":
-        return torch.cuda.get_device_name(device).replace(" ", "_")
-    return device.type
+        pass  # the cache is an optimisation only
 
 
 def _capturing() -> bool:
@@ -375,182 +409,88 @@ def _capturing() -> bool:
         return False
 
 
-def _graph_time_ms(run: Callable[[dict], None], cfg: dict, device: torch.device, copies: int = 20,
-                   replays: int = 10) -> float:
-    """Median milliseconds of one ``run(cfg)`` replayed inside a CUDA graph of ``copies`` launches.
-
-    For microsecond kernels (decode GEMVs) the time between launches, not the kernel, dominates an
-    eager ``do_bench``; inside a graph only GPU time counts, as in the engine's decode step.  ``run`` is
-    called once eagerly on the capture stream first, so per-stream scratch (split-K arrival counters)
-    is allocated outside the capture.
-    """
-    stream = torch.cuda.Stream(device)
-    stream.wait_stream(torch.cuda.current_stream(device))
-    with torch.cuda.stream(stream):
-        run(cfg)
-    stream.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph, stream=stream):
-        for _ in range(copies):
-            run(cfg)
-    graph.replay()
-    torch.cuda.synchronize(device)
-    times = []
-    for _ in range(replays):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        graph.replay()
-        b.record()
-        b.synchronize()
-        times.append(a.elapsed_time(b) / copies)
-    del graph
-    return statistics.median(times)
-
-
-def _out_of_resources() -> tuple:
-    try:
-        from triton.runtime.errors import OutOfResources
-
-        return (OutOfResources,)
-    except Exception:  # noqa: BLE001 - no Triton / another layout: nothing to catch
-        return ()
-
-
 def first_launchable(candidates: Sequence[dict], run: Callable[[dict], None]) -> dict:
-    """The first of ``candidates`` whose launch does not run out of GPU resources.
-
-    A config's shared memory grows with the element size, so a tile list sized for bf16 can hold
-    configs that do not fit an fp32 model (e.g. 245,760 B asked of the H200's 232,448 B).  Each
-    ``run(cfg)`` is a real launch (``run`` must be repeatable, as for tuning); Triton raises
-    ``OutOfResources`` before anything is queued.  Other errors propagate.
-
-    Raises:
-        triton.runtime.errors.OutOfResources: no candidate fits.
-    """
-    oor = _out_of_resources()
+    """The first candidate whose launch does not run out of GPU resources (shared memory grows with the element
+    size); other errors propagate.  Raises ``OutOfResources`` when none fits."""
+    try:
+        from triton.runtime.errors import OutOfResources as oor
+    except Exception:  # noqa: BLE001 - no Triton: nothing to catch
+        oor = ()
     last = None
     for c in candidates:
         try:
             run(c)
             return dict(c)
-        except oor as e:  # noqa: PERF203 - one try per candidate
+        except oor as e:  # noqa: PERF203
             last = e
     raise last
 
 
 def pick_config(op: str, key: tuple, device: torch.device, candidates: Sequence[dict],
                 run: Callable[[dict], None], graph: bool = False) -> dict:
-    """Return the fastest of ``candidates`` for ``(op, key)`` on this GPU, tuning once.
-
-    Tuning times each candidate with ``triton.testing.do_bench`` (median over a 40-ms window), or with
-    ``graph=True`` as the median of CUDA-graph replays of 20 launches (:func:`_graph_time_ms`; for
-    microsecond decode kernels, whose eager timing is mostly launch overhead), and stores the winner in
-    ``$WIDE_CACHE_DIR/kernel_autotune.json`` (default ``~/.cache/wide``), so a second process reuses
-    it.  Tuning never happens during CUDA-graph capture, under the interpreter, or with
-    ``WIDE_AUTOTUNE=0``: then the cached winner is used, or else (``WIDE_AUTOTUNE=0``) the first
-    candidate that launches (:func:`first_launchable`; remembered, so a later capture of the same
-    shape reuses it), or during a capture ``candidates[0]``.  The cache key holds ``op``, the GPU's name,
-    Triton's version, ``key`` and a hash of the candidate list, so a list that changes (a newer wide) is
-    tuned afresh rather than served the old winner.  ``run(cfg)`` must launch the op with
-    config ``cfg`` and be repeatable (it may write scratch outputs).
-    """
+    """The fastest of ``candidates`` for ``(op, key)`` on this GPU, timed once (median of ``triton.testing.do_bench``,
+    or of ``do_bench_cudagraph`` with ``graph`` for microsecond kernels) and cached in
+    ``$WIDE_CACHE_DIR/kernel_autotune.json`` under the GPU name, Triton version, ``key`` and the candidate list's hash.
+    Nothing is timed off the GPU, during CUDA-graph capture or with ``WIDE_AUTOTUNE=0``: the cached winner, else the
+    first candidate that launches (during capture: ``candidates[0]``).  ``run(cfg)`` launches the op repeatably."""
     if len(candidates) == 1 or device.type != "cuda":
         return dict(candidates[0])
-    # the candidate list is part of the key: a library version that adds a candidate re-tunes instead of reusing
-    # the old winner
-    cands_tag = hashlib.sha1(repr([sorted(c.items()) for c in candidates]).encode()).hexdigest()[:8]
-    skey = (f"{op}|{_device_tag(device)}|triton{getattr(triton, '__version__', '?')}|" + ",".join(map(str, key))
-            + f"|c{cands_tag}")
-    with _CACHE_LOCK:
-        cache = _load_cache()
-        hit = cache.get(skey)
-    if hit is not None:
-        for c in candidates:
-            if c == hit:
-                return dict(c)
+    tag = hashlib.sha1(repr([sorted(c.items()) for c in candidates]).encode()).hexdigest()[:8]
+    skey = f"{op}|{device_name(device)}|triton{triton.__version__}|{','.join(map(str, key))}|c{tag}"
+    with _LOCK:
+        hit = _load_cache().get(skey)
+    if hit is not None and hit in candidates:
+        return dict(hit)
     if _capturing():
         return dict(_LAUNCHABLE.get(skey, candidates[0]))
     if os.environ.get("WIDE_AUTOTUNE", "1") == "0":
         if skey not in _LAUNCHABLE:
             _LAUNCHABLE[skey] = first_launchable(candidates, run)
         return dict(_LAUNCHABLE[skey])
-    from triton.testing import do_bench
+    from triton.testing import do_bench, do_bench_cudagraph
 
-    best, best_t = None, float("inf")
+    best, best_t = candidates[0], float("inf")
     for c in candidates:
         try:
-            run(c)  # compile + warm
+            run(c)  # compile and warm up
             torch.cuda.synchronize(device)
-            if graph:
-                t = _graph_time_ms(run, c, device)
-            else:
-                t = do_bench(lambda: run(c), warmup=5, rep=40, return_mode="median")
-        except Exception:  # a config that fails to compile (e.g. too much shared memory)
+            fn = functools.partial(run, c)
+            t = (do_bench_cudagraph(fn, rep=20, return_mode="median") if graph
+                 else do_bench(fn, warmup=5, rep=40, return_mode="median"))
+        except Exception:  # a config that does not compile or launch (e.g. too much shared memory)
             continue
         if t < best_t:
             best, best_t = c, t
-    if best is None:
-        best = candidates[0]
-    with _CACHE_LOCK:
+    with _LOCK:
         _load_cache()[skey] = dict(best)
         _store_cache(skey, dict(best))
     return dict(best)
 
 
-_RESIDENT: dict = {}
+def dense_tuner(run: Callable, route: torch.Tensor) -> Callable[[dict], None]:
+    """``run(cfg, route)`` for the autotuner with an all-True route (made on first use): a decode config is cached
+    per shape, not per mask, so it is tuned with every group executed, which also serves sparse routes."""
+    ones: list = []
+
+    def tune(cfg):
+        if not ones:
+            ones.append(torch.ones_like(route))
+        run(cfg, ones[0])
+
+    return tune
 
 
-def resident_programs(kernel, key: tuple, device: torch.device, args: tuple, consts: dict, opts: dict,
-                      fallback: int = 2) -> int:
-    """Programs of ``kernel`` (a ``triton.jit`` function) that run at once on the whole GPU: SMs x the programs one
-    SM holds, limited by its shared memory, registers and threads for the compiled kernel (no launch; cached per
-    ``key``).  ``args`` / ``consts`` / ``opts`` (``num_warps`` / ``num_stages``) are those of the real launch.
-    ``fallback`` programs per SM if the compiled kernel cannot be inspected."""
-    props = torch.cuda.get_device_properties(device)
-    key = (device.index, *key)
-    if key not in _RESIDENT:
-        warps = opts.get("num_warps", 4)
-        try:
-            k = kernel.warmup(*args, grid=(1,), **consts, **opts)
-            k._init_handles()
-            smem = getattr(props, "shared_memory_per_multiprocessor", 0) or 228 * 1024
-            regs = getattr(props, "regs_per_multiprocessor", 0) or 65536
-            threads = getattr(props, "max_threads_per_multi_processor", 0) or 2048
-            shared = int(getattr(k.metadata, "shared", 0)) + 1024  # + the 1 KB the driver reserves per block
-            per_sm = min(smem // shared, regs // max(1, int(k.n_regs) * 32 * warps), threads // (32 * warps), 32)
-        except Exception:  # an inspection API that moved: the estimate only sets how work is split
-            per_sm = fallback
-        _RESIDENT[key] = max(1, int(per_sm))
-    return _RESIDENT[key] * props.multi_processor_count
-
-
-def num_sms(device: torch.device) -> int:
-    """Streaming multiprocessors of a CUDA ``device`` (the program count of a persistent grid); 3 elsewhere (the
-    interpreter), so that a persistent kernel's programs each take several tiles in the CPU tests."""
-    if device.type != "cuda":
-        return 3
-    return torch.cuda.get_device_properties(device).multi_processor_count
-
-
-def cfg_kwargs(cfg: dict) -> dict:
-    return {k: v for k, v in cfg.items() if k not in ("num_warps", "num_stages")}
-
-
-def launch_opts(cfg: dict) -> dict:
-    if interpret_mode():
-        return {}
-    return {"num_warps": cfg.get("num_warps", 4), "num_stages": cfg.get("num_stages", 3)}
-
+# ----------------------------------------------------------------------------------------------
+# Triton device helpers
+# ----------------------------------------------------------------------------------------------
 
 if HAS_TRITON:
-    # Triton 3.6's CPU interpreter computes bf16 ``tl.dot`` wrongly; under the interpreter the
-    # operands are upcast to fp32 (exact for bf16/fp16 inputs).  Compiled kernels use native MMA.
+    # Triton 3.6's CPU interpreter computes bf16 tl.dot wrongly: operands are upcast to fp32 there (exact)
     DOT_F32 = tl.constexpr(interpret_mode())
 
     @triton.jit
     def mma(a, b, acc):
-        """``acc + a @ b`` with fp32 accumulation.  fp32 operands multiply in full fp32 (``ieee``), like
-        torch's default fp32 matmul, not TF32."""
+        """``acc + a @ b`` with fp32 accumulation; fp32 operands in full fp32 (``ieee``), not TF32."""
         if DOT_F32:
             a = a.to(tl.float32)
             b = b.to(tl.float32)
@@ -559,19 +499,19 @@ if HAS_TRITON:
         return tl.dot(a, b, acc)
 
     @triton.jit
-    def swiglu_act(g, u, DT: tl.constexpr):
-        """``silu(g) * u`` from fp32 accumulators with the rounding points of the model's own MLP in
-        dtype DT (``act_fn(gate_proj(x)) * up_proj(x)``: gate, up, SiLU and product each rounded to DT),
-        so the fused kernel computes what the unfused model computes; a no-op rounding in fp32."""
-        g = round_to(g, DT)
-        u = round_to(u, DT)
-        a = round_to(g / (1.0 + tl.exp(-g)), DT)
-        return a * u
+    def mm(a, b):
+        """``a @ b`` in fp32 (fp32 operands: ``ieee``)."""
+        if DOT_F32:
+            a = a.to(tl.float32)
+            b = b.to(tl.float32)
+        if a.dtype == tl.float32:
+            return tl.dot(a, b, input_precision="ieee")
+        return tl.dot(a, b)
 
     @triton.jit
     def round_to(x, DT: tl.constexpr):
-        """fp32 ``x`` rounded to dtype DT (round to nearest even) and returned as fp32.  Triton 3.6's CPU
-        interpreter casts fp32 to bf16 by truncation; there the rounding is done on the bits."""
+        """fp32 ``x`` rounded to dtype DT (nearest even) and returned as fp32; the interpreter truncates fp32 to bf16,
+        so there the rounding is done on the bits."""
         if DOT_F32 and DT == tl.bfloat16:
             b = x.to(tl.uint32, bitcast=True)
             b = ((b + 0x7FFF + ((b >> 16) & 1)) >> 16) << 16
@@ -580,18 +520,28 @@ if HAS_TRITON:
             return x.to(DT).to(tl.float32)
 
     @triton.jit
+    def swiglu_act(g, u, DT: tl.constexpr):
+        """``silu(g) * u`` from fp32 accumulators with the model MLP's rounding points in dtype DT (gate, up, SiLU and
+        product each rounded)."""
+        g = round_to(g, DT)
+        u = round_to(u, DT)
+        return round_to(g / (1.0 + tl.exp(-g)), DT) * u
+
+    @triton.jit
     def left_pad_at(lp_ptr, b, Tk):
-        """``left_pad[b]`` clamped to ``[0, Tk]`` before the int32 cast (int32 or int64 ``left_pad``): a negative
-        pad masks no key, one ``>= Tk`` every key, as in :func:`wide.kernels.reference.attention_ref`, and no key
-        index leaves the K / V buffers."""
+        """``left_pad[b]`` clamped to ``[0, Tk]`` before the int32 cast: a negative pad masks no key, one >= Tk all."""
         return tl.minimum(tl.maximum(tl.load(lp_ptr + b), 0), Tk).to(tl.int32)
 
     @triton.jit
-    def mm(a, b):
-        """``a @ b`` in fp32 (fp32 operands: ``ieee``, as :func:`mma`)."""
-        if DOT_F32:
-            a = a.to(tl.float32)
-            b = b.to(tl.float32)
-        if a.dtype == tl.float32:
-            return tl.dot(a, b, input_precision="ieee")
-        return tl.dot(a, b)
+    def route_union(route_ptr, M, NG, offs_g, gmask, NGP: tl.constexpr):
+        """int32 ``[NGP]``: 1 where one of the M rows of bool ``route [M, NG]`` executes group g."""
+        act = tl.zeros((NGP,), dtype=tl.int32)
+        for m in range(0, M):
+            act = tl.maximum(act, (tl.load(route_ptr + m * NG + offs_g, mask=gmask, other=0) != 0).to(tl.int32))
+        return act
+
+    @triton.jit
+    def nth_active(act, n, offs):
+        """Index (from ``offs``) of the ``n``-th (0-based) nonzero of int32 ``act``; 0 when there are fewer."""
+        rank = tl.where(act != 0, tl.cumsum(act, axis=0), 0)
+        return tl.sum(tl.where(rank == n + 1, offs, 0), axis=0)

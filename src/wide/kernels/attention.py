@@ -1,19 +1,12 @@
 """Routed flash attention for prefill (paper Eq. 2, Algorithm 4).
 
-Routing is per token and per head group: ``route[b, t, g]`` (True = execute) with head group g made
-of the ``G / d`` consecutive query heads ``[g*G/d, (g+1)*G/d)``.  Every (b, g) routing column is
-reordered (Algorithm 1) so the active query rows form a prefix; a program owns a tile of BM sorted
-query rows of one (b, query head):
-
-* level 0: a tile whose first sorted row is inactive exits after writing zeros to its rows;
-* active tiles gather their Q rows through the index, stream dense K/V tiles (online softmax), and
-  scatter the normalised rows back; inactive rows of the boundary tile are written as 0;
-* causal range shortening: since the partition is stable, the last active sorted row of a tile
-  is its largest query position, so keys beyond ``delta + that + 1`` are never streamed
-  (``delta = Tk - Tq``); tiles wholly below the smallest query position skip the element-wise
-  mask (fully-valid fast path); left padding starts the stream at ``left_pad[b]``.
-
-``Tq == 1`` dispatches to the split-KV decode kernel (:func:`wide.kernels.decode_attn.decode_attention`).
+Routing is per token and head group: ``route[b, t, g]`` for the ``Hq / N_G`` consecutive query heads of group g.
+Every (b, g) column is reordered (Algorithm 1) so its active query rows form a prefix; a program owns BM sorted query
+rows of one (b, query head): a tile whose first sorted row is inactive only writes zeros (level 0); an active tile
+gathers its Q rows, streams dense K / V tiles (online softmax) and scatters the rows back.  Since the partition is
+stable, the last active row of a tile is its largest query position, so causal attention streams no key beyond it;
+fully visible key tiles skip the element-wise mask; left padding starts the stream at ``left_pad[b]``.  ``Tq == 1``
+runs the split-KV decode kernel (:mod:`wide.kernels.decode_attn`).
 """
 
 from __future__ import annotations
@@ -22,25 +15,24 @@ import torch
 
 from wide.kernels import reference
 from wide.kernels._common import (
-    HALF_DTYPES,
     HAS_TRITON,
     Reordered,
+    check_attention,
     check_flag,
     check_out,
     check_reordered,
-    check_same_device,
-    check_tensor,
-    fail,
     interpret_mode,
     softmax_scale,
     use_triton,
 )
+from wide.kernels.decode_attn import _decode_attention
+from wide.kernels.reorder import reorder
 
 if HAS_TRITON:
     import triton
     import triton.language as tl
 
-    from wide.kernels._common import left_pad_at, mm, mma  # noqa: F401
+    from wide.kernels._common import left_pad_at, mm
 
     @triton.jit
     def _attn_inner(acc, l_i, m_i, q, kbase, vbase, skt, svt, start, end, qpos, lo, Tk, qk_scale,
@@ -139,83 +131,27 @@ if HAS_TRITON:
             tl.store(o_ptrs, res, mask=valid[:, None])
 
 
-def _validate(q, k, v, route, left_pad):
-    check_tensor("q", q, 4, HALF_DTYPES + (torch.float32,))
-    check_tensor("k", k, 4)
-    check_tensor("v", v, 4)
-    for name, t in (("k", k), ("v", v)):
-        if t.dtype != q.dtype:
-            fail(f"{name} has dtype {str(t.dtype).replace('torch.', '')}, q {str(q.dtype).replace('torch.', '')}: "
-                 "k and v must have q's dtype")
-    B, Hq, Tq, D = q.shape
-    if k.shape != v.shape:
-        fail(f"k and v must have the same shape, got {tuple(k.shape)} and {tuple(v.shape)}")
-    if k.shape[0] != B or k.shape[3] != D:
-        fail(f"k/v must be [B={B}, Hk, Tk, d={D}], got {tuple(k.shape)}")
-    Hk, Tk = k.shape[1], k.shape[2]
-    if Hk == 0 or Hq % Hk != 0:
-        fail(f"Hq={Hq} must be a multiple of Hk={Hk} (GQA)")
-    if Tq > Tk:
-        fail(f"Tq={Tq} must not exceed Tk={Tk} (queries are the last Tq positions of the key sequence)")
-    if D < 16 or D > 256 or D & (D - 1):
-        fail(f"head_dim d={D} must be a power of two in [16, 256]")
-    check_tensor("route", route, 3, (torch.bool,))
-    if route.shape[0] != B or route.shape[1] != Tq:
-        fail(f"route must be [B={B}, Tq={Tq}, N_G], got {tuple(route.shape)}")
-    NG = route.shape[2]
-    if NG == 0 or Hq % NG != 0:
-        fail(f"route has N_G={NG} head groups; N_G must divide Hq={Hq} (G = Hq*d/N_G a multiple of d={D})")
-    if left_pad is not None:
-        check_tensor("left_pad", left_pad, 1, (torch.int32, torch.int64))
-        if left_pad.shape[0] != B:
-            fail(f"left_pad must have shape [B={B}], got {tuple(left_pad.shape)}")
-    check_same_device(q=q, k=k, v=v, route=route, left_pad=left_pad)
-    for name, t in (("q", q), ("k", k), ("v", v)):
-        if t.stride(3) != 1:
-            fail(f"{name} must have a contiguous last dimension (stride 1), got strides {t.stride()}")
-    return B, Hq, Tq, D, Hk, Tk, NG
-
-
 def routed_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, route: torch.Tensor,
                      causal: bool = False, *, left_pad: torch.Tensor | None = None, scale: float | None = None,
                      reordered: Reordered | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
-    """Routed FlashAttention prefill (Algorithm 4); same layout as ``F.scaled_dot_product_attention``.
+    """Routed FlashAttention (Eq. 2, Algorithm 4) in ``F.scaled_dot_product_attention``'s layout.
 
-    Args:
-        q: ``[B, Hq, Tq, d]`` bf16/fp16/fp32 (d a power of two in [16, 256]; last dim contiguous).
-        k, v: ``[B, Hk, Tk, d]`` with ``Hq % Hk == 0`` (GQA: query head h uses KV head
-            ``h // (Hq / Hk)``) and ``Tk >= Tq``; K/V are never skipped.
-        route: bool ``[B, Tq, N_G]``, True = token t executes head group g, a group being the
-            ``Hq / N_G`` consecutive query heads ``[g*Hq/N_G, (g+1)*Hq/N_G)`` (G = Hq*d/N_G, a
-            multiple of d; the paper's GQA choice is N_G = Hk).
-        causal: query i (0-based) sits at key position ``i + delta``, ``delta = Tk - Tq`` (chunked
-            prefill / prefix cache), and sees keys ``j <= i + delta``.
-        left_pad: optional int32/int64 ``[B]``: keys ``j < left_pad[b]`` are padding and masked (a negative
-            value masks nothing, one ``>= Tk`` every key; any strides).
-        scale: softmax scale, default ``1 / sqrt(d)``.
-        reordered: optional :func:`wide.kernels.reorder` result of ``route`` (shared with the Q and
-            O projections' routing after the appropriate reshape); computed here when None.
-        out: optional preallocated contiguous ``[B, Hq, Tq, d]`` output (q's dtype).
+    q ``[B, Hq, Tq, d]`` bf16/fp16/fp32 (d a power of two in [16, 256], last dim contiguous); k, v ``[B, Hk, Tk, d]``
+    of q's dtype, ``Hq % Hk == 0`` (GQA), ``Tk >= Tq`` (query i at key position ``i + Tk - Tq``; causal: it sees keys
+    ``j <= i + Tk - Tq``); route bool ``[B, Tq, N_G]`` (group g = query heads ``[g*Hq/N_G, (g+1)*Hq/N_G)``); left_pad
+    optional int ``[B]`` (keys ``j < left_pad[b]`` masked); scale default ``1/sqrt(d)``; reordered optional
+    :func:`~wide.kernels.reorder` of route; out optional contiguous ``[B, Hq, Tq, d]``.
 
-    Returns:
-        ``[B, Hq, Tq, d]`` in q's dtype (without ``out``: a transposed view of a contiguous ``[B, Tq, Hq, d]``,
-        as SDPA's flash backend returns, so ``.transpose(1, 2).reshape(B * Tq, Hq * d)`` copies nothing).
-        Inactive (token, head group) rows are 0; a query row that sees no key (e.g. inside the left padding)
-        is 0.
-
-    ``Tq == 1`` uses the split-KV decode kernel.  CPU without ``TRITON_INTERPRET=1`` falls back to
-    :func:`reference.attention_ref`.
+    Returns ``[B, Hq, Tq, d]`` in q's dtype (without ``out``: a transposed view of a contiguous ``[B, Tq, Hq, d]``,
+    as SDPA's flash backend returns); 0 for an inactive (token, head group) and for a row that sees no key.
 
     Raises:
-        ValueError: bad ranks/shapes/dtypes/devices (k, v not in q's dtype), Hq not a multiple of Hk, N_G not
-            dividing Hq, Tq > Tk, unsupported head_dim, malformed left_pad/reordered/out (checked on every path,
-            the CPU fallback and ``Tq == 1`` too), an ``out`` that overlaps q, k, v, route or left_pad in memory, a
-            scale that is not a finite number, or a ``causal`` that is not a bool.
+        KernelArgumentError: bad shapes, dtypes, devices, left_pad, reordered, out, scale or causal.
     """
-    B, Hq, Tq, D, Hk, Tk, NG = _validate(q, k, v, route, left_pad)
+    B, Hq, Tq, D, Hk, Tk, NG = check_attention(q, k, v, route, left_pad)
     check_flag("causal", causal)
     check_out(out, (B, Hq, Tq, D), q.dtype, q.device, q=q, k=k, v=v, route=route, left_pad=left_pad)
-    if reordered is not None:  # checked on every path, so that code that runs on the CPU runs on a GPU too
+    if reordered is not None:
         reordered = check_reordered(reordered, (B, Tq, NG), route.device)
     scale = softmax_scale(scale, D)
     if not use_triton(q):
@@ -226,10 +162,8 @@ def routed_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, route: t
     if B * Tq == 0:
         return out
     if Tq == 1:
-        from wide.kernels.decode_attn import decode_attention
-        return decode_attention(q, k, v, route, left_pad=left_pad, scale=scale, out=out)
+        return _decode_attention(q, k, v, route, left_pad, scale, out)
     if reordered is None:
-        from wide.kernels.reorder import reorder
         reordered = reorder(route)
     if left_pad is not None:
         left_pad = left_pad.contiguous()  # the kernel reads left_pad[b] at offset b

@@ -1,80 +1,66 @@
-"""GEMM-MN: N-axis routed GEMM (paper §3.3, Eq. 9 level 0, Algorithm 2), used by Q, up and gate.
+"""GEMM-MN: the N-axis routed GEMM of Q, up and gate (paper Eq. 3, Eq. 9 level 0, Algorithm 2), its fused SwiGLU
+and its GEMV variants for M <= 4 rows (Appendix B).
 
-``out[m, n] = (x @ w.T)[m, n]`` where ``route[m, n // G]`` is True, else 0.
+``out[m, n] = (x @ w.T)[m, n]`` where ``route[m, n // G]``, else 0; with a second weight, the fused SwiGLU
+``silu(x Wg^T) * (x Wu^T)`` on the same entries (each gathered tile of x read once for both weights).
 
-Each program owns one ``(BM, BN)`` tile of the *reordered* row space of one routing group
-(``BN | G``).  Rows are gathered from ``x`` through the reorder index and the outputs scattered back
-through it.  A tile whose first sorted row is inactive (``m0 >= counts[g]``, the level-0 predicate
-``s^(0)``) does no loads and no MMA: it only writes zeros to its scattered rows (this replaces the
-zero-initialisation of C, so every output element is written exactly once).  Inactive rows of the
-single boundary tile per group are load-predicated off and written as zeros.  The same kernel,
-with two weight pointers, is the fused routed SwiGLU (:mod:`wide.kernels.swiglu`).
-
-For ``M <= 4`` the op dispatches to the reorder-free GEMV path in :mod:`wide.kernels.decode`.  On an sm_90 GPU
-the tuner also times the warp-specialized Gluon kernel of :mod:`wide.kernels.gemm_mn_ws` for the fused SwiGLU
-(:func:`_ws_candidates`).
+* Tile kernel: a program owns a ``(BM, BN)`` tile (``BN | G``) of the reordered rows of one group, gathers its rows
+  through the reorder index and writes them back through it; a tile whose first sorted row is inactive (level 0)
+  only writes zeros.  Up to the tuned ``direct_max_m`` rows it reads the route directly (no reorder).  On sm_90 the
+  tuner also times the warp-specialized Gluon kernel (:mod:`wide.kernels.gemm_mn_ws`) for the SwiGLU.
+* GEMV (no reorder): a tile of N columns that no row executes reads no weight byte.  Either one program per N tile,
+  or a split kernel whose dense-sized grid is mapped on the device onto the active (N tile, K split) work items,
+  the fp32 partials summed in split order by the last split to arrive (deterministic).
 """
 
 from __future__ import annotations
 
 import torch
 
-from wide.kernels import reference
+from wide.kernels import gemm_mn_ws, reference
 from wide.kernels._common import (
-    FLOAT_DTYPES,
     HAS_TRITON,
     Reordered,
-    check_group,
+    check_gemm,
     check_out,
     check_reordered,
-    check_route,
-    check_same_device,
-    check_tensor,
+    dense_tuner,
     fail,
     interpret_mode,
     launch_opts,
     m_bucket,
-    num_sms,
+    next_pow2,
     pick_config,
     pow2_part,
-    small_or_fallback,
+    tile_counters,
     tma_aligned,
+    tuned_config,
+    use_triton,
 )
+from wide.kernels.reorder import reorder
 
 if HAS_TRITON:
     import triton
     import triton.language as tl
 
-    from wide.kernels._common import mm, mma, swiglu_act  # noqa: F401
+    from wide.kernels._common import mma, nth_active, route_union, swiglu_act
 
     @triton.jit
-    def grouped_tile(tile, M, N, BM: tl.constexpr, BN: tl.constexpr, GROUP_M: tl.constexpr):
-        """``(pid_m, pid_n)`` of output tile number ``tile`` in the grouped order: GROUP_M row tiles share a
-        weight column panel in L2."""
-        num_pid_m = tl.cdiv(M, BM)
-        num_pid_n = N // BN
-        num_pid_in_group = GROUP_M * num_pid_n
-        group_id = tile // num_pid_in_group
-        first_pid_m = group_id * GROUP_M
-        group_size_m = tl.minimum(num_pid_m - first_pid_m, GROUP_M)
-        pid_m = first_pid_m + ((tile % num_pid_in_group) % group_size_m)
-        pid_n = (tile % num_pid_in_group) // group_size_m
-        return pid_m, pid_n
-
-    @triton.jit
-    def gemm_mn_tile(pid_m, pid_n, x_ptr, w_ptr, w2_ptr, out_ptr, idx_ptr, cnt_ptr, route_ptr,
-                     M, N, K, NG, stride_xm, stride_wn, stride_om, G,
-                     BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, EVEN_K: tl.constexpr,
-                     SWIGLU: tl.constexpr, DIRECT: tl.constexpr, w_desc, w2_desc, USE_TMA: tl.constexpr):
-        """Output tile ``(pid_m, pid_n)``: rows ``pid_m * BM`` onward of the reordered row space of group
-        ``pid_n * BN // G``."""
-        m0 = pid_m * BM
-        n0 = pid_n * BN
+    def _gemm_mn_kernel(x_ptr, w_ptr, w2_ptr, out_ptr, idx_ptr, cnt_ptr, route_ptr, M, N, K, NG, stride_xm,
+                        stride_wn, stride_om, G, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
+                        GROUP_M: tl.constexpr, EVEN_K: tl.constexpr, SWIGLU: tl.constexpr, DIRECT: tl.constexpr,
+                        w_desc, w2_desc, USE_TMA: tl.constexpr):
+        # grouped tile order: GROUP_M row tiles share a weight column panel in L2
+        pid = tl.program_id(0)
+        in_group = GROUP_M * (N // BN)
+        first_m = (pid // in_group) * GROUP_M
+        size_m = tl.minimum(tl.cdiv(M, BM) - first_m, GROUP_M)
+        m0 = (first_m + (pid % in_group) % size_m) * BM
+        n0 = ((pid % in_group) // size_m) * BN
         g = n0 // G
         offs_j = m0 + tl.arange(0, BM)
         valid = offs_j < M
-        if DIRECT:
-            # few rows: no reorder, rows in their original order, predicate from the route itself
+        if DIRECT:  # rows in their original order, the predicate from the route itself
             rows = offs_j.to(tl.int64)
             active = tl.load(route_ptr + rows * NG + g, mask=valid, other=0) != 0
             skip = tl.max(active.to(tl.int32), axis=0) == 0
@@ -85,24 +71,22 @@ if HAS_TRITON:
             skip = m0 >= cnt
         offs_n = n0 + tl.arange(0, BN)
         out_ptrs = out_ptr + rows[:, None] * stride_om + offs_n[None, :]
-        if skip:
-            # level-0 predicate s^(0) = 0: CTA early exit (only the zero epilogue)
+        if skip:  # level-0 predicate s^(0) = 0: only the zero epilogue
             tl.store(out_ptrs, tl.zeros((BM, BN), dtype=out_ptr.dtype.element_ty), mask=valid[:, None])
         else:
             offs_k = tl.arange(0, BK)
             a_ptrs = x_ptr + rows[:, None] * stride_xm + offs_k[None, :]
             b_ptrs = w_ptr + offs_n[None, :].to(tl.int64) * stride_wn + offs_k[:, None]
+            b2_ptrs = w2_ptr + offs_n[None, :].to(tl.int64) * stride_wn + offs_k[:, None]
             acc = tl.zeros((BM, BN), dtype=tl.float32)
-            if SWIGLU:
-                b2_ptrs = w2_ptr + offs_n[None, :].to(tl.int64) * stride_wn + offs_k[:, None]
-                acc2 = tl.zeros((BM, BN), dtype=tl.float32)
+            acc2 = tl.zeros((BM, BN), dtype=tl.float32)
             for kt in range(0, tl.cdiv(K, BK)):
                 if EVEN_K:
                     a = tl.load(a_ptrs, mask=active[:, None], other=0.0)
                 else:
                     kmask = (kt * BK + offs_k) < K
                     a = tl.load(a_ptrs, mask=active[:, None] & kmask[None, :], other=0.0)
-                if USE_TMA:  # dense weight tile through the bulk tensor copy engine
+                if USE_TMA:  # dense weight tiles through the bulk tensor copy engine
                     b = w_desc.load([n0, kt * BK]).T
                 elif EVEN_K:
                     b = tl.load(b_ptrs)
@@ -122,199 +106,381 @@ if HAS_TRITON:
                 b_ptrs += BK
             if SWIGLU:
                 acc = swiglu_act(acc, acc2, out_ptr.dtype.element_ty)
-            res = tl.where(active[:, None], acc, 0.0).to(out_ptr.dtype.element_ty)
-            tl.store(out_ptrs, res, mask=valid[:, None])
+            tl.store(out_ptrs, tl.where(active[:, None], acc, 0.0).to(out_ptr.dtype.element_ty), mask=valid[:, None])
 
     @triton.jit
-    def _gemm_mn_kernel(x_ptr, w_ptr, w2_ptr, out_ptr, idx_ptr, cnt_ptr, route_ptr,
-                        M, N, K, NG, stride_xm, stride_wn, stride_om, G, num_progs,
-                        BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
-                        GROUP_M: tl.constexpr, EVEN_K: tl.constexpr, SWIGLU: tl.constexpr,
-                        DIRECT: tl.constexpr, w_desc, w2_desc, USE_TMA: tl.constexpr, PERSIST: tl.constexpr):
-        """One program per tile, or with ``PERSIST`` ``num_progs`` programs (one per SM) that take the tiles in
-        turn in the same grouped order: a skipped tile is then a zero store inside a running program rather
-        than a program of its own.  Measured slower than one program per tile on the H200 (session 21,
-        benchmarks/kernels/persist_probe_h200-s21), so no tuner candidate sets it."""
-        if PERSIST:
-            num_tiles = tl.cdiv(M, BM) * (N // BN)
-            for tile in range(tl.program_id(0), num_tiles, num_progs):
-                pid_m, pid_n = grouped_tile(tile, M, N, BM, BN, GROUP_M)
-                gemm_mn_tile(pid_m, pid_n, x_ptr, w_ptr, w2_ptr, out_ptr, idx_ptr, cnt_ptr, route_ptr,
-                             M, N, K, NG, stride_xm, stride_wn, stride_om, G, BM, BN, BK, EVEN_K,
-                             SWIGLU, DIRECT, w_desc, w2_desc, USE_TMA)
+    def _tail_shift(n0, N1, N2, OFF2, OFF3, stride_wn):
+        """int64 shift from ``w_ptr + n * stride_wn`` to the weight row of output column n (tile at n0): 0 for the
+        routed rows (< N1), else into the first (element offset OFF2 from w_ptr) or second (OFF3) tail weight."""
+        return tl.where(n0 < N1, 0, tl.where(n0 < N1 + N2, OFF2 - N1.to(tl.int64) * stride_wn,
+                                             OFF3 - (N1 + N2).to(tl.int64) * stride_wn)).to(tl.int64)
+
+    @triton.jit
+    def _gemv_mn_kernel(x_ptr, w_ptr, w2_ptr, out_ptr, route_ptr, M, N, K, NG, stride_xm, stride_wn, stride_om, G,
+                        N1, N2, OFF2, OFF3, BN: tl.constexpr, BK: tl.constexpr, SWIGLU: tl.constexpr,
+                        EVEN_K: tl.constexpr):
+        # one program per N tile; rows padded to 16 for the tensor-core dot.  Columns >= N1 are the always-executed
+        # tail (a tile lies in one segment: BN divides G, G divides N1 and N2)
+        pid = tl.program_id(0)
+        offs_n = pid * BN + tl.arange(0, BN)
+        nmask = offs_n < N
+        offs_m = tl.arange(0, 16)
+        mmask = offs_m < M
+        r = tl.load(route_ptr + offs_m[:, None] * NG + (offs_n // G)[None, :],
+                    mask=mmask[:, None] & (nmask & (offs_n < N1))[None, :], other=0) != 0
+        r = r | (mmask[:, None] & (nmask & (offs_n >= N1))[None, :])
+        colact = (tl.max(r.to(tl.int32), axis=0) != 0) & nmask  # some row executes this column
+        o_ptrs = out_ptr + offs_m[:, None] * stride_om + offs_n[None, :]
+        if tl.max(colact.to(tl.int32), axis=0) == 0:
+            tl.store(o_ptrs, tl.zeros((16, BN), dtype=out_ptr.dtype.element_ty), mask=mmask[:, None] & nmask[None, :])
         else:
-            pid_m, pid_n = grouped_tile(tl.program_id(0), M, N, BM, BN, GROUP_M)
-            gemm_mn_tile(pid_m, pid_n, x_ptr, w_ptr, w2_ptr, out_ptr, idx_ptr, cnt_ptr, route_ptr,
-                         M, N, K, NG, stride_xm, stride_wn, stride_om, G, BM, BN, BK, EVEN_K,
-                         SWIGLU, DIRECT, w_desc, w2_desc, USE_TMA)
+            offs_k = tl.arange(0, BK)
+            acc = tl.zeros((16, BN), dtype=tl.float32)
+            acc2 = tl.zeros((16, BN), dtype=tl.float32)
+            w_ptrs = (w_ptr + _tail_shift(pid * BN, N1, N2, OFF2, OFF3, stride_wn)
+                      + offs_n[:, None].to(tl.int64) * stride_wn + offs_k[None, :])
+            w2_ptrs = w2_ptr + offs_n[:, None].to(tl.int64) * stride_wn + offs_k[None, :]
+            x_ptrs = x_ptr + offs_m[:, None] * stride_xm + offs_k[None, :]
+            for k0 in range(0, K, BK):
+                if EVEN_K:
+                    wt = tl.load(w_ptrs, mask=colact[:, None], other=0.0)
+                    xt = tl.load(x_ptrs, mask=mmask[:, None], other=0.0)
+                else:
+                    km = (k0 + offs_k) < K
+                    wt = tl.load(w_ptrs, mask=colact[:, None] & km[None, :], other=0.0)
+                    xt = tl.load(x_ptrs, mask=mmask[:, None] & km[None, :], other=0.0)
+                acc = mma(xt, tl.trans(wt), acc)
+                if SWIGLU:
+                    if EVEN_K:
+                        w2t = tl.load(w2_ptrs, mask=colact[:, None], other=0.0)
+                    else:
+                        w2t = tl.load(w2_ptrs, mask=colact[:, None] & km[None, :], other=0.0)
+                    acc2 = mma(xt, tl.trans(w2t), acc2)
+                    w2_ptrs += BK
+                w_ptrs += BK
+                x_ptrs += BK
+            if SWIGLU:
+                acc = swiglu_act(acc, acc2, out_ptr.dtype.element_ty)
+            tl.store(o_ptrs, tl.where(r, acc, 0.0).to(out_ptr.dtype.element_ty), mask=mmask[:, None] & nmask[None, :])
+
+    @triton.jit
+    def _gemv_mn_split_kernel(x_ptr, w_ptr, w2_ptr, out_ptr, part_ptr, cnt_ptr, route_ptr, M, K, NG, PROGS,
+                              stride_xm, stride_wn, stride_om, NR, N1, N2, OFF2, OFF3, G: tl.constexpr,
+                              BN: tl.constexpr, BK: tl.constexpr, NGP: tl.constexpr, SMAX: tl.constexpr,
+                              SWIGLU: tl.constexpr, EVEN_K: tl.constexpr):
+        # PROGS = (N / BN) * SPLIT programs, sized for the dense case.  The A active N tiles (union over the rows;
+        # groups NR..NG-1 are the always-executed tail) are numbered in N order on the device and each cut into
+        # S = min(PROGS // A, SMAX, K chunks) K splits.  Program p computes work item p (if p < A * S) and writes the
+        # zeros of the p-th inactive tile (if any)
+        pid = tl.program_id(0)
+        offs_g = tl.arange(0, NGP)
+        act = route_union(route_ptr, M, NR, offs_g, offs_g < NR, NGP)
+        act = tl.where((offs_g >= NR) & (offs_g < NG), 1, act)
+        inact = tl.where(offs_g < NG, 1 - act, 0)
+        n_act = tl.sum(act, axis=0)
+        TPG: tl.constexpr = G // BN  # N tiles per group
+        tiles_act = n_act * TPG
+        CH = tl.cdiv(K, BK)
+        S = tl.maximum(tl.minimum(tl.minimum(PROGS // tl.maximum(tiles_act, 1), SMAX), CH), 1)
+        offs_m = tl.arange(0, 16)
+        mmask = offs_m < M
+        offs_b = tl.arange(0, BN)
+        if pid < (NG - n_act) * TPG:
+            qi = pid // TPG
+            nz = nth_active(inact, qi, offs_g) * G + (pid - qi * TPG) * BN + offs_b
+            tl.store(out_ptr + offs_m[:, None] * stride_om + nz[None, :],
+                     tl.zeros((16, BN), dtype=out_ptr.dtype.element_ty), mask=mmask[:, None])
+        if pid < tiles_act * S:
+            q = pid // S  # active tile
+            sp = pid - q * S  # its K split
+            qa = q // TPG
+            g = nth_active(act, qa, offs_g)
+            offs_n = g * G + (q - qa * TPG) * BN + offs_b
+            offs_k = tl.arange(0, BK)
+            w_rows = (w_ptr + _tail_shift(g * G, N1, N2, OFF2, OFF3, stride_wn)
+                      + offs_n[:, None].to(tl.int64) * stride_wn + offs_k[None, :])
+            w2_rows = w2_ptr + offs_n[:, None].to(tl.int64) * stride_wn + offs_k[None, :]
+            x_rows = x_ptr + offs_m[:, None] * stride_xm + offs_k[None, :]
+            acc = tl.zeros((16, BN), dtype=tl.float32)
+            acc2 = tl.zeros((16, BN), dtype=tl.float32)
+            for c in range((sp * CH) // S, ((sp + 1) * CH) // S):
+                k0 = c * BK
+                if EVEN_K:
+                    xt = tl.load(x_rows + k0, mask=mmask[:, None], other=0.0)
+                    wt = tl.load(w_rows + k0)
+                else:
+                    km = (k0 + offs_k) < K
+                    xt = tl.load(x_rows + k0, mask=mmask[:, None] & km[None, :], other=0.0)
+                    wt = tl.load(w_rows + k0, mask=km[None, :], other=0.0)
+                acc = mma(xt, tl.trans(wt), acc)
+                if SWIGLU:
+                    if EVEN_K:
+                        w2t = tl.load(w2_rows + k0)
+                    else:
+                        w2t = tl.load(w2_rows + k0, mask=((k0 + offs_k) < K)[None, :], other=0.0)
+                    acc2 = mma(xt, tl.trans(w2t), acc2)
+            rg = (tl.load(route_ptr + offs_m * NR + g, mask=mmask & (g < NR), other=0) != 0) | (g >= NR)
+            o_ptrs = out_ptr + offs_m[:, None] * stride_om + offs_n[None, :]
+            if S == 1:
+                if SWIGLU:
+                    acc = swiglu_act(acc, acc2, out_ptr.dtype.element_ty)
+                tl.store(o_ptrs, tl.where(rg[:, None], acc, 0.0).to(out_ptr.dtype.element_ty), mask=mmask[:, None])
+            else:
+                # fp32 partials in this program's slot [NW, M, BN]; the split arriving last sums the S slots in split
+                # order, finishes the tile and resets the tile's arrival counter for the next launch
+                SL = (2 if SWIGLU else 1) * M * BN
+                slot = offs_m[:, None] * BN + offs_b[None, :]
+                pmask = mmask[:, None]
+                tl.store(part_ptr + pid.to(tl.int64) * SL + slot, acc, mask=pmask)
+                if SWIGLU:
+                    tl.store(part_ptr + pid.to(tl.int64) * SL + M * BN + slot, acc2, mask=pmask)
+                tl.debug_barrier()
+                if tl.atomic_add(cnt_ptr + q, 1, sem="acq_rel", scope="gpu") == S - 1:
+                    tot = tl.zeros((16, BN), dtype=tl.float32)
+                    tot2 = tl.zeros((16, BN), dtype=tl.float32)
+                    base = part_ptr + (q * S).to(tl.int64) * SL + slot
+                    for s in range(0, S):
+                        tot += tl.load(base + s * SL, mask=pmask, other=0.0, cache_modifier=".cg")
+                        if SWIGLU:
+                            tot2 += tl.load(base + s * SL + M * BN, mask=pmask, other=0.0, cache_modifier=".cg")
+                    if SWIGLU:
+                        tot = swiglu_act(tot, tot2, out_ptr.dtype.element_ty)
+                    tl.store(o_ptrs, tl.where(rg[:, None], tot, 0.0).to(out_ptr.dtype.element_ty), mask=pmask)
+                    tl.atomic_xchg(cnt_ptr + q, 0, sem="relaxed", scope="gpu")
 
 
-DIRECT_MAX_M = 128
-
-
-def uses_reorder(M: int) -> bool:
-    """Whether GEMM-MN / SwiGLU consume a reorder for M rows.  Up to ``DIRECT_MAX_M`` rows (a tile or
-    two) the kernel reads the route directly (tile skipped when none of its rows executes the
-    group), so no reorder is computed; M <= 4 takes the GEMV path."""
-    return M > DIRECT_MAX_M
+def uses_reorder(M: int, device=None) -> bool:
+    """Whether gemm_mn / swiglu read a reorder for M rows: above the tuned ``direct_max_m`` (up to it the tile kernel
+    reads the route directly; M <= 4 runs the GEMV)."""
+    return M > tuned_config(device)["gemm_mn"]["direct_max_m"]
 
 
 def _candidates(G: int, M: int, swiglu: bool) -> list[dict]:
-    """Tile configs the autotuner times for ``M`` rows.  The large-M lists lead with the winners of the H200
-    tile probe (benchmarks/kernels/tile_probe.json, M = 16384): weight tiles by TMA with 4 stages, 128 x 256
-    tiles where the group allows (G >= 256), GROUP_M 16."""
+    """Tile configs timed for M rows: ``(BM, BN, BK, GROUP_M, warps, stages, TMA weight tiles)``, BN cut to divide G."""
     if interpret_mode():
-        bn = min(pow2_part(G), 64)
-        return [dict(BM=32, BN=bn, BK=32, GROUP_M=4)]
-    # (BM, BN, BK, GROUP_M, warps, stages, TMA weights)
+        return [dict(BM=32, BN=min(pow2_part(G), 64), BK=32, GROUP_M=4)]
     if M <= 64:
-        base = [(64, 128, 64, 8, 4, 4, False), (32, 64, 128, 8, 4, 4, False), (64, 64, 128, 8, 4, 3, False)]
-        if swiglu:
-            base = [(64, 64, 64, 8, 4, 4, False), (32, 64, 128, 8, 4, 3, False)]
+        base = ([(64, 64, 64, 8, 4, 4, False), (32, 64, 128, 8, 4, 3, False)] if swiglu else
+                [(64, 128, 64, 8, 4, 4, False), (32, 64, 128, 8, 4, 4, False), (64, 64, 128, 8, 4, 3, False)])
     elif swiglu:
         base = [(128, 128, 64, 8, 8, 4, True), (128, 128, 64, 16, 8, 4, True), (128, 128, 64, 8, 8, 3, False),
                 (128, 64, 64, 8, 4, 4, False), (64, 128, 64, 8, 4, 4, False)]
     else:
         base = [(128, 256, 64, 8, 8, 4, True), (128, 256, 64, 8, 8, 3, True), (128, 128, 64, 16, 8, 4, True),
                 (128, 128, 64, 8, 8, 3, False), (128, 128, 64, 8, 8, 4, False), (128, 64, 64, 8, 4, 4, False),
-                (64, 128, 64, 8, 4, 4, False)]
-        if M >= 2048:
-            base.append((256, 128, 64, 8, 8, 3, False))
+                (64, 128, 64, 8, 4, 4, False)] + ([(256, 128, 64, 8, 8, 3, False)] if M >= 2048 else [])
     tma_ok = M > 128 and HAS_TRITON and hasattr(tl, "tensor_descriptor")
-    cands, seen = [], set()
+    cands = []
     for bm, bn, bk, gm, w, st, tma in base:
         bn = min(bn, pow2_part(G))
-        tma = tma and tma_ok and bn >= 16
-        key = (bm, bn, bk, gm, w, st, tma)
-        if key in seen:
-            continue
-        seen.add(key)
-        c = dict(BM=bm, BN=bn, BK=bk, GROUP_M=gm, num_warps=w, num_stages=st)
-        if tma:
-            c["TMA"] = True
-        cands.append(c)
+        c = dict(BM=bm, BN=bn, BK=bk, GROUP_M=gm, num_warps=w, num_stages=st, **({"TMA": True} if tma and tma_ok
+                                                                                  and bn >= 16 else {}))
+        if c not in cands:
+            cands.append(c)
     return cands
 
 
-def _ws_candidates(x, w, w2, G: int, swiglu: bool) -> list[dict]:
-    """Tile configs of the warp-specialized Gluon kernel (:mod:`wide.kernels.gemm_mn_ws`) for the tuner: the fused
-    SwiGLU only, where it can run (:func:`~wide.kernels.gemm_mn_ws.ws_supported`: an sm_90 GPU, bf16 / fp16, K and
-    G multiples of 64).  On the H200 (benchmarks/kernels/ws_probe_h200-s22*) its persistent grid ran the SwiGLU 5 %
-    faster than the Triton kernel with every group executed (0.985-0.998x of the cuBLAS pair against 0.93-0.95x at
-    M = 4096 / 16384) and 1-3 % slower at s = 0.5; the plain GEMM was never faster, so it gets none."""
-    from wide.kernels.gemm_mn_ws import HAS_GLUON, default_ws_config, ws_supported
-
-    if not swiglu or not HAS_GLUON or not ws_supported(x, w, w2, G):
-        return []
-    base = dict(default_ws_config(G, swiglu), WS=True)
-    return [base, dict(base, PERSIST=False)]
-
-
-def _validate(x, w, route, G, name_w="w"):
-    check_tensor("x", x, 2, FLOAT_DTYPES)
-    check_tensor(name_w, w, 2, FLOAT_DTYPES)
-    if w.dtype != x.dtype:
-        fail(f"{name_w} dtype {w.dtype} must match x dtype {x.dtype}")
+def _launch(x, w, w2, route, G, reordered, out):
+    """The tile kernel (M > 4) on checked arguments; ``w2``: the fused SwiGLU's up weight (None: plain GEMM)."""
     M, K = x.shape
     N = w.shape[0]
-    if w.shape[1] != K:
-        fail(f"{name_w} must have shape [N, K] with K={K} (x is [M, K]); got {tuple(w.shape)}")
-    check_group(G, N, "N (output features)")
-    check_route(route, M, N // G)
-    check_same_device(x=x, **{name_w: w}, route=route)
-    return M, N, K
-
-
-def launch_gemm_mn(x, w, w2, route, G, reordered, out, swiglu):
-    """Shared launcher of the GEMM-MN / fused-SwiGLU tile kernel (M > 4 path); arguments checked by the caller
-    (``reordered`` by :func:`check_reordered`)."""
-    M, K = x.shape
-    N = w.shape[0]
-    NG = N // G
-    direct = not uses_reorder(M)
+    direct = not uses_reorder(M, x.device)
     route = route.contiguous()
-    if direct:
-        reordered = None
-    elif reordered is None:
-        from wide.kernels.reorder import reorder
+    if not direct and reordered is None:
         reordered = reorder(route)
-    if x.stride(1) != 1:
-        x = x.contiguous()
-    if w.stride(1) != 1:
-        w = w.contiguous()
+    x = x if x.stride(1) == 1 else x.contiguous()
+    w = w if w.stride(1) == 1 else w.contiguous()
     if w2 is not None and (w2.stride(1) != 1 or w2.stride(0) != w.stride(0)):
-        w2 = w2.contiguous()
-        w = w.contiguous()
-    if out is None:
-        out = torch.empty((M, N), dtype=x.dtype, device=x.device)
+        w, w2 = w.contiguous(), w2.contiguous()
+    out = torch.empty((M, N), dtype=x.dtype, device=x.device) if out is None else out
     idx, cnt = (route, route) if direct else (reordered.index, reordered.counts)
-
-    w2_ = w2 if w2 is not None else w
+    w2_ = w if w2 is None else w2
 
     def run(cfg):
-        if cfg.get("WS"):  # the warp-specialized Gluon kernel (Hopper)
-            from wide.kernels.gemm_mn_ws import gemm_mn_ws
-
-            gemm_mn_ws(x, w, route, G, w2=w2, reordered=reordered, out=out,
-                       config={k: v for k, v in cfg.items() if k != "WS"})
+        if cfg.get("WS"):
+            gemm_mn_ws.launch(x, w, w2, G, reordered, out, cfg)
             return
-        tiles = triton.cdiv(M, cfg["BM"]) * (N // cfg["BN"])
-        persist = bool(cfg.get("PERSIST", False))
-        grid = (min(tiles, num_sms(x.device)) if persist else tiles,)
-        tma = bool(cfg.get("TMA", False)) and tma_aligned(w, w2_)
+        tma = cfg.get("TMA", False) and tma_aligned(w, w2_)
+        wd = w2d = w
         if tma:
             from triton.tools.tensor_descriptor import TensorDescriptor
 
-            wd = TensorDescriptor.from_tensor(w, [cfg["BN"], cfg["BK"]])
-            w2d = TensorDescriptor.from_tensor(w2_, [cfg["BN"], cfg["BK"]]) if w2 is not None else wd
-        else:
-            wd = w2d = w
-        _gemm_mn_kernel[grid](x, w, w2_, out, idx, cnt, route,
-                              M, N, K, NG, x.stride(0), w.stride(0), out.stride(0), G, grid[0],
-                              BM=cfg["BM"], BN=cfg["BN"], BK=cfg["BK"], GROUP_M=cfg["GROUP_M"],
-                              EVEN_K=(K % cfg["BK"] == 0), SWIGLU=swiglu, DIRECT=direct,
-                              w_desc=wd, w2_desc=w2d, USE_TMA=tma, PERSIST=persist, **launch_opts(cfg))
+            wd, w2d = (TensorDescriptor.from_tensor(t, [cfg["BN"], cfg["BK"]]) for t in (w, w2_))
+        _gemm_mn_kernel[(triton.cdiv(M, cfg["BM"]) * (N // cfg["BN"]),)](
+            x, w, w2_, out, idx, cnt, route, M, N, K, N // G, x.stride(0), w.stride(0), out.stride(0), G,
+            BM=cfg["BM"], BN=cfg["BN"], BK=cfg["BK"], GROUP_M=cfg["GROUP_M"], EVEN_K=K % cfg["BK"] == 0,
+            SWIGLU=w2 is not None, DIRECT=direct, w_desc=wd, w2_desc=w2d, USE_TMA=tma, **launch_opts(cfg))
 
-    op = "swiglu" if swiglu else "gemm_mn"
-    cands = _candidates(G, M, swiglu) + ([] if direct else _ws_candidates(x, w, w2, G, swiglu))
-    cfg = pick_config(op, (m_bucket(M), N, K, G, str(x.dtype)), x.device, cands, run)
+    cands = _candidates(G, M, w2 is not None)
+    if w2 is not None and not direct:
+        cands += gemm_mn_ws.candidates(x, w, w2, G)
+    cfg = pick_config("gemm_mn" if w2 is None else "swiglu", (m_bucket(M), N, K, G, str(x.dtype)), x.device, cands,
+                      run)
     run(cfg)
     return out
 
 
-def gemm_mn(x: torch.Tensor, w: torch.Tensor, route: torch.Tensor, G: int, *,
-            reordered: Reordered | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
+def _gemv_cands(K: int, swiglu: bool, G: int) -> list[dict]:
+    """GEMV configs, the untuned default first: ``BN, BK`` (one program per N tile) or ``BN, BK, SPLIT, SMAX`` (the
+    split kernel: SPLIT K splits per tile in the dense case, at most SMAX when sparse).  BN divides G."""
+    ch = lambda bk: max(1, -(-K // bk))  # noqa: E731  K chunks of width bk
+    if interpret_mode():
+        bk = min(32, next_pow2(K))
+        return [dict(BN=16, BK=min(64, next_pow2(K))),
+                dict(BN=min(32, pow2_part(G)), BK=bk, SPLIT=min(2, ch(bk)), SMAX=min(4, ch(bk)))]
+    c = [(16, 256, 4, 4), (32, 128, 4, 4), (16, 128, 4, 5)] if swiglu else [(16, 256, 4, 4), (32, 256, 4, 4),
+                                                                         (16, 512, 4, 3), (64, 128, 4, 4)]
+    tiles = []
+    for bn, bk, w, st in c:  # BN divides G: a tile never straddles the routed columns and the tail
+        cfg = dict(BN=min(bn, pow2_part(G)), BK=min(bk, next_pow2(K)), num_warps=w, num_stages=st)
+        if cfg not in tiles:
+            tiles.append(cfg)
+    # (BN, BK, SPLIT, SMAX, warps, stages)
+    sc = ([(32, 64, 2, 32, 4, 4), (64, 128, 2, 16, 8, 3), (64, 128, 4, 16, 8, 3), (64, 64, 4, 32, 4, 3),
+           (128, 64, 2, 32, 8, 3), (16, 128, 1, 16, 4, 4), (32, 64, 4, 32, 4, 4)] if swiglu else
+          [(32, 128, 4, 32, 4, 3), (64, 128, 8, 32, 4, 3), (64, 128, 8, 32, 8, 3), (32, 256, 4, 16, 8, 3),
+           (16, 256, 2, 16, 4, 4), (128, 64, 8, 64, 8, 3), (64, 64, 8, 64, 4, 3)])
+    splits = []
+    for bn, bk, sp, smax, w, st in sc:
+        bk = min(bk, next_pow2(K))
+        sp = max(1, min(sp, ch(bk)))
+        cfg = dict(BN=min(bn, pow2_part(G)), BK=bk, SPLIT=sp, SMAX=max(sp, min(smax, ch(bk))), num_warps=w,
+                   num_stages=st)
+        if cfg not in splits:
+            splits.append(cfg)
+    return splits[:1] + tiles + splits[1:]
+
+
+def _gemv(x, w, w2, route, G, out, tail=()):
+    """The GEMV (any M under the reference, M <= 4 on the kernels) on checked arguments; ``tail``: always-executed
+    weights whose outputs follow the routed ones."""
+    M, K = x.shape
+    N1 = w.shape[0]
+    NT = sum(t.shape[0] for t in tail)
+    N = N1 + NT
+    out = torch.empty((M, N), dtype=x.dtype, device=x.device) if out is None else out
+    if not use_triton(x):
+        if tail:
+            full = torch.cat([route, torch.ones((M, NT // G), dtype=torch.bool, device=route.device)], 1)
+            return out.copy_(reference.gemm_mn_ref(x, torch.cat([w, *tail]), full, G))
+        return out.copy_(reference.gemm_mn_ref(x, w, route, G) if w2 is None
+                         else reference.swiglu_ref(x, w, w2, route, G))
+    if M == 0 or N == 0:
+        return out
+    x, w, route = x.contiguous(), w.contiguous(), route.contiguous()
+    w2c = w if w2 is None else w2.contiguous()
+    tail = tuple(t.contiguous() for t in tail)
+    offs = [(t.data_ptr() - w.data_ptr()) // w.element_size() for t in tail] + [0, 0]  # element offsets from w
+    N2 = tail[0].shape[0] if tail else 0
+    NR, NG = N1 // G, N // G
+
+    def run(cfg, route=route):
+        even = K % cfg["BK"] == 0
+        if "SPLIT" not in cfg:
+            _gemv_mn_kernel[(triton.cdiv(N, cfg["BN"]),)](
+                x, w, w2c, out, route, M, N, K, NR, x.stride(0), w.stride(0), out.stride(0), G, N1, N2, offs[0],
+                offs[1], BN=cfg["BN"], BK=cfg["BK"], SWIGLU=w2 is not None, EVEN_K=even, **launch_opts(cfg))
+            return
+        tiles = N // cfg["BN"]
+        progs = tiles * cfg["SPLIT"]
+        part = torch.empty((progs * (1 if w2 is None else 2) * M * cfg["BN"] if cfg["SMAX"] > 1 else 1,),
+                           dtype=torch.float32, device=x.device)
+        _gemv_mn_split_kernel[(progs,)](
+            x, w, w2c, out, part, tile_counters(x.device, tiles), route, M, K, NG, progs, x.stride(0), w.stride(0),
+            out.stride(0), NR, N1, N2, offs[0], offs[1], G=G, BN=cfg["BN"], BK=cfg["BK"], NGP=max(2, next_pow2(NG)),
+            SMAX=cfg["SMAX"], SWIGLU=w2 is not None, EVEN_K=even, **launch_opts(cfg))
+
+    key = (M, N, K, G, str(x.dtype)) + ((N1, N2) if tail else ())
+    cfg = pick_config("gemv_mn4" if w2 is None else "gemv_swiglu4", key, x.device, _gemv_cands(K, w2 is not None, G),
+                      dense_tuner(run, route), graph=True)
+    run(cfg)
+    return out
+
+
+def _gemm_mn(x, w, w2, route, G, reordered, out):
+    if x.shape[0] <= 4 or not use_triton(x):
+        return _gemv(x, w, w2, route, G, out)
+    return _launch(x, w, w2, route, G, reordered, out)
+
+
+def gemm_mn(x: torch.Tensor, w: torch.Tensor, route: torch.Tensor, G: int, *, reordered: Reordered | None = None,
+            out: torch.Tensor | None = None) -> torch.Tensor:
     """N-axis routed GEMM (Algorithm 2): ``out[m, n] = (x @ w.T)[m, n] if route[m, n // G] else 0``.
 
-    Args:
-        x: ``[M, K]`` activations, bf16/fp16/fp32, last dim contiguous preferred.
-        w: ``[N, K]`` weight (``nn.Linear`` layout), same dtype and device as x.
-        route: bool ``[M, N // G]``, True = execute group g = n // G for row m.
-        G: group size along N, a multiple of 16 dividing N (FFN: a power of two 16..512;
-            Q projection: the head-group width Hq/N_G*d).
-        reordered: optional :func:`wide.kernels.reorder` result of ``route`` (shared with the other
-            ops of the same routing decision); computed here when None.  Not used (and not
-            computed) for M <= ``DIRECT_MAX_M`` (128): see :func:`uses_reorder`.
-        out: optional preallocated contiguous ``[M, N]`` output of x's dtype; every element is written.
-
-    Returns:
-        ``[M, N]`` in x's dtype; fp32 accumulation.
-
-    M <= 4 uses the reorder-free GEMV path (:func:`wide.kernels.decode.gemv_mn`).  On CPU without
-    ``TRITON_INTERPRET=1`` (or without Triton) falls back to :func:`reference.gemm_mn_ref`.
+    x ``[M, K]`` bf16/fp16/fp32; w ``[N, K]`` of x's dtype; route bool ``[M, N // G]``; G a multiple of 16 dividing
+    N; ``reordered`` an optional :func:`~wide.kernels.reorder` of route (computed when needed); ``out`` an optional
+    contiguous ``[M, N]``.  Returns ``[M, N]`` in x's dtype, fp32-accumulated.  M <= 4 runs :func:`gemv_mn`.
 
     Raises:
-        ValueError: wrong rank/shape/dtype/device, G not a multiple of 16 or not dividing N,
-            route not bool ``[M, N // G]``, malformed ``reordered`` or ``out``.
+        KernelArgumentError: bad shapes, dtypes, devices, G, route, reordered or out.
     """
-    M, N, K = _validate(x, w, route, G)
+    M, N, K = check_gemm(x, w, route, G, "N")
     check_out(out, (M, N), x.dtype, x.device, x=x, w=w, route=route)
-    if reordered is not None:  # checked on every path, so that code that runs on the CPU runs on a GPU too
+    if reordered is not None:
         reordered = check_reordered(reordered, (M, N // G), route.device)
-    from wide.kernels.decode import gemv_mn
+    return _gemm_mn(x, w, None, route, G, reordered, out)
 
-    done = small_or_fallback(x, M, N, out, lambda: reference.gemm_mn_ref(x, w, route, G),
-                             lambda: gemv_mn(x, w, route, G, out=out))
-    if done is not None:
-        return done
-    return launch_gemm_mn(x, w, None, route, G, reordered, out, swiglu=False)
+
+def swiglu(x: torch.Tensor, w_gate: torch.Tensor, w_up: torch.Tensor, route: torch.Tensor, G: int, *,
+           reordered: Reordered | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
+    """Fused routed SwiGLU (Eq. 3): ``silu((x Wg^T)[m, n]) * (x Wu^T)[m, n] if route[m, n // G] else 0``.
+
+    As :func:`gemm_mn`, with ``w_gate`` and ``w_up`` ``[N, K]``; gate, up, SiLU and product are rounded to x's dtype
+    as the model's MLP rounds them.  M <= 4 runs :func:`gemv_swiglu`.
+
+    Raises:
+        KernelArgumentError: as :func:`gemm_mn`, or w_up shaped unlike w_gate.
+    """
+    M, N, K = check_gemm(x, w_gate, route, G, "N", wname="w_gate", w2=w_up, w2name="w_up")
+    check_out(out, (M, N), x.dtype, x.device, x=x, w_gate=w_gate, w_up=w_up, route=route)
+    if reordered is not None:
+        reordered = check_reordered(reordered, (M, N // G), route.device)
+    return _gemm_mn(x, w_gate, w_up, route, G, reordered, out)
+
+
+def gemv_mn(x: torch.Tensor, w: torch.Tensor, route: torch.Tensor, G: int, *, out: torch.Tensor | None = None,
+            w2: torch.Tensor | None = None, tail: tuple[torch.Tensor, ...] = ()) -> torch.Tensor:
+    """Decode GEMM-MN for ``M <= 4`` rows (Algorithm 2, GEMV variant, no reorder); as :func:`gemm_mn`.
+
+    ``w2``: the fused SwiGLU's up weight (:func:`gemv_swiglu`).  ``tail``: up to two more weights ``[N_t, K]`` (N_t a
+    multiple of G) computed for every row after the routed columns, ``out[:, N:] = x @ cat(tail).T``; the decode step
+    runs ``[Q | K | V]`` in one launch this way.  Returns ``[M, N + N_tail]``.
+
+    Raises:
+        KernelArgumentError: M > 4, a bad tail (not a tuple of at most two ``[N_t, K]`` weights like w, or with w2),
+            or as :func:`gemm_mn`.
+    """
+    M, N, K = check_gemm(x, w, route, G, "N", w2=w2)
+    if M > 4:
+        fail(f"gemv_mn: the GEMV path takes M <= 4 rows, got M={M}")
+    if not isinstance(tail, (tuple, list)):
+        fail(f"gemv_mn: tail must be a tuple of up to two [N_t, K] weights (() for none), got {type(tail).__name__}")
+    if tail and w2 is not None:
+        fail("gemv_mn: tail weights are not supported with w2 (fused SwiGLU)")
+    if len(tail) > 2:
+        fail(f"gemv_mn: at most two tail weights, got {len(tail)}")
+    for j, t in enumerate(tail):
+        if not isinstance(t, torch.Tensor) or t.dim() != 2 or t.shape[1] != K:
+            fail(f"tail[{j}] must be a [N_t, K={K}] tensor, got "
+                 f"{tuple(t.shape) if isinstance(t, torch.Tensor) else type(t).__name__}")
+        if t.dtype != x.dtype or t.device != x.device or t.shape[0] % G:
+            fail(f"tail[{j}] is {t.dtype} {tuple(t.shape)} on {t.device}: it needs x's dtype {x.dtype} and device "
+                 f"{x.device} and a number of rows that is a multiple of G={G}")
+    NT = sum(t.shape[0] for t in tail)
+    check_out(out, (M, N + NT), x.dtype, x.device, x=x, w=w, w2=w2, route=route,
+              **{f"tail[{j}]": t for j, t in enumerate(tail)})
+    return _gemv(x, w, w2, route, G, out, tuple(tail))
+
+
+def gemv_swiglu(x: torch.Tensor, w_gate: torch.Tensor, w_up: torch.Tensor, route: torch.Tensor, G: int, *,
+                out: torch.Tensor | None = None) -> torch.Tensor:
+    """Decode fused routed SwiGLU for ``M <= 4`` rows (Eq. 3, GEMV variant, no reorder); as :func:`swiglu`.
+
+    Raises:
+        KernelArgumentError: M > 4, or as :func:`swiglu`.
+    """
+    M, N, K = check_gemm(x, w_gate, route, G, "N", wname="w_gate", w2=w_up, w2name="w_up")
+    if M > 4:
+        fail(f"gemv_swiglu: the GEMV path takes M <= 4 rows, got M={M}")
+    check_out(out, (M, N), x.dtype, x.device, x=x, w_gate=w_gate, w_up=w_up, route=route)
+    return _gemv(x, w_gate, w_up, route, G, out)

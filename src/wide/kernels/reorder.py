@@ -1,43 +1,14 @@
-"""Unified mask reordering (paper Eq. 7, Algorithm 1).
+"""Unified mask reordering (paper Eq. 7, Algorithm 1): a stable prefix-sum partition of every routing column.
 
-A binary routing column needs no comparison sort: a stable prefix-sum partition puts the active
-rows first (in their original order) and the inactive rows after them, in O(M) work.  For row r
-of a column with ``e`` active rows above it and ``total`` active rows in all, the sorted
-position of r is ``e`` if r is active, else ``total + r - e`` (``r - e`` inactive rows lie above).
+Row r of a column with ``e`` active rows above it and ``total`` in all goes to position ``e`` if active, else
+``total + r - e``: O(M) work, no comparison sort.  Two plans:
 
-The mask is row-major (a row holds N_G contiguous bytes), so the kernels load row tiles
-``[BM rows, NGC columns]`` (coalesced) and advance all columns of a tile together.  Two plans:
+* ``columns`` (small M, one launch): one program holds a whole chunk of columns; ``e`` is its exclusive cumsum.
+* ``blocks``: (1) each block of BM rows writes its active count per column to ``blk[C, n_blocks, W]``; (2) each
+  block sums the earlier blocks' counts, adds its in-block prefix sum and scatters ``r`` to its position; for
+  N_G > 8 it scatters into a column-major ``tmp [C, N_G, M]`` (coalesced), and (3) a transpose writes ``index``.
 
-* ``columns`` (small M, one launch): one program per chunk of NGC columns holds the whole column
-  chunk in one tile; ``total`` is its column sum and ``e`` its exclusive ``tl.cumsum``.
-* ``blocks`` (larger M): the rows are cut into blocks of BM and every phase has one program per
-  (row block, column set, column chunk):
-
-  1. ``_block_counts_kernel`` writes each block's active count per column to a small int32
-     workspace ``blk[C, n_blocks, W]``;
-  2. ``_scatter_kernel`` sums ``blk`` over the earlier blocks (active rows above the block) and
-     over all blocks (``total``), adds the in-block prefix sum (``tl.cumsum`` along the rows) and
-     scatters ``r`` to its sorted position;
-  3. for wide masks only, ``_transpose_kernel`` (below).
-
-  The scatter is the costly part: ``index`` is row-major, so a column's consecutive positions
-  lie N_G * 4 bytes apart and every 4-byte store fills its own 32-byte sector (about 40 us at
-  16384 x 112 on an H200).  For N_G > 8 phase 2 therefore scatters into a column-major ``tmp
-  [C, N_G, M]``, where one block's rows of a column land in two contiguous runs (coalesced), and
-  phase 3 transposes ``tmp`` into ``index`` with coalesced loads and stores and writes the sorted
-  mask ``smask[j, g] = j < total[g]``.  For N_G <= 8 an index row is at most one sector anyway,
-  so phase 2 writes ``index`` and ``smask`` directly and there is no phase 3.
-
-  Each phase-2 program re-reads ``blk`` ([n_blocks, NGC] int32, L2-resident) instead of a
-  separate exclusive-scan launch; BM grows with M so n_blocks stays small.
-
-Measured on an H200 (CUDA-graph replay, per call): 15.3 us at 16384 x 112 (phases 2.6 + 8.3 +
-4.4 us; the one-program-per-column kernel before took 110 us), 10.5 us at 8192 x 112, 7.6 us at
-2048 x 112, 4.2 us at 512 x 112, 5.2 us at [1, 16384, 8] and 3.1 us at 16384 x 1.
-
-Launch sizes depend only on the shape, and nothing leaves the device (no ``.item()``, no
-``nonzero``, no host synchronisation), so the op can be captured in a CUDA graph.  Offsets are
-int64 where ``M * N_G`` can pass 2**31.
+Launch sizes depend only on the shape and nothing leaves the device, so the op is CUDA-graph capturable.
 """
 
 from __future__ import annotations
@@ -45,7 +16,7 @@ from __future__ import annotations
 import torch
 
 from wide.kernels import reference
-from wide.kernels._common import HAS_TRITON, Reordered, check_tensor, fail, interpret_mode, use_triton
+from wide.kernels._common import HAS_TRITON, Reordered, check_tensor, fail, interpret_mode, use_triton, warps
 
 if HAS_TRITON:
     import triton
@@ -69,8 +40,7 @@ if HAS_TRITON:
         tl.store(smask_ptr + offs, rows[:, None] < total[None, :], mask=ok)
         tl.store(count_ptr + c.to(tl.int64) * NG + cols, total, mask=cols < NG)
 
-    # The block plan's grids are (row block, column set c, column chunk): axis 0 takes the many
-    # row blocks (its limit is 2**31 - 1; axes 1 and 2 stop at 65535).
+    # the block plan's grids are (row block, column set c, column chunk): axis 0 takes the many row blocks
 
     @triton.jit
     def _block_counts_kernel(mask_ptr, blk_ptr, M, NG, NBLK, BM: tl.constexpr,
@@ -112,11 +82,7 @@ if HAS_TRITON:
         if DIRECT:  # out = index
             tl.store(out_ptr + (c.to(tl.int64) * M + pos) * NG + cols[None, :], src, mask=ok)
             tl.store(smask_ptr + offs, rows[:, None] < total[None, :], mask=ok)
-        else:
-            # out = tmp [C, NG, M].  The pointer has no provable contiguity, so Triton lays this
-            # store's threads along axis 0 (the rows): one store instruction writes one column's
-            # positions of consecutive rows, which form at most two contiguous runs (seen in the
-            # sm_90 TTGIR of Triton 3.6; a [columns, rows] tile gets the columns-first layout).
+        else:  # out = tmp [C, NG, M]: a column's positions of consecutive rows form at most two contiguous runs
             tl.store(out_ptr + (c.to(tl.int64) * NG + cols[None, :]) * M + pos, src, mask=ok)
         if b == 0:
             tl.store(count_ptr + c.to(tl.int64) * NG + cols, total, mask=cols < NG)
@@ -137,7 +103,7 @@ if HAS_TRITON:
 
 
 def _plan(M: int, NG: int) -> tuple:
-    """Launch plan for an ``[..., M, N_G]`` mask (tuned on an H200), see :func:`_launch`."""
+    """Launch plan for an ``[..., M, N_G]`` mask, see :func:`_launch`."""
     ngp = triton.next_power_of_2(NG)
     if interpret_mode():  # small tiles, so that the CPU tests cover several blocks and chunks
         if M <= 16:
@@ -157,17 +123,15 @@ def _plan(M: int, NG: int) -> tuple:
 
 
 def _launch(mask: torch.Tensor, plan: tuple) -> Reordered:
-    """Run a plan: ``("columns", MP, NGC, num_warps)``, or ``("blocks", BM, NGC, BJ, NGT,
-    num_warps)``: row blocks of BM and column chunks of NGC in phases 1 and 2, and a transpose
-    tile ``[NGT, BJ]`` in phase 3, where ``BJ == 0`` selects the direct scatter (no phase 3).
-    All sizes are powers of two."""
+    """Run a plan: ``("columns", MP, NGC, warps)`` or ``("blocks", BM, NGC, BJ, NGT, warps)`` (row blocks of BM,
+    column chunks of NGC, a transpose tile ``[NGT, BJ]``; ``BJ == 0``: direct scatter, no phase 3)."""
     M, NG = mask.shape[-2], mask.shape[-1]
     C = mask.shape[0] if mask.dim() == 3 else 1
     dev = mask.device
     index = torch.empty(mask.shape, dtype=torch.int32, device=dev)
     smask = torch.empty(mask.shape, dtype=torch.bool, device=dev)
     counts = torch.empty(mask.shape[:-2] + (NG,), dtype=torch.int32, device=dev)
-    kw = {} if interpret_mode() else {"num_warps": plan[-1]}
+    kw = warps(plan[-1])
     if plan[0] == "columns":
         _, mp, ngc, _ = plan
         _columns_kernel[(triton.cdiv(NG, ngc), C)](mask, index, smask, counts, M, NG,
@@ -189,24 +153,16 @@ def _launch(mask: torch.Tensor, plan: tuple) -> Reordered:
 
 
 def reorder(mask: torch.Tensor) -> Reordered:
-    """Sort every routing column of a bool mask so that its active rows form a prefix (Eq. 7).
+    """Sort every routing column of a bool mask so that its active rows form a prefix, stably (Eq. 7).
 
     Args:
-        mask: bool ``[M, N_G]`` (GEMM routing, tokens flattened into M) or ``[B, T, N_G]``
-            (attention routing: one column of length T per (b, g)).  True = execute.
+        mask: bool ``[M, N_G]`` (GEMM routing) or ``[B, T, N_G]`` (attention routing: a column per (b, g)).
 
     Returns:
-        :class:`Reordered` ``(index, mask, counts)``: ``index`` int32 of the mask's shape with
-        ``index[..., j, g]`` the original row of sorted row j (stable: active rows in increasing
-        order, then inactive rows in increasing order); ``mask`` the sorted bool mask
-        (``mask[..., j, g] == (j < counts[..., g])``); ``counts`` int32 ``[..., N_G]``.
-
-    One result serves every op that shares the routing decision (pass it as ``reordered=``).
-    Runs on the device with no host synchronisation (CUDA-graph capturable).  On CPU without
-    ``TRITON_INTERPRET=1`` (or without Triton) it runs :func:`reference.reorder_ref`.
+        :class:`Reordered` ``(index, mask, counts)`` (see there); one result serves every op of a routing decision.
 
     Raises:
-        ValueError: mask not a bool tensor of 2 or 3 dimensions, or with more than 2**31 - 1 rows.
+        KernelArgumentError: mask not a bool tensor of 2 or 3 dimensions, or with 2**31 - 1 rows or more.
     """
     check_tensor("mask", mask, None, (torch.bool,))
     if mask.dim() not in (2, 3):
