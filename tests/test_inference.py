@@ -304,6 +304,27 @@ def test_cli_generate(wide_ckpt, model_dir, capsys, reference_path):
     assert [ln[:4] for ln in out[:2]] == ["[0] ", "[1] "] and "0 (dense)" in out[2] and len(out) == 3
 
 
+@pytest.mark.parametrize("stream", [True, False])
+@pytest.mark.parametrize("text", ["w1 w2", "w1\n", "", "\n\n"])
+def test_cli_generate_prints_no_blank_line_of_its_own(model_dir, capsys, monkeypatch, reference_path, stream, text):
+    """The text as generated, then the summary line: a newline only where the text did not end one."""
+    import wide.inference.generation as G
+    from wide.cli import main
+
+    def fake(engine, tok, prompts, n, on_token=None, **kw):
+        for i in range(1, len(text) + 1):
+            on_token(0, 5, text[:i])
+        return G.GenerationResult(tokens=[[5] * max(len(text), 1)], texts=[text], path="reference")
+
+    monkeypatch.setattr(G, "generate", fake)
+    assert main(["generate", "--model", str(model_dir), "--prompt", "w1", "--device", "cpu"]
+                + ([] if stream else ["--no-stream"])) == 0
+    out = capsys.readouterr().out
+    head = text if stream else f"[0] {text}"
+    assert out.startswith(head + ("" if head.endswith("\n") or not head else "\n")) and out.count("TTFT") == 1, out
+    assert out[len(head):].lstrip("\n").startswith("TTFT") and "\n\n" not in out[len(head) - 1:], out
+
+
 def test_cli_generate_says_triton_is_missing(wide_ckpt, capsys, monkeypatch):
     from wide.cli import main
     from wide.kernels import _common
@@ -476,20 +497,20 @@ def test_cuda_engine_matches_the_masking_path_and_graphs_replay_eager():
 @cuda
 @pytest.mark.parametrize("naxis", ["auto", "dense"])
 @pytest.mark.parametrize("B", [1, 3, 6])
-def test_cuda_second_stream_and_one_launch_qkv_change_nothing(naxis, B):
-    """bf16 on the GPU: the routers on the second stream and the one-launch [Q | K | V] GEMV give the masks and
-    logits of the engine without them, eagerly and replayed from a CUDA graph."""
+def test_cuda_second_stream_changes_nothing(naxis, B):
+    """bf16 on the GPU: the routers on the second stream (beside the norm, K / V, a cuBLAS Q or gate / up) give the
+    masks and logits of the same engine in one stream, eagerly and replayed from a CUDA graph; the one-launch
+    [Q | K | V] GEMV runs up to 4 rows where Q is routed."""
     from wide.inference import Engine
     from wide.inference.graphs import DecodeRunner
 
     wm = _cuda_wide(9)
     ids = torch.randint(2, 128, (B, 12), device="cuda", generator=torch.Generator("cuda").manual_seed(B))
     outs = []
-    for fast_paths in (True, False):
+    for streams in (True, False):
         eng = Engine(wm, naxis=naxis)
         assert eng.streams and eng.qkv_one_launch(B) == (B <= 4 and naxis == "auto")
-        if not fast_paths:
-            eng.streams, eng.qkv_group = False, None
+        eng.streams = streams
         logits, masks = _prefill_decode(eng, ids, steps=1)
         cache = eng.new_cache(B, 14)
         eng.prefill(ids, None, cache)

@@ -157,7 +157,7 @@ def run(args) -> int:
     end_line()
     if not stream:
         for i, t in enumerate(res.texts):
-            print(f"[{i}] {t}")
+            print(f"[{i}] {t}", end="" if t.endswith("\n") else "\n")
     sp = res.sparsity
     sp_txt = ", ".join(f"{k} {v:.3f}" for k, v in sp.items()) or "0 (dense)"
     n = sum(map(len, res.tokens))
