@@ -205,7 +205,7 @@ def test_static_allocation_choice_uses_loss_on_ties():
 
 def test_static_save_load_round_trip(tmp_path):
     from wide.baselines.static import StaticPruning, prune, save_pruned, slice_model
-    from wide.model import load_base_model
+    from wide.hub import load_base_model
 
     m, tok = tiny_model(), tiny_tokenizer()
     p = prune(m, _blocks(tok), 0.5, ffn_group_size=16, batch_size=2)
@@ -249,3 +249,52 @@ def test_cli_prune_static(model_dir, text_file, tmp_path, capsys):
     assert cfg["num_attention_heads"] == 2 and cfg["num_key_value_heads"] == 1 and cfg["intermediate_size"] == 64
     rc, stdout, err = run_cli(["info", "--model", out, "--ffn-group-size", "16"], capsys)  # usable as --model
     assert rc == 0 and "heads / KV heads   2 / 1" in stdout, err
+
+
+def test_cli_prune_static_summary_and_rounding_warning(model_dir, text_file, tmp_path, capsys):
+    split = ["--ffn-group-size", "16", "--calib-blocks", "2", "--seq-len", "32", "--device", "cpu"]
+    base = ["prune-static", "--model", model_dir, "--text", text_file, *split]
+    rc, stdout, err = run_cli([*base, "-o", tmp_path / "a", "--attn-sparsity", "0.5", "--ffn-sparsity", "0.25"],
+                              capsys)
+    assert rc == 0, err
+    line = next(ln for ln in stdout.splitlines() if ln.startswith("static pruning of"))
+    assert "(--attn-sparsity 0.5 --ffn-sparsity 0.25)" in line and "S=" not in line
+    assert "removed attention 0.500" in line and "FFN 0.250" in line and "overall 0.375" in line
+    assert "warning" not in err
+    # fractions whole groups cannot reach: one stderr line naming each fraction that differs
+    rc, stdout, err = run_cli([*base, "-o", tmp_path / "b", "--attn-sparsity", "0.1", "--ffn-sparsity", "0.02"],
+                              capsys)
+    assert rc == 0, err
+    assert "removed attention 0.000" in stdout and "FFN 0.000" in stdout
+    warn = [ln for ln in err.splitlines() if ln.startswith("warning:")]
+    assert len(warn) == 1, err
+    assert ("warning: only whole groups are removed, so the sparsity removed differs from the one asked: attention "
+            "0.000 (asked 0.1), FFN 0.000 (asked 0.02), overall 0.000 (asked 0.06); each layer has") in warn[0]
+    assert "and keeps at least one of each" in warn[0]
+
+
+def test_cli_prune_static_files_get_the_new_file_mode(tmp_path, model_dir, text_file, capsys, monkeypatch):
+    """safetensors writes 0600: every file the save writes gets 0644 under umask 022; a user's file keeps its mode.
+    Runs with the memory check skipped, which refuses it with 1 MiB available."""
+    import os
+    import stat
+
+    import wide.memory as M
+
+    monkeypatch.setattr(M, "available_memory", lambda device: (2 ** 20, "MemAvailable of this machine"))
+    out = tmp_path / "pruned"
+    out.mkdir()
+    (out / "mine.txt").write_text("x")
+    (out / "mine.txt").chmod(0o600)
+    old = os.umask(0o022)
+    try:
+        rc, stdout, err = run_cli(["prune-static", "--model", model_dir, "-S", "0.5", "-o", out, "--text", text_file,
+                                   "--seq-len", "32", "--calib-blocks", "2", "--ffn-group-size", "16", "--device",
+                                   "cpu", "--overwrite", "--no-memory-check"], capsys)
+    finally:
+        os.umask(old)
+    assert rc == 0 and "(S=0.5): removed attention" in stdout and "overall 0.500" in stdout, err
+    assert "warning" not in err
+    modes = {str(f.relative_to(out)): stat.S_IMODE(f.stat().st_mode) for f in out.rglob("*") if f.is_file()}
+    assert modes.pop("mine.txt") == 0o600
+    assert "model.safetensors" in modes and set(modes.values()) == {0o644}, modes

@@ -1,32 +1,66 @@
-"""The CLI end to end on a tiny local checkpoint, and every bad input: one line, exit 2, nothing written."""
+"""The CLI end to end on a tiny local checkpoint: what each command prints and writes, --resume / --overwrite,
+help texts, warnings and interrupts. Every refusal of bad input is in test_cli_bad_input.py."""
 
+import argparse
 import json
+import re
+from pathlib import Path
 
 import pytest
+import torch
 
-from wide.cli import main
+from wide.cli import build_parser, main
+from wide_testutil import calibrate_args, tiny_llama_config
+from wide_testutil import run_cli as run
+
+MAKEFILE = Path(__file__).resolve().parents[1] / "Makefile"
 
 
-def run(args, capsys):
-    rc = main([str(a) for a in args])
-    out, err = capsys.readouterr()
-    return rc, out, err
+def _subparser(*names):
+    p = build_parser()
+    for n in names:
+        p = next(a for a in p._actions if isinstance(a, argparse._SubParsersAction)).choices[n]
+    return p
 
 
+def _fake_memory(monkeypatch, available: int) -> None:
+    import wide.memory as M
+
+    monkeypatch.setattr(M, "available_memory", lambda device: (available, "MemAvailable of this machine"))
+
+
+# --- info ----------------------------------------------------------------------------------------------------------
 def test_info(model_dir, capsys):
-    rc, out, _ = run(["info", "--model", model_dir, "--ffn-group-size", "32"], capsys)
-    assert rc == 0
-    assert "layers             2" in out and "head_dim           16" in out
+    rc, out, err = run(["info", "--model", model_dir, "--ffn-group-size", "32"], capsys)
+    assert rc == 0, err
+    assert "layers             2" in out and "head_dim           16" in out and "max context        256" in out
     assert "legal FFN G        [16, 32, 64, 128]" in out and "router params" in out
+    nxt = next(ln for ln in out.splitlines() if ln.startswith("next step"))
+    cmd = nxt.split("next step", 1)[1].split("(")[0].split()
+    assert cmd[:2] == ["wide", "calibrate"] and "--ffn-group-size" in cmd
+    parsed = build_parser().parse_args(cmd[1:])  # a command that parses
+    if not torch.cuda.is_available():  # sized to finish on a CPU, as the demo is there
+        assert (parsed.steps, parsed.batch_size, parsed.seq_len) == (80, 4, 256) and "no GPU here" in nxt, nxt
 
 
+def test_info_help_shows_only_its_options(capsys):
+    with pytest.raises(SystemExit) as e:
+        main(["info", "--help"])
+    assert e.value.code == 0
+    shown = set(re.findall(r"(?<![\w-])--[a-z][\w-]*", capsys.readouterr().out))
+    assert shown == {"--help", "--model", "--attn-group-size", "--ffn-group-size", "--rank", "--routed", "--method",
+                     "--skipgpt-rank"}, shown  # no --sparsity, --alpha, --tau-*, --mode, --device
+
+
+# --- calibrate, eval-ppl, --resume, --overwrite ------------------------------------------------------------------
 def test_calibrate_then_eval(tmp_path, model_dir, text_file, capsys):
     out_dir = tmp_path / "ckpt"
-    rc, out, err = run(["calibrate", "--model", model_dir, "--text", text_file, "-o", out_dir, "--steps", "3",
-                        "--batch-size", "2", "--seq-len", "32", "--ffn-group-size", "32", "--device", "cpu"], capsys)
+    args = calibrate_args(model_dir, text_file, out_dir, "--steps", "3", "--batch-size", "2")
+    rc, out, err = run(args, capsys)
     assert rc == 0, err
     assert (out_dir / "routers.safetensors").is_file() and (out_dir / "wide_config.json").is_file()
-    res = tmp_path / "res.json"
+    assert re.search(r"^done in \d+s: lm_loss [\d.]+, attn sparsity [\d.]+, ffn sparsity [\d.]+$", out, re.M), out
+    res = tmp_path / "new" / "sub" / "res.json"  # its folders are made
     rc, out, err = run(["eval-ppl", "--wide", out_dir, "--model", model_dir, "--text", text_file, "--ctx", "64",
                         "--layers", "--json", res, "--device", "cpu"], capsys)
     assert rc == 0, err
@@ -34,194 +68,63 @@ def test_calibrate_then_eval(tmp_path, model_dir, text_file, capsys):
     assert r["dense"]["ppl"] > 1 and r["wide"]["ppl"] > 1
     assert 0 <= r["wide"]["realized_sparsity"] <= 1 and len(r["wide"]["per_layer"]) == 2
     assert "ppl ratio wide/dense" in out and "layer  attn_sparsity" in out
-    # resume after completion is a no-op that still succeeds
-    rc, _, err = run(["calibrate", "--model", model_dir, "--text", text_file, "-o", out_dir, "--steps", "3",
-                      "--batch-size", "2", "--seq-len", "32", "--ffn-group-size", "32", "--device", "cpu", "--resume"], capsys)
+    rc, out, err = run([*args, "--resume"], capsys)  # a finished run: --resume says so and rewrites nothing
     assert rc == 0, err
+    assert (f"the run in {out_dir} is already complete: step 3 of 3 done (state in {out_dir / 'train_state.dcp'}); "
+            f"nothing to train") in out.splitlines()
 
 
-BAD = [
-    (["--model", "/does/not/exist"], "model '/does/not/exist' not found"),
-    (["-S", "1.5"], "S=1.5 is outside [0, 1)"),
-    (["-S", "-0.1"], "S=-0.1 is outside [0, 1)"),
-    (["--alpha", "-1"], "alpha=-1.0 must be >= 0"),
-    (["--ffn-group-size", "48"], "FFN group size G=48 must be a power of two"),
-    (["--ffn-group-size", "256"], "G=256 does not divide the intermediate size 128"),
-    (["--attn-group-size", "24"], "G=24 must be a multiple of head_dim=16"),
-    (["--text", "EMPTY"], "is empty"),
-    (["--text", "SHORT"], "short.txt' has 4 tokens (with an end-of-text token after each document), "
-                          "shorter than one sequence of 32"),  # names the file
-    (["--text", "/no/such/file.txt"], "text '/no/such/file.txt' not found"),
-    (["--resume"], "--resume: no train_state.pt"),
-    (["-o", "AFILE"], "is a file; give a directory"),
-    (["-o", ""], "-o '' is empty; give a directory"),  # once wrote into the current directory
-]
-
-
-@pytest.mark.parametrize("extra,msg", BAD, ids=[m for _, m in BAD])
-def test_bad_input_calibrate(tmp_path, model_dir, text_file, capsys, extra, msg):
-    (tmp_path / "empty.txt").write_text("\n")
-    (tmp_path / "short.txt").write_text("w1 w2 w3")
-    (tmp_path / "afile").write_text("not a directory\n")
-    extra = [{"EMPTY": tmp_path / "empty.txt", "SHORT": tmp_path / "short.txt", "AFILE": tmp_path / "afile"}.get(a, a)
-             for a in extra]
-    args = ["calibrate", "--model", model_dir, "--text", text_file, "-o", tmp_path / "out", "--steps", "1",
-            "--seq-len", "32", "--ffn-group-size", "32", "--device", "cpu", *extra]
-    rc, out, err = run(args, capsys)
-    assert rc == 2
-    assert msg in err
-    assert len(err.strip().splitlines()) == 1 and "Traceback" not in err
-    assert not (tmp_path / "out").exists()
-
-
-def test_unsupported_architecture(tmp_path, capsys):
-    from transformers import GPT2Config, GPT2LMHeadModel
-
-    d = tmp_path / "gpt2"
-    GPT2LMHeadModel(GPT2Config(n_layer=1, n_embd=32, n_head=2, vocab_size=50)).save_pretrained(d)
-    rc, _, err = run(["info", "--model", d], capsys)
-    assert rc == 2 and "unsupported architecture GPT2LMHeadModel" in err
-
-
-def test_eval_bad_checkpoints(tmp_path, model_dir, text_file, capsys):
-    rc, _, err = run(["eval-ppl", "--wide", tmp_path / "none", "--model", model_dir, "--text", text_file], capsys)
-    assert rc == 2 and "not found" in err
-    d = tmp_path / "ckpt"
-    run(["calibrate", "--model", model_dir, "--text", text_file, "-o", d, "--steps", "1", "--batch-size", "1",
-         "--seq-len", "32", "--ffn-group-size", "32", "--device", "cpu"], capsys)
-    (d / "routers.safetensors").write_bytes(b"junk")
-    rc, _, err = run(["eval-ppl", "--wide", d, "--model", model_dir, "--text", text_file, "--json", tmp_path / "r.json"], capsys)
-    assert rc == 2 and "corrupt checkpoint file" in err and len(err.strip().splitlines()) == 1
-    assert not (tmp_path / "r.json").exists()
-
-
-def test_help_for_every_subcommand(capsys):
-    for cmd in ["info", "calibrate", "eval-ppl", "demo"]:
-        with pytest.raises(SystemExit) as e:
-            main([cmd, "--help"])
-        assert e.value.code == 0
-        assert "usage: wide " + cmd in capsys.readouterr().out
-
-
-def _one_line_error(rc, err, cmd, msg):
-    assert rc == 2, err
-    lines = err.strip().splitlines()
-    assert len(lines) == 1 and "Traceback" not in err, err
-    assert lines[0].startswith(f"wide {cmd}: error: ") and msg in lines[0], lines[0]
-
-
-@pytest.mark.parametrize("extra,msg", [
-    (["--attn-group-size", "0"], "attention group size G=0 must be a positive multiple of head_dim"),
-    (["--attn-group-size", "-64"], "attention group size G=-64 must be a positive multiple of head_dim"),
-    (["--ffn-group-size", "0"], "FFN group size G=0 must be a power of two >= 16"),
-    (["--ffn-group-size", "-32"], "FFN group size G=-32 must be a power of two >= 16"),
-])
-def test_info_non_positive_group_size(model_dir, capsys, extra, msg):
-    rc, _, err = run(["info", "--model", model_dir, *extra], capsys)
-    _one_line_error(rc, err, "info", msg)
-
-
-@pytest.mark.parametrize("field,value,words", [
-    ("ffn_group_size", "abc", "an integer"), ("ffn_group_size", 32.0, "an integer"),
-    ("target_sparsity", "0.5", "a number"), ("router_rank", None, "an integer"),
-])
-def test_eval_ppl_config_of_wrong_type(tmp_path, model_dir, text_file, capsys, field, value, words):
-    """A checkpoint whose wide_config.json holds a wrong type: one line naming field, value and type."""
-    d = tmp_path / "ckpt"
-    rc, _, err = run(["calibrate", "--model", model_dir, "--text", text_file, "-o", d, "--steps", "1", "--batch-size",
-                      "1", "--seq-len", "32", "--ffn-group-size", "32", "--device", "cpu"], capsys)
+def test_overwrite_starts_a_new_run(tmp_path, model_dir, text_file, capsys):
+    out = tmp_path / "run"
+    out.mkdir()  # an existing empty directory is fine
+    assert run(calibrate_args(model_dir, text_file, out), capsys)[0] == 0
+    before = (out / "routers.safetensors").read_bytes()
+    rc, _, err = run(calibrate_args(model_dir, text_file, out, "--seed", "1", "--overwrite"), capsys)
     assert rc == 0, err
-    cfg = json.loads((d / "wide_config.json").read_text())
-    (d / "wide_config.json").write_text(json.dumps({**cfg, field: value}))
-    res = tmp_path / "r.json"
-    rc, _, err = run(["eval-ppl", "--wide", d, "--model", model_dir, "--text", text_file, "--json", res], capsys)
-    _one_line_error(rc, err, "eval-ppl", f"{field}={value!r}")
-    assert "wide_config.json" in err and f"must be {words}" in err
-    assert not res.exists()
+    assert (out / "routers.safetensors").read_bytes() != before  # a new run (other seed)
+    assert [json.loads(ln)["step"] for ln in (out / "train_log.jsonl").read_text().splitlines()] == [1]
+    assert not [p for p in out.iterdir() if p.name.startswith(".")]  # no temporary files left behind
 
 
-# Bad counts fail before the model loads: with --model pointing nowhere, the message is still about the count.
-EARLY = [
-    ("eval-ppl", ["--batch-size", "0"], "--batch-size 0 must be >= 1"),
-    ("eval-ppl", ["--batch-size", "-2"], "--batch-size -2 must be >= 1"),
-    ("eval-ppl", ["--max-tokens", "0"], "--max-tokens 0 must be >= 2"),
-    ("eval-ppl", ["--max-tokens", "-5"], "--max-tokens -5 must be >= 2"),
-    ("eval-ppl", ["--max-tokens", "1"], "--max-tokens 1 must be >= 2"),  # a window needs 2 tokens
-    ("eval-ppl", ["--ctx", "0"], "--ctx 0 must be >= 2"),
-    ("eval-ppl", ["--ctx", "-1"], "--ctx -1 must be >= 2"),
-    ("calibrate", ["-o", "OUT", "--max-blocks", "0", "--seq-len", "64"], "--max-blocks 0 must be >= 1"),
-    ("calibrate", ["-o", "OUT", "--max-blocks", "-1"], "--max-blocks -1 must be >= 1"),
-    ("calibrate", ["-o", "OUT", "--seq-len", "1"], "--seq-len 1 must be >= 2"),
-    ("demo", ["-o", "OUT", "--steps", "0"], "--steps 0 must be >= 1"),
-    ("demo", ["-o", "OUT", "--steps", "-3"], "--steps -3 must be >= 1"),
-    ("demo", ["-o", "OUT", "--seq-len", "0"], "--seq-len 0 must be >= 2"),
-    ("demo", ["-o", "OUT", "--ctx", "0"], "--ctx 0 must be >= 2"),
-    ("demo", ["-o", "OUT", "--eval-tokens", "0"], "--eval-tokens 0 must be >= 2"),
-    ("demo", ["-o", "OUT", "--eval-tokens", "1"], "--eval-tokens 1 must be >= 2"),
-]
+def test_lora_overwrite_keeps_other_files(tmp_path, model_dir, text_file, capsys):
+    pytest.importorskip("peft")
+    s1 = tmp_path / "s1"
+    assert run(calibrate_args(model_dir, text_file, s1), capsys)[0] == 0
+    out = tmp_path / "s2"
+    out.mkdir()
+    (out / "notes.txt").write_text("someone else's file\n")
+    rc, _, err = run(["lora", "--model", model_dir, "--text", text_file, "--wide", s1, "-o", out, "--steps", "1",
+                      "--batch-size", "1", "--seq-len", "32", "--device", "cpu", "--overwrite"], capsys)
+    assert rc == 0, err
+    assert (out / "adapter").is_dir() and (out / "notes.txt").is_file()
 
 
-@pytest.mark.parametrize("cmd,extra,msg", EARLY, ids=[f"{c} {' '.join(e)}" for c, e, _ in EARLY])
-def test_bad_counts_fail_before_loading(tmp_path, text_file, capsys, cmd, extra, msg):
-    out = tmp_path / "out"
-    extra = [out if a == "OUT" else a for a in extra]
-    rc, _, err = run([cmd, "--model", tmp_path / "no-model", "--text", text_file, "--device", "cpu", *extra], capsys)
-    _one_line_error(rc, err, cmd, msg)
-    assert not out.exists()
+def test_calibrate_notes_a_text_with_fewer_sequences_than_the_batch(tmp_path, model_dir, text_file, capsys):
+    from transformers import AutoTokenizer
+
+    from wide.data import load_texts, pack
+
+    n = pack(load_texts(str(text_file)), AutoTokenizer.from_pretrained(model_dir), 32).shape[0]
+    rc, stdout, err = run([*calibrate_args(model_dir, text_file, tmp_path / "o"), "--batch-size", str(n + 1)], capsys)
+    assert rc == 0, err
+    assert (f"note: the text gives {n} sequences of 32 tokens, fewer than the global batch of {n + 1}: every step "
+            "repeats some of them") in stdout
+    rc, stdout, err = run([*calibrate_args(model_dir, text_file, tmp_path / "p"), "--batch-size", str(n)], capsys)
+    assert rc == 0 and "note: the text gives" not in stdout, err  # a batch of every sequence repeats none
 
 
-def test_demo_help_and_auto_defaults(capsys):
-    """Every `wide demo` option has help; --steps / --seq-len default to None and the help says 'auto'."""
-    import argparse
+def test_memory_suggestion_runs_and_the_check_can_be_skipped(tmp_path, model_dir, text_file, capsys, monkeypatch):
+    """The split the memory refusal suggests (test_cli_bad_input) fits; --no-memory-check skips the check."""
+    from wide.config import WideConfig
+    from wide.memory import HEADROOM, train_memory_from_config
 
-    from wide.cli import build_parser
-
-    p = build_parser()
-    sub = next(a for a in p._actions if isinstance(a, argparse._SubParsersAction))
-    demo = sub.choices["demo"]
-    missing = [a.option_strings[0] for a in demo._actions if a.option_strings and not a.help]
-    assert missing == []
-    args = demo.parse_args([])
-    assert args.steps is None and args.seq_len is None
-    with pytest.raises(SystemExit):
-        main(["demo", "--help"])
-    out = " ".join(capsys.readouterr().out.split())
-    assert "default: auto, 80 on CPU, 300 on GPU" in out and "default: auto, 256 on CPU, 2048 on GPU" in out
-    # the other commands keep their fixed defaults
-    cal = sub.choices["calibrate"].parse_args(["-o", "x"])
-    assert cal.steps == 500 and cal.seq_len == 2048
-
-
-@pytest.mark.parametrize("bench", ["kernels", "e2e"])
-def test_bench_without_gpu_same_error_format(tmp_path, capsys, bench):
-    import torch
-
-    if torch.cuda.is_available():
-        pytest.skip("needs a machine without CUDA")
-    out = tmp_path / "bench"
-    rc, _, err = run(["bench", bench, "--out-dir", out], capsys)
-    _one_line_error(rc, err, "bench", f"wide bench {bench} times GPU code and needs a CUDA GPU")
-    assert not out.exists()
-
-
-@pytest.mark.parametrize("module,cmd", [("lm_eval", ["eval", "--tasks", "wide_boolq"]), ("lm_eval", ["lm-eval"]),
-                                        ("peft", ["lora", "-o", "LORA"])])
-def test_missing_quality_extra_is_one_line(tmp_path, model_dir, text_file, capsys, monkeypatch, module, cmd):
-    # `make demo` installs only the core package: these commands name the missing package and the extra
-    import importlib.util
-
-    real = importlib.util.find_spec
-    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == module else real(name, *a))
-    args = [str(tmp_path / "lora") if a == "LORA" else a for a in cmd]
-    if cmd[0] in ("eval", "lora"):
-        args += ["--wide", str(tmp_path / "ckpt"), "--model", model_dir]
-    if cmd[0] == "lora":
-        args += ["--text", text_file, "--device", "cpu"]
-    rc, _, err = run(args, capsys)
-    assert rc == 2, err
-    assert f"needs the '{module}' package" in err and "wide[quality]" in err
-    assert len(err.strip().splitlines()) == 1 and "Traceback" not in err
-    assert not (tmp_path / "lora").exists()
+    mem = train_memory_from_config(tiny_llama_config(), WideConfig(ffn_group_size=32), "cpu")
+    _fake_memory(monkeypatch, int(mem.estimate(3, 32, False) / HEADROOM))  # 2 sequences of 32 tokens fit, 4 not
+    args = [*calibrate_args(model_dir, text_file, tmp_path / "o"), "--batch-size", "8"]
+    rc, _, err = run([*args, "--batch-size", "2", "--grad-accum", "4"], capsys)
+    assert rc == 0, err
+    rc, _, err = run([*args, "--no-memory-check", "--overwrite"], capsys)
+    assert rc == 0, err
 
 
 def test_interrupted_training_says_how_to_resume(tmp_path, model_dir, text_file, capsys, monkeypatch):
@@ -236,9 +139,156 @@ def test_interrupted_training_says_how_to_resume(tmp_path, model_dir, text_file,
     assert rc == 130  # no state saved yet: --resume would fail, so it is not offered
     assert err.strip() == ("wide calibrate: interrupted; nothing was saved yet (the first save is at step 5), so "
                            "there is nothing to resume")
-    (tmp_path / "o").mkdir()
-    (tmp_path / "o" / "train_state.pt").write_bytes(b"")
+    (tmp_path / "o" / "train_state.dcp").mkdir(parents=True)  # a saved state: its description and metadata
+    (tmp_path / "o" / "train_state.dcp" / "train_state.json").write_text("{}")
+    (tmp_path / "o" / "train_state.dcp" / ".metadata").write_bytes(b"")
     rc, _, err = run(argv, capsys)
     assert rc == 130
     assert err.strip() == (f"wide calibrate: interrupted; the last state saved (every --save-every 5 steps) is in "
                            f"{str(tmp_path / 'o')!r}: add --resume to continue from it")
+
+
+@pytest.mark.parametrize("ours", [True, False])
+def test_value_errors_of_ours_are_one_line_others_propagate(capsys, monkeypatch, ours):
+    """WideError and the kernels' KernelArgumentError (ValueErrors defined in wide) are bad input: one line, exit
+    2; a ValueError from a library is a bug and keeps its traceback."""
+    import wide.cli as cli
+    from wide.kernels import KernelArgumentError
+
+    def fail(args):
+        raise (KernelArgumentError if ours else ValueError)("tile 3 must be a multiple of 16")
+
+    monkeypatch.setattr(cli.evaluate, "cmd_info", fail)
+    if not ours:
+        with pytest.raises(ValueError, match="tile 3"):
+            main(["info"])
+        return
+    assert main(["info"]) == 2
+    assert capsys.readouterr().err == "wide info: error: tile 3 must be a multiple of 16\n"
+
+
+# --- eval-ppl --------------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("ctx,max_tokens,line,tokens", [
+    (64, 100, "1 window of 64 tokens (64 tokens)", 63),  # at most --max-tokens: 64 of the first 100
+    (64, 200, "3 windows of 64 tokens (192 tokens)", 189),
+    (256, 40, "1 window of 40 tokens (40 tokens; --max-tokens 40 is below --ctx 256)", 39),  # not a full window
+    (256, None, "4 windows of 256 tokens (1,024 tokens)", 1020),  # --ctx at the model's context
+])
+def test_eval_ppl_max_tokens_is_an_upper_bound(tmp_path, model_dir, text_file, capsys, ctx, max_tokens, line, tokens):
+    target = tmp_path / "r.json"
+    args = ["eval-ppl", "--model", model_dir, "--text", text_file, "--ctx", ctx, "--device", "cpu", "--json", target]
+    rc, stdout, err = run([*args, *([] if max_tokens is None else ["--max-tokens", max_tokens])], capsys)
+    assert rc == 0, err
+    assert line in stdout.splitlines()
+    r = json.loads(target.read_text())["dense"]
+    assert r["tokens"] == tokens and r["ctx"] == min(ctx, max_tokens or ctx)  # tokens predicted: width - 1 each
+
+
+def test_interrupted_checkpoint_warning_is_one_line(tmp_path, model_dir, text_file, capsys):
+    from wide.checkpoint import load, save_wide
+    from wide.config import WideConfig
+    from wide.errors import WideWarning
+    from wide.model import WideModel
+    from wide_testutil import tiny_model
+
+    wm = WideModel(tiny_model(), WideConfig(ffn_group_size=32))
+    path = save_wide(wm, tmp_path / "ckpt", model_ref="tiny", extra={"stage": "router", "step": 2, "steps": 4})
+    rc, out, err = run(["eval-ppl", "--wide", path, "--model", model_dir, "--text", text_file, "--ctx", "32",
+                        "--max-tokens", "64", "--device", "cpu", "--no-memory-check"], capsys)
+    assert rc == 0, err
+    assert "UserWarning" not in err and "warnings.warn" not in err and "checkpoint.py" not in err, err
+    assert [ln for ln in err.splitlines() if "warning" in ln] == [
+        f"wide eval-ppl: warning: WIDE checkpoint '{path}' is an intermediate save (step 2 of 4) of an interrupted "
+        f"wide calibrate run; to finish it, run wide calibrate again with the same options, -o '{path}' and --resume"]
+    assert "dense  ppl" in out
+    with pytest.warns(WideWarning, match="intermediate save"):  # the library still warns
+        load(path, model=tiny_model())
+
+
+# --- demo ------------------------------------------------------------------------------------------------------
+def test_demo_every_stage_ends_with_its_result(tmp_path, model_dir, text_file, capsys):
+    out = tmp_path / "demo"
+    out.mkdir()
+    (out / "routers.safetensors").write_text("an earlier checkpoint")  # replaced with --overwrite
+    rc, stdout, err = run(["demo", "--model", model_dir, "--text", text_file, "-o", out, "--device", "cpu", "--steps",
+                           "1", "--batch-size", "1", "--seq-len", "32", "--ctx", "32", "--eval-tokens", "64",
+                           "--ffn-group-size", "32", "--max-blocks", "3", "--overwrite"], capsys)
+    assert rc == 0, err
+    lines = stdout.splitlines()
+    stages = [i for i, ln in enumerate(lines) if re.match(r"\[\d/5\]", ln)] + [len(lines)]
+    assert len(stages) == 6, stdout
+    last = [lines[end - 1] for end in stages[1:]]  # the line that closes each stage
+    assert re.match(r" +2 layers, hidden 64, .* router parameters$", last[0]), last
+    assert re.match(r" +dense ppl [\d.]+$", last[1]), last
+    assert re.match(r" +done in \d+s: lm_loss [\d.]+, attn sparsity [\d.]+, ffn sparsity [\d.]+$", last[2]), last
+    assert re.match(r"ppl ratio wide/dense: [\d.]+$", last[3]), last
+    assert re.match(rf"done in \d+s; results in {re.escape(str(out / 'demo_result.json'))}$", last[4]), last
+    assert "(3 calibration sequences)" in lines[stages[2]]  # --max-blocks
+    assert f"tokens of {text_file} (the calibration text too, not held-out)" in lines[stages[1]]
+    assert (out / "demo_result.json").is_file() and (out / "routers.safetensors").read_bytes()[:1] != b"a"
+    demo_line = next(ln for ln in MAKEFILE.read_text().splitlines() if "bin/wide demo" in ln)
+    assert "--overwrite" in demo_line  # `make demo` runs again
+
+
+def test_make_demo_settings_fit_in_memory():
+    """`make demo` (CPU: 4 x 256 tokens on the bundled SmolLM2-135M) passes the memory check on a 24 GB machine:
+    its estimate fits in 8 GiB with the headroom."""
+    from wide.cli.common import config_from, hf_config
+    from wide.cli.demo import demo_settings
+    from wide.errors import WideError
+    from wide.memory import GIB, HEADROOM, train_memory_from_config
+
+    line = next(ln for ln in MAKEFILE.read_text().splitlines() if "bin/wide demo" in ln)
+    args = build_parser().parse_args(line.split("bin/wide ", 1)[1].split("#")[0].split())
+    try:
+        _, hf = hf_config(args.model)
+    except WideError as e:
+        pytest.skip(f"bundled model not installed: {e}")
+    mem = train_memory_from_config(hf, config_from(args), "cpu")
+    est = mem.estimate(args.batch_size, demo_settings(args, gpu=False)["seq_len"], args.grad_checkpoint)
+    assert args.memory_check and est <= HEADROOM * 8 * GIB, est / GIB
+
+
+# --- help and parsing ---------------------------------------------------------------------------------------------
+def test_help_for_every_subcommand(capsys):
+    for cmd in ["info", "calibrate", "lora", "eval-ppl", "eval", "prune-static", "demo", "generate"]:
+        with pytest.raises(SystemExit) as e:
+            main([cmd, "--help"])
+        assert e.value.code == 0
+        assert "usage: wide " + cmd in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("cmd,defaults", [
+    ("lora", {"lora_dropout": "0.1"}),
+    ("prune-static", {"ffn_group_size": "128", "seq_len": "2048", "batch_size": "4", "calib_blocks": "32"}),
+    ("generate", {"max_new_tokens": "64"}),
+    ("demo", {"steps": "auto, 80 on CPU, 300 on GPU", "seq_len": "auto, 256 on CPU, 2048 on GPU"}),
+    ("calibrate", {"steps": "500", "seq_len": "2048"}),
+])
+def test_every_option_has_help(cmd, defaults):
+    p = _subparser(cmd)
+    assert not [a.option_strings for a in p._actions if a.option_strings and not a.help]
+    helps = {a.dest: a.help for a in p._actions}
+    for dest, default in defaults.items():
+        assert f"default: {default})" in helps[dest], (dest, helps[dest])
+
+
+def test_parsed_defaults():
+    assert _subparser("demo").parse_args([]).steps is None and _subparser("demo").parse_args([]).seq_len is None
+    cal = _subparser("calibrate").parse_args(["-o", "x"])
+    assert cal.steps == 500 and cal.seq_len == 2048
+    assert build_parser().parse_args(["eval"]).tasks == "zeroshot"
+
+
+def test_bench_options_parse():
+    pytest.importorskip("wide.bench.e2e")
+    e2e = _subparser("bench", "e2e")
+    helps = {a.dest: a.help for a in e2e._actions}
+    assert "default: 50" in helps["runs"] and "--text spec of wide calibrate" in helps["smollm2_text"]
+    a = e2e.parse_args(["--trace-points", "prefill:1:2048,decode:4:2048", "--trace-sparsity", "0,0.5"])
+    assert a.trace_points == [("prefill", 1, 2048), ("decode", 4, 2048)] and a.trace_sparsity == [0.0, 0.5]
+    assert e2e.parse_args([]).trace_points == [("prefill", 1, 16384), ("decode", 1, 2048)]
+    a = e2e.parse_args(["--split", "uniform", "--models", "llama8b", "--trace-sparsity", "0", "--runs", "7"])
+    assert a.split == ["uniform"] and a.models == ["llama8b"] and a.trace_sparsity == [0.0] and a.runs == 7
+    k = _subparser("bench", "kernels").parse_args(["--tokens", "4096", "--decode-batch", "4"])
+    assert k.tokens == 4096 and k.decode_batch == 4

@@ -4,8 +4,6 @@ from __future__ import annotations
 
 import importlib.util
 import json
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -200,7 +198,7 @@ def test_model_args_string_evaluates(model_dir, tmp_path):
 
     from wide.checkpoint import save_wide
     from wide.eval.lm_eval import evaluate
-    from wide.model import load_base_model
+    from wide.hub import load_base_model
 
     base, _, src = load_base_model(str(model_dir), device="cpu")
     ckpt = tmp_path / "ckpt"
@@ -304,48 +302,27 @@ def test_bad_dtype(model_dir):
         WideLM(pretrained=str(model_dir), dtype="int8")
 
 
-def _wide(*args, timeout=600):
-    return subprocess.run([sys.executable, "-m", "wide", *args], capture_output=True, text=True, timeout=timeout,
-                          env={**__import__("os").environ, "PYTHONPATH": str(Path(__file__).parents[1] / "src")})
-
-
-@pytest.mark.parametrize("args,msg", [
-    (["--tasks", "mmlu"], "unknown task 'mmlu'"),
-    (["--wide", "/nonexistent/ckpt"], "not found"),
-    (["--batch-size", "0"], "--batch-size 0"),
-    (["--tasks", "wikitext", "--wikitext", "/nonexistent/wiki.test.raw"], "WikiText-2 test file"),
-    (["--limit", "0"], "--limit 0: give a whole number of documents per task (>= 1) or a fraction in (0, 1)"),
-    (["--limit", "-1", "--model", "/nonexistent/model"], "--limit -1: give a whole number"),
-])
-def test_cli_eval_bad_input(args, msg, model_dir, capsys):
-    """In process (the same ``main`` as the console script; a subprocess costs ~13 s of imports a case)."""
-    from wide.cli import main
-
-    rc = main(["eval", "--model", str(model_dir), *args])
-    out, err = capsys.readouterr()
-    assert rc == 2, err
-    lines = err.strip().splitlines()
-    assert len(lines) == 1 and lines[0].startswith("wide eval: error:") and msg in lines[0] and not out
-
-
-def test_cli_eval_and_lm_eval_passthrough(model_dir, tmp_path):
+def test_cli_eval_and_lm_eval_passthrough(model_dir, tmp_path, capsys):
     from wide.checkpoint import save_wide
+    from wide.cli import main
     from wide.model import load_base_model
 
     base, _, src = load_base_model(str(model_dir), device="cpu")
     ckpt = tmp_path / "ckpt"
     save_wide(WideModel(base, WideConfig(ffn_group_size=32)), ckpt, src.ref)
     out = tmp_path / "eval.json"
-    r = _wide("eval", "--model", str(model_dir), "--wide", str(ckpt), "--tasks", "piqa,winogrande", "--limit", "2",
-              "--batch-size", "2", "--device", "cpu", "--bootstrap-iters", "0", "--json", str(out))
-    assert r.returncode == 0, r.stderr[-2000:]
+    rc = main(["eval", "--model", str(model_dir), "--wide", str(ckpt), "--tasks", "piqa,winogrande", "--limit", "2",
+               "--batch-size", "2", "--device", "cpu", "--bootstrap-iters", "0", "--json", str(out)])
+    assert rc == 0, capsys.readouterr().err[-2000:]
     rec = json.loads(out.read_text())
     assert {"piqa", "winogrande"} <= set(rec) and rec["sparsity"]["tokens"] > 0
+    capsys.readouterr()
     # lm-eval's own command line, with `wide` registered and our tasks on the include path
-    r = _wide("lm-eval", "--model", "wide", "--model_args", f"pretrained={model_dir},wide={ckpt}",
-              "--tasks", "wide_piqa", "--limit", "2", "--batch_size", "2", "--device", "cpu")
-    assert r.returncode == 0, r.stderr[-2000:]
-    assert "wide_piqa" in r.stdout and "acc_norm" in r.stdout
+    rc = main(["lm-eval", "--model", "wide", "--model_args", f"pretrained={model_dir},wide={ckpt}", "--tasks",
+               "wide_piqa", "--limit", "2", "--batch_size", "2", "--device", "cpu"])
+    stdout, err = capsys.readouterr()
+    assert rc == 0, err[-2000:]
+    assert "wide_piqa" in stdout and "acc_norm" in stdout
 
 
 def test_packed_task_data(tmp_path, monkeypatch):
@@ -408,34 +385,18 @@ def test_rolling_batch_is_cut_and_gives_the_same_perplexity(byte_wide, monkeypat
     assert ppl[1] == pytest.approx(ppl[0], rel=1e-4)
 
 
-def test_eval_wikitext_missing_names_wide_eval_option(tmp_path, monkeypatch, model_dir, capsys):
-    """`wide eval --tasks all` without wiki.test.raw: one line naming --wikitext PATH and WIDE_WIKITEXT
-    (not lm-eval's --metadata), each tried path once, before the model loads."""
-    from wide.cli import main
+def test_wikitext_not_found_lists_each_place_once(tmp_path, monkeypatch):
+    """Not found: one message naming each place tried once and how lm-eval passes the path (the `wide eval`
+    message, naming --wikitext, is in test_cli_bad_input.py)."""
     from wide.eval.tasks import loaders
 
     assert len(loaders.wikitext_candidates((tmp_path, tmp_path))) == 2  # duplicates dropped
     monkeypatch.delenv("WIDE_WIKITEXT", raising=False)
     orig = loaders.wikitext_candidates
     monkeypatch.setattr(loaders, "wikitext_candidates", lambda: orig((tmp_path / "a", tmp_path / "a")))
-    rc = main(["eval", "--model", str(tmp_path / "no-model"), "--tasks", "all"])
-    err = capsys.readouterr().err
-    assert rc == 2, err
-    lines = err.strip().splitlines()
-    assert len(lines) == 1 and lines[0].startswith("wide eval: error: WikiText-2 test file wiki.test.raw not found")
-    assert "--wikitext PATH" in err and "WIDE_WIKITEXT" in err and "--metadata" not in err
-    assert err.count(str(tmp_path / "a" / "shared")) == 1
-    # the loader lm-eval calls names lm-eval's way too
-    with pytest.raises(WideError, match="--metadata"):
+    with pytest.raises(WideError, match="--metadata") as e:
         loaders.load_wikitext()
-
-
-def test_lm_eval_passthrough_error_is_one_line():
-    """lm-eval's own exception (an unknown task) becomes `wide lm-eval: error: ...`, exit 2, no traceback."""
-    r = _wide("lm-eval", "--model", "wide", "--tasks", "nosuchtask")
-    assert r.returncode == 2, r.stderr[-2000:]
-    assert "Traceback" not in r.stderr
-    assert r.stderr.strip().splitlines()[-1] == "wide lm-eval: error: Tasks not found: nosuchtask"
+    assert str(e.value).count(str(tmp_path / "a" / "shared")) == 1 and "WIDE_WIKITEXT" in str(e.value)
 
 
 def test_lm_eval_main_errors_and_interrupt(monkeypatch, capsys):

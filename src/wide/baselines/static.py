@@ -32,11 +32,8 @@ PRUNING_NAME = "static_pruning.json"
 @torch.no_grad()
 def group_scores(model: nn.Module, blocks: torch.Tensor, attn_group_size: int, ffn_group_size: int,
                  batch_size: int = 4) -> dict[str, torch.Tensor]:
-    """Group importance over int64 calibration ``blocks`` ``[N, T]`` (module docstring).
-
-    Returns:
-        ``{"attn": float64 [L, N_attn], "ffn": float64 [L, N_ffn]}`` on the CPU.
-    """
+    """Group importance (module docstring) over int64 ``blocks`` ``[N, T]``: float64 ``{"attn": [L, N_attn],
+    "ffn": [L, N_ffn]}`` on the CPU."""
     layers = decoder_layers(model)
     device = next(model.parameters()).device
     sq = {"attn": [0.0] * len(layers), "ffn": [0.0] * len(layers)}
@@ -67,14 +64,9 @@ def group_scores(model: nn.Module, blocks: torch.Tensor, attn_group_size: int, f
 
 @dataclass
 class StaticPruning:
-    """Which groups a static pruning keeps, the same for every token.
-
-    Attributes:
-        attn_keep, ffn_keep: ``[L][N_G]`` bools (True = keep), the same count in every layer.
-        attn_group_size, ffn_group_size: ``G`` in channels. target_sparsity: the requested ``S``.
-        model, fingerprint: the base model's ``--model`` reference and weight fingerprint.
-        score: the importance score's name. calib: facts about the calibration data.
-    """
+    """Which groups a static pruning keeps for every token: ``attn_keep`` / ``ffn_keep`` ``[L][N_G]`` bools (True =
+    keep, the same count in every layer), for the requested ``target_sparsity``; ``model`` / ``fingerprint`` name the
+    base model, ``calib`` holds facts about the calibration."""
 
     attn_keep: list
     ffn_keep: list
@@ -86,13 +78,8 @@ class StaticPruning:
     score: str = "act_l2_x_weight_col_norm"
     calib: dict = field(default_factory=dict)
 
-    @property
-    def attn_sparsity(self) -> float:
-        return 1.0 - sum(map(sum, self.attn_keep)) / sum(map(len, self.attn_keep))
-
-    @property
-    def ffn_sparsity(self) -> float:
-        return 1.0 - sum(map(sum, self.ffn_keep)) / sum(map(len, self.ffn_keep))
+    attn_sparsity = property(lambda self: 1.0 - sum(map(sum, self.attn_keep)) / sum(map(len, self.attn_keep)))
+    ffn_sparsity = property(lambda self: 1.0 - sum(map(sum, self.ffn_keep)) / sum(map(len, self.ffn_keep)))
 
     @property
     def sparsity(self) -> float:
@@ -100,11 +87,8 @@ class StaticPruning:
         return 0.5 * (self.attn_sparsity + self.ffn_sparsity)
 
     def apply(self, base: nn.Module) -> WideModel:
-        """A WideModel on ``base`` with these masks fixed (bool ``[L, 1, 1, N_G]``; routers unused).
-
-        Raises:
-            WideError: groups that do not fit ``base``.
-        """
+        """A WideModel on ``base`` with these masks fixed (bool ``[L, 1, 1, N_G]``; routers unused); WideError for
+        groups that do not fit ``base``."""
         wm = WideModel(base, WideConfig(attn_group_size=self.attn_group_size, ffn_group_size=self.ffn_group_size,
                                         target_sparsity=min(self.target_sparsity, 0.999)))
         if (len(self.attn_keep), wm.n_attn_groups, wm.n_ffn_groups) != \
@@ -125,11 +109,7 @@ class StaticPruning:
 
     @classmethod
     def load(cls, directory: str | os.PathLike) -> StaticPruning:
-        """Read ``static_pruning.json`` from ``directory``.
-
-        Raises:
-            WideError: missing or corrupt file.
-        """
+        """Read ``static_pruning.json`` from ``directory`` (WideError when missing or corrupt)."""
         path = Path(directory) / PRUNING_NAME
         if not path.is_file():
             raise WideError(f"no {PRUNING_NAME} in {str(directory)!r}: not a `wide prune-static` output")
@@ -159,12 +139,9 @@ def keep_lowest(scores: torch.Tensor, n_remove: int) -> list[list[bool]]:
 
 
 def check_group_sizes(dims: ModelDims, attn_group_size: int | None, ffn_group_size: int) -> int:
-    """The attention group size (None: the GQA group), checked with the FFN one against ``dims``.
-
-    Raises:
-        WideError: an attention size that is not a multiple of the GQA group dividing the attention width (whole
-            KV heads are removed), or a bad FFN size; the message lists the legal ones.
-    """
+    """The attention group size (None: the GQA group), checked with the FFN one against ``dims``; WideError for
+    an attention size that is not a multiple of the GQA group dividing the attention width (whole KV heads are
+    removed) or a bad FFN size, listing the legal ones."""
     g_a = dims.gqa_group_size if attn_group_size is None else int(attn_group_size)
     legal = [g for g in range(dims.gqa_group_size, dims.attn_width + 1, dims.gqa_group_size)
              if dims.attn_width % g == 0]
@@ -182,10 +159,7 @@ def prune(model: nn.Module, blocks: torch.Tensor, sparsity: float, attn_group_si
     """Score the groups of a dense HF causal LM on int64 ``blocks`` ``[N, T]`` and choose the static pruning for
     target ``S`` in [0, 1) (module docstring); ``attn_sparsity`` / ``ffn_sparsity`` fix the split instead (both
     or neither, rounded to whole groups); the split's LM loss is measured on the first ``select_blocks`` blocks.
-
-    Raises:
-        WideError: bad group sizes or sparsities.
-    """
+    Raises WideError for bad group sizes or sparsities."""
     from wide.eval.perplexity import perplexity
 
     check_architecture(model.config)
@@ -220,12 +194,11 @@ def prune(model: nn.Module, blocks: torch.Tensor, sparsity: float, attn_group_si
 
 def _linear(lin: nn.Linear, idx: torch.Tensor, dim: int) -> nn.Linear:
     """A copy of ``lin`` keeping the output rows (``dim=0``) or input columns (``dim=1``) ``idx``."""
-    w = lin.weight.index_select(dim, idx.to(lin.weight.device))
+    w = lin.weight.detach().index_select(dim, idx.to(lin.weight.device))
     new = nn.Linear(w.shape[1], w.shape[0], bias=lin.bias is not None, device=w.device, dtype=w.dtype)
-    with torch.no_grad():
-        new.weight.copy_(w)
-        if lin.bias is not None:
-            new.bias.copy_(lin.bias[idx] if dim == 0 else lin.bias)
+    new.weight.data.copy_(w)
+    if lin.bias is not None:
+        new.bias.data.copy_(lin.bias.detach()[idx] if dim == 0 else lin.bias.detach())
     return new
 
 
@@ -237,14 +210,10 @@ def slice_model(model: nn.Module, pruning: StaticPruning) -> nn.Module:
     """A physically smaller copy of ``model`` (unchanged) without the pruned groups: ``q_proj`` rows and
     ``o_proj`` columns of the removed query heads, ``k_proj`` / ``v_proj`` rows of their KV heads, ``gate_proj`` /
     ``up_proj`` rows and ``down_proj`` columns of the removed FFN channels; the config follows. A GGUF-loaded
-    model's copy is a plain float checkpoint.
-
-    Returns:
-        a new model of the same class, dtype and device, eval mode, ``requires_grad=False``.
+    model's copy is a plain float checkpoint. Returns a new model (same class, dtype, device; eval, frozen).
 
     Raises:
-        WideError: a pruning whose layers or groups do not fit the model, or that keeps a different (or zero)
-            number of groups in some layer.
+        WideError: a pruning that does not fit the model, or keeps a different (or zero) number of groups in a layer.
     """
     arch = check_architecture(model.config)
     dims = dims_of(model.config)
@@ -257,34 +226,24 @@ def slice_model(model: nn.Module, pruning: StaticPruning) -> nn.Module:
         raise WideError(f"static pruning of {len(pruning.attn_keep)} layers, groups ({ga}, {gf}), does not fit this "
                         f"model ({dims.num_layers} layers)")
     kv_per_group, q_per_kv = ga // dims.gqa_group_size, dims.num_heads // dims.num_kv_heads
-    cfg = copy.deepcopy(model.config)
+    new = copy.deepcopy(model)  # its modules share one config object, changed in place below
+    if getattr(new, "hf_quantizer", None) is not None:  # a GGUF load is dequantized: the copy holds plain floats
+        new.hf_quantizer.remove_quantization_config(new)
+    cfg = new.config
     cfg.num_key_value_heads = ka.pop() * kv_per_group
     cfg.num_attention_heads = cfg.num_key_value_heads * q_per_kv
     cfg.head_dim, cfg.intermediate_size, cfg.architectures = dims.head_dim, kf.pop() * gf, [arch]
-    if hasattr(cfg, "quantization_config"):  # a GGUF load is dequantized: the copy holds plain float weights
-        del cfg.quantization_config
-    new = copy.deepcopy(model)
-    if getattr(new, "hf_quantizer", None) is not None:
-        new.hf_quantizer = None
-        for attr, value in (("is_quantized", False), ("quantization_method", None)):
-            try:
-                setattr(new, attr, value)
-            except AttributeError:  # a read-only property derived from hf_quantizer
-                pass
-    new.config = cfg
-    if hasattr(new, "model"):
-        new.model.config = cfg
     for layer, akeep, fkeep in zip(decoder_layers(new), pruning.attn_keep, pruning.ffn_keep):
         attn, mlp = layer.self_attn, layer.mlp
         q_idx = _channels(akeep, ga)
         kv_idx = _channels([k for k in akeep for _ in range(kv_per_group)], dims.head_dim)
         attn.q_proj, attn.o_proj = _linear(attn.q_proj, q_idx, 0), _linear(attn.o_proj, q_idx, 1)
         attn.k_proj, attn.v_proj = _linear(attn.k_proj, kv_idx, 0), _linear(attn.v_proj, kv_idx, 0)
-        attn.config, attn.num_key_value_groups = cfg, q_per_kv
+        attn.num_key_value_groups = q_per_kv
         f_idx = _channels(fkeep, gf)
         mlp.gate_proj, mlp.up_proj = _linear(mlp.gate_proj, f_idx, 0), _linear(mlp.up_proj, f_idx, 0)
         mlp.down_proj = _linear(mlp.down_proj, f_idx, 1)
-        mlp.intermediate_size, mlp.config = cfg.intermediate_size, cfg
+        mlp.intermediate_size = cfg.intermediate_size
     new.eval()
     new.requires_grad_(False)
     return new

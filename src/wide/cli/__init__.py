@@ -36,15 +36,10 @@ def _one_line_warnings(command: str):
     from wide.errors import WideWarning
 
     with warnings.catch_warnings():
-        python_show = warnings.showwarning
-
-        def show(message, category, filename, lineno, file=None, line=None):
-            if issubclass(category, WideWarning):
-                print(f"wide {command}: warning: {message}", file=sys.stderr, flush=True)
-            else:
-                python_show(message, category, filename, lineno, file, line)
-
-        warnings.showwarning = show
+        show = warnings.showwarning
+        warnings.showwarning = lambda message, category, *a, **k: (
+            print(f"wide {command}: warning: {message}", file=sys.stderr, flush=True)
+            if issubclass(category, WideWarning) else show(message, category, *a, **k))
         yield
 
 
@@ -56,19 +51,18 @@ def _term_as_interrupt():
     import threading
 
     got: dict = {"signal": None}
-    if threading.current_thread() is not threading.main_thread():
-        yield got
-        return
 
     def handler(signum, frame):
         got["signal"] = signum
         raise KeyboardInterrupt
 
-    previous = signal.signal(signal.SIGTERM, handler)
+    main_thread = threading.current_thread() is threading.main_thread()
+    previous = signal.signal(signal.SIGTERM, handler) if main_thread else None
     try:
         yield got
     finally:
-        signal.signal(signal.SIGTERM, previous)
+        if main_thread:
+            signal.signal(signal.SIGTERM, previous)
 
 
 def _resume_hint(args) -> str:
@@ -102,7 +96,7 @@ def main(argv: list[str] | None = None) -> int:
     else:
         args = parser.parse_args(raw)
     args.argv = raw
-    from wide.model import check_device
+    from wide.hub import check_device
     from wide.train.fsdp import launched_by_torchrun
 
     def run():

@@ -38,21 +38,20 @@ class WideArgumentParser(argparse.ArgumentParser):
 
 def add_model(p, device: bool = True) -> None:
     """``--model`` and ``--device`` (``device=False``: accepted and checked, not in the help)."""
-    p.add_argument("--model", default=None, help="local HF checkpoint dir, .gguf file, or 'smollm2-135m' "
-                                                 "(default: the bundled SmolLM2-135M-Instruct GGUF)")
-    p.add_argument("--device", default=None,
-                   help="cpu, cuda or cuda:N (default: cuda if available)" if device else argparse.SUPPRESS)
+    p.add_argument("--model", help="local HF checkpoint dir, .gguf file, or 'smollm2-135m' (default: the bundled "
+                                   "SmolLM2-135M-Instruct GGUF)")
+    p.add_argument("--device", help="cpu, cuda or cuda:N (default: cuda if available)" if device else argparse.SUPPRESS)
 
 
 def add_method(p) -> None:
-    """The WideConfig options of a training command: the objective and the router layout."""
+    """The WideConfig options of a training command: the objective (Eq. 6 / 22) and the router layout."""
     g = p.add_argument_group("WIDE method (WideConfig)")
     g.add_argument("--sparsity", "-S", type=float, default=0.5, help="target sparsity S in [0, 1) (default: 0.5)")
     g.add_argument("--alpha", type=float, default=20.0, help="sparsity-loss weight (>= 0; default 20.0)")
-    g.add_argument("--tau-start", type=float, default=5.0,
-                   help="Gumbel-softmax temperature at the first calibration step (1e-3 to 1e3; default 5.0)")
-    g.add_argument("--tau-end", type=float, default=0.5,
-                   help="temperature at the last step, annealed linearly (1e-3 to 1e3; default 0.5)")
+    g.add_argument("--tau-start", type=float, default=5.0, help="Gumbel-softmax temperature at the first step (1e-3 "
+                                                                "to 1e3; default 5.0)")
+    g.add_argument("--tau-end", type=float, default=0.5, help="temperature at the last step, annealed linearly (1e-3 "
+                                                              "to 1e3; default 0.5)")
     g.add_argument("--mode", choices=["global", "uniform"], default="global",
                    help="global = Eq. 6, uniform = Eq. 22 (attention and FFN each at S) (default: global)")
     add_layout(g)
@@ -60,8 +59,8 @@ def add_method(p) -> None:
 
 def add_layout(g) -> None:
     """The options that decide the routers' shape and count."""
-    g.add_argument("--attn-group-size", type=int, default=None,
-                   help="attention G: multiple of head_dim dividing the attention width (default: the GQA group)")
+    g.add_argument("--attn-group-size", type=int, help="attention G: multiple of head_dim dividing the attention "
+                                                       "width (default: the GQA group)")
     g.add_argument("--ffn-group-size", type=int, default=128,
                    help="FFN G: power of two >= 16 dividing the FFN size (default: 128)")
     g.add_argument("--rank", type=int, default=16, help="router bottleneck rank r (default: 16)")
@@ -70,8 +69,7 @@ def add_layout(g) -> None:
     g.add_argument("--method", choices=["wide", "skipgpt"], default="wide",
                    help="wide = group routing (§3.1); skipgpt = the dynamic-depth baseline (§4.1): one router per "
                         "module, whole-module gates, rank raised to match WIDE's router parameters")
-    g.add_argument("--skipgpt-rank", type=int, default=None,
-                   help="with --method skipgpt: use this router rank instead of the matched one")
+    g.add_argument("--skipgpt-rank", type=int, help="with --method skipgpt: this router rank, not the matched one")
 
 
 def add_train(p, batch: int = 8, lr: float = 5e-3, auto: dict[str, str] | None = None) -> None:
@@ -85,13 +83,11 @@ def add_train(p, batch: int = 8, lr: float = 5e-3, auto: dict[str, str] | None =
     g.add_argument("--seq-len", type=int, default=None if auto else 2048,
                    help=f"tokens per packed sequence (>= 2; default: {auto.get('seq_len', 2048)})")
     g.add_argument("--lr", type=float, default=lr, help=f"peak learning rate (> 0, at most 1; default: {lr:g})")
-    g.add_argument("--warmup-steps", type=int, default=None,
-                   help="linear warm-up steps (0 to --steps; default: 5%% of --steps)")
-    g.add_argument("--seed", type=int, default=0,
-                   help="random seed of data order and router init (0 to 2**32 - 1; default: 0)")
+    g.add_argument("--warmup-steps", type=int, help="linear warm-up steps (0 to --steps; default: 5%% of --steps)")
+    g.add_argument("--seed", type=int, default=0, help="seed of data order and router init (0 to 2**32 - 1; "
+                                                        "default: 0)")
     g.add_argument("--save-every", type=int, default=100, help="checkpoint every N steps (default: 100)")
-    g.add_argument("--max-blocks", type=int, default=None,
-                   help="use at most this many packed sequences (>= 1; default: all)")
+    g.add_argument("--max-blocks", type=int, help="use at most this many packed sequences (>= 1; default: all)")
     g.add_argument("--grad-checkpoint", action="store_true",
                    help="activation checkpointing: recompute each decoder layer in backward (less memory)")
     g.add_argument("--no-memory-check", dest="memory_check", action="store_false",
@@ -115,12 +111,10 @@ def need_extra(module: str, what: str) -> None:
 
 
 def hf_config(model):
-    """``(source, Hugging Face config)`` of ``--model``, from its config alone.
-
-    Raises:
-        WideError: the model is not found, its config is unreadable, or its architecture is not supported.
-    """
-    from wide.model import check_architecture, read_hf_config, resolve_model
+    """``(source, Hugging Face config)`` of ``--model``, from its config alone (WideError: not found, unreadable,
+    or an unsupported architecture)."""
+    from wide.hub import read_hf_config, resolve_model
+    from wide.model import check_architecture
 
     src = resolve_model(model)
     hf = read_hf_config(src)
@@ -139,11 +133,8 @@ def check_ffn_group_size(args) -> None:
 
 
 def config_from(args):
-    """The WideConfig of the method / layout options; SkipGPT's rank is matched to that layout (§4.1).
-
-    Raises:
-        WideError: a bad value, or ``--skipgpt-rank`` without ``--method skipgpt``.
-    """
+    """The WideConfig of the method / layout options, SkipGPT's rank matched to that layout (§4.1); WideError for
+    a bad value or ``--skipgpt-rank`` without ``--method skipgpt``."""
     from wide.config import WideConfig
 
     check_ffn_group_size(args)
@@ -194,22 +185,18 @@ def check_writable(option: str, path) -> None:
 
 
 def check_output_file(option: str, path) -> None:
-    """An output file (``--json``) must not be a folder and must be writable."""
-    if path is not None and os.path.isdir(path):
-        raise WideError(f"{option} {str(path)!r} is a directory; give a file path")
+    """An output file (``--json``), if given, must not be a folder and must be writable."""
     if path is not None:
+        if os.path.isdir(path):
+            raise WideError(f"{option} {str(path)!r} is a directory; give a file path")
         check_writable(option, path)
 
 
 def check_output(args, stage: str | None = "router") -> None:
-    """``-o``: a writable folder or new; with ``--resume`` it holds a readable training state, else it is empty
-    unless ``--overwrite`` (which a stage-1 run refuses over a LoRA adapter).
-
-    Raises:
-        WideError: as above, before the model loads.
-    """
+    """``-o`` must be a writable folder or new; with ``--resume`` it holds a training state, else it is empty
+    unless ``--overwrite`` (which a stage-1 run refuses over a LoRA adapter). WideError otherwise."""
     from wide.lora import ADAPTER_DIR
-    from wide.train.loop import STATE_NAME, has_train_state, load_train_state
+    from wide.train.loop import has_train_state
 
     out = str(args.output)
     if not out.strip():
@@ -222,9 +209,7 @@ def check_output(args, stage: str | None = "router") -> None:
         raise WideError(f"--resume and --overwrite exclude each other: --resume continues the run in {out!r}, "
                         "--overwrite replaces it")
     if resume and not has_train_state(out):
-        raise WideError(f"--resume: no train_state.pt or train_state.dcp in {out!r}")
-    if resume and os.path.isfile(os.path.join(out, STATE_NAME)):
-        load_train_state(Path(out) / STATE_NAME, mmap=True)  # a corrupt state fails here
+        raise WideError(f"--resume: no train_state.dcp in {out!r}")
     if resume or not os.path.isdir(out) or not any(os.scandir(out)):
         return
     if not args.overwrite:
@@ -250,7 +235,8 @@ def load(args, cfg=None, pre=(), hf_check=None, env=None):
     """``(model, tokenizer, source)`` of ``--model``. Before the tokenizer loads, ``cfg`` is resolved against the
     model's dims and each ``pre(hf_config)`` runs; before the weights, ``hf_check(hf_config, tokenizer)``. Under
     torchrun (``env`` active) only rank 0 reads the weights."""
-    from wide.model import dims_of, load_base_model
+    from wide.hub import load_base_model
+    from wide.model import dims_of
 
     def config_check(hf):
         if cfg is not None:

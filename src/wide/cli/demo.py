@@ -3,13 +3,14 @@ perplexity, the per-layer table), one result line per stage."""
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import time
 from pathlib import Path
 
 from wide.cli import common as C
-from wide.cli.train import NOT_RUN_OPTIONS, add_parsers, data_source, done_line, run_options
+from wide.cli.train import data_source, done_line, run_options
 
 #: automatic settings (ctx, seq_len, steps, eval_tokens) on a CPU and on a GPU; micro-batch and learning rate
 CPU = {"ctx": 512, "seq_len": 256, "steps": 80, "eval_tokens": 12288}
@@ -43,27 +44,13 @@ def demo_settings(args, gpu: bool) -> dict:
     return {k: v if getattr(args, k) is None else getattr(args, k) for k, v in (GPU if gpu else CPU).items()}
 
 
-def _calibrate_options(args, steps: int, seq_len: int) -> dict:
-    """The ``wide calibrate`` options of the demo's calibration, kept with its state so that ``wide calibrate -o
-    DIR --resume`` alone finishes an interrupted demo: calibrate's defaults, the shared options as the demo ran."""
-    import wide.train.fsdp as D
-
-    parser = C.WideArgumentParser(prog="wide")
-    add_parsers(parser.add_subparsers(dest="command"))
-    ns = parser.parse_args(["calibrate", "-o", str(args.output)])
-    for dest in vars(ns):
-        if dest not in NOT_RUN_OPTIONS and hasattr(args, dest):
-            setattr(ns, dest, getattr(args, dest))
-    ns.steps, ns.seq_len = steps, seq_len
-    return run_options(ns, D.current())
-
-
 def cmd_demo(args) -> int:
     """``wide demo``: dense perplexity, a short stage-1 calibration, WIDE perplexity and the per-layer table,
     saved to ``-o``. Bad counts or paths, a ``--ctx`` past the model's context and a micro-batch that does not fit
     in memory are refused before the dense evaluation."""
     import torch
 
+    import wide.train.fsdp as D
     from wide.checkpoint import save_wide
     from wide.config import atomic_write_text
     from wide.data import DEFAULT_TEXT, load_texts, pack, ppl_windows
@@ -113,8 +100,9 @@ def cmd_demo(args) -> int:
     say(f"[3/5] calibrating routers to S={cfg.target_sparsity}: {steps} steps x {args.batch_size} x {seq_len} "
         f"tokens ({blocks.shape[0]} calibration sequences)")
     t0 = time.time()
-    recs = calibrate(wm, blocks, targs, out, src.ref, data_source=data_source(args),
-                     options=_calibrate_options(args, steps, seq_len))
+    # kept with the state, so that `wide calibrate -o OUT --resume` alone finishes an interrupted demo
+    options = run_options(argparse.Namespace(**{**vars(args), "steps": steps, "seq_len": seq_len}), D.current())
+    recs = calibrate(wm, blocks, targs, out, src.ref, data_source=data_source(args), options=options)
     args.calibrated = True  # an interrupt from here on needs no --resume (see wide.cli.main)
     say(f"      {done_line(recs, t0)}")
     say("[4/5] WIDE perplexity (argmax routing)")

@@ -13,16 +13,14 @@ from wide.cli import common as C
 from wide.cli.demo import BATCH, CPU, LR
 from wide.errors import WideError
 
-MEMORY_CHECK = ("skip the check, before the weights load, that the weights and one forward pass ({}) fit in the "
-                "memory available (RAM on CPU, free GPU memory on CUDA)")
+MEMORY_CHECK = "skip the check, before the weights load, that the weights and one forward pass ({}) fit in memory"
 
 
 def add_info(sub) -> None:
     """Add ``info`` to the ``wide`` subcommands."""
-    s = sub.add_parser("info", help="model dims, legal group sizes and router parameter count",
-                       description="Read --model's config (no weights) and print its dims, maximum context, the legal "
-                                   "attention / FFN group sizes, and the router parameter count of the layout "
-                                   "given by the options below.")
+    s = sub.add_parser("info", help="model dims, legal group sizes and router parameter count", description="Read "
+                       "--model's config (no weights) and print its dims, maximum context, the legal attention / FFN "
+                       "group sizes, and the router parameter count of the layout given by the options below.")
     C.add_model(s, device=False)
     C.add_layout(s.add_argument_group("router layout (WideConfig)"))
     s.set_defaults(func=cmd_info)
@@ -30,60 +28,55 @@ def add_info(sub) -> None:
 
 def add_parsers(sub) -> None:
     """Add ``eval-ppl``, ``eval``, ``lm-eval`` and ``prune-static`` to the ``wide`` subcommands."""
-    s = sub.add_parser("eval-ppl", help="token perplexity, dense and WIDE side by side, with realized sparsity")
-    C.add_model(s)
-    s.add_argument("--wide", default=None, help="WIDE checkpoint directory (omit for dense only)")
-    s.add_argument("--text", default=None, help="evaluation text (default: BoolQ passages, evaluation split)")
-    s.add_argument("--ctx", type=int, default=2048,
-                   help="tokens per window (>= 2, at most the model's max_position_embeddings; default: 2048)")
-    s.add_argument("--batch-size", type=int, default=1, help="windows per forward pass (>= 1; default: 1)")
-    s.add_argument("--max-tokens", type=int, default=None,
-                   help="evaluate at most this many tokens: the first N of the text, in windows of --ctx (one "
-                        "shorter window when N < --ctx) (>= 2; default: all)")
-    s.add_argument("--layers", action="store_true", help="print the per-layer sparsity table")
-    s.add_argument("--json", default=None, help="write results to this JSON file")
-    s.add_argument("--no-memory-check", dest="memory_check", action="store_false", help=MEMORY_CHECK.format(
-        "the --batch-size x --ctx x vocabulary logits in float32 are the big term"))
-    s.set_defaults(func=cmd_eval_ppl)
-
-    s = sub.add_parser("eval", help="zero-shot accuracy (lm-eval, offline tasks) and, with --tasks all, WikiText-2 "
-                                    "word perplexity")
-    C.add_model(s)
-    s.add_argument("--wide", default=None, help="WIDE / SkipGPT checkpoint directory (omit for the dense --model)")
-    s.add_argument("--tasks", default="zeroshot",
-                   help="comma list: zeroshot (the seven zero-shot tasks, offline), all (zeroshot + wikitext, "
-                        "needs wiki.test.raw: --wikitext), arc_easy, arc_challenge, boolq, hellaswag, piqa, "
-                        "winogrande, openbookqa, wikitext (default: zeroshot)")
-    s.add_argument("--batch-size", type=int, default=8, help="requests per forward pass (>= 1; default: 8)")
-    s.add_argument("--limit", type=float, default=None,
-                   help="at most N documents per task (a whole number >= 1), or a fraction in (0, 1) (default: all)")
-    s.add_argument("--dtype", default=None, help="bfloat16, float16 or float32 (default: bf16 on GPU, fp32 on CPU)")
-    s.add_argument("--max-length", type=int, default=None, help="context limit (default: the model's)")
-    s.add_argument("--wikitext", default=None, help="wiki.test.raw (default: $WIDE_WIKITEXT or shared/data)")
-    s.add_argument("--keep-lora", action="store_true", help="keep a stage-2 adapter as peft layers (default: merge)")
-    s.add_argument("--bootstrap-iters", type=int, default=1000, help="lm-eval stderr bootstrap (0 = none)")
-    s.add_argument("--json", default=None, help="write the summary and lm-eval's results to this JSON file")
-    s.set_defaults(func=cmd_eval)
-
+    ppl = sub.add_parser("eval-ppl", help="token perplexity, dense and WIDE side by side, with realized sparsity")
+    ev = sub.add_parser("eval", help="zero-shot accuracy (lm-eval, offline tasks) and, with --tasks all, WikiText-2 "
+                                     "word perplexity")
+    for s, what in ((ppl, "WIDE"), (ev, "WIDE / SkipGPT")):
+        C.add_model(s)
+        s.add_argument("--wide", help=f"{what} checkpoint directory (omit for the dense --model alone)")
+    ppl.add_argument("--text", help="evaluation text (default: BoolQ passages, evaluation split)")
+    ppl.add_argument("--ctx", type=int, default=2048, help="tokens per window (>= 2, at most the model's "
+                                                           "max_position_embeddings; default: 2048)")
+    ppl.add_argument("--batch-size", type=int, default=1, help="windows per forward pass (>= 1; default: 1)")
+    ppl.add_argument("--max-tokens", type=int, help="evaluate at most the first N tokens of the text, in windows of "
+                                                    "--ctx (one shorter window when N < --ctx) (>= 2; default: all)")
+    ppl.add_argument("--layers", action="store_true", help="print the per-layer sparsity table")
+    ppl.add_argument("--no-memory-check", dest="memory_check", action="store_false",
+                     help=MEMORY_CHECK.format("the --batch-size x --ctx x vocabulary float32 logits are the big term"))
+    ppl.set_defaults(func=cmd_eval_ppl)
+    ev.add_argument("--tasks", default="zeroshot", help="comma list: zeroshot (the seven zero-shot tasks, offline), "
+                    "all (zeroshot + wikitext, needs wiki.test.raw: --wikitext), arc_easy, arc_challenge, boolq, "
+                    "hellaswag, piqa, winogrande, openbookqa, wikitext (default: zeroshot)")
+    ev.add_argument("--batch-size", type=int, default=8, help="requests per forward pass (>= 1; default: 8)")
+    ev.add_argument("--limit", type=float, help="at most N documents per task (a whole number >= 1), or a fraction "
+                                                "in (0, 1) (default: all)")
+    ev.add_argument("--dtype", help="bfloat16, float16 or float32 (default: bf16 on GPU, fp32 on CPU)")
+    ev.add_argument("--max-length", type=int, help="context limit (default: the model's)")
+    ev.add_argument("--wikitext", help="wiki.test.raw (default: $WIDE_WIKITEXT or shared/data)")
+    ev.add_argument("--keep-lora", action="store_true", help="keep a stage-2 adapter as peft layers (default: merge)")
+    ev.add_argument("--bootstrap-iters", type=int, default=1000, help="lm-eval stderr bootstrap (0 = none)")
+    ev.set_defaults(func=cmd_eval)
+    for s in (ppl, ev):
+        s.add_argument("--json", help="write the results to this JSON file")
     # for the help: wide.cli.main hands `wide lm-eval ...` to cmd_lm_eval untouched
-    s = sub.add_parser("lm-eval", help="lm-eval's own command line with the `wide` model type and our tasks "
-                                       "(e.g. wide lm-eval --model wide --model_args wide=CKPT --tasks wide_zeroshot)")
-    s.add_argument("lm_eval_args", nargs=argparse.REMAINDER)
+    sub.add_parser("lm-eval", help="lm-eval's own command line with the `wide` model type and our tasks (e.g. wide "
+                   "lm-eval --model wide --model_args wide=CKPT --tasks wide_zeroshot)").add_argument(
+        "lm_eval_args", nargs=argparse.REMAINDER)
 
     s = sub.add_parser("prune-static", help="static width baseline: remove the same head groups / FFN groups for "
                                             "every token, scored on calibration text; saves a smaller HF model")
     C.add_model(s)
-    s.add_argument("--sparsity", "-S", type=float, default=None,
-                   help="target S in [0, 1): mean over attention and FFN modules of the removed fraction, split "
-                        "between them by the calibration loss (or give --attn-sparsity and --ffn-sparsity instead)")
+    s.add_argument("--sparsity", "-S", type=float, help="target S in [0, 1): mean over attention and FFN modules of "
+                   "the removed fraction, split between them by the calibration loss (or give --attn-sparsity and "
+                   "--ffn-sparsity instead)")
     s.add_argument("--output", "-o", required=True, help="output directory (a HF checkpoint usable as --model)")
-    s.add_argument("--text", default=None, help="calibration text (default: BoolQ passages, calibration split)")
-    s.add_argument("--attn-group-size", type=int, default=None,
-                   help="a multiple of the GQA group H_q/H_k x head_dim (default: the GQA group)")
-    s.add_argument("--ffn-group-size", type=int, default=128,
-                   help="FFN G: power of two >= 16 dividing the FFN size (default: 128)")
-    s.add_argument("--attn-sparsity", type=float, default=None, help="fix the attention fraction (with --ffn-sparsity)")
-    s.add_argument("--ffn-sparsity", type=float, default=None, help="fix the FFN fraction (with --attn-sparsity)")
+    s.add_argument("--text", help="calibration text (default: BoolQ passages, calibration split)")
+    s.add_argument("--attn-group-size", type=int, help="a multiple of the GQA group H_q/H_k x head_dim (default: the "
+                                                       "GQA group)")
+    s.add_argument("--ffn-group-size", type=int, default=128, help="FFN G: power of two >= 16 dividing the FFN size "
+                                                                   "(default: 128)")
+    s.add_argument("--attn-sparsity", type=float, help="fix the attention fraction (with --ffn-sparsity)")
+    s.add_argument("--ffn-sparsity", type=float, help="fix the FFN fraction (with --attn-sparsity)")
     s.add_argument("--calib-blocks", type=int, default=32, help="calibration sequences to score on (>= 1; default: 32)")
     s.add_argument("--seq-len", type=int, default=2048, help="tokens per calibration sequence (>= 2; default: 2048)")
     s.add_argument("--batch-size", type=int, default=4, help="sequences per forward pass (>= 1; default: 4)")
@@ -133,8 +126,8 @@ def _memory_check(args, spec, batch: int, tokens: int, **kw):
     """A check ``f(hf_config)`` that the weights and one forward pass fit (unless ``--no-memory-check``)."""
     def check(hf):
         if args.memory_check:
+            from wide.hub import default_device, resolve_model
             from wide.memory import check_eval_memory
-            from wide.model import default_device, resolve_model
 
             check_eval_memory(hf, batch, tokens, args.device or default_device(),
                               gguf=resolve_model(spec).gguf_file is not None, asked=args.batch_size, **kw)

@@ -21,50 +21,38 @@ RESUME_FIXED = ("sparsity", "alpha", "tau_start", "tau_end", "mode", "attn_group
 
 def add_parsers(sub) -> None:
     """Add ``calibrate`` and ``lora`` to the ``wide`` subcommands."""
-    s = sub.add_parser("calibrate", help="stage 1: train the routers to a target sparsity (base frozen)")
-    s.add_argument("--text", default=None, help="calibration text: .txt, .jsonl with 'text', datasets folder "
-                                                "(default: BoolQ Wikipedia passages, calibration split)")
-    _add_common(s, "checkpoint directory")
-    C.add_method(s)
-    C.add_train(s)
-    _add_dist(s)
-    s.set_defaults(func=cmd_calibrate)
-
-    s = sub.add_parser("lora", help="stage 2: LoRA recovery on top of a stage-1 checkpoint (peft, all 7 projections)")
-    s.add_argument("--wide", default=None, help="stage-1 WIDE checkpoint directory (`wide calibrate` output); "
-                                                "required, except with --resume (the saved run's)")
-    s.add_argument("--text", default=None, help="training text (default: BoolQ passages, calibration split)")
-    _add_common(s, "output WIDE directory (routers, config, adapter/)")
-    s.add_argument("--freeze-router", action="store_true", help="keep the stage-1 routers fixed; train only LoRA")
-    g = s.add_argument_group("LoRA (peft)")
+    cal = sub.add_parser("calibrate", help="stage 1: train the routers to a target sparsity (base frozen)")
+    lora = sub.add_parser("lora", help="stage 2: LoRA recovery on a stage-1 checkpoint (peft, all 7 projections)")
+    lora.add_argument("--wide", help="stage-1 WIDE checkpoint directory (`wide calibrate` output); required, except "
+                                     "with --resume (the saved run's)")
+    for s, text, output in ((cal, "calibration text", "checkpoint directory"),
+                            (lora, "training text", "output WIDE directory (routers, config, adapter/)")):
+        C.add_model(s)
+        s.add_argument("--text", help=f"{text}: .txt, .jsonl with 'text', datasets folder (default: BoolQ Wikipedia "
+                                      "passages, calibration split)")
+        s.add_argument("--output", "-o", required=True, help=output)
+        s.add_argument("--resume", action="store_true", help="continue from the training state in --output; options "
+                                                             "not given take the saved run's values")
+        s.add_argument("--overwrite", action="store_true",
+                       help="start a new run in a non-empty --output: its old training state and log are removed "
+                            "when training starts, its other files replaced as the new ones are saved")
+    C.add_method(cal)
+    lora.add_argument("--freeze-router", action="store_true", help="keep the stage-1 routers fixed; train only LoRA")
+    g = lora.add_argument_group("LoRA (peft)")
     g.add_argument("--lora-r", type=int, default=16, help="LoRA rank r")
     g.add_argument("--lora-alpha", type=float, default=32.0, help="lora_alpha; peft scales by alpha / r")
-    g.add_argument("--lora-dropout", type=float, default=0.1,
-                   help="dropout on the LoRA input, in [0, 1) (default: 0.1)")
-    C.add_train(s, lr=2e-4)
-    _add_dist(s)
-    s.set_defaults(func=cmd_lora)
-
-
-def _add_common(s, output: str) -> None:
-    C.add_model(s)
-    s.add_argument("--output", "-o", required=True, help=output)
-    s.add_argument("--resume", action="store_true",
-                   help="continue from the training state in --output (train_state.pt, or train_state.dcp of a "
-                        "multi-process run); options not given take the saved run's values")
-    s.add_argument("--overwrite", action="store_true",
-                   help="start a new run in a non-empty --output: its old training state and log are removed "
-                        "when training starts, its other files replaced as the new ones are saved")
-
-
-def _add_dist(p) -> None:
-    g = p.add_argument_group("scaling out (FSDP2)")
-    g.add_argument("--nproc", type=int, default=None,
-                   help="run on N local processes / GPUs through torch.distributed.run (same as "
-                        "`torchrun --nproc-per-node N -m wide ...`); --batch-size is per process")
-    g.add_argument("--no-reshard-after-forward", dest="reshard_after_forward", action="store_false",
-                   help="FSDP2: keep each decoder layer's gathered weights from forward to backward (one "
-                        "all-gather of the base a step instead of two; every GPU then holds the whole base)")
+    g.add_argument("--lora-dropout", type=float, default=0.1, help="dropout on the LoRA input, in [0, 1) (default: "
+                                                                   "0.1)")
+    for s, lr, func in ((cal, 5e-3, cmd_calibrate), (lora, 2e-4, cmd_lora)):
+        C.add_train(s, lr=lr)
+        g = s.add_argument_group("scaling out (FSDP2)")
+        g.add_argument("--nproc", type=int, help="run on N local processes / GPUs through torch.distributed.run "
+                                                 "(`torchrun --nproc-per-node N -m wide ...`); --batch-size is per "
+                                                 "process")
+        g.add_argument("--no-reshard-after-forward", dest="reshard_after_forward", action="store_false",
+                       help="FSDP2: keep each decoder layer's gathered weights from forward to backward (one "
+                            "all-gather of the base a step instead of two; every GPU then holds the whole base)")
+        s.set_defaults(func=func)
 
 
 def _prechecks(args, stage: str = "router"):
@@ -97,7 +85,7 @@ def run_options(args, env) -> dict:
     """The options of a run as its training state keeps them for ``--resume``: existing paths absolute,
     ``nproc`` the number of processes that ran it (None without torchrun)."""
     from wide.data import DEFAULT_TEXT
-    from wide.model import DEFAULT_MODEL
+    from wide.hub import DEFAULT_MODEL
 
     def absolute(spec, reserved=None):
         if spec is None or spec == reserved or not os.path.exists(os.path.expanduser(spec)):
@@ -151,15 +139,23 @@ def take_saved_options(parser, args) -> None:
         C.say(f"resuming with the saved settings: {' '.join(taken)}")
 
 
-def _start(say, what: str, blocks, targs, env) -> float:
-    """Print the run's first line and a note when the text gives fewer sequences than one global batch."""
+def _train(env, what: str, blocks, targs, fit, saved: str) -> int:
+    """Say what is trained (and when the text gives fewer sequences than one global batch), run ``fit()`` and
+    close with its result (rank 0 speaks)."""
+    say = C.say if env.is_main else (lambda *_: None)
     n, batch = int(blocks.shape[0]), targs.batch_size * targs.grad_accum * env.world_size
-    say(f"{what}, {targs.steps} steps, {env.world_size} process(es), global batch {batch}")
+    say(f"{what}: {n} sequences x {blocks.shape[1]} tokens, {targs.steps} steps, {env.world_size} process(es), "
+        f"global batch {batch}")
     if n < batch:
         say(f"note: the text gives {n} sequence{'s' if n != 1 else ''} of {int(blocks.shape[1])} tokens, fewer "
             f"than the global batch of {batch}: every step repeats some of them (more text, a smaller --seq-len or "
             f"a smaller --batch-size avoids it)")
-    return time.time()
+    t0 = time.time()
+    recs = fit()
+    if recs:  # none: --resume of a finished run, nothing written
+        say(done_line(recs, t0))
+        say(saved)
+    return 0
 
 
 def done_line(recs: list[dict], t0: float) -> str:
@@ -175,7 +171,8 @@ def cmd_calibrate(args) -> int:
 
     import wide.train.fsdp as D
     from wide.data import pack
-    from wide.model import WideModel, default_device
+    from wide.hub import default_device
+    from wide.model import WideModel
     from wide.train.loop import calibrate
 
     cfg = C.config_from(args)
@@ -184,7 +181,6 @@ def cmd_calibrate(args) -> int:
         return launched
     targs, docs = _prechecks(args)
     env = D.init(args.device)
-    say = C.say if env.is_main else (lambda *_: None)
     packed = {}
 
     def hf_check(hf, tok):  # before any weight is read: the text first, then a batch far too large
@@ -202,24 +198,21 @@ def cmd_calibrate(args) -> int:
     blocks = packed["blocks"]
     torch.manual_seed(args.seed)  # identical router initialization on every rank
     wm = WideModel(model, cfg)
-    t0 = _start(say, f"calibrating {src.ref}: {blocks.shape[0]} sequences x {blocks.shape[1]} tokens, "
-                     f"S={cfg.target_sparsity}, G_attn={wm.config.attn_group_size}, "
-                     f"G_ffn={wm.config.ffn_group_size}", blocks, targs, env)
-    recs = calibrate(wm, blocks, targs, Path(args.output), src.ref, resume=args.resume,
-                     data_source=data_source(args), options=run_options(args, env))
-    if recs:  # none: --resume of a finished run, nothing written
-        say(done_line(recs, t0))
-        say(f"saved WIDE checkpoint to {args.output}")
-    return 0
+    return _train(env, f"calibrating {src.ref} to S={cfg.target_sparsity}, G_attn={wm.config.attn_group_size}, "
+                       f"G_ffn={wm.config.ffn_group_size}", blocks, targs,
+                  lambda: calibrate(wm, blocks, targs, Path(args.output), src.ref, resume=args.resume,
+                                    data_source=data_source(args), options=run_options(args, env)),
+                  f"saved WIDE checkpoint to {args.output}")
 
 
 def cmd_lora(args) -> int:
     """``wide lora``: stage-2 LoRA recovery (peft, all 7 projections) on a stage-1 checkpoint, ``--resume``."""
     import wide.train.fsdp as D
-    from wide.checkpoint import load
+    from wide.checkpoint import check_stage1, load
     from wide.data import pack
-    from wide.lora import LoraSettings, check_stage1, recover
+    from wide.lora import LoraSettings
     from wide.model import dims_of
+    from wide.train.loop import recover
 
     if args.wide is None:  # not required by the parser: --resume takes it from the saved run
         raise WideError("--wide is required: the stage-1 checkpoint directory (the -o of `wide calibrate`); "
@@ -242,7 +235,6 @@ def cmd_lora(args) -> int:
     targs, docs = precheck()
     fits = C.fits_context("--seq-len", args.seq_len)
     env = D.init(args.device)
-    say = C.say if env.is_main else (lambda *_: None)
     if env.active:  # rank 0 holds the weights (CPU) and checks the checkpoint; the others only the structure
         from wide.checkpoint import read_config
         from wide.model import WideModel
@@ -252,13 +244,10 @@ def cmd_lora(args) -> int:
     else:
         wm, tok = load(args.wide, model=args.model, device=args.device, tokenizer=True, config_check=fits)
     blocks = pack(docs, tok, args.seq_len, max_blocks=args.max_blocks, source=C.text_name(args.text))
-    t0 = _start(say, f"LoRA recovery on {args.wide} ({info['model']}): {blocks.shape[0]} sequences x "
-                     f"{blocks.shape[1]} tokens, r={settings.r} alpha={settings.alpha} dropout={settings.dropout}, "
-                     f"routers {'frozen' if args.freeze_router else 'trained'}", blocks, targs, env)
-    recs = recover(wm, blocks, targs, Path(args.output), args.model or info["model"], settings=settings,
-                   freeze_router=args.freeze_router, stage1=args.wide, resume=args.resume,
-                   data_source=data_source(args), options=run_options(args, env))
-    if recs:
-        say(done_line(recs, t0))
-        say(f"saved WIDE checkpoint with LoRA adapter to {args.output}")
-    return 0
+    return _train(env, f"LoRA recovery on {args.wide} ({info['model']}) with r={settings.r} alpha={settings.alpha} "
+                       f"dropout={settings.dropout}, routers {'frozen' if args.freeze_router else 'trained'}",
+                  blocks, targs,
+                  lambda: recover(wm, blocks, targs, Path(args.output), args.model or info["model"], settings=settings,
+                                  freeze_router=args.freeze_router, stage1=args.wide, resume=args.resume,
+                                  data_source=data_source(args), options=run_options(args, env)),
+                  f"saved WIDE checkpoint with LoRA adapter to {args.output}")

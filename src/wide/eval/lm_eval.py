@@ -25,21 +25,13 @@ _DTYPES = {"bfloat16": torch.bfloat16, "bf16": torch.bfloat16, "float16": torch.
 
 @register_model("wide")
 class WideLM(HFLM):
-    """lm-eval model ``wide``: a base model with (optionally) WIDE / SkipGPT routers, argmax routing.
-
-    Args:
-        pretrained: base model (``--model`` syntax or a loaded HF causal LM); default: the checkpoint's base.
-        wide: a WIDE / SkipGPT checkpoint directory or a :class:`WideModel`; None = dense.
-        tokenizer: needed when ``pretrained`` / ``wide`` are objects.
-        device, dtype: default CUDA with bfloat16 when available, else CPU with float32.
-        merge_lora: fold a stage-2 LoRA adapter into the weights (default) or keep peft's layers.
-        **kwargs: ``HFLM`` options (``batch_size``, ``max_length``, ...).
+    """lm-eval model ``wide``: ``pretrained`` (``--model`` syntax or a loaded HF causal LM; default the checkpoint's
+    base) with the routers of ``wide`` (a WIDE / SkipGPT checkpoint folder or a :class:`WideModel`; None = dense),
+    argmax routing; ``merge_lora`` folds a stage-2 adapter into the weights; other keywords are ``HFLM``'s.
 
     Lm-eval's loglikelihood batches are right-padded without a mask: causal attention and per-token routers keep
     real tokens blind to the padding, and the realized sparsity counts real tokens only (:meth:`_select_cont_toks`).
-
-    Raises:
-        WideError: bad paths, a checkpoint for another base model, a bad dtype, objects without a tokenizer.
+    Raises WideError for bad paths, a checkpoint of another base model, a bad dtype, objects without a tokenizer.
     """
 
     #: at most this many tokens per rolling-loglikelihood batch (its logits are [batch, max_length, vocab])
@@ -48,13 +40,11 @@ class WideLM(HFLM):
     def __init__(self, pretrained=None, wide=None, tokenizer=None, device=None, dtype=None, merge_lora=True,
                  batch_size=1, max_batch_size: int = 64, max_length: int | None = None, **kwargs) -> None:
         from wide.checkpoint import load
-        from wide.model import load_base_model
+        from wide.hub import load_base_model
 
-        if dtype not in (None, "auto") and not isinstance(dtype, torch.dtype):
-            if str(dtype) not in _DTYPES:
-                raise WideError(f"dtype {dtype!r} is not one of {', '.join(sorted(_DTYPES))}, auto")
-            dtype = _DTYPES[str(dtype)]
-        dtype = dtype if isinstance(dtype, torch.dtype) else None
+        if dtype not in (None, "auto") and not isinstance(dtype, torch.dtype) and str(dtype) not in _DTYPES:
+            raise WideError(f"dtype {dtype!r} is not one of {', '.join(sorted(_DTYPES))}, auto")
+        dtype = dtype if isinstance(dtype, torch.dtype) else _DTYPES.get(str(dtype))
         if device is not None and str(device).startswith("cuda") and not torch.cuda.is_available():
             device = None  # lm-eval's command line asks cuda:0 by default
         wm, tok = wide if isinstance(wide, WideModel) else None, None
@@ -97,10 +87,8 @@ class WideLM(HFLM):
     def sparsity_report(self) -> dict | None:
         """:meth:`SparsityMeter.report` over the real tokens scored so far (context: their mean length), plus
         ``tokens`` and ``sequences``; None for a dense model."""
-        if self._meter is None:
-            return None
-        if not self._tokens:
-            return {"tokens": 0, "sequences": 0}
+        if self._meter is None or not self._tokens:
+            return None if self._meter is None else {"tokens": 0, "sequences": 0}
         ctx = max(1, round(self._tokens / self._rows))
         return {**self._meter.report(self.wide_model, ctx), "tokens": self._tokens, "sequences": self._rows}
 
@@ -136,15 +124,14 @@ class WideLM(HFLM):
         return super()._select_cont_toks(logits, contlen=contlen, inplen=inplen)
 
     def _model_generate(self, context, max_length: int, stop: list[str], **generation_kwargs):
-        """Generation through the routed base model (argmax routing); not counted in the sparsity."""
-        wm = self.wide_model
-        if wm is not None:
-            wm.stochastic, wm.record = False, RoutingRecord()
+        """Generation through the routed base model (argmax routing, records dropped); not counted."""
+        if self.wide_model is not None:
+            self.wide_model.stochastic = False
         try:
             return super()._model_generate(context, max_length, stop, **generation_kwargs)
         finally:
-            if wm is not None:
-                wm.record = RoutingRecord()
+            if self.wide_model is not None:
+                self.wide_model.record = RoutingRecord()
 
     def get_model_info(self) -> dict:
         """``HFLM``'s model facts plus the WIDE checkpoint, its config and the realized sparsity."""
@@ -158,28 +145,19 @@ class WideLM(HFLM):
 
 
 def resolve_tasks(spec: str | list[str]) -> list[str]:
-    """Full task names (``wide_...``, each once, in order) of a comma list: ``all``, ``zeroshot``, short or full
-    names.
-
-    Raises:
-        WideError: no task, or an unknown one (the message lists the known ones).
-    """
+    """Full task names (``wide_...``, each once, in order) of a comma list of ``all``, ``zeroshot``, short or full
+    names; WideError for none or an unknown one, listing the known ones."""
     names = [t.strip() for t in (spec.split(",") if isinstance(spec, str) else spec) if t.strip()]
     short = ", ".join(t.removeprefix("wide_") for t in ALL_TASKS)
     known = f"all, zeroshot, {short} (each also with the prefix wide_, e.g. wide_arc_easy)"
     if not names:
         raise WideError(f"no task given; known: {known}")
-    out: list[str] = []
+    groups, out = {"all": ALL_TASKS, "zeroshot": ZEROSHOT_TASKS, "wide_zeroshot": ZEROSHOT_TASKS}, []
     for n in names:
         full = n if n.startswith("wide_") else f"wide_{n}"
-        if n == "all":
-            out += ALL_TASKS
-        elif full == "wide_zeroshot":
-            out += ZEROSHOT_TASKS
-        elif full in ALL_TASKS:
-            out.append(full)
-        else:
+        if n not in groups and full not in ALL_TASKS:
             raise WideError(f"unknown task {n!r}; known: {known}")
+        out += groups.get(n, [full])
     return list(dict.fromkeys(out))
 
 
@@ -191,9 +169,9 @@ def task_manager(metadata: dict | None = None):
 
 
 def summarize(results: dict) -> dict:
-    """Flatten ``lm_eval.simple_evaluate`` results: the paper's metric per task (``arc_easy``, ...), ``<task>_n``,
-    ``<task>_stderr`` (lm-eval's, or the closed form ``sqrt(p (1 - p) / (n - 1))`` without bootstrap),
-    ``avg_acc`` when all seven ran, and the WikiText-2 ``wikitext_word_ppl`` / ``_byte_ppl`` / ``_bits_per_byte``."""
+    """``lm_eval.simple_evaluate`` results flattened: the paper's metric per task (``arc_easy``, ...), ``<task>_n``,
+    ``<task>_stderr`` (lm-eval's, or ``sqrt(p (1 - p) / (n - 1))`` without bootstrap), ``avg_acc`` over all seven,
+    ``wikitext_word_ppl`` / ``_byte_ppl`` / ``_bits_per_byte``."""
     res = results.get("results", {})
     out: dict = {}
     for task, (key, metric) in PAPER_METRIC.items():
@@ -219,15 +197,9 @@ def summarize(results: dict) -> dict:
 
 def evaluate(lm: WideLM, tasks: str | list[str], limit: int | float | None = None, wikitext_path: str | None = None,
              bootstrap_iters: int = 100000, log_samples: bool = False) -> dict:
-    """Zero-shot lm-eval of ``lm`` on our offline tasks (:func:`resolve_tasks`); ``limit``: documents per task
-    (an int) or a fraction.
-
-    Returns:
-        ``{"summary": summarize(...), "sparsity": lm.sparsity_report(), "results": <lm-eval results>}``.
-
-    Raises:
-        WideError: unknown tasks, a bad ``limit``, missing task data.
-    """
+    """Zero-shot lm-eval of ``lm`` on our offline tasks (:func:`resolve_tasks`), ``limit`` documents per task (or a
+    fraction): ``{"summary": summarize(...), "sparsity": lm.sparsity_report(), "results": <lm-eval's>}``. Raises
+    WideError for unknown tasks, a bad ``limit``, missing task data."""
     import lm_eval
 
     names = resolve_tasks(tasks)
@@ -253,10 +225,8 @@ def lm_eval_main(argv: list[str] | None = None) -> int:
     try:
         cli_evaluate()
     except Exception as e:  # noqa: BLE001 - any failure inside lm-eval is reported as one line
-        lines = [ln.strip() for ln in str(e).splitlines() if ln.strip()]
-        msg = lines[0] if lines else ""
-        if not isinstance(e, ValueError) or not msg:
-            msg = f"{type(e).__name__}: {msg}" if msg else type(e).__name__
+        msg = next((ln.strip() for ln in str(e).splitlines() if ln.strip()), "")  # its first line
+        msg = msg if isinstance(e, ValueError) and msg else f"{type(e).__name__}: {msg}".removesuffix(": ")
         print(f"wide lm-eval: error: {msg}", file=sys.stderr)
         return 2
     finally:

@@ -21,11 +21,11 @@ from wide.model import WideModel
 
 @dataclass
 class SparsityMeter:
-    """Kept / total group-token counts per layer, per module kind (``"attn"`` / ``"ffn"``)."""
+    """Kept / total group-token counts per layer (``kind -> [L]`` floats), per module kind (``"attn"`` / ``"ffn"``)."""
 
     num_layers: int
-    kept: dict = field(default_factory=dict)   # kind -> [L] floats
-    total: dict = field(default_factory=dict)  # kind -> [L] floats
+    kept: dict = field(default_factory=dict)
+    total: dict = field(default_factory=dict)
 
     def add(self, kind: str, kept: list[float], total: float) -> None:
         """Add ``kept[i]`` kept group-tokens out of ``total`` to every layer ``i`` of ``kind``."""
@@ -74,9 +74,7 @@ def perplexity(model: nn.Module, windows: torch.Tensor, batch_size: int = 1, pro
     Returns:
         ``{"ppl", "nll" (nats/token), "tokens", "ctx"}``, plus :meth:`SparsityMeter.report` for a WideModel.
     """
-    device = next(model.parameters()).device
-    is_wide = isinstance(model, WideModel)
-    was_training = model.training
+    device, is_wide, was_training = next(model.parameters()).device, isinstance(model, WideModel), model.training
     model.eval()
     if is_wide:
         model.stochastic = False

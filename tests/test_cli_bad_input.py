@@ -1,0 +1,555 @@
+"""Every bad input a user can give the ``wide`` command line, in one table: the arguments, what the one error line
+says, and (where it matters) what must not have been read yet. Each case must end with exit code 2, exactly one
+line ``wide <command>: error: ...`` on stderr (the last line when the model loaded first: its progress bars may
+come before), no traceback, and nothing written under the test's folder.
+
+Placeholders in the arguments and messages: ``{model}`` a tiny Llama folder, ``{text}`` a text file, ``{nowhere}``
+a model path that does not exist (so a refusal shows it came before any loading), ``{out}`` a new output folder,
+``{full}`` a folder holding a file, ``{afile}`` a file, ``{short}`` / ``{emptytxt}`` too short / empty texts,
+``{ckpt}`` a saved WIDE checkpoint of the tiny model, ``{run}`` a one-step ``wide calibrate`` output, ``{blank}``
+an empty argument. ``loads=True`` marks the cases that load the tiny model's weights before refusing;
+``before="weights"`` / ``"tokenizer"`` makes reading those fail the test.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import shutil
+
+import pytest
+import torch
+
+from wide.cli import main
+from wide_testutil import calibrate_args, tiny_llama_config, tiny_model
+
+HAS_LM_EVAL, HAS_PEFT = (importlib.util.find_spec(m) is not None for m in ("lm_eval", "peft"))
+CAL = "calibrate --model {model} --text {text} -o {out} --steps 1 --seq-len 32 --ffn-group-size 32 --device cpu"
+NOWHERE_CAL = "calibrate --model {nowhere} --text {text} -o {out} --steps 1 --device cpu"
+LORA = "lora --wide {ckpt} --model {model} --text {text} -o {out} --steps 1 --batch-size 1 --seq-len 32 --device cpu"
+PPL = "eval-ppl --model {model} --text {text} --ctx 32 --device cpu"
+PRUNE = "prune-static --model {model} --text {text} -o {out} --seq-len 32 --calib-blocks 2 --device cpu"
+DEMO = ("demo --model {model} --text {text} -o {out} --device cpu --steps 1 --seq-len 32 --ctx 32 --eval-tokens 64 "
+        "--ffn-group-size 32")
+
+
+class Ctx:
+    """The files a case refers to (made when its arguments name them) and the changes it makes first."""
+
+    def __init__(self, tmp, model, text, monkeypatch, capsys):
+        self.tmp, self.mp, self.capsys = tmp, monkeypatch, capsys
+        self.fixed = {"tmp": tmp, "model": model, "text": text, "nowhere": tmp / "no-model", "out": tmp / "out",
+                      "afile": tmp / "afile", "full": tmp / "full", "short": tmp / "short.txt",
+                      "emptytxt": tmp / "empty.txt", "blank": ""}
+        (tmp / "afile").write_text("x")
+        (tmp / "full").mkdir()
+        (tmp / "full" / "x").write_text("someone else's file\n")
+        (tmp / "short.txt").write_text("w1 w2 w3")
+        (tmp / "empty.txt").write_text("\n")
+        self.made: dict = {}
+
+    def __getitem__(self, key):  # str.format_map: the files named, made on first use
+        if key in self.fixed:
+            return self.fixed[key]
+        if key not in self.made:
+            self.made[key] = getattr(self, f"_make_{key}")()
+        return self.made[key]
+
+    def fmt(self, s: str) -> str:
+        return s.format_map(self)
+
+    def _make_ckpt(self):
+        from wide.checkpoint import save_wide
+        from wide.config import WideConfig
+        from wide.model import WideModel
+
+        return save_wide(WideModel(tiny_model(), WideConfig(ffn_group_size=32)), self.tmp / "ckpt",
+                         model_ref=str(self.fixed["model"]))
+
+    def _make_run(self):
+        out = self.tmp / "run"
+        assert main([str(a) for a in calibrate_args(self.fixed["model"], self.fixed["text"], out)]) == 0
+        self.capsys.readouterr()
+        return out
+
+    def _make_gpt2(self):
+        from transformers import GPT2Config, GPT2LMHeadModel
+
+        GPT2LMHeadModel(GPT2Config(n_layer=1, n_embd=32, n_head=2, vocab_size=50)).save_pretrained(self.tmp / "gpt2")
+        return self.tmp / "gpt2"
+
+    def _make_stk(self):  # a model folder without tokenizer files
+        tiny_model().save_pretrained(self.tmp / "stk")
+        return self.tmp / "stk"
+
+    def _make_gguf(self):  # a small whole GGUF file
+        gguf = pytest.importorskip("gguf")
+        import numpy as np
+
+        w = gguf.GGUFWriter(str(self.tmp / "whole.gguf"), "llama")
+        for add, v in ((w.add_block_count, 1), (w.add_context_length, 64), (w.add_embedding_length, 8),
+                       (w.add_feed_forward_length, 16), (w.add_head_count, 2), (w.add_head_count_kv, 1)):
+            add(v)
+        w.add_tensor("token_embd.weight", np.zeros((16, 8), dtype=np.float32))
+        w.write_header_to_file()
+        w.write_kv_data_to_file()
+        w.write_tensors_to_file()
+        w.close()
+        return self.tmp / "whole.gguf"
+
+    # --- changes a case makes before it runs ---------------------------------------------------------------
+    def edit_json(self, path, **fields):
+        path.write_text(json.dumps({**json.loads(path.read_text()), **fields}))
+
+    def cuda(self, n: int):
+        self.mp.setattr(torch.cuda, "is_available", lambda: n > 0)
+        self.mp.setattr(torch.cuda, "device_count", lambda: n)
+
+    def memory(self, available: int):
+        import wide.memory as M
+
+        self.mp.setattr(M, "available_memory", lambda device: (available, "MemAvailable of this machine"))
+
+    def missing(self, module: str):
+        real = importlib.util.find_spec
+        self.mp.setattr(importlib.util, "find_spec", lambda name, *a: None if name == module else real(name, *a))
+
+    def train_state(self):  # a training state whose description is not JSON
+        (self.tmp / "full" / "train_state.dcp").mkdir()
+        (self.tmp / "full" / "train_state.dcp" / ".metadata").write_bytes(b"")
+        (self.tmp / "full" / "train_state.dcp" / "train_state.json").write_text("{not json")
+
+    def cut(self, path, keep: int):
+        data = path.read_bytes()[:keep]
+        path.write_bytes(data)
+        return len(data)
+
+
+def tiny_train_memory():
+    from wide.config import WideConfig
+    from wide.memory import train_memory_from_config
+
+    return train_memory_from_config(tiny_llama_config(), WideConfig(ffn_group_size=32), "cpu")
+
+
+def eval_need(batch: int) -> int:
+    """Bytes the memory check estimates for evaluating the tiny model, ``batch`` windows of 32 tokens."""
+    from wide.memory import config_param_count, estimate_eval_memory
+    from wide.model import dims_of
+
+    cfg = tiny_llama_config()
+    return sum(estimate_eval_memory(dims_of(cfg), cfg.vocab_size, config_param_count(cfg), batch, 32))
+
+
+def gib(n: float) -> str:
+    return f"{n / 2 ** 30:.1f} GiB"
+
+
+def case(argv: str, *words, setup=None, loads=False, before=None, needs=None, id=None):
+    """One row: ``argv`` (split on spaces, then formatted), the words of the error line (strings formatted like
+    ``argv``, or ``f(ctx)`` giving a list), ``setup(ctx)`` run first."""
+    marks = [pytest.mark.skipif(needs == "lm_eval" and not HAS_LM_EVAL, reason="needs lm-eval"),
+             pytest.mark.skipif(needs == "peft" and not HAS_PEFT, reason="needs peft")]
+    return pytest.param(argv, words, setup, loads, before, marks=marks, id=id or argv.split()[0] + ": " + (
+        words[0] if words and isinstance(words[0], str) else argv))
+
+
+HEADROOM = 0.9  # wide.memory.HEADROOM: the memory cases size what is available from it
+DEVICE_COMMANDS = {"info": "", "calibrate": "-o {out}", "lora": "--wide {tmp}/w -o {out}", "eval-ppl": "",
+                   "eval": "", "prune-static": "-S 0.5 -o {out}", "demo": "-o {out}", "generate": "--prompt hi"}
+DEVICES = [("tpu", 0, ["--device 'tpu'", "use cpu, cuda or cuda:N"]),
+           ("cuda", 0, ["--device cuda: no CUDA GPU on this machine (use --device cpu)"]),
+           ("cuda:0", 0, ["--device cuda:0: no CUDA GPU on this machine"]),
+           ("cuda:2", 2, ["--device cuda:2: this machine has 2 CUDA GPU(s): use cuda:0 to cuda:1 or cpu"])]
+CONFIG_DIMS = [({"num_attention_heads": 0}, "num_attention_heads=0 must be a positive integer"),
+               ({"hidden_size": "64"}, "hidden_size='64' must be a positive integer"),
+               ({"num_hidden_layers": -1}, "num_hidden_layers=-1 must be a positive integer"),
+               ({"head_dim": None, "num_attention_heads": 3},
+                "hidden_size=64 is not a multiple of num_attention_heads=3"),
+               ({"num_key_value_heads": 3}, "num_attention_heads=4 is not a multiple of num_key_value_heads=3")]
+BENCH_LISTS = [("--sparsity", "0.5,1.5", "sparsity 1.5 is outside [0, 1)"), ("--sparsity", "nan", "sparsity nan is"),
+               ("--sparsity", "0.5,x", "'x' is not a number"), ("--G", "1.5", "'1.5' is not an integer"),
+               ("--G", "8", "8 is below 16"), ("--G", "128,100", "group size 100 is not a power of two"),
+               ("--sparsity", ",", "empty list"), ("--G", "64,,128", "'64,,128' has an empty item"),
+               ("--sparsity", "0.5,", "'0.5,' has an empty item"),
+               ("--time-budget", "-5", "-5 must be a finite number > 0")]
+
+CASES = [
+    # --- usage errors (argparse): one line naming the command's --help -----------------------------------------
+    case("calibrate -o x --steps x", "wide calibrate: error: argument --steps: invalid int value: 'x' (see wide "
+         "calibrate --help)"),
+    case("calibrate", "the following arguments are required: --output/-o"),
+    case("eval-ppl --ctx", "argument --ctx: expected one argument (see wide eval-ppl --help)"),
+    case("info --bogus", "unrecognized arguments: --bogus"),
+    case("info --model {model} --sparsity 0.5", "wide info: error: unrecognized arguments: --sparsity 0.5 (see "
+         "wide info --help)"),
+    case("eval-ppl --sparsity 0.5", "unrecognized arguments: --sparsity 0.5"),
+    case("eval-ppl --mode global", "unrecognized arguments: --mode global", id="no abbreviation of --model"),
+    case("demo --mode x", "argument --mode: invalid choice: 'x'"),
+    case("generate --prompt hi --bogus", "wide generate: error: unrecognized arguments: --bogus"),
+    case("bench kernels --bogus", "wide bench kernels: error: unrecognized arguments: --bogus"),
+    case("nosuch", "wide: error: argument command: invalid choice: 'nosuch'"),
+    case("", "wide: error: the following arguments are required: command", id="no command"),
+    case("bench", "wide bench: error: the following arguments are required: {{kernels,e2e}}"),
+    *[case(f"bench {b} {opt} {bad}", f"wide bench {b}: error: argument {opt}: ", msg)
+      for b in ("e2e", "kernels") for opt, bad, msg in BENCH_LISTS],
+    *[case(f"bench e2e {opt} {bad}", msg) for opt, bad, msg in (
+        ("--split", "foo", "'foo' not allowed; choose from paper, uniform"),
+        ("--models", "gpt2", "choose from llama8b, smollm2"), ("--batch", "0", "0 is below 1"),
+        ("--runs", "2", "2 is below 5"), ("--trace-sparsity", "-0.1", "outside [0, 1)"),
+        ("--max-prefill-tokens", "0", "0 is below 1"), ("--max-kv-gb", "-1", "-1 must be a finite"),
+        ("--max-kv-gb", "inf", "inf must be a finite"))],
+    *[case(f"bench e2e --trace-points {bad}", "argument --trace-points") for bad in
+      ("prefill:1", "train:1:2048", "decode:0:2048", "decode:x:2048")],
+    *[case(f"bench kernels {opt} {bad}", msg) for opt, bad, msg in (
+        ("--tokens", "-1", "-1 is below 1"), ("--decode-batch", "0", "0 is below 1"), ("--M", "1,2,", "empty item"))],
+
+    # --- --device, checked first by every command that takes it -----------------------------------------------
+    *[case(f"{cmd} --model {{nowhere}} --device {dev} {extra}", *words, setup=lambda c, n=n: c.cuda(n),
+           id=f"{cmd} --device {dev}") for cmd, extra in DEVICE_COMMANDS.items() for dev, n, words in DEVICES],
+
+    # --- numbers out of range, before anything loads (--model points nowhere) --------------------------------
+    *[case(f"eval-ppl --model {{nowhere}} --text {{text}} --device cpu {opt} {v}", f"{opt} {v} must be >= {low}")
+      for opt, v, low in (("--batch-size", 0, 1), ("--batch-size", -2, 1), ("--max-tokens", 0, 2),
+                          ("--max-tokens", -5, 2), ("--max-tokens", 1, 2), ("--ctx", 0, 2), ("--ctx", -1, 2))],
+    case(NOWHERE_CAL + " --max-blocks 0 --seq-len 64", "--max-blocks 0 must be >= 1"),
+    case(NOWHERE_CAL + " --max-blocks -1", "--max-blocks -1 must be >= 1"),
+    case(NOWHERE_CAL + " --seq-len 1", "--seq-len 1 must be >= 2"),
+    case(NOWHERE_CAL + " --steps 10 --warmup-steps 11", "--warmup-steps 11 must be <= --steps 10"),
+    *[case(f"demo --model {{nowhere}} --text {{text}} -o {{out}} --device cpu {opt} {v}", f"{opt} {v} must be >= {low}")
+      for opt, v, low in (("--steps", 0, 1), ("--steps", -3, 1), ("--seq-len", 0, 2), ("--ctx", 0, 2),
+                          ("--eval-tokens", 0, 2), ("--eval-tokens", 1, 2))],
+    case("prune-static --model {model} -S 0.5 -o {full} --text {text} --calib-blocks 0 --device cpu",
+         "--calib-blocks 0 must be >= 1", id="prune-static: the options before the non-empty output"),
+
+    # --- the method options -----------------------------------------------------------------------------------
+    case(CAL + " --model /does/not/exist", "model '/does/not/exist' not found"),
+    case(CAL + " -S 1.5", "S=1.5 is outside [0, 1)"),
+    case(CAL + " -S -0.1", "S=-0.1 is outside [0, 1)"),
+    case(CAL + " --alpha -1", "alpha=-1.0 must be >= 0"),
+    case(CAL + " --ffn-group-size 48", "FFN group size G=48 must be a power of two"),
+    case(CAL + " --ffn-group-size 256", "G=256 does not divide the intermediate size 128"),
+    case(CAL + " --ffn-group-size 100", "FFN group size G=100", "pass --ffn-group-size with one of [16, 32, 64, 128]",
+         before="weights"),
+    case(CAL + " --attn-group-size 24", "G=24 must be a multiple of head_dim=16"),
+    case("info --model {model} --skipgpt-rank 4", "wide info: error: --skipgpt-rank 4 needs --method skipgpt"),
+    case("info --model {model} --ffn-group-size 48", "FFN group size G=48 must be a power of two >= 16",
+         "intermediate size 128", "--ffn-group-size with one of [16, 32, 64, 128]"),
+    case("info --model {model} --method skipgpt --ffn-group-size 100", "FFN group size G=100",
+         "--ffn-group-size with one of [16, 32, 64, 128]", "with --method skipgpt it sets the WIDE layout"),
+    case("info --model {model} --attn-group-size 0", "attention group size G=0 must be a positive multiple of "
+         "head_dim"),
+    case("info --model {model} --attn-group-size -64", "attention group size G=-64 must be a positive multiple"),
+    case("info --model {model} --ffn-group-size 0", "FFN group size G=0 must be a power of two >= 16"),
+    case("info --model {model} --ffn-group-size -32", "FFN group size G=-32 must be a power of two >= 16"),
+
+    # --- the model: missing, unsupported, malformed ------------------------------------------------------------
+    case("info --model {gpt2}", "unsupported architecture GPT2LMHeadModel"),
+    case("info --model {model}", "{model}/config.json", "must be a JSON object", "not list",
+         setup=lambda c: (c["model"] / "config.json").write_text("[]"), id="info: config.json not an object"),
+    *[case(cmd, "{model}/config.json", words, setup=lambda c, f=fields: c.edit_json(c["model"] / "config.json", **f),
+           before="weights", id=f"{cmd.split()[0]}: {words}")
+      for cmd in ("info --model {model}", CAL) for fields, words in CONFIG_DIMS],
+    case("info --model {model}", "no legal FFN group size divides intermediate_size=100", "powers of two >= 16",
+         "use a model whose intermediate size is a multiple of 16",
+         setup=lambda c: c.edit_json(c["model"] / "config.json", intermediate_size=100)),
+    case("eval-ppl --model {stk} --text {text} --ctx 16 --device cpu", "model folder '{stk}' has no tokenizer files",
+         "tokenizer.json", "tokenizer.model", "vocab.json"),
+    case(PPL, lambda c: [f"model weights file '{c['model'] / 'model.safetensors'}' is truncated or corrupt "
+                         f"({c.made['cut']:,} bytes"],
+         setup=lambda c: c.made.update(cut=c.cut(c["model"] / "model.safetensors",
+                                                 (c["model"] / "model.safetensors").stat().st_size // 2)),
+         id="eval-ppl: truncated model.safetensors"),
+    *[case("info --model {tmp}/cut.gguf --ffn-group-size 16",
+           lambda c: [f"GGUF file '{c['tmp'] / 'cut.gguf'}' is truncated or corrupt ({c.made['cut']:,} bytes;",
+                      "copy or download it again"],
+           setup=lambda c, k=keep: c.made.update(cut=c.cut(shutil.copy(c["gguf"], c["tmp"] / "cut.gguf"), k)),
+           id=f"info: GGUF cut to {keep} bytes") for keep in (10, 100, -100)],
+
+    # --- context lengths, refused from the config (the tiny model's context is 256 tokens) -------------------
+    case(CAL + " --seq-len 512", "--seq-len 512 is longer than the model's context of 256 tokens",
+         "use --seq-len 256 or less", before="tokenizer"),
+    case(LORA + " --seq-len 512", "--seq-len 512 is longer than the model's context of 256 tokens",
+         before="tokenizer", needs="peft"),
+    case(PRUNE + " -S 0.5 --seq-len 10000000", "--seq-len 10000000 is longer than the model's context of"),
+    *[case(PPL + f" --ctx 512 {w}", "--ctx 512 is longer than the model's context of 256 tokens",
+           "max_position_embeddings", "use --ctx 256 or less", before="tokenizer", id=f"eval-ppl --ctx 512 {w}")
+      for w in ("", "--wide {ckpt}")],
+
+    # --- texts ------------------------------------------------------------------------------------------------
+    case(CAL + " --text {emptytxt}", "is empty"),
+    case(CAL + " --text {short}", "short.txt' has 4 tokens (with an end-of-text token after each document), shorter "
+         "than one sequence of 32"),
+    case(CAL + " --text /no/such/file.txt", "text '/no/such/file.txt' not found"),
+    *[case(PPL + f" --text {{short}} {w}", "text '{short}' has 3 tokens, shorter than one window of --ctx 32",
+           before="weights", id=f"eval-ppl: text shorter than --ctx {w}") for w in ("", "--wide {ckpt}")],
+
+    # --- output paths -------------------------------------------------------------------------------------------
+    case(CAL + " -o {afile}", "-o '{afile}' is a file; give a directory"),
+    case(CAL + " -o {blank}", "-o '' is empty; give a directory", id="calibrate: -o ''"),
+    *[case(cmd.replace("{o}", o), words.replace("{o}", o)) for cmd in (
+        NOWHERE_CAL.replace("{out}", "{o}"), "prune-static --model {nowhere} -S 0.5 -o {o}",
+        "demo --model {nowhere} -o {o}") for o, words in (
+            ("{afile}", "-o '{o}' is a file; give a directory"),
+            ("{afile}/sub", "-o '{o}': '{afile}' is a file, not a directory"))],
+    *[case(cmd + " -o /proc/wide-out", "-o '/proc/wide-out': nothing can be written in '/proc'")
+      for cmd in ("calibrate --model {nowhere} --text {text} --device cpu", "demo --model {nowhere}")],
+    case(CAL + " -o {full}", "'{full}'", "exists and is not empty", "--resume", "--overwrite"),
+    case(CAL + " -o {full} --resume --overwrite", "--resume and --overwrite exclude each other"),
+    case(CAL + " -o {full} --overwrite", "LoRA adapter", "give another -o",
+         setup=lambda c: (c["full"] / "adapter").mkdir(), id="calibrate --overwrite over a LoRA adapter"),
+    case(LORA + " -o {full}", "'{full}'", "exists and is not empty", "--resume", "--overwrite", needs="peft"),
+    case(LORA + " -o {ckpt}", "must differ from the stage-1 checkpoint", needs="peft"),
+    case(DEMO + " -o {full}", "'{full}'", "exists and is not empty", "use --overwrite to write over it: the files "
+         "this command writes are replaced, any others are left as they are"),
+    case("prune-static --model {nowhere} -S 0.5 -o {full}", "exists and is not empty (use --overwrite"),
+    case("eval-ppl --model {nowhere} --text {text} --device cpu --json {tmp}", "--json '{tmp}' is a directory; give "
+         "a file path"),
+    case("eval-ppl --model {nowhere} --text {text} --device cpu --json {afile}/r.json",
+         "--json '{afile}/r.json': '{afile}' is a file, not a directory"),
+    case("eval --model {nowhere} --device cpu --json {tmp}", "--json", "is a directory; give a file path",
+         needs="lm_eval"),
+
+    # --- --resume ----------------------------------------------------------------------------------------------
+    case(CAL + " --resume", "--resume: no train_state.dcp in '{out}'"),
+    case(NOWHERE_CAL.replace("{out}", "{full}") + " --resume", "corrupt training state "
+         "{full}/train_state.dcp/train_state.json", setup=lambda c: c.train_state(), id="calibrate --resume: corrupt"),
+    case(CAL.replace("{out}", "{run}").replace("--seq-len 32", "--seq-len 16") + " --batch-size 1 --resume",
+         "written with other settings", "--seq-len: saved 32, now 16", before="tokenizer"),
+    case(CAL.replace("{out}", "{run}").replace("{text}", "{full}/x") + " --batch-size 1 --resume",
+         "written with other settings", "data.tokens_sha256: saved '", loads=True,
+         setup=lambda c: (c["full"] / "x").write_text(c["text"].read_text()[::-1]),
+         id="calibrate --resume: other text"),
+
+    # --- checkpoints --------------------------------------------------------------------------------------------
+    case(PPL + " --wide {tmp}/none", "not found"),
+    case(PPL + " --wide {text}", "WIDE checkpoint '{text}' is a file, but a checkpoint directory is expected",
+         "wide_config.json", before="weights"),
+    case(PPL + " --wide {ckpt}/routers.safetensors", "is a file, but a checkpoint directory is expected",
+         "routers.safetensors is one of its files: give its folder '{ckpt}'", before="weights"),
+    case(PPL + " --wide {ckpt} --json {tmp}/r.json", "corrupt checkpoint file",
+         setup=lambda c: (c["ckpt"] / "routers.safetensors").write_bytes(b"junk"), id="eval-ppl: junk routers"),
+    *[case(PPL + " --wide {ckpt}", "{ckpt}/wide_config.json", *words,
+           setup=lambda c, f=field, v=value: c.edit_json(c["ckpt"] / "wide_config.json", **{f: v}),
+           id=f"eval-ppl: wide_config.json {field}={value!r}") for field, value, words in (
+        ("ffn_group_size", "abc", ["ffn_group_size='abc'", "must be an integer"]),
+        ("ffn_group_size", 32.0, ["ffn_group_size=32.0", "must be an integer"]),
+        ("target_sparsity", "0.5", ["target_sparsity='0.5'", "must be a number"]),
+        ("router_rank", None, ["router_rank=None", "must be an integer"]),
+        ("ffn_group_size", 256, ["FFN group size G=256 does not divide the intermediate size 128"]),
+        ("attn_group_size", 24, ["attention group size G=24 must be a multiple of head_dim=16"]),
+        ("target_sparsity", 1.5, ["S=1.5 is outside [0, 1)"]))],
+    case("lora --wide {text} --text {text} -o {out} --device cpu", "stage-1 checkpoint '{text}' is a file, but a "
+         "checkpoint directory is expected", needs="peft"),
+
+    # --- prune-static's options ------------------------------------------------------------------------------
+    case(PRUNE + " -S 1.2", "wide prune-static: error: target sparsity S=1.2 is outside [0, 1)"),
+    case(PRUNE, "give the target sparsity -S (or the two fractions --attn-sparsity and --ffn-sparsity)"),
+    case(PRUNE + " -S 0.1 --attn-sparsity 0.5 --ffn-sparsity 0.25", "-S 0.1 conflicts with --attn-sparsity 0.5 "
+         "--ffn-sparsity 0.25 (their mean, the overall S, is 0.375): give -S alone, or the two fractions"),
+    case(PRUNE + " --attn-sparsity 0.5", "give both --attn-sparsity and --ffn-sparsity, or neither"),
+    case(PRUNE + " --attn-sparsity 1.5 --ffn-sparsity 0.5", "--attn-sparsity 1.5 is outside [0, 1)"),
+    case(PRUNE + " --attn-group-size 7", "static attention group size G=7 must be a multiple of",
+         id="prune-static: the attention group size before a missing -S"),
+    case(PRUNE + " --ffn-group-size 24", "FFN group size G=24", id="prune-static: the FFN group size before -S"),
+    case(PRUNE + " -S 0.5 --attn-group-size 100 --ffn-group-size 32", "static attention group size G=100 must be a "
+         "multiple of the GQA group 32 dividing the attention width 64", "legal: [32, 64]", before="weights"),
+    case(PRUNE + " -S 0.5 --ffn-group-size 256", "FFN group size G=256 does not divide the intermediate size 128",
+         "legal: [16, 32, 64, 128]", before="weights"),
+
+    # --- memory: a batch that cannot fit, refused with a split that does ---------------------------------------
+    case(CAL + " --batch-size 8", lambda c: [
+        f"one micro-batch of --batch-size 8 x --seq-len 32 tokens needs about "
+        f"{gib(tiny_train_memory().estimate(8, 32, False))}", f"{gib(c.made['avail'])} is available",
+        "use --batch-size 2 --grad-accum 4 (about", "the same 8 sequences per step", "--no-memory-check"],
+        setup=lambda c: c.memory(c.made.setdefault("avail",
+                                                   int(tiny_train_memory().estimate(3, 32, False) / HEADROOM))),
+        before="weights", id="calibrate: a micro-batch too large for memory"),
+    *[case(CAL.replace("--seq-len 32", "--seq-len 16") + f" --batch-size {b}", *words,
+           setup=lambda c, s=size: c.memory(int(tiny_train_memory().estimate(*s) / HEADROOM) + 1),
+           before="weights", id=f"calibrate --batch-size {b}: {words[-1]}") for b, size, words in (
+        (100000000, (4, 16, False), ["--batch-size 100000000", "use --batch-size ", "micro-batches, so choose "
+                                                                                   "--grad-accum"]),
+        (8, (4, 16, False), ["use --batch-size 4 --grad-accum 2", "the same 8 sequences per step"]),
+        (2, (1, 4, True), ["even --batch-size 1 does not fit at --seq-len 16", "--seq-len "]))],
+    case(CAL + " --batch-size 8 --text {short}", "short.txt' has", "shorter than one sequence of 32",
+         setup=lambda c: c.memory(2 ** 20), id="calibrate: a too short text named before the memory"),
+    case(DEMO, "--batch-size 4 x --seq-len 32 tokens needs about", "--no-memory-check",
+         setup=lambda c: c.memory(2 ** 20), loads=True, id="demo: memory, before its dense evaluation"),
+    case(PRUNE + " -S 0.5 --ffn-group-size 16 --batch-size 2", "a forward pass of 2 sequences (--batch-size) x 32 "
+         "tokens (--seq-len) needs about", "for scoring the groups", "--no-memory-check",
+         setup=lambda c: c.memory(2 ** 20), before="weights"),
+    case(PRUNE + " -S 0.5 --ffn-group-size 16 --batch-size 64", "a forward pass of all 2 sequences of the text "
+         "(--batch-size 64 is capped at the number of sequences) x 32 tokens (--seq-len)",
+         setup=lambda c: c.memory(2 ** 20), before="weights"),
+    *[case(PPL + f" --batch-size 8 {w}", lambda c: [
+        f"a forward pass of 8 windows (--batch-size) x 32 tokens (--ctx) needs about {gib(eval_need(8))} for "
+        f"evaluation", f"but {gib(c.made['avail'])} is available", "[8 x 32 x 128] logits",
+        "use --batch-size 3 (about", "--no-memory-check"],
+        setup=lambda c: c.memory(c.made.setdefault("avail", int(eval_need(3) / HEADROOM) + 1)), before="weights",
+        id=f"eval-ppl: memory {w}") for w in ("", "--wide {ckpt}")],
+    case(PPL + " --batch-size 1000", "a forward pass of all ", "(--batch-size 1000 is capped at the number of "
+         "windows) x 32 tokens", setup=lambda c: c.memory(1)),
+
+    # --- optional packages, lm-eval and the benchmarks ----------------------------------------------------------
+    *[case(cmd, f"needs the '{module}' package", "wide[quality]", setup=lambda c, m=module: c.missing(m))
+      for module, cmd in (("lm_eval", "eval --tasks wide_boolq --wide {tmp}/w --model {model}"),
+                          ("lm_eval", "lm-eval"), ("peft", LORA))],
+    *[case(f"eval --model {{model}} {args}", msg, needs="lm_eval") for args, msg in (
+        ("--tasks mmlu", "unknown task 'mmlu'"), ("--wide /nonexistent/ckpt", "not found"),
+        ("--batch-size 0", "--batch-size 0 must be >= 1"),
+        ("--tasks wikitext --wikitext /nonexistent/wiki.test.raw", "WikiText-2 test file"),
+        ("--limit 0", "--limit 0: give a whole number of documents per task (>= 1) or a fraction in (0, 1)"),
+        ("--limit -1 --model /nonexistent/model", "--limit -1: give a whole number"))],
+    case("eval --model {nowhere} --tasks all", "WikiText-2 test file wiki.test.raw not found", "--wikitext PATH",
+         "WIDE_WIKITEXT", needs="lm_eval", setup=lambda c: (
+             c.mp.delenv("WIDE_WIKITEXT", raising=False),
+             c.mp.setattr("wide.eval.tasks.loaders.wikitext_candidates", lambda: [c["tmp"] / "wiki.test.raw"])),
+         id="eval --tasks all without wiki.test.raw"),
+    case("lm-eval --model wide --tasks nosuchtask", "wide lm-eval: error: Tasks not found: nosuchtask", loads=True,
+         needs="lm_eval"),
+    *[case(f"bench {b} --out-dir {{out}}", f"wide bench: error: wide bench {b} times GPU code and needs a CUDA GPU",
+           setup=lambda c: c.cuda(0)) for b in ("kernels", "e2e")],
+    *[case(f"bench {b} --report-only --out-dir {{out}} --tag x", "no results at", "--tag") for b in ("kernels", "e2e")],
+    *[case(f"bench {b} --report-only --out-dir {{full}} --tag y", "is not a readable JSON file",
+           setup=lambda c, b=b: (c["full"] / f"{b}_y.json").write_text("{not json")) for b in ("kernels", "e2e")],
+]
+
+
+def _tree(root) -> dict:
+    """Every path under ``root``, with each file's size and modification time."""
+    return {str(p.relative_to(root)): p.is_file() and (p.stat().st_size, p.stat().st_mtime_ns) for p in root.rglob("*")}
+
+
+@pytest.mark.parametrize("argv,words,setup,loads,before", CASES)
+def test_bad_input(argv, words, setup, loads, before, tmp_path, model_dir, text_file, capsys, monkeypatch):
+    c = Ctx(tmp_path, model_dir, text_file, monkeypatch, capsys)
+    args = [c.fmt(a) for a in argv.split(" ") if a] if argv else []
+    if setup is not None:
+        setup(c)
+    if before is not None:
+        import transformers
+
+        def refuse(*a, **k):
+            raise AssertionError(f"the {before} were read before the refusal")
+
+        monkeypatch.setattr(transformers.AutoModelForCausalLM, "from_pretrained", refuse)
+        if before == "tokenizer":
+            monkeypatch.setattr(transformers.AutoTokenizer, "from_pretrained", refuse)
+    capsys.readouterr()
+    files = _tree(tmp_path)
+    try:
+        rc = main(args)
+    except SystemExit as e:  # a usage error
+        rc = e.code
+    out, err = capsys.readouterr()
+    lines = err.strip().splitlines()
+    assert rc == 2 and lines and "Traceback" not in err, err
+    line = lines[-1]
+    assert line.startswith("wide") and ": error: " in line and (loads or len(lines) == 1), err
+    for w in (words[0](c) if words and callable(words[0]) else [c.fmt(w) for w in words]):
+        assert w in line, (w, line)
+    assert _tree(tmp_path) == files, "something was written"
+
+
+# --- the same checks through the Python API ------------------------------------------------------------------------
+def test_library_checks_the_device(monkeypatch, tmp_path):
+    """``check_device``, ``load_base_model`` and ``wide.load``: the CLI's --device check, before any file is read."""
+    import wide
+    from wide.errors import WideError
+    from wide.hub import check_device, load_base_model
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    for dev in (None, "cpu", "cuda", "cuda:0", "cuda:1"):
+        check_device(dev)
+    for dev in ("CPU", "cuda:", "cuda:x", "mps", "cuda:0,1"):
+        with pytest.raises(WideError, match="use cpu, cuda or cuda:N"):
+            check_device(dev)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    with pytest.raises(WideError, match=r"device cuda: no CUDA GPU on this machine \(use device='cpu'\)"):
+        load_base_model(str(tmp_path / "nowhere"), device="cuda")
+    with pytest.raises(WideError, match="device 'tpu': use cpu, cuda or cuda:N"):
+        load_base_model(str(tmp_path / "nowhere"), device="tpu")
+    with pytest.raises(WideError, match="no CUDA GPU"):
+        wide.load(tmp_path, model=str(tmp_path / "nowhere"), device=torch.device("cuda"))
+
+
+def test_library_checks_warmup_and_jsonl_text(tmp_path):
+    from wide.data import load_texts
+    from wide.errors import WideError
+    from wide.train.loop import CalibrationArgs
+
+    with pytest.raises(WideError, match=r"--warmup-steps 4 must be <= --steps 3"):
+        CalibrationArgs(steps=3, warmup_steps=4).validate()
+    CalibrationArgs(steps=3, warmup_steps=3).validate()
+    CalibrationArgs(steps=3, warmup_steps=0).validate()
+    p = tmp_path / "t.jsonl"
+    for value, words in ((5, "'text' is a number (5)"), (None, "'text' is null;"), (["a"], "'text' is a list"),
+                         ({"a": 1}, "'text' is an object")):
+        p.write_text(json.dumps({"text": "w1 w2"}) + "\n\n" + json.dumps({"text": value}) + "\n")
+        with pytest.raises(WideError) as e:
+            load_texts(str(p))
+        assert "t.jsonl: line 3: " + words in str(e.value) and "it must be a string" in str(e.value)
+
+
+def test_library_checks_checkpoints(tmp_path, model_dir, monkeypatch):
+    """A bad wide_config.json value names the file; router weights of another config name the keys, before any
+    base model loads when the checkpoint records the dims."""
+    import re
+
+    import wide
+    import wide.checkpoint as CK
+    from wide.checkpoint import ROUTERS_NAME, save_wide
+    from wide.config import WideConfig
+    from wide.errors import WideError
+    from wide.model import WideModel, router_shapes
+
+    for cfg in (WideConfig(ffn_group_size=32), WideConfig(ffn_group_size=16, routed="ffn", router_rank=4),
+                WideConfig(method="skipgpt", routed="attn")):
+        wm = WideModel(tiny_model(), cfg)
+        assert router_shapes(wm.dims, cfg) == {k: tuple(v.shape) for k, v in wm.router_state_dict().items()}
+    path = save_wide(WideModel(tiny_model(), WideConfig(ffn_group_size=32)), tmp_path / "ckpt", model_ref="tiny")
+    config = path / "wide_config.json"
+    good = config.read_text()
+    config.write_text(json.dumps({**json.loads(good), "target_sparsity": 1.5}))
+    with pytest.raises(WideError, match="S=1.5 is outside") as e:
+        wide.load(path, model=str(model_dir), device="cpu")
+    assert str(config) in str(e.value)
+    config.write_text(json.dumps({**json.loads(good), "routed": "ffn"}))  # the routers of routed=both
+    monkeypatch.setattr(CK, "load_base_model", lambda *a, **k: (_ for _ in ()).throw(AssertionError("loaded")))
+    with pytest.raises(WideError) as e:  # found from the dims base_model.json records, before any base loads
+        wide.load(path)
+    msg = str(e.value)
+    assert msg.startswith(f"{path / ROUTERS_NAME}: router weights do not match the model: "), msg
+    assert re.search(r"0 missing, 8 unexpected \(attn\.0\.w1\.bias, attn\.0\.w1\.weight, attn\.0\.w2\.bias, "
+                     r"\.\.\.\), of the 8 it needs", msg), msg
+    assert "likely made for another model or another WIDE config" in msg
+
+
+def test_library_lora_adapter_files(tmp_path):
+    """The adapter gets a new file's mode (peft's safetensors writes 0600), and peft's missing-config warning
+    is silenced while other warnings still show."""
+    import os
+    import stat
+    import warnings
+
+    pytest.importorskip("peft")
+    from wide.config import WideConfig
+    from wide.lora import attach_lora, peft_model, save_adapter
+    from wide.model import WideModel
+
+    wm = WideModel(tiny_model(), WideConfig(ffn_group_size=32))
+    attach_lora(wm)
+    peft_model(wm).peft_config["default"].base_model_name_or_path = str(tmp_path / "gguf-package")
+    old = os.umask(0o022)
+    try:
+        with warnings.catch_warnings(record=True) as seen:
+            warnings.simplefilter("always")
+            save_adapter(wm, tmp_path / "adapter")
+            warnings.warn("another warning", UserWarning)
+    finally:
+        os.umask(old)
+    assert [str(w.message) for w in seen] == ["another warning"]
+    modes = {f.name: stat.S_IMODE(f.stat().st_mode) for f in (tmp_path / "adapter").iterdir()}
+    assert "adapter_model.safetensors" in modes and set(modes.values()) == {0o644}, modes
