@@ -25,7 +25,7 @@ LLAMA8B = dict(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, 
                rope_theta=500000.0, rms_norm_eps=1e-5, tie_word_embeddings=False,
                rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
                              "high_freq_factor": 4.0, "original_max_position_embeddings": 8192})
-ROUTED_OPS = ("q_proj", "qkv_gemv", "attend", "o_proj", "gate_up", "down_proj")
+ROUTED_OPS = ("q_proj", "qkv_gemv", "attend", "o_proj", "gate_up_dense", "gate_up", "down_proj")
 ROUTING_OPS = ("attn_router", "attn_reorder", "ffn_router", "ffn_reorder")
 UNIT = "Eq. 6 group rate: mean of the attention and FFN skipped-group fractions"
 DEVICE = "cuda"  # the CPU dry run of the tests swaps it, with gpu_ms
@@ -197,8 +197,8 @@ class Run:
                          date=git("show", "-s", "--format=%cs", "HEAD") or datetime.date.today().isoformat(),
                          run_date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
                          command="wide bench e2e " + " ".join(getattr(args, "argv", [])[2:]),
-                         backend=f"triton {triton.__version__}, torch {torch.__version__}, transformers "
-                                 f"{transformers.__version__}, CUDA graphs")
+                         backend=f"triton {triton.__version__}, torch {torch.__version__}, CUDA {torch.version.cuda}, "
+                                 f"transformers {transformers.__version__}")
 
     def over(self) -> bool:
         return time.time() - self.t0 > self.args.time_budget
@@ -344,12 +344,10 @@ def bench_smollm2(run: Run) -> None:
     engs["wide_auto"].measure_activity(pack(load_texts(a.smollm2_text)[:64], tok, 2048, max_blocks=1).to("cuda"))
     extra = dict(sparsity=wm.config.target_sparsity, G_ffn=wm.config.ffn_group_size, split="calibrated",
                  checkpoint=a.smollm2_ckpt)
-    for T in [t for t in a.prompt if t <= 8192]:
-        if not run.over():
-            bench_prefill(run, "smollm2-135m", wm.base, engs, 1, T, extra)
-    for B in [b for b in a.batch if b <= 16]:
-        if not run.over():
-            bench_decode(run, "smollm2-135m", wm.base, engs, B, 2048, extra)
+    for T in (t for t in a.prompt if t <= 8192 and not run.over()):
+        bench_prefill(run, "smollm2-135m", wm.base, engs, 1, T, extra)
+    for B in (b for b in a.batch if b <= 16 and not run.over()):
+        bench_decode(run, "smollm2-135m", wm.base, engs, B, 2048, extra)
 
 
 # --- report and run --------------------------------------------------------------------------------------------------

@@ -180,7 +180,7 @@ class Layer(nn.Module):
         if one:
             q, k, v = self.qkv_gemv(x, m, e)
         elif q is None:
-            q = self.q_proj(x, m, flat, e.g_attn)
+            q = self.q_proj(x, m, flat, e.g_attn, False)
         d = e.dims
         q, k, v = q.view(B, T, -1, d.head_dim), k.view(B, T, -1, d.head_dim), v.view(B, T, -1, d.head_dim)
         if self.q_norm is not None:
@@ -253,11 +253,13 @@ class Layer(nn.Module):
         m = self.route(kind, h, f)
         return (m, *self.reorder(kind, m, mn_kernel, attention))
 
-    @_op
     def qkv_proj(self, x, q_dense: bool):
         """The projections that read no mask: K, V, and Q where it runs as cuBLAS."""
-        return (F.linear(x, self.wq, self.bq) if q_dense else None), F.linear(x, self.wk, self.bk), F.linear(
-            x, self.wv, self.bv)
+        return (self.q_proj(x, None, None, 0, True) if q_dense else None, *self.kv_proj(x))
+
+    @_op
+    def kv_proj(self, x):
+        return F.linear(x, self.wk, self.bk), F.linear(x, self.wv, self.bv)
 
     @_op
     def qkv_gemv(self, x, m, e: Engine):
@@ -272,9 +274,11 @@ class Layer(nn.Module):
         return out[:, :nq], out[:, nq:nq + nkv], out[:, nq + nkv:]
 
     @_op
-    def q_proj(self, x, m, flat, G: int):
-        B, T, D = x.shape
-        q = gemm_mn(x.view(B * T, D), self.wq, m.view(B * T, -1), G, reordered=flat)
+    def q_proj(self, x, m, flat, G: int, dense: bool):
+        x2 = x.view(-1, x.shape[-1])
+        if dense:  # cuBLAS: the routed attention ignores the skipped head groups' Q
+            return F.linear(x2, self.wq, self.bq)
+        q = gemm_mn(x2, self.wq, m.view(x2.shape[0], -1), G, reordered=flat)
         return q + self.bq if self.bq is not None else q
 
     @_op
@@ -313,7 +317,7 @@ class Layer(nn.Module):
         if not n_dense:
             return swiglu(x, self.wg, self.wu, route, G, reordered=flat)
         if g is None:
-            g, u = self.gate_up_dense(x)
+            g, u = F.linear(x, self.wg), F.linear(x, self.wu)
         return F.silu(g) * u if route is None else masked_swiglu_act(g, u, route, G)
 
     @_op
