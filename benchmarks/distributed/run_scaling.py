@@ -22,6 +22,7 @@ import datetime as dt
 import json
 import os
 import shlex
+import shutil
 import statistics
 import subprocess
 import sys
@@ -72,10 +73,9 @@ def worker(a) -> int:
 
     sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "src"))
     from wide.config import WideConfig
-    from wide.lora import recover
     from wide.model import WideModel
     from wide.train import fsdp as D
-    from wide.train.loop import CalibrationArgs, calibrate
+    from wide.train.loop import CalibrationArgs, calibrate, recover
 
     cuda = a.device == "cuda"
     t_start = time.time()
@@ -105,18 +105,15 @@ def worker(a) -> int:
             torch.cuda.synchronize()
             torch.cuda.reset_peak_memory_stats()
 
-    with tempfile.TemporaryDirectory() as tmp:
-        out = Path(tmp) / "run"
-        # every rank needs the same folder: rank 0's temporary name is broadcast
-        out = Path(D.broadcast_object(str(out), env))
-        if a.stage == "router":
-            calibrate(wm, blocks, args, out, a.model, progress=False, on_step=on_step)
-        else:  # stage 2: peft LoRA (r=16, alpha=32, dropout 0.1) on all 7 projections, routers trained
-            recover(wm, blocks, args, out, a.model, progress=False, on_step=on_step)
-        D.barrier(env)
+    out = Path(a.run_dir) / "run"  # the same folder for every rank (made by the launching process)
+    if a.stage == "router":
+        calibrate(wm, blocks, args, out, a.model, progress=False, on_step=on_step)
+    else:  # stage 2: peft LoRA (r=16, alpha=32, dropout 0.1) on all 7 projections, routers trained
+        recover(wm, blocks, args, out, a.model, progress=False, on_step=on_step)
+    D.barrier(env)
     peak = torch.cuda.max_memory_allocated() / 2**30 if cuda else 0.0
     reserved = torch.cuda.max_memory_reserved() / 2**30 if cuda else 0.0
-    peaks = D.all_mean([peak, reserved], env) if env.world_size == 1 else _all_max([peak, reserved], env)
+    peaks = _all_max([peak, reserved], env) if env.active else [peak, reserved]
     if env.is_main:
         tps = [r["tokens_per_s"] for r in recs[a.warmup:]]
         res = {
@@ -184,6 +181,7 @@ def main() -> int:
     p.add_argument("--worker-grad-checkpoint", dest="grad_checkpoint_w", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--worker-keep-gathered", dest="keep_gathered", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--result", help=argparse.SUPPRESS)
+    p.add_argument("--run-dir", help=argparse.SUPPRESS)
     p.add_argument("--stage", default="router", help=argparse.SUPPRESS)
     a = p.parse_args()
     if a.worker:
@@ -210,11 +208,11 @@ def main() -> int:
                      for raf in (rafs if n > 1 else [True])]
     for stage, model, ck, mb, n, raf in runs:
         seq_len = DEFAULT_RUNS[model][0]
-        with tempfile.NamedTemporaryFile(suffix=".json", delete=False) as f:
-            result = f.name
+        run_dir = tempfile.mkdtemp(prefix="run_scaling_")
+        result = os.path.join(run_dir, "result.json")
         wargs = [me, "--worker", "--device", a.device, "--model", model, "--seq-len", str(seq_len),
-                 "--micro-batch", str(mb),
-                 "--steps", str(a.steps), "--warmup", str(a.warmup), "--result", result, "--stage", stage]
+                 "--micro-batch", str(mb), "--steps", str(a.steps), "--warmup", str(a.warmup), "--result", result,
+                 "--run-dir", run_dir, "--stage", stage]
         if ck:
             wargs.append("--worker-grad-checkpoint")
         if not raf:
@@ -227,7 +225,10 @@ def main() -> int:
               + ("" if n == 1 else f", reshard after forward {raf}"), flush=True)
         t0 = time.time()
         proc = subprocess.run(cmd)
-        if proc.returncode != 0 or not os.path.getsize(result):
+        ok = proc.returncode == 0 and os.path.isfile(result)
+        rec = json.loads(Path(result).read_text()) if ok else None
+        shutil.rmtree(run_dir, ignore_errors=True)
+        if not ok:
             print(f"   FAILED (exit {proc.returncode})", flush=True)
             records.append({"op": "calibrate" if stage == "router" else "lora", "model": model, "gpus": n,
                             "stage": stage, "grad_checkpoint": ck,
@@ -235,8 +236,6 @@ def main() -> int:
                             "seq_len": seq_len, "micro_batch_per_gpu": mb,
                             "reshard_after_forward": raf if n > 1 else None})
             continue
-        rec = json.loads(Path(result).read_text())
-        os.unlink(result)
         rec.update(baseline=BASELINE, commit=commit, date=date, command=command, wall_s=time.time() - t0)
         one = [r for r in records if r.get("gpus") == 1 and r.get("seq_len") == seq_len and r.get("stage") == stage
                and r.get("grad_checkpoint") == ck and r.get("micro_batch_per_gpu") == mb

@@ -42,7 +42,8 @@ from wide.checkpoint import load, save_wide
 from wide.config import WideConfig, atomic_write_text
 from wide.data import load_texts, pack, ppl_windows
 from wide.eval.perplexity import perplexity
-from wide.model import WideModel, dims_of, fingerprint, load_base_model, router_param_count
+from wide.hub import load_base_model
+from wide.model import WideModel, dims_of, fingerprint, router_param_count
 
 TASK_KEYS = ["arc_easy", "arc_challenge", "boolq", "winogrande", "piqa", "openbookqa", "hellaswag"]
 GROUP_FFN = [16, 32, 64, 128, 256, 512]
@@ -142,8 +143,8 @@ def lora_stage(a, r, stage1_dir: Path | None, model_spec: str | None, blocks) ->
     """Stage-2 LoRA. WIDE / SkipGPT: `wide lora` on the stage-1 checkpoint. Dense / static: the same
     recovery (peft LoRA on the 7 projections, same settings) on a model whose masks are fixed to execute
     everything (routers unused, frozen), i.e. plain LoRA on the (pruned) model."""
-    from wide.lora import LoraSettings, recover
-    from wide.train.loop import CalibrationArgs
+    from wide.lora import LoraSettings
+    from wide.train.loop import CalibrationArgs, recover
 
     out = Path(a.runs) / run_key(r)
     if (out / "adapter").is_dir() and (out / "done.json").is_file():
