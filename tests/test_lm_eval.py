@@ -305,7 +305,7 @@ def test_bad_dtype(model_dir):
 def test_cli_eval_and_lm_eval_passthrough(model_dir, tmp_path, capsys):
     from wide.checkpoint import save_wide
     from wide.cli import main
-    from wide.model import load_base_model
+    from wide.hub import load_base_model
 
     base, _, src = load_base_model(str(model_dir), device="cpu")
     ckpt = tmp_path / "ckpt"
@@ -400,8 +400,7 @@ def test_wikitext_not_found_lists_each_place_once(tmp_path, monkeypatch):
 
 
 def test_lm_eval_main_errors_and_interrupt(monkeypatch, capsys):
-    import lm_eval.__main__ as lm_main
-
+    import wide.eval.lm_eval as lm_main  # where lm_eval_main finds lm-eval's cli_evaluate
     from wide.cli import main
     from wide.eval.lm_eval import lm_eval_main
 

@@ -13,11 +13,7 @@ from wide.model import router_param_count
 
 def matched_rank(dims: ModelDims, wide_config: WideConfig) -> int:
     """The SkipGPT rank (>= 1) whose router parameters, ``r (D + 3) + 2`` per routed module, are closest to those
-    of ``wide_config``'s routers.
-
-    Raises:
-        WideError: ``wide_config.method`` is not ``"wide"``, or its group sizes do not fit ``dims``.
-    """
+    of ``wide_config``'s routers; WideError for a config that is not WIDE's or does not fit ``dims``."""
     if wide_config.method != "wide":
         raise WideError(f"matched_rank needs a WIDE config to match, got method={wide_config.method!r}")
     target = router_param_count(dims, wide_config.resolve(dims))
@@ -27,10 +23,6 @@ def matched_rank(dims: ModelDims, wide_config: WideConfig) -> int:
 
 def skipgpt_config(dims: ModelDims, wide_config: WideConfig, rank: int | None = None) -> WideConfig:
     """The resolved SkipGPT config compared with ``wide_config``: the same objective and routed modules,
-    whole-module gates, and :func:`matched_rank` (or ``rank``).
-
-    Raises:
-        WideError: as :func:`matched_rank`, or a rank below 1.
-    """
+    whole-module gates, and :func:`matched_rank` (or ``rank``); WideError as there, or for a rank below 1."""
     r = matched_rank(dims, wide_config) if rank is None else rank
     return dataclasses.replace(wide_config, method="skipgpt", router_rank=r).resolve(dims)

@@ -1,14 +1,9 @@
-"""Static width pruning: the same GQA head groups and FFN channel groups removed for every token (the static
-baseline family of §4.1, scored on calibration text).
-
-Units are WIDE's (Eq. 2-3): attention groups of ``G_attn`` channels of the ``o_proj`` input (default the GQA group:
-one KV head with its query heads) and FFN groups of ``G_ffn`` channels of the ``down_proj`` input. Channel ``c`` of
-a projection input ``x`` scores ``sqrt(sum_t x_{t,c}^2) * ||W[:, c]||_2`` over the calibration tokens (a structured
-Wanda score); a group scores the sum over its channels. Every layer removes the same number of its lowest groups,
-so the result is an ordinary, smaller model. ``S`` is the mean removed fraction over the 2N modules (as in Eq. 6);
-among the (attention, FFN) splits within half an FFN group of ``S`` the one with the lowest calibration LM loss is
-taken. The fixed-mask form (:meth:`StaticPruning.apply`) and the sliced model (:func:`slice_model`) give equal
-logits.
+"""Static width pruning (the static baseline family of §4.1): the same groups removed for every token, in WIDE's
+units (Eq. 2-3: ``G_attn`` channels of the ``o_proj`` input, by default one KV head with its query heads; ``G_ffn``
+channels of the ``down_proj`` input). Channel ``c`` of input ``x`` scores ``sqrt(sum_t x_tc^2) * ||W[:, c]||_2`` over
+the calibration tokens (a structured Wanda score), a group the sum over its channels; every layer removes as many
+of its lowest groups, so the result is an ordinary, smaller model. ``S`` is the mean removed fraction over the 2N
+modules (Eq. 6); of the (attention, FFN) splits within half an FFN group of ``S`` the lowest calibration loss wins.
 """
 
 from __future__ import annotations
@@ -24,6 +19,7 @@ from torch import nn
 
 from wide.config import ModelDims, WideConfig, atomic_write_text, set_new_file_mode
 from wide.errors import WideError
+from wide.eval.perplexity import perplexity
 from wide.model import WideModel, check_architecture, decoder_layers, dims_of
 
 PRUNING_NAME = "static_pruning.json"
@@ -35,26 +31,18 @@ def group_scores(model: nn.Module, blocks: torch.Tensor, attn_group_size: int, f
     """Group importance (module docstring) over int64 ``blocks`` ``[N, T]``: float64 ``{"attn": [L, N_attn],
     "ffn": [L, N_ffn]}`` on the CPU."""
     layers = decoder_layers(model)
-    device = next(model.parameters()).device
     sq = {"attn": [0.0] * len(layers), "ffn": [0.0] * len(layers)}
-
     def hook(kind, i):
         def f(module, args):
             sq[kind][i] = sq[kind][i] + args[0].detach().double().pow(2).flatten(0, -2).sum(0)
         return f
-
     handles = [lin.register_forward_pre_hook(hook(kind, i)) for i, layer in enumerate(layers)
                for kind, lin in (("attn", layer.self_attn.o_proj), ("ffn", layer.mlp.down_proj))]
-    was = model.training
-    model.eval()
     try:
-        for b in range(0, blocks.shape[0], batch_size):
-            with torch.autocast(device.type, dtype=torch.bfloat16, enabled=device.type == "cuda"):
-                model(input_ids=blocks[b:b + batch_size].to(device))
+        perplexity(model, blocks, batch_size, progress=False)  # the forward passes the hooks read
     finally:
         for h in handles:
             h.remove()
-        model.train(was)
     out = {}
     for kind, g, proj in (("attn", attn_group_size, "self_attn.o_proj"), ("ffn", ffn_group_size, "mlp.down_proj")):
         w = [layer.get_submodule(proj).weight.detach().double().cpu().norm(dim=0) for layer in layers]
@@ -160,8 +148,6 @@ def prune(model: nn.Module, blocks: torch.Tensor, sparsity: float, attn_group_si
     target ``S`` in [0, 1) (module docstring); ``attn_sparsity`` / ``ffn_sparsity`` fix the split instead (both
     or neither, rounded to whole groups); the split's LM loss is measured on the first ``select_blocks`` blocks.
     Raises WideError for bad group sizes or sparsities."""
-    from wide.eval.perplexity import perplexity
-
     check_architecture(model.config)
     g_a = check_group_sizes(dims_of(model.config), attn_group_size, ffn_group_size)
     WideConfig(target_sparsity=sparsity)
@@ -210,11 +196,8 @@ def slice_model(model: nn.Module, pruning: StaticPruning) -> nn.Module:
     """A physically smaller copy of ``model`` (unchanged) without the pruned groups: ``q_proj`` rows and
     ``o_proj`` columns of the removed query heads, ``k_proj`` / ``v_proj`` rows of their KV heads, ``gate_proj`` /
     ``up_proj`` rows and ``down_proj`` columns of the removed FFN channels; the config follows. A GGUF-loaded
-    model's copy is a plain float checkpoint. Returns a new model (same class, dtype, device; eval, frozen).
-
-    Raises:
-        WideError: a pruning that does not fit the model, or keeps a different (or zero) number of groups in a layer.
-    """
+    model's copy is a plain float checkpoint. Returns a new model (same class, dtype, device; eval, frozen);
+    WideError for a pruning that does not fit the model or keeps another (or no) number of groups in some layer."""
     arch = check_architecture(model.config)
     dims = dims_of(model.config)
     ga, gf = pruning.attn_group_size, pruning.ffn_group_size

@@ -1,5 +1,5 @@
-"""The ``wide`` command line: the parser (one ``add_parser`` per command module) and :func:`main`, which
-dispatches. Bad input ends with one line on stderr naming the value and what is allowed, and exit code 2."""
+"""The ``wide`` command line: the parser (from each command module's ``add_parser``) and :func:`main`, which
+dispatches; bad input ends with one line on stderr naming the value and what is allowed, and exit code 2."""
 
 from __future__ import annotations
 
@@ -17,7 +17,6 @@ from wide.cli.common import WideArgumentParser
 def build_parser() -> WideArgumentParser:
     """The ``wide`` parser with every subcommand."""
     from wide import __version__
-
     p = WideArgumentParser(prog="wide", description="WIDE: token-level dynamic width pruning for LLMs")
     p.add_argument("--version", action="version", version=f"wide {__version__}")
     sub = p.add_subparsers(dest="command", required=True)
@@ -34,7 +33,6 @@ def build_parser() -> WideArgumentParser:
 def _one_line_warnings(command: str):
     """Show each WideWarning as one line ``wide <command>: warning: <message>``; others keep Python's format."""
     from wide.errors import WideWarning
-
     with warnings.catch_warnings():
         show = warnings.showwarning
         warnings.showwarning = lambda message, category, *a, **k: (
@@ -49,13 +47,10 @@ def _term_as_interrupt():
     and puts the previous handler back afterwards (outside the main thread nothing changes)."""
     import signal
     import threading
-
     got: dict = {"signal": None}
-
     def handler(signum, frame):
         got["signal"] = signum
         raise KeyboardInterrupt
-
     main_thread = threading.current_thread() is threading.main_thread()
     previous = signal.signal(signal.SIGTERM, handler) if main_thread else None
     try:
@@ -68,20 +63,17 @@ def _term_as_interrupt():
 def _resume_hint(args) -> str:
     """What an interrupted command left behind and how to continue it."""
     from wide.train.loop import has_train_state
-
     out = str(getattr(args, "output", ""))
-    q = shlex.quote(out)
+    q, saved = shlex.quote(out), args.command in ("demo", "calibrate", "lora") and has_train_state(out)
     if args.command == "demo" and getattr(args, "calibrated", False):
         return f"; the calibration was complete and is saved in {out!r}: `wide eval-ppl --wide {q}` evaluates it"
-    if args.command == "demo" and has_train_state(out):
+    if args.command == "demo":
         return (f"; the calibration's last saved state is in {out!r}: `wide calibrate -o {q} --resume` finishes it "
-                f"(then `wide eval-ppl --wide {q}`)")
+                f"(then `wide eval-ppl --wide {q}`)") if saved else ""
     if args.command in ("calibrate", "lora"):
-        if has_train_state(out):
-            return (f"; the last state saved (every --save-every {args.save_every} steps) is in {out!r}: add "
-                    f"--resume to continue from it")
-        return (f"; nothing was saved yet (the first save is at step {min(args.save_every, args.steps)}), so there "
-                f"is nothing to resume")
+        return (f"; the last state saved (every --save-every {args.save_every} steps) is in {out!r}: add --resume "
+                f"to continue from it" if saved else f"; nothing was saved yet (the first save is at step "
+                f"{min(args.save_every, args.steps)}), so there is nothing to resume")
     return ""
 
 
@@ -98,16 +90,13 @@ def main(argv: list[str] | None = None) -> int:
     args.argv = raw
     from wide.hub import check_device
     from wide.train.fsdp import launched_by_torchrun
-
     def run():
         train.take_saved_options(parser, args)  # --resume: options not given are the saved run's (device too)
         check_device(getattr(args, "device", None), "--device")  # every command with --device, before any work
         with _one_line_warnings(args.command):
             return args.func(args)
-
     if launched_by_torchrun():  # a torchrun worker: any rank's error ends the job with one line, no hang
         import wide.train.fsdp as D
-
         ok = False
         try:
             rc = run()

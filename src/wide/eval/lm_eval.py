@@ -1,22 +1,24 @@
-"""lm-evaluation-harness integration (paper §4.1 "Evaluation"): the lm-eval model type ``wide`` and a runner.
-
-Importing this module registers ``wide`` (:class:`WideLM`, an ``HFLM``): lm-eval 0.4.13 has no plugin discovery,
-so ``wide eval`` (:func:`evaluate`) and ``wide lm-eval ARGS`` (:func:`lm_eval_main`, lm-eval's own command line
-with our offline tasks on ``--include_path``) import it. Routing is argmax (Eq. 5).
-"""
+"""lm-evaluation-harness integration (paper §4.1 "Evaluation"): importing this module registers the lm-eval model
+type ``wide`` (:class:`WideLM`, argmax routing, Eq. 5), which ``wide eval`` (:func:`evaluate`) and ``wide lm-eval``
+(:func:`lm_eval_main`, lm-eval's own command line with our offline tasks) run; lm-eval has no plugin discovery."""
 
 from __future__ import annotations
 
 import math
 import sys
 
+import lm_eval
 import torch
+from lm_eval.__main__ import cli_evaluate
 from lm_eval.api.registry import register_model
 from lm_eval.models.huggingface import HFLM
+from lm_eval.tasks import TaskManager
 
+from wide.checkpoint import load
 from wide.errors import WideError
 from wide.eval.perplexity import SparsityMeter
 from wide.eval.tasks import ALL_TASKS, PAPER_METRIC, TASKS_DIR, WIKITEXT_TASK, ZEROSHOT_TASKS
+from wide.hub import load_base_model
 from wide.model import RoutingRecord, WideModel
 
 _DTYPES = {"bfloat16": torch.bfloat16, "bf16": torch.bfloat16, "float16": torch.float16, "fp16": torch.float16,
@@ -39,26 +41,18 @@ class WideLM(HFLM):
 
     def __init__(self, pretrained=None, wide=None, tokenizer=None, device=None, dtype=None, merge_lora=True,
                  batch_size=1, max_batch_size: int = 64, max_length: int | None = None, **kwargs) -> None:
-        from wide.checkpoint import load
-        from wide.hub import load_base_model
-
         if dtype not in (None, "auto") and not isinstance(dtype, torch.dtype) and str(dtype) not in _DTYPES:
             raise WideError(f"dtype {dtype!r} is not one of {', '.join(sorted(_DTYPES))}, auto")
         dtype = dtype if isinstance(dtype, torch.dtype) else _DTYPES.get(str(dtype))
         if device is not None and str(device).startswith("cuda") and not torch.cuda.is_available():
             device = None  # lm-eval's command line asks cuda:0 by default
-        wm, tok = wide if isinstance(wide, WideModel) else None, None
+        wm, tok, loaded = wide if isinstance(wide, WideModel) else None, None, isinstance(pretrained, torch.nn.Module)
         if wide is not None and wm is None:
-            if isinstance(pretrained, torch.nn.Module):
-                wm = load(str(wide), model=pretrained, merge_lora=bool(merge_lora))
-            else:
-                wm, tok = load(str(wide), model=pretrained, device=device, dtype=dtype, tokenizer=True,
-                               merge_lora=bool(merge_lora))
-        if wm is not None:
-            base = wm.base
-        elif isinstance(pretrained, torch.nn.Module):
-            base = pretrained
-        else:
+            kw = {"model": pretrained, "merge_lora": bool(merge_lora)}
+            wm, tok = (load(str(wide), **kw), None) if loaded else load(str(wide), device=device, dtype=dtype,
+                                                                        tokenizer=True, **kw)
+        base = wm.base if wm is not None else pretrained
+        if wm is None and not loaded:
             base, tok, _ = load_base_model(pretrained, device=device, dtype=dtype)
         tokenizer = tokenizer if tokenizer is not None else tok
         if tokenizer is None:
@@ -123,16 +117,6 @@ class WideLM(HFLM):
             self._tokens, self._rows, self._row = self._tokens + n, self._rows + 1, self._row + 1
         return super()._select_cont_toks(logits, contlen=contlen, inplen=inplen)
 
-    def _model_generate(self, context, max_length: int, stop: list[str], **generation_kwargs):
-        """Generation through the routed base model (argmax routing, records dropped); not counted."""
-        if self.wide_model is not None:
-            self.wide_model.stochastic = False
-        try:
-            return super()._model_generate(context, max_length, stop, **generation_kwargs)
-        finally:
-            if self.wide_model is not None:
-                self.wide_model.record = RoutingRecord()
-
     def get_model_info(self) -> dict:
         """``HFLM``'s model facts plus the WIDE checkpoint, its config and the realized sparsity."""
         info = super().get_model_info()
@@ -163,8 +147,6 @@ def resolve_tasks(spec: str | list[str]) -> list[str]:
 
 def task_manager(metadata: dict | None = None):
     """An lm-eval ``TaskManager`` over our task YAMLs alone (lm-eval's own index takes seconds to build)."""
-    from lm_eval.tasks import TaskManager
-
     return TaskManager(include_path=str(TASKS_DIR), include_defaults=False, metadata=metadata or {})
 
 
@@ -200,8 +182,6 @@ def evaluate(lm: WideLM, tasks: str | list[str], limit: int | float | None = Non
     """Zero-shot lm-eval of ``lm`` on our offline tasks (:func:`resolve_tasks`), ``limit`` documents per task (or a
     fraction): ``{"summary": summarize(...), "sparsity": lm.sparsity_report(), "results": <lm-eval's>}``. Raises
     WideError for unknown tasks, a bad ``limit``, missing task data."""
-    import lm_eval
-
     names = resolve_tasks(tasks)
     if limit is not None and not (isinstance(limit, (int, float)) and limit > 0):
         raise WideError(f"limit {limit!r} must be a positive number of documents (or a fraction)")
@@ -216,8 +196,6 @@ def evaluate(lm: WideLM, tasks: str | list[str], limit: int | float | None = Non
 def lm_eval_main(argv: list[str] | None = None) -> int:
     """lm-eval's command line (``argv``: its own arguments) with ``wide`` registered and our tasks on
     ``--include_path``. An exception inside lm-eval is one line ``wide lm-eval: error: ...`` and returns 2."""
-    from lm_eval.__main__ import cli_evaluate
-
     args = list(sys.argv[1:] if argv is None else argv)
     if "--include_path" not in args:
         args += ["--include_path", str(TASKS_DIR)]

@@ -1,11 +1,7 @@
-"""Token perplexity and realized sparsity (paper §4.1 metrics).
-
-Perplexity is ``exp(mean NLL)`` over every predicted token of non-overlapping windows. Realized sparsity is the
-skipped fraction of groups over valid tokens, per layer and module, reported as attention / FFN / overall (the
-mean over the 2N routed modules, as in Eq. 6) and FLOP-weighted: per token and layer an attention group of
-``G_a`` channels costs ``2·D·G_a + 2·G_a·(ctx + 1) / 2`` MACs (Q and O projections, QK and PV), an FFN group of
-``G_f`` channels ``3·D·G_f``.
-"""
+"""Token perplexity (``exp(mean NLL)`` over non-overlapping windows) and realized sparsity (paper §4.1): the
+skipped fraction of groups over valid tokens, per layer and module, as attention / FFN / overall (the mean over the
+2N routed modules, Eq. 6) and FLOP-weighted, where per token and layer an attention group of ``G_a`` channels costs
+``2·D·G_a + G_a·(ctx + 1)`` MACs (Q, O; QK, PV) and an FFN group of ``G_f`` channels ``3·D·G_f``."""
 
 from __future__ import annotations
 
@@ -69,11 +65,8 @@ class SparsityMeter:
 def perplexity(model: nn.Module, windows: torch.Tensor, batch_size: int = 1, progress: bool = True,
                desc: str = "perplexity") -> dict:
     """Token perplexity of a HF causal LM or a :class:`WideModel` (argmax routing) over int64 ``windows``
-    ``[N, ctx]``, ``batch_size`` windows a pass.
-
-    Returns:
-        ``{"ppl", "nll" (nats/token), "tokens", "ctx"}``, plus :meth:`SparsityMeter.report` for a WideModel.
-    """
+    ``[N, ctx]``, ``batch_size`` windows a pass: ``{"ppl", "nll" (nats/token), "tokens", "ctx"}``, plus
+    :meth:`SparsityMeter.report` for a WideModel."""
     device, is_wide, was_training = next(model.parameters()).device, isinstance(model, WideModel), model.training
     model.eval()
     if is_wide:
@@ -100,6 +93,5 @@ def format_layer_table(report: dict) -> str:
     """The per-layer sparsity table of a :meth:`SparsityMeter.report` as plain text."""
     def cell(v, width):
         return f"{'-' if v is None else f'{v:.3f}':>{width}}"
-
     rows = [f"{r['layer']:>5}  {cell(r['attn'], 13)}  {cell(r['ffn'], 12)}" for r in report["per_layer"]]
     return "\n".join(["layer  attn_sparsity  ffn_sparsity", *rows])

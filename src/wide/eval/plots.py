@@ -19,7 +19,6 @@ def _plt():
         raise WideError("plots need matplotlib: pip install matplotlib") from None
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
-
     return plt
 
 

