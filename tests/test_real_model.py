@@ -10,17 +10,36 @@ pytestmark = [pytest.mark.slow, needs_bundled_model]
 
 @pytest.fixture(scope="module")
 def smol():
-    from wide.model import load_base_model
+    """The bundled model, loaded while counting how often the GGUF file is parsed."""
+    import gguf.gguf_reader
 
-    model, tok, src = load_base_model(None, device="cpu")
-    return model, tok
+    import wide.hub as hub
+
+    real, parses = gguf.gguf_reader.GGUFReader, []
+
+    class Counting(real):
+        def __init__(self, *a, **k):
+            parses.append(a[0])
+            super().__init__(*a, **k)
+
+    hub._parse_gguf.cache_clear()
+    gguf.gguf_reader.GGUFReader = Counting
+    try:
+        model, tok, src = hub.load_base_model(None, device="cpu")
+    finally:
+        gguf.gguf_reader.GGUFReader = real
+    return model, tok, len(parses)
+
+
+def test_config_tokenizer_and_weights_share_one_parse(smol):
+    assert smol[2] == 1
 
 
 def test_dims_and_all_execute_equals_dense(smol):
     from wide.config import WideConfig
     from wide.model import WideModel
 
-    model, tok = smol
+    model, tok, _ = smol
     ids = tok("The capital of France is Paris. The capital of Italy is", return_tensors="pt")["input_ids"]
     with torch.no_grad():
         dense = model(ids).logits.clone()
@@ -44,10 +63,11 @@ def test_short_calibration_and_reload(smol, tmp_path):
     from wide.model import WideModel
     from wide.train.loop import CalibrationArgs, calibrate
 
-    model, tok = smol
+    model, tok, _ = smol
     wm = WideModel(model, WideConfig(target_sparsity=0.5))
     blocks = pack(load_texts(None, "calib"), tok, 64, max_blocks=8)
-    recs = calibrate(wm, blocks, CalibrationArgs(steps=2, batch_size=2, lr=1e-2), tmp_path, "smollm2-135m", progress=False)
+    recs = calibrate(wm, blocks, CalibrationArgs(steps=2, batch_size=2, lr=1e-2), tmp_path, "smollm2-135m",
+                     progress=False)
     assert all(torch.isfinite(torch.tensor(r["lm_loss"])) for r in recs)
     for h in wm._handles:
         h.remove()

@@ -6,7 +6,7 @@ import torch
 from wide.config import WideConfig
 from wide.errors import WideError
 from wide.model import WideModel
-from wide.train.loop import STATE_NAME, CalibrationArgs, calibrate, lr_lambda, micro_batch, read_meta
+from wide.train.loop import STATE_NAME, CalibrationArgs, calibrate, lr_lambda, read_meta, stream_rows
 from wide_testutil import tiny_model
 
 
@@ -107,9 +107,10 @@ def test_lr_schedule_and_micro_batches():
     assert lr_lambda(4, 4, 100) == pytest.approx(1.0)
     assert lr_lambda(100, 4, 100) == pytest.approx(0.0)
     b = blocks(5, 4)
-    seen = torch.cat([micro_batch(b, k, 1, seed=0) for k in range(5)])
+    seen = stream_rows(b, range(5), seed=0)
     assert sorted(seen[:, 0].tolist()) == sorted(b[:, 0].tolist())  # one epoch visits every block once
-    assert torch.equal(micro_batch(b, 7, 2, seed=0), micro_batch(b, 7, 2, seed=0))
+    assert torch.equal(stream_rows(b, [14, 15], seed=0), stream_rows(b, [14, 15], seed=0))
+    assert not torch.equal(stream_rows(b, range(5), seed=0), stream_rows(b, range(5, 10), seed=0))  # epochs differ
 
 
 def test_bad_args():

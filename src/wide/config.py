@@ -20,18 +20,9 @@ ROUTED_CHOICES = ("both", "attn", "ffn")
 METHODS = ("wide", "skipgpt")
 #: Gumbel temperatures training accepts: the logits are divided by tau, so below 1e-3 they overflow
 TAU_MIN, TAU_MAX = 1e-3, 1e3
-#: field -> (kind, words): "int" an integer, "int?" an integer or null, "num" a real number, "str" a string
-_FIELD_TYPES = {"attn_group_size": ("int?", "an integer or null"), "ffn_group_size": ("int", "an integer"),
-                "router_rank": ("int", "an integer"), "target_sparsity": ("num", "a number"),
-                "alpha": ("num", "a number"), "tau_start": ("num", "a number"), "tau_end": ("num", "a number"),
-                "sparsity_mode": ("str", "a string"), "routed": ("str", "a string"), "method": ("str", "a string")}
-
-
-def _has_type(value, kind: str) -> bool:
-    if isinstance(value, bool):  # JSON true / false are not numbers
-        return False
-    return {"int?": value is None or isinstance(value, int), "int": isinstance(value, int),
-            "num": isinstance(value, (int, float)), "str": isinstance(value, str)}[kind]
+#: a field's annotation -> (the types a JSON value may have, words for the message); JSON true / false are no numbers
+_TYPES = {"int | None": ((int, type(None)), "an integer or null"), "int": ((int,), "an integer"),
+          "float": ((int, float), "a number"), "str": ((str,), "a string")}
 
 
 @dataclass(frozen=True)
@@ -46,13 +37,11 @@ class ModelDims:
     intermediate_size: int
 
     @property
-    def attn_width(self) -> int:
-        """Width entering ``o_proj``: ``num_heads * head_dim``."""
+    def attn_width(self) -> int:  # the width entering o_proj
         return self.num_heads * self.head_dim
 
     @property
-    def gqa_group_size(self) -> int:
-        """Eq. 2's default attention ``G``: ``H_q / H_k * d``."""
+    def gqa_group_size(self) -> int:  # Eq. 2's default attention G: H_q / H_k * d
         return self.num_heads // self.num_kv_heads * self.head_dim
 
     def legal_attn_group_sizes(self) -> list[int]:
@@ -108,10 +97,10 @@ class WideConfig:
     method: str = "wide"
 
     def __post_init__(self) -> None:
-        for name, (kind, words) in _FIELD_TYPES.items():
-            value = getattr(self, name)
-            if not _has_type(value, kind):
-                raise WideError(f"WideConfig field {name}={value!r} ({type(value).__name__}) must be {words}")
+        for f in dataclasses.fields(self):
+            (types, words), value = _TYPES[f.type], getattr(self, f.name)
+            if isinstance(value, bool) or not isinstance(value, types):
+                raise WideError(f"WideConfig field {f.name}={value!r} ({type(value).__name__}) must be {words}")
         if self.attn_group_size is not None and self.attn_group_size < 1:
             raise WideError(f"attention group size G={self.attn_group_size!r} must be a positive multiple of head_dim")
         if math.isnan(self.target_sparsity) or not 0.0 <= self.target_sparsity < 1.0:

@@ -1,8 +1,4 @@
-"""The one exception type `wide` raises for bad user input, and the warning type for doubtful input.
-
-The CLI turns a :class:`WideError` into a single line on stderr and exit code 2, with no traceback, and a
-:class:`WideWarning` into a single line ``wide <command>: warning: <message>`` (the command goes on).
-"""
+"""The exception `wide` raises for bad input, and the warning for doubtful input (the CLI prints each as one line)."""
 
 
 class WideError(ValueError):
@@ -10,4 +6,9 @@ class WideError(ValueError):
 
 
 class WideWarning(UserWarning):
-    """Input that works but is probably not what was meant: the message names the file or value and what to do."""
+    """Input that works but is probably not what was meant."""
+
+
+def first_line(e: BaseException) -> str:
+    """The first line of an exception's message, or its type's name."""
+    return str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__

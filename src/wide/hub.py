@@ -20,7 +20,7 @@ from pathlib import Path
 import torch
 
 from wide.config import CONFIG_NAME
-from wide.errors import WideError
+from wide.errors import WideError, first_line
 from wide.model import check_architecture
 
 DEFAULT_MODEL = "smollm2-135m"
@@ -41,11 +41,6 @@ class ModelSource:
 
     def hf_kwargs(self) -> dict:
         return {"local_files_only": True, **({"gguf_file": self.gguf_file} if self.gguf_file else {})}
-
-
-def _first_line(e: BaseException) -> str:
-    text = str(e).strip()
-    return text.splitlines()[0] if text else type(e).__name__
 
 
 def bundled_gguf() -> Path:
@@ -92,7 +87,7 @@ def _parse_gguf(path: str, size: int, mtime_ns: int):
         return GGUFReader(path)
     except Exception as e:  # noqa: BLE001 - a damaged file raises ValueError, struct.error, IndexError, ...
         raise WideError(f"GGUF file {path!r} is truncated or corrupt ({size:,} bytes; the GGUF reader fails with: "
-                        f"{_first_line(e)}): copy or download it again") from None
+                        f"{first_line(e)}): copy or download it again") from None
 
 
 def gguf_reader(path: str | os.PathLike):
@@ -154,16 +149,16 @@ def _config(directory: Path, gguf_file: str | None, ref: str, version: tuple):
         try:
             check_config_dims(json.loads(path.read_text(encoding="utf-8")), repr(str(path)))
         except (OSError, UnicodeDecodeError) as e:
-            raise WideError(f"cannot read model config {str(path)!r}: {_first_line(e)}") from None
+            raise WideError(f"cannot read model config {str(path)!r}: {first_line(e)}") from None
         except json.JSONDecodeError as e:
-            raise WideError(f"model config {str(path)!r} is not valid JSON ({_first_line(e)})") from None
+            raise WideError(f"model config {str(path)!r} is not valid JSON ({first_line(e)})") from None
     else:
         gguf_reader(path)  # a damaged file: one line naming it
     try:
         with _gguf_parsed_once():
             hf = AutoConfig.from_pretrained(directory, **ModelSource(directory, gguf_file).hf_kwargs())
     except (OSError, ValueError, KeyError) as e:
-        raise WideError(f"cannot read model config from {ref!r}: {_first_line(e)}") from None
+        raise WideError(f"cannot read model config from {ref!r}: {first_line(e)}") from None
     check_config_dims({k: getattr(hf, k) for k in CONFIG_DIMS + OPTIONAL_CONFIG_DIMS if hasattr(hf, k)},
                       repr(str(path)))
     return hf
@@ -223,7 +218,7 @@ def _check_safetensors_files(directory: Path) -> None:
                     pass
         except Exception as e:  # noqa: BLE001 - SafetensorError, OSError, ...
             raise WideError(f"model weights file {str(f)!r} is truncated or corrupt ({f.stat().st_size:,} bytes; "
-                            f"safetensors: {_first_line(e)}): copy or save it again") from None
+                            f"safetensors: {first_line(e)}): copy or save it again") from None
 
 
 def default_device() -> torch.device:
@@ -250,7 +245,7 @@ def check_device(device, name: str = "device") -> None:
 
 
 def load_base_model(spec: str | None = None, device: str | torch.device | None = None,
-                    dtype: torch.dtype | None = None, check=None, config_check=None):
+                    dtype: torch.dtype | None = None, check=None, config_check=None, weights: bool = True):
     """Load a frozen base model and its tokenizer, offline.
 
     Args:
@@ -259,6 +254,7 @@ def load_base_model(spec: str | None = None, device: str | torch.device | None =
         dtype: bf16 / fp16 / fp32; default bf16 on CUDA, fp32 on the CPU (GGUF weights are dequantized).
         config_check: ``f(hf_config)``, run before the tokenizer loads; check: ``f(hf_config, tokenizer)``, run
             before any weight is read (bad input fails fast).
+        weights: False builds the model on the ``meta`` device instead (FSDP's other ranks).
 
     Returns:
         ``(model, tokenizer, source)``, the model in eval mode with ``requires_grad=False``.
@@ -283,6 +279,9 @@ def load_base_model(spec: str | None = None, device: str | torch.device | None =
     tok = load_tokenizer(src)
     if check is not None:
         check(hf_config, tok)
+    if not weights:
+        with torch.device("meta"):
+            return AutoModelForCausalLM.from_config(hf_config, dtype=dtype).eval().requires_grad_(False), tok, src
     if src.gguf_file is None:
         _check_safetensors_files(src.directory)
     try:
@@ -291,7 +290,7 @@ def load_base_model(spec: str | None = None, device: str | torch.device | None =
                                                          dtype=dtype or (torch.bfloat16 if device.type == "cuda"
                                                                          else torch.float32), **src.hf_kwargs())
     except (OSError, ValueError, SafetensorError) as e:
-        raise WideError(f"cannot load model {src.ref!r}: {_first_line(e)}") from None
+        raise WideError(f"cannot load model {src.ref!r}: {first_line(e)}") from None
     model.to(device).eval()
     model.requires_grad_(False)
     return model, tok, src

@@ -1,12 +1,11 @@
 """Will it fit? A short estimate of training and evaluation memory, and a refusal that names a split that fits.
 
-Training, in values per token of a micro-batch (``d`` hidden, ``H`` / ``KV`` heads of ``hd`` channels, ``I`` the FFN
-width, ``L`` layers, ``V`` the vocabulary): a decoder layer keeps ``A = 3 d + 2 (H + 2 KV) hd + 5 I`` values for its
-backward, plus the routers' and LoRA's own (and ``3 H T`` with eager attention); without activation checkpointing
-``(L + 1) A`` are live, with it ``L d + 3 A``; the loss holds ``7 V`` float32 values; each trained parameter costs
-12 bytes (float32 gradient, AdamW's two moments). Evaluation: one layer at a time, the KV cache (``2 L KV hd``),
-16 bytes per logit, and the weights (twice while a GGUF is dequantized). A batch passes when its estimate is at most
-:data:`HEADROOM` of the available memory.
+Training, in values per token of a micro-batch (``d`` hidden, ``H`` / ``KV`` heads of ``hd``, ``I`` the FFN width,
+``L`` layers, ``V`` the vocabulary): a layer keeps ``A = 3 d + 2 (H + 2 KV) hd + 5 I`` for its backward, plus the
+routers' and LoRA's own (and ``3 H T`` with eager attention); ``(L + 1) A`` are live, ``L d + 3 A`` with activation
+checkpointing; the loss holds ``7 V`` float32 values; a trained parameter costs 12 bytes (gradient, AdamW moments).
+Evaluation: one layer at a time, the KV cache (``2 L KV hd``), 16 bytes per logit, and the weights (twice while a
+GGUF is dequantized). A batch passes when its estimate is at most :data:`HEADROOM` of the available memory.
 """
 
 from __future__ import annotations
@@ -18,12 +17,11 @@ import torch
 
 from wide.config import ModelDims
 from wide.errors import WideError
-from wide.model import dims_of, router_shapes
+from wide.model import dims_of, router_param_count
 
 GIB = 2 ** 30
 HEADROOM = 0.9
 OPTIMIZER_BYTES_PER_PARAM = 12
-MAX_SUGGESTED_GRAD_ACCUM = 1024
 
 
 def _read_int(path: str) -> int | None:
@@ -35,17 +33,13 @@ def _read_int(path: str) -> int | None:
     return int(text) if text.isdigit() else None
 
 
-def available_memory(device: torch.device | str) -> tuple[int, str] | None:
-    """``(bytes, where the number comes from)`` a new allocation on ``device`` can use, or None if unknown.
-
-    CPU: ``MemAvailable`` of ``/proc/meminfo``, lowered to a cgroup's limit minus its usage. CUDA: free memory plus
-    what PyTorch's allocator holds unused.
-    """
+def available_memory(device) -> tuple[int, str] | None:
+    """``(bytes, where the number comes from)`` a new allocation on ``device`` can use, None when unknown: the CPU's
+    ``MemAvailable`` (lowered to a cgroup's limit minus its usage), or CUDA's free memory plus PyTorch's cache."""
     device = torch.device(device)
     if device.type == "cuda":
-        free, _ = torch.cuda.mem_get_info(device)
-        return int(free + max(torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device), 0)), \
-            f"free on {device}"
+        cached = torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
+        return int(torch.cuda.mem_get_info(device)[0] + max(cached, 0)), f"free on {device}"
     if device.type != "cpu":
         return None
     try:
@@ -65,21 +59,10 @@ def _layer_values(dims: ModelDims, seq_len: int, eager_attention: bool = False) 
     return a + (3 * dims.num_heads * seq_len if eager_attention else 0)
 
 
-def estimate_train_memory(dims: ModelDims, vocab_size: int, batch_size: int, seq_len: int, *,
-                          grad_checkpoint: bool = False, act_bytes: int = 4, eager_attention: bool = False,
-                          extra_layer_values: float = 0.0, retained_layer_values: float = 0.0,
-                          trainable_params: int = 0) -> int:
-    """Bytes one training micro-batch needs beyond the loaded weights (the module docstring's count)."""
-    a = _layer_values(dims, seq_len, eager_attention) + extra_layer_values
-    L = dims.num_layers
-    stack = L * dims.hidden_size + 3 * a if grad_checkpoint else (L + 1) * a
-    per_token = (stack + L * retained_layer_values) * act_bytes + 7 * vocab_size * 4
-    return int(batch_size * seq_len * per_token + OPTIMIZER_BYTES_PER_PARAM * trainable_params)
-
-
 @dataclass(frozen=True)
 class TrainMemory:
-    """Everything :func:`estimate_train_memory` needs besides the batch shape."""
+    """A model's side of the training estimate: ``extra_layer_values`` (routers, LoRA) and ``retained_layer_values``
+    (kept even with checkpointing: LoRA dropout's temporaries) per token and layer, and the trained parameters."""
 
     dims: ModelDims
     vocab_size: int
@@ -90,29 +73,30 @@ class TrainMemory:
     trainable_params: int
 
     def estimate(self, batch_size: int, seq_len: int, grad_checkpoint: bool) -> int:
-        return estimate_train_memory(self.dims, self.vocab_size, batch_size, seq_len, grad_checkpoint=grad_checkpoint,
-                                     act_bytes=self.act_bytes, eager_attention=self.eager_attention,
-                                     extra_layer_values=self.extra_layer_values,
-                                     retained_layer_values=self.retained_layer_values,
-                                     trainable_params=self.trainable_params)
+        """Bytes of one micro-batch's forward and backward beyond the loaded weights."""
+        a = _layer_values(self.dims, seq_len, self.eager_attention) + self.extra_layer_values
+        L = self.dims.num_layers
+        stack = L * self.dims.hidden_size + 3 * a if grad_checkpoint else (L + 1) * a
+        per_token = (stack + L * self.retained_layer_values) * self.act_bytes + 7 * self.vocab_size * 4
+        return int(batch_size * seq_len * per_token + OPTIMIZER_BYTES_PER_PARAM * self.trainable_params)
 
 
 def _router_values(config, n_groups: tuple[int, int]) -> float:
-    """Values per token and layer of the routers: bottleneck, logits, noise, mask, gated copy."""
+    """Per token and layer: each router's bottleneck, logits, noise, mask and gated copy."""
     return sum(4 * config.router_rank + 8 * n for n, on in zip(n_groups, (config.route_attn, config.route_ffn)) if on)
 
 
-def train_memory_of(wm, device: torch.device | str | None = None) -> TrainMemory:
-    """:class:`TrainMemory` of a :class:`wide.model.WideModel` trained on ``device`` (CUDA: bf16 activations),
-    counting its peft LoRA layers and its parameters with ``requires_grad`` (all routers when none is marked)."""
+def train_memory_of(wm, device=None) -> TrainMemory:
+    """:class:`TrainMemory` of a :class:`wide.model.WideModel` on ``device`` (CUDA: bf16 activations), with its peft
+    LoRA layers and its parameters with ``requires_grad`` (all routers when none is marked)."""
     device = torch.device(device) if device is not None else next(wm.base.parameters()).device
     kept = retained = 0.0
     for mod in wm.base.modules():
         if isinstance(getattr(mod, "lora_A", None), torch.nn.ModuleDict):
             for name, lin in mod.lora_A.items():
                 dropped = float(getattr(mod.lora_dropout[name], "p", 0.0)) > 0.0
-                kept += 2 * lin.out_features + (2 * lin.in_features if dropped else 0)
-                retained += 3 * lin.in_features if dropped else 0
+                kept += 2 * lin.out_features + 2 * lin.in_features * dropped
+                retained += 3 * lin.in_features * dropped
     L = max(wm.dims.num_layers, 1)
     trained = sum(p.numel() for p in wm.parameters() if p.requires_grad) or wm.router_param_count()
     act = 2 if device.type == "cuda" else next(wm.base.parameters()).element_size()
@@ -121,36 +105,31 @@ def train_memory_of(wm, device: torch.device | str | None = None) -> TrainMemory
                        _router_values(wm.config, (wm.n_attn_groups, wm.n_ffn_groups)) + kept / L, retained / L, trained)
 
 
-def train_memory_from_config(hf_config, config, device: torch.device | str) -> TrainMemory:
+def train_memory_from_config(hf_config, config, device) -> TrainMemory:
     """:class:`TrainMemory` of stage 1 from a Hugging Face config and a WideConfig alone, before weights load."""
     dims = dims_of(hf_config)
     rc = config.resolve(dims)
     return TrainMemory(dims, int(hf_config.vocab_size), 2 if torch.device(device).type == "cuda" else 4,
                        getattr(hf_config, "_attn_implementation", None) == "eager",
-                       _router_values(rc, rc.n_groups(dims)), 0.0,
-                       sum(torch.Size(s).numel() for s in router_shapes(dims, rc).values()))
+                       _router_values(rc, rc.n_groups(dims)), 0.0, router_param_count(dims, rc))
 
 
 def _gib(n: float) -> str:
     return f"{n / GIB:,.1f} GiB"
 
 
-def check_train_memory(wm, batch_size: int, seq_len: int, *, grad_checkpoint: bool = False, grad_accum: int = 1,
-                       device=None, procs: int = 1, checkpoint_option: str | None = "--grad-checkpoint") -> int | None:
+def check_train_memory(wm, batch_size: int, seq_len: int, *, device=None, **kw) -> int | None:
     """:func:`check_train_fits` for a loaded :class:`wide.model.WideModel` on ``device`` (default: its weights')."""
     device = torch.device(device) if device is not None else next(wm.base.parameters()).device
-    return check_train_fits(train_memory_of(wm, device), batch_size, seq_len, device=device,
-                            grad_checkpoint=grad_checkpoint, grad_accum=grad_accum, procs=procs,
-                            checkpoint_option=checkpoint_option)
+    return check_train_fits(train_memory_of(wm, device), batch_size, seq_len, device=device, **kw)
 
 
 def check_train_fits(mem: TrainMemory, batch_size: int, seq_len: int, *, device, grad_checkpoint: bool = False,
                      grad_accum: int = 1, procs: int = 1, checkpoint_option: str | None = "--grad-checkpoint"):
-    """Refuse a micro-batch that does not fit; return its estimate in bytes (None: memory unknown, not checked).
-
-    ``procs`` processes share the CPU's memory. The message offers, in order: a smaller ``--batch-size`` with a
-    ``--grad-accum`` keeping the step's sequences, activation checkpointing (``checkpoint_option``; None: the
-    command has none), a shorter ``--seq-len``.
+    """Refuse a micro-batch that does not fit (``procs`` processes share the CPU); return its estimate in bytes,
+    or None when the memory is unknown. The message offers a smaller ``--batch-size`` with the ``--grad-accum``
+    that keeps the step's sequences, then activation checkpointing (``checkpoint_option``), then a shorter
+    ``--seq-len``.
 
     Raises:
         WideError: the estimate, the memory available, a split that fits and ``--no-memory-check``, in one line.
@@ -179,16 +158,13 @@ def check_train_fits(mem: TrainMemory, batch_size: int, seq_len: int, *, device,
                 for b in divisors if b <= batch_size and fits(b, seq_len, c)), None)
     t = seq_len // 2
     while tip is None and t >= 2:
-        tip = (1, t, options[-1]) if fits(1, t, options[-1]) else None
-        t //= 2
-    if tip is None:
-        fix = "not even one sequence of 2 tokens fits"
-    else:
+        tip, t = ((1, t, options[-1]) if fits(1, t, options[-1]) else None), t // 2
+    fix = "not even one sequence of 2 tokens fits"
+    if tip is not None:
         b, t, ckpt = tip
-        opts = ([str(checkpoint_option)] if ckpt and not grad_checkpoint else []) + \
-               ([f"--seq-len {t}"] if t != seq_len else [])
+        opts = [str(checkpoint_option)] * (ckpt and not grad_checkpoint) + [f"--seq-len {t}"] * (t != seq_len)
         keep = ""
-        if b != batch_size and seqs // b <= MAX_SUGGESTED_GRAD_ACCUM:
+        if b != batch_size and seqs // b <= 1024:
             opts.append(f"--batch-size {b} --grad-accum {seqs // b}")
             keep = "" if t != seq_len else f", the same {seqs} sequences per step"
         elif b != batch_size:  # the step's sequences would take too many micro-batches: the largest batch that fits
@@ -198,18 +174,17 @@ def check_train_fits(mem: TrainMemory, batch_size: int, seq_len: int, *, device,
                 lo, hi = (mid, hi) if fits(mid, t, ckpt) else (lo, mid - 1)
             b = lo
             opts.append(f"--batch-size {b}")
-            keep = (f"; keeping {seqs:,} sequences per step would take {-(-seqs // b):,} micro-batches, so "
-                    f"choose --grad-accum for the step you mean")
+            keep = (f"; keeping {seqs:,} sequences per step would take {-(-seqs // b):,} micro-batches, so choose "
+                    f"--grad-accum for the step you mean")
         fix = f"use {' '.join(opts)} (about {_gib(need(b, t, ckpt))}{keep})"
         if t != seq_len:
             fix = f"even --batch-size 1 does not fit at --seq-len {seq_len}: {fix}"
     dtype = {4: "float32", 2: "bfloat16"}.get(mem.act_bytes, f"{mem.act_bytes}-byte")
-    how = (f"{dtype} activations on {device.type}" + (", activation checkpointing" if grad_checkpoint else "")
-           + (f", {procs} processes on this machine" if procs > 1 else ""))
+    how = (f"{dtype} activations on {device.type}" + ", activation checkpointing" * grad_checkpoint
+           + f", {procs} processes on this machine" * (procs > 1))
     raise WideError(f"one micro-batch of --batch-size {batch_size} x --seq-len {seq_len} tokens needs about "
                     f"{_gib(est)} for training ({how}; a conservative estimate), but {_gib(avail)} is available "
-                    f"({where}; at most {HEADROOM:.0%} of it is used): {fix}; or pass --no-memory-check to try "
-                    f"anyway")
+                    f"({where}; at most {HEADROOM:.0%} of it is used): {fix}; or pass --no-memory-check to try anyway")
 
 
 def config_param_count(hf_config) -> int:
@@ -230,12 +205,12 @@ def estimate_eval_memory(dims: ModelDims, vocab_size: int, params: int, batch_si
 
 def check_eval_memory(hf_config, batch_size: int, ctx: int, device, *, gguf: bool = False, asked: int | None = None,
                       ctx_flag: str = "--ctx", item: str = "window", purpose: str = "evaluation") -> int | None:
-    """Refuse an evaluation whose weights and forward pass of ``batch_size x ctx`` tokens do not fit, before the
-    weights load (CPU: fp32, CUDA: bf16); return the estimate (None: memory unknown). ``asked``: the
+    """Refuse, before the weights load, an evaluation whose weights (CPU: fp32, CUDA: bf16) and forward pass of
+    ``batch_size x ctx`` tokens do not fit; return the estimate (None: memory unknown). ``asked``: the
     ``--batch-size`` given when ``batch_size`` is it capped; ``ctx_flag``, ``item``, ``purpose`` name things.
 
     Raises:
-        WideError: the estimate, the memory available, a ``--batch-size`` (or ``ctx_flag``) that fits.
+        WideError: the estimate, the memory available and a ``--batch-size`` (or ``ctx_flag``) that fits.
     """
     device = torch.device(device)
     got = available_memory(device)
@@ -245,23 +220,20 @@ def check_eval_memory(hf_config, batch_size: int, ctx: int, device, *, gguf: boo
     dims, vocab, nbytes = dims_of(hf_config), int(hf_config.vocab_size), 2 if device.type == "cuda" else 4
     params = config_param_count(hf_config)
 
-    def need(b: int, t: int) -> int:
-        return sum(estimate_eval_memory(dims, vocab, params, b, t, param_bytes=nbytes, act_bytes=nbytes, gguf=gguf))
+    def need(b: int, t: int) -> tuple[int, int]:
+        return estimate_eval_memory(dims, vocab, params, b, t, param_bytes=nbytes, act_bytes=nbytes, gguf=gguf)
 
-    weights, forward = estimate_eval_memory(dims, vocab, params, batch_size, ctx, param_bytes=nbytes,
-                                            act_bytes=nbytes, gguf=gguf)
+    weights, forward = need(batch_size, ctx)
     if weights + forward <= HEADROOM * avail:
         return weights + forward
-    tip = next((b for b in range(batch_size - 1, 0, -1) if need(b, ctx) <= HEADROOM * avail), None)
-    if tip is not None:
-        fix = f"use --batch-size {tip} (about {_gib(need(tip, ctx))})"
-    else:
-        t = ctx // 2
-        while t >= 2 and need(1, t) > HEADROOM * avail:
-            t //= 2
-        note = "; shorter windows give a higher perplexity" if purpose == "evaluation" else ""
-        fix = (f"use --batch-size 1 {ctx_flag} {t} (about {_gib(need(1, t))}{note})" if t >= 2 else
-               f"the weights alone need {_gib(weights)}: use a machine or device with more memory")
+    tip = next((b for b in range(batch_size - 1, 0, -1) if sum(need(b, ctx)) <= HEADROOM * avail), None)
+    t = ctx // 2
+    while tip is None and t >= 2 and sum(need(1, t)) > HEADROOM * avail:
+        t //= 2
+    note = "; shorter windows give a higher perplexity" if purpose == "evaluation" else ""
+    fix = (f"use --batch-size {tip} (about {_gib(sum(need(tip, ctx)))})" if tip is not None else
+           f"use --batch-size 1 {ctx_flag} {t} (about {_gib(sum(need(1, t)))}{note})" if t >= 2 else
+           f"the weights alone need {_gib(weights)}: use a machine or device with more memory")
     s = "s" if batch_size != 1 else ""
     what = (f"all {batch_size} {item}{s} of the text (--batch-size {asked} is capped at the number of {item}s)"
             if asked is not None and asked > batch_size else f"{batch_size} {item}{s} (--batch-size)")

@@ -22,8 +22,8 @@ import torch.distributed as dist
 from torch import nn
 
 from wide.errors import WideError
-from wide.hub import load_base_model, load_tokenizer, read_hf_config, resolve_model
-from wide.model import check_architecture, decoder_layers
+from wide.hub import load_base_model
+from wide.model import decoder_layers
 
 ERROR_DIR_ENV = "WIDE_ERROR_DIR"  # set by launch(): a failing rank writes rank<r>.json there
 
@@ -126,33 +126,23 @@ def apply_fsdp(wm: nn.Module, env: DistEnv, reshard_after_forward: bool = True) 
 
 
 def load_base(spec: str | None, env: DistEnv, device: str | None = None, check=None, config_check=None):
-    """:func:`wide.hub.load_base_model` for this process: rank 0 loads the weights on the CPU (bf16 for GPUs), the
-    other ranks build the model on the ``meta`` device; every rank reads the config and tokenizer and runs the
-    checks. Returns ``(model, tokenizer, source)``."""
+    """:func:`wide.hub.load_base_model` for this process: under a process group rank 0 loads the weights on the CPU
+    (bf16 for GPUs) and the other ranks build the model on the ``meta`` device (:func:`apply_fsdp` fills them)."""
     if not env.active:
         return load_base_model(spec, device=device, check=check, config_check=config_check)
-    dtype = torch.bfloat16 if env.device.type == "cuda" else torch.float32
-    if env.is_main:
-        return load_base_model(spec, device="cpu", dtype=dtype, check=check, config_check=config_check)
-    from transformers import AutoModelForCausalLM
-
-    src = resolve_model(spec)
-    hf_config = read_hf_config(src)
-    check_architecture(hf_config)
-    if config_check is not None:
-        config_check(hf_config)
-    tok = load_tokenizer(src)
-    if check is not None:
-        check(hf_config, tok)
-    with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(hf_config, dtype=dtype)
-    return model.eval().requires_grad_(False), tok, src
+    return load_base_model(spec, device="cpu", dtype=torch.bfloat16 if env.device.type == "cuda" else torch.float32,
+                           check=check, config_check=config_check, weights=env.is_main)
 
 
 def is_sharded(t: torch.Tensor) -> bool:
     from torch.distributed.tensor import DTensor
 
     return isinstance(t, DTensor)
+
+
+def local(t: torch.Tensor) -> torch.Tensor:
+    """This rank's shard of a possibly sharded tensor."""
+    return t.to_local() if is_sharded(t) else t
 
 
 def full(t: torch.Tensor) -> torch.Tensor:
@@ -194,7 +184,7 @@ def clip_grad_norm_(params, max_norm: float, env: DistEnv) -> torch.Tensor:
     sharded = [g for g in grads if is_sharded(g)]
     if not sharded:
         return torch.nn.utils.clip_grad_norm_(params, max_norm)
-    local, plain = [g.to_local() for g in sharded], [g for g in grads if not is_sharded(g)]
+    shards, plain = [g.to_local() for g in sharded], [g for g in grads if not is_sharded(g)]
     dev = grads[0].device
 
     def norms(ts):
@@ -203,12 +193,12 @@ def clip_grad_norm_(params, max_norm: float, env: DistEnv) -> torch.Tensor:
             groups[(t.device, t.dtype)].append(t)
         return [n.to(dev) for grp in groups.values() for n in torch._foreach_norm(grp, 2.0)]
 
-    sq = torch.stack(norms(local)) ** 2
+    sq = torch.stack(norms(shards)) ** 2
     dist.all_reduce(sq, group=sharded[0].device_mesh.get_group())
     per_param = torch.cat([sq ** 0.5, torch.stack(norms(plain))]) if plain else sq ** 0.5
     total = torch.linalg.vector_norm(per_param, 2.0)
     coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
-    for t in local + plain:
+    for t in shards + plain:
         t.mul_(coef.to(t.device))
     return total
 
@@ -229,10 +219,10 @@ def optimizer_step(opt: torch.optim.Optimizer) -> None:
     for g in opt.param_groups:
         lps = []
         for p in (p for p in g["params"] if p.grad is not None):
-            lp = (p.to_local() if is_sharded(p) else p).detach()
-            lp.grad = p.grad.to_local() if is_sharded(p.grad) else p.grad
+            lp = local(p).detach()
+            lp.grad = local(p.grad)
             if opt.state.get(p):
-                shadow.state[lp] = {k: v.to_local() if is_sharded(v) else v for k, v in opt.state[p].items()}
+                shadow.state[lp] = {k: local(v) for k, v in opt.state[p].items()}
             lps.append(lp)
             pairs.append((p, lp))
         groups.append({**g, "params": lps})

@@ -27,7 +27,7 @@ import wide.lora as L
 import wide.train.fsdp as D
 from wide.checkpoint import BASE_NAME, read_base_info, save_wide
 from wide.config import SEED_MAX, replace_dir
-from wide.errors import WideError, WideWarning
+from wide.errors import WideError, WideWarning, first_line
 from wide.memory import check_train_memory
 from wide.model import WideModel, fingerprint
 from wide.routing import mix, sample_keyed, sparsity_loss
@@ -35,7 +35,6 @@ from wide.routing import mix, sample_keyed, sparsity_loss
 STATE_NAME = "train_state.dcp"
 META_NAME = "train_state.json"
 LOG_NAME = "train_log.jsonl"
-STAGES = ("router", "lora")
 LR_MAX = 1.0  #: above it one AdamW step moves the routers (initialized near 0.02) far beyond their scale
 
 
@@ -97,11 +96,6 @@ def stream_rows(blocks: torch.Tensor, positions, seed: int) -> torch.Tensor:
     for epoch in {p // n for p in positions}:
         perms[epoch] = torch.randperm(n, generator=torch.Generator().manual_seed(seed * 1_000_003 + epoch))
     return blocks[[int(perms[p // n][p % n]) for p in positions]]
-
-
-def micro_batch(blocks: torch.Tensor, k: int, batch_size: int, seed: int) -> torch.Tensor:
-    """The ``k``-th micro-batch ``[batch_size, T]`` of :func:`stream_rows`' stream."""
-    return stream_rows(blocks, range(k * batch_size, (k + 1) * batch_size), seed)
 
 
 def read_meta(output: str | os.PathLike) -> dict | None:
@@ -167,7 +161,7 @@ def _save_state(wm: WideModel, opt, output: Path, meta: dict, env: D.DistEnv) ->
     except BaseException as e:
         shutil.rmtree(tmp, ignore_errors=True)
         if isinstance(e, CheckpointException):
-            raise RuntimeError(_first_line(e)) from None
+            raise RuntimeError(first_line(e)) from None
         raise
     if env.is_main:
         (tmp / META_NAME).write_text(json.dumps(meta, indent=2) + "\n")
@@ -183,8 +177,7 @@ def _load_state(wm: WideModel, opt, meta: dict, env: D.DistEnv) -> None:
     try:
         _dcp("load", state, meta["_path"], env)
     except (Exception, CheckpointException) as e:  # noqa: BLE001 - any failure to read is a corrupt state
-        first = next((ln.strip() for ln in str(e).splitlines() if ln.strip()), type(e).__name__)
-        raise WideError(f"corrupt training state {meta['_path']}: {first}") from None
+        raise WideError(f"corrupt training state {meta['_path']}: {first_line(e)}") from None
     set_state_dict(wm, opt, model_state_dict=state["model"], optim_state_dict=state["optim"], options=_options())
 
 
@@ -218,13 +211,9 @@ def _writing(path: Path, saved_step: int):
     try:
         yield
     except (OSError, RuntimeError, SafetensorError) as e:
-        reason = (e.strerror if isinstance(e, OSError) and e.strerror else _first_line(e))[:200]
+        reason = (e.strerror if isinstance(e, OSError) and e.strerror else first_line(e))[:200]
         kept = f"the training state of step {saved_step} is kept" if saved_step else "nothing was saved yet"
         raise WideError(f"could not write the checkpoint to {path} ({reason}; is the disk full?); {kept}") from None
-
-
-def _first_line(e: BaseException) -> str:
-    return str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
 
 
 def _key_diff(saved, now, prefix: str = "") -> str:
@@ -303,13 +292,9 @@ def train(wm: WideModel, blocks: torch.Tensor, args: CalibrationArgs, output: st
 
     args.validate()
     wm.config.check_training()
-    if stage not in STAGES:
-        raise WideError(f"stage {stage!r} is not one of {', '.join(STAGES)}")
     env, output = D.current(), Path(output)
     if resume and not has_train_state(output):
         raise WideError(f"--resume: no {STATE_NAME} in {str(output)!r}")
-    if not any(p.requires_grad for p in wm.parameters()):
-        raise WideError("nothing to train: no parameter of the model requires a gradient")
     fp = fingerprint(wm.base) if env.is_main else None  # before sharding: only rank 0 holds the weights
     if args.grad_checkpoint:
         if not getattr(wm.base, "supports_gradient_checkpointing", False):
@@ -353,13 +338,13 @@ def train(wm: WideModel, blocks: torch.Tensor, args: CalibrationArgs, output: st
     if not (any(p.requires_grad for p in wm.base.parameters()) or args.grad_checkpoint):
         wm.base.eval()  # stage 1: no dropout in the frozen base (HF checkpointing needs train mode)
     W, R, B, T = env.world_size, env.rank, args.batch_size, blocks.shape[1]
+    kinds = [k for k, on in (("attn", cfg.route_attn), ("ffn", cfg.route_ffn)) if on]
     bar = tqdm(total=args.steps, initial=start, disable=not (progress and env.is_main), desc=f"train {stage}",
                dynamic_ncols=True)
     try:
         for step in range(start, args.steps):
             t0 = time.perf_counter()
-            wm.tau = cfg.tau_at(step, args.steps)
-            lr = args.lr * lr_lambda(step, args.warmup_steps, args.steps)
+            wm.tau, lr = cfg.tau_at(step, args.steps), args.lr * lr_lambda(step, args.warmup_steps, args.steps)
             for g in opt.param_groups:
                 g["lr"] = lr
             torch.manual_seed(mix(args.seed, step, R))
@@ -376,32 +361,24 @@ def train(wm: WideModel, blocks: torch.Tensor, args: CalibrationArgs, output: st
                     keeps = D.global_keep([*wm.record.attn_keep, *wm.record.ffn_keep], env)
                     sp = sparsity_loss(keeps[:na], keeps[na:], cfg.target_sparsity, cfg.alpha, cfg.sparsity_mode)
                     ((out.loss.float() + sp) / args.grad_accum).backward()
-                parts.append([out.loss.detach(), sp.detach(), *(torch.stack(k).detach().mean()
-                                                                for k in (keeps[:na], keeps[na:]) if k)])
+                parts.append(torch.stack([out.loss.detach().float(), sp.detach(), *(
+                    1.0 - torch.stack(k).detach().mean() for k in (keeps[:na], keeps[na:]) if k)]))
             gnorm = D.clip_grad_norm_(params, args.max_grad_norm, env)
             D.optimizer_step(opt)
-            bad = torch.stack([(~torch.isfinite(p.detach().to_local() if D.is_sharded(p) else p.detach())).sum()
-                               for p in params]).sum()
-            vals = torch.stack([torch.as_tensor(t).to(device, torch.float64)
-                                for t in [x for part in parts for x in part] + [gnorm, bad]]).tolist()  # one sync
-            n_part = len(parts[0])
-            per = [vals[i * n_part:(i + 1) * n_part] for i in range(len(parts))]
-            lm = sum(p[0] / args.grad_accum for p in per)
-            spl = sum(p[1] / args.grad_accum for p in per)
-            lm, bad = D.all_mean([lm, vals[-1]], env)
-            values = {"lm_loss": lm, "sparsity_loss": spl, "grad_norm": vals[-2]}
-            if bad or not all(math.isfinite(v) for v in values.values()):
+            bad = sum((~torch.isfinite(D.local(p).detach())).sum() for p in params)
+            lm, spl, *sparsity, gn, bad = torch.cat([torch.stack(parts).double().mean(0), torch.stack(
+                [gnorm.to(device, torch.float64), bad.to(device, torch.float64)])]).tolist()  # one host sync
+            lm, bad = D.all_mean([lm, bad], env)
+            if bad or not all(map(math.isfinite, (lm, spl, gn))):
                 kept = (f"the last good state (step {saved_step}) is kept in {str(output)!r}" if saved_step
                         else "nothing was saved")
-                shown = ", ".join(f"{k} {v:.4g}" for k, v in values.items()) + (
-                    ", non-finite trained parameters after the optimizer step" if bad else "")
-                raise WideError(f"training diverged at step {step + 1} of {args.steps}: {shown}; {kept}; lower --lr "
-                                f"(now {args.lr:g}) or --alpha, or raise --tau-end")
-            kinds = [k for k, on in (("attn", cfg.route_attn), ("ffn", cfg.route_ffn)) if on]
-            r = {"step": step + 1, "lm_loss": lm, "sparsity_loss": spl,
-                 **{f"{k}_sparsity": (sum(1.0 - p[2 + kinds.index(k)] for p in per) / len(per) if k in kinds else 0.0)
-                    for k in ("attn", "ffn")},
-                 "tau": wm.tau, "lr": lr, "grad_norm": values["grad_norm"],
+                raise WideError(f"training diverged at step {step + 1} of {args.steps}: lm_loss {lm:.4g}, "
+                                f"sparsity_loss {spl:.4g}, grad_norm {gn:.4g}"
+                                f"{', non-finite trained parameters after the optimizer step' if bad else ''}; "
+                                f"{kept}; lower --lr (now {args.lr:g}) or --alpha, or raise --tau-end")
+            sparsity = dict(zip(kinds, sparsity))
+            r = {"step": step + 1, "lm_loss": lm, "sparsity_loss": spl, "attn_sparsity": sparsity.get("attn", 0.0),
+                 "ffn_sparsity": sparsity.get("ffn", 0.0), "tau": wm.tau, "lr": lr, "grad_norm": gn,
                  "tokens_per_s": B * args.grad_accum * W * T / (time.perf_counter() - t0), "world_size": W}
             records.append(r)
             if env.is_main:
@@ -413,10 +390,9 @@ def train(wm: WideModel, blocks: torch.Tensor, args: CalibrationArgs, output: st
             if on_step is not None:
                 on_step(r)
             if (step + 1) % args.save_every == 0 or step + 1 == args.steps:
-                _save(wm, opt, output, model_ref, stage, step + 1, args.steps, fp, extra_info, env, saved_step,
-                      {"step": step + 1, "key": key, "world_size": W, **({"data_source": data_source} if data_source
-                                                                         else {}),
-                       **({"options": options} if options is not None else {})})
+                meta = {"step": step + 1, "key": key, "world_size": W, "data_source": data_source, "options": options}
+                _save(wm, opt, output, model_ref, {"stage": stage, "step": step + 1, "steps": args.steps,
+                                                   **(extra_info or {})}, fp, env, saved_step, meta)
                 saved_step = step + 1
     except BaseException:
         if created and saved_step == 0:  # leave no folder that holds nothing to resume from
@@ -431,20 +407,19 @@ def train(wm: WideModel, blocks: torch.Tensor, args: CalibrationArgs, output: st
     return records
 
 
-def _save(wm: WideModel, opt, output: Path, model_ref: str, stage: str, step: int, steps: int, fp: str | None,
-          extra_info: dict | None, env: D.DistEnv, saved_step: int, meta: dict) -> None:
+def _save(wm: WideModel, opt, output: Path, model_ref: str, extra: dict, fp: str | None, env: D.DistEnv,
+          saved_step: int, meta: dict) -> None:
     """Write the adapter (stage 2), the WIDE checkpoint, then the training state; shards are gathered on every rank."""
     routers = {f"{kind}.{k}": D.full(v).detach().to("cpu", torch.float32).contiguous()
                for kind, mods in (("attn", wm.attn_routers), ("ffn", wm.ffn_routers))
                for k, v in mods.state_dict().items()}
     lora = ({f"base_model.model.{n}": D.full(p.detach()).cpu().contiguous() for n, p in L.lora_named_parameters(wm)}
-            if stage == "lora" else None)
+            if extra["stage"] == "lora" else None)
     if env.is_main:
         with _writing(output, saved_step):
             if lora is not None:
                 L.save_adapter(wm, output / L.ADAPTER_DIR, lora)
-            save_wide(wm, output, model_ref, extra={"stage": stage, "step": step, "steps": steps, **(extra_info or {})},
-                      routers=routers, base_fingerprint=fp)
+            save_wide(wm, output, model_ref, extra=extra, routers=routers, base_fingerprint=fp)
     with _writing(output / STATE_NAME, saved_step):
         _save_state(wm, opt, output, meta, env)
 
