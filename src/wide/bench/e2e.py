@@ -310,8 +310,7 @@ def trace(engine, B: int, T: int, phase: str) -> dict:
 
 
 def amdahl(w: dict, d: dict) -> dict:
-    """One layer's routed ops, routing overhead and unrouted rest (x L, with the embedding and head), WIDE against
-    dense, and the bound ``dense / (unrouted + routed WIDE)``."""
+    """Routed ops, routing and unrouted rest of WIDE against dense, and the bound ``dense / (unrouted + routed)``."""
     def parts(tr):
         routed = sum(tr["ops"].get(k, 0.0) for k in ROUTED_OPS) * tr["layers"]
         routing = sum(tr["ops"].get(k, 0.0) for k in ROUTING_OPS) * tr["layers"]
@@ -483,3 +482,9 @@ def run(args) -> int:
     write_report(run.records, args.out_dir, args.tag)
     print(f"wrote {len(run.records)} records to {run.out_json} in {time.time() - run.t0:.0f} s", flush=True)
     return 0
+
+
+if __name__ == "__main__":  # python -m wide.bench.e2e: the same as wide bench e2e
+    from wide.cli import main
+
+    raise SystemExit(main(["bench", "e2e", *__import__("sys").argv[1:]]))

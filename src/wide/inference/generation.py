@@ -95,8 +95,7 @@ def eos_ids(model, tokenizer=None) -> set[int]:
 
 
 def stream_delta(shown: str, text: str) -> tuple[str, str]:
-    """``(text to print, new shown)`` for streaming ``text`` after ``shown``; a trailing U+FFFD (a multi-byte
-    character split over tokens) is held back until it completes."""
+    """``(text to print, new shown)`` streaming ``text`` after ``shown``, holding back a split character (U+FFFD)."""
     stable = text.rstrip("\ufffd")
     return ("", shown) if len(stable) <= len(shown) else (stable[len(shown):], stable)
 

@@ -52,8 +52,7 @@ class DecodeRunner:
 
 
 def runner_for(engine, batch: int, max_len: int, graph: bool) -> DecodeRunner:
-    """The :class:`DecodeRunner` of ``engine`` for ``bucket_for(batch)`` rows of ``max_len`` tokens, made on first use
-    and reused (one captured runner at a time: their caches can be large)."""
+    """``engine``'s DecodeRunner of ``bucket_for(batch)`` rows and ``max_len`` tokens, kept (one captured at a time)."""
     key = (bucket_for(batch), max_len, graph)
     runners = engine.__dict__.setdefault("_runners", {})
     if key not in runners:

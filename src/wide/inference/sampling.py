@@ -15,10 +15,6 @@ from wide.errors import WideError
 TINY = torch.finfo(torch.float32).tiny
 
 
-def _number(v) -> bool:
-    return isinstance(v, (int, float)) and not isinstance(v, bool)
-
-
 @dataclass(frozen=True)
 class Sampling:
     """``temperature`` 0 = greedy, else T > 0 (below float32's smallest normal: greedy, the limit T -> 0);
@@ -32,11 +28,11 @@ class Sampling:
 
     def __post_init__(self) -> None:
         t, k, p, s = self.temperature, self.top_k, self.top_p, self.seed
-        if not _number(t) or not math.isfinite(t) or t < 0:
+        if isinstance(t, bool) or not isinstance(t, (int, float)) or not math.isfinite(t) or t < 0:
             raise WideError(f"temperature {t!r} must be a finite number >= 0 (0 = greedy)")
         if not isinstance(k, int) or isinstance(k, bool) or k < 0:
             raise WideError(f"top-k {k!r} must be an int >= 0 (0 = no top-k filtering)")
-        if not _number(p) or not 0 < p <= 1:
+        if isinstance(p, bool) or not isinstance(p, (int, float)) or not 0 < p <= 1:
             raise WideError(f"top-p {p!r} must be in (0, 1] (1 = no top-p filtering)")
         if s is not None and (not isinstance(s, int) or isinstance(s, bool) or not 0 <= s <= SEED_MAX):
             raise WideError(f"seed {s!r} must be an integer from 0 to {SEED_MAX} (2**32 - 1); leave it out (None) "
