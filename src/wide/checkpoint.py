@@ -49,10 +49,6 @@ _FIELDS = {
     "extra.step": (False, _is_count, "an integer >= 0"),
     "extra.steps": (False, _is_count, "an integer >= 0"),
     "extra.stage": (False, lambda v: isinstance(v, str), "a string"),
-    "extra.adapter": (False, lambda v: isinstance(v, str), "a string"),
-    "extra.stage1": (False, lambda v: isinstance(v, str), "a string"),
-    "extra.freeze_router": (False, lambda v: isinstance(v, bool), "true or false"),
-    "extra.lora": (False, lambda v: isinstance(v, dict), "an object"),
 }
 _TOP = [k for k in _FIELDS if "." not in k]
 
@@ -100,14 +96,9 @@ def _hashes(directory: Path) -> dict[str, str]:
 
 def save_wide(model: WideModel, directory: str | os.PathLike, model_ref: str, extra: dict | None = None,
               routers: dict[str, torch.Tensor] | None = None, base_fingerprint: str | None = None) -> Path:
-    """Write routers, config and ``base_model.json`` (with every file's SHA-256, so written last) into ``directory``.
-
-    Args:
-        model: the routed model; model_ref: the ``--model`` that loads its base again.
-        extra: JSON-able facts stored under ``"extra"``.
-        routers, base_fingerprint: router weights and :func:`~wide.model.fingerprint` computed by the caller
-            (a sharded model cannot give them).
-    """
+    """Write routers, config and ``base_model.json`` (every file's SHA-256, so last) into ``directory``;
+    ``model_ref`` loads the base again, ``extra`` holds run facts; ``routers`` and ``base_fingerprint`` come from
+    the caller when the model is sharded."""
     directory = Path(directory)
     atomic_save_safetensors(model.router_state_dict() if routers is None else routers, directory / ROUTERS_NAME,
                             metadata={"format": "wide-routers-v1"})
@@ -205,30 +196,23 @@ def check_stage1(path: str | os.PathLike) -> dict:
 
 def load(path: str | os.PathLike, model: str | torch.nn.Module | None = None, device=None, dtype=None,
          tokenizer: bool = False, merge_lora: bool = False, check=None, config_check=None):
-    """Load a saved WIDE model for inference (argmax routing, Eq. 5).
-
-    Every file is checked (its type, fields, shapes and SHA-256) before any base weight is read.
+    """Load a saved WIDE model for inference (argmax routing, Eq. 5); every file (type, fields, shapes, SHA-256) is
+    checked before any base weight is read.
 
     Args:
-        path: a directory written by ``wide calibrate`` / ``wide lora`` (:func:`save_wide`).
-        model: None (the base model recorded in the checkpoint), a ``--model`` string, or a loaded model.
-        device: ``cpu``, ``cuda``, ``cuda:N``; default CUDA when available.
-        dtype: bf16 / fp16 / fp32 for the base (default bf16 on a GPU, fp32 on the CPU); routers stay fp32. fp16
-            is loaded in fp32 on the CPU, checked against the fingerprint, then cast.
-        tokenizer: also return the tokenizer (``model`` must then not be a module).
-        merge_lora: fold a stage-2 adapter into the base weights (peft's merge) instead of keeping LoRA layers.
-        check, config_check: hooks of :func:`wide.hub.load_base_model`, run before the weights load.
+        path: a directory of ``wide calibrate`` / ``wide lora``. model: None (the recorded base model), a
+            ``--model`` string, or a loaded model. device: default CUDA when available. dtype: of the base (default
+            bf16 on a GPU, fp32 on the CPU; fp16 is checked in fp32 on the CPU, then cast); routers stay fp32.
+        tokenizer: also return the tokenizer. merge_lora: fold a stage-2 adapter into the base weights.
+        check, config_check: :func:`wide.hub.load_base_model`'s hooks, run before the weights load.
 
     Returns:
-        :class:`WideModel` in eval mode (or ``(WideModel, tokenizer)``): ``model(input_ids)`` with int64
-        ``[B, T]`` ids returns logits ``[B, T, vocab]``; the masks are bool ``[B, T, N_G]`` per layer.
+        a :class:`WideModel` in eval mode (and the tokenizer): ``model(input_ids)`` with int64 ``[B, T]`` ids
+        gives logits ``[B, T, vocab]``; each layer's masks are bool ``[B, T, N_G]``.
 
     Raises:
-        WideError: bad arguments, a missing or corrupt file (naming it), a checkpoint of another base model, a
-            recorded base model that is gone, or a device this machine does not have.
-
-    Warns:
-        WideWarning: the checkpoint is an intermediate save of an unfinished run.
+        WideError: bad arguments, a missing or changed file (naming it), another base model, or a missing device.
+        Warns WideWarning for an intermediate save of an unfinished run.
     """
     check_device(device)
     if not isinstance(path, (str, os.PathLike)):

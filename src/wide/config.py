@@ -67,22 +67,13 @@ class ModelDims:
 
 @dataclass
 class WideConfig:
-    """Hyper-parameters of a WIDE model; checked on construction.
+    """Hyper-parameters of a WIDE model, checked on construction (WideError names the field and what is allowed).
 
-    Attributes:
-        attn_group_size: attention ``G``, a multiple of ``head_dim`` dividing ``H_q * head_dim``; None = the GQA
-            group ``H_q / H_k * head_dim`` (Eq. 2).
-        ffn_group_size: FFN ``G``, a power of two ``>= 16`` dividing the FFN width (Eq. 3).
-        router_rank: bottleneck rank ``r`` (Eq. 4), at most the hidden size.
-        target_sparsity, alpha: ``S`` in ``[0, 1)`` and the weight ``>= 0`` of the sparsity loss (Eq. 6).
-        tau_start, tau_end: Gumbel-softmax temperature, annealed linearly over training.
-        sparsity_mode: ``"global"`` (Eq. 6) or ``"uniform"`` (Eq. 22).
-        routed: ``"both"``, ``"attn"`` or ``"ffn"``.
-        method: ``"wide"`` (width routing over groups) or ``"skipgpt"`` (one gate per module, ``N_G = 1``: the
-            dynamic-depth baseline of §4.1).
-
-    Raises:
-        WideError: a field of the wrong type or outside its range, naming the field and what is allowed.
+    ``attn_group_size`` ``G`` (a multiple of ``head_dim``; None: the GQA group, Eq. 2) and ``ffn_group_size`` (a
+    power of two ``>= 16``, Eq. 3) must divide their widths; ``router_rank`` ``r`` (Eq. 4); ``target_sparsity`` ``S``
+    in ``[0, 1)`` and ``alpha >= 0`` (Eq. 6); the Gumbel temperature anneals from ``tau_start`` to ``tau_end``;
+    ``sparsity_mode`` ``"global"`` (Eq. 6) or ``"uniform"`` (Eq. 22); ``routed``: both, attn or ffn; ``method``
+    ``"skipgpt"``: one gate per module (``N_G = 1``), the dynamic-depth baseline of §4.1.
     """
 
     attn_group_size: int | None = None

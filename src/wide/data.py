@@ -82,23 +82,18 @@ def load_texts(spec: str | None, split: str = "calib") -> list[str]:
             docs = _load_saved_dataset(p)
         elif p.suffix == ".jsonl":
             docs = []
-            with p.open(encoding="utf-8") as f:
-                for n, line in enumerate(f, 1):
-                    if not line.strip():
-                        continue
-                    try:
-                        obj = json.loads(line)
-                    except json.JSONDecodeError as e:
-                        raise WideError(f"{spec}: line {n} is not valid JSON ({e.msg} at column {e.colno}); each "
-                                        f"line must be a JSON object with a 'text' field") from None
-                    try:
-                        text = obj["text"]
-                    except (KeyError, TypeError, IndexError):
-                        raise WideError(f"{spec}: line {n} is not a JSON object with a 'text' field") from None
-                    if not isinstance(text, str):
-                        shown = "" if text is None else f" ({json.dumps(text)[:40]})"
-                        raise WideError(f"{spec}: line {n}: 'text' is {_json_type(text)}{shown}; it must be a string")
-                    docs.append(text)
+            for n, line in enumerate(p.read_text(encoding="utf-8").splitlines(), 1):
+                try:
+                    text = json.loads(line)["text"] if line.strip() else ""
+                except json.JSONDecodeError as e:
+                    raise WideError(f"{spec}: line {n} is not valid JSON ({e.msg} at column {e.colno}); each line "
+                                    f"must be a JSON object with a 'text' field") from None
+                except (KeyError, TypeError, IndexError):
+                    raise WideError(f"{spec}: line {n} is not a JSON object with a 'text' field") from None
+                if not isinstance(text, str):
+                    shown = "" if text is None else f" ({json.dumps(text)[:40]})"
+                    raise WideError(f"{spec}: line {n}: 'text' is {_json_type(text)}{shown}; it must be a string")
+                docs.append(text)
         else:
             try:
                 docs = [p.read_text(encoding="utf-8")]

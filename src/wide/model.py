@@ -111,19 +111,11 @@ class RoutingRecord:
 
 
 class WideModel(nn.Module):
-    """A supported ``*ForCausalLM`` with WIDE routers on its attention and FFN sublayers.
+    """A supported ``*ForCausalLM`` with WIDE routers on its sublayers; ``config`` is resolved against its dims and
+    ``init_keep`` is every router's initial execute probability (near 1: calibration starts near dense).
 
-    Args:
-        base: the Hugging Face causal LM.
-        config: the :class:`WideConfig`, resolved against the model's dims.
-        init_keep: initial execute probability of every router (near 1: calibration starts near the dense model).
-
-    Attributes:
-        stochastic: masks are hard Gumbel-softmax samples (training) instead of argmax (default False).
-        tau: the Gumbel temperature used when ``stochastic``.
-        fixed_masks: ``{"attn": ..., "ffn": ...}`` overriding the routers: True / False (all / none), a tensor
-            ``[B, T, N_G]`` or ``[L, B, T, N_G]``, or None (route).
-        record_masks: also keep every mask in ``record.masks``.
+    Attributes: ``stochastic`` (Gumbel masks, training) with temperature ``tau``; ``fixed_masks`` ``{"attn", "ffn"}``
+    override routing (True / False: all / none, or masks ``[B, T, N_G]`` or ``[L, B, T, N_G]``); ``record_masks``.
 
     Raises:
         WideError: an unsupported architecture or group sizes that do not fit the model.
@@ -200,17 +192,13 @@ class WideModel(nn.Module):
         return mask
 
     def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None, **kwargs):
-        """Run the base model with routing; returns its ``CausalLMOutput`` (``self.record`` holds the routing).
-
-        Args:
-            input_ids: integer ``[B, T]`` ids in ``[0, vocab)`` (or None with ``inputs_embeds``).
-            attention_mask: optional 2-D padding mask ``[B, T]`` (``[B, past + T]`` with ``past_key_values``) of
-                1 (token) / 0 (padding); padding is left out of the keep ratios.
-            **kwargs: passed to the Hugging Face model (``labels``, ``past_key_values``, ...).
+        """The base model's ``CausalLMOutput`` with routing (``self.record`` holds it) for integer ``input_ids``
+        ``[B, T]`` and a 2-D padding ``attention_mask`` (1 / 0; ``[B, past + T]`` with ``past_key_values``), which
+        keeps padding out of the keep ratios.
 
         Raises:
-            WideError: ``input_ids`` or ``attention_mask`` of the wrong type or shape; in eval mode also ids outside
-                the vocabulary and mask values other than 0 / 1 (a host sync, skipped during CUDA graph capture).
+            WideError: ids or mask of the wrong type or shape; in eval mode also ids outside the vocabulary and mask
+                values other than 0 / 1 (a host sync, skipped during CUDA graph capture).
         """
         if input_ids is not None or "inputs_embeds" not in kwargs:
             self._check_inputs(input_ids, attention_mask, kwargs.get("past_key_values") is not None)

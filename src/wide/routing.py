@@ -42,17 +42,9 @@ class Router(nn.Module):
 
 
 def gumbel_hard_mask(logits: torch.Tensor, tau: float, uniform: torch.Tensor | None = None) -> torch.Tensor:
-    """Training mask (Eq. 5): hard Gumbel-softmax, ``one_hot(argmax((R + g) / tau))[..., 0]``, whose gradient is
-    that of ``softmax((R + g) / tau)[..., 0]`` (straight-through).
-
-    Args:
-        logits: float32 ``[..., N_G, 2]``.
-        tau: temperature ``> 0``.
-        uniform: the ``U(0, 1)`` draws behind ``g = -log(-log u)``, same shape; default ``torch.rand``.
-
-    Returns:
-        float ``[..., N_G]`` of exactly 0.0 / 1.0 (1.0 = execute).
-    """
+    """Training mask (Eq. 5): hard Gumbel-softmax ``one_hot(argmax((R + g) / tau))[..., 0]``, float ``[..., N_G]`` of
+    0.0 / 1.0, with the gradient of ``softmax((R + g) / tau)[..., 0]`` (straight-through); ``logits`` float32
+    ``[..., N_G, 2]``, ``g = -log(-log u)`` from ``uniform`` draws of the same shape (default ``torch.rand``)."""
     u = torch.rand_like(logits) if uniform is None else uniform
     g = -torch.log((-torch.log(u.clamp_min(1e-20))).clamp_min(1e-20))
     soft = torch.softmax((logits + g) / tau, dim=-1)

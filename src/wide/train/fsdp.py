@@ -34,13 +34,11 @@ class DistEnv:
 
     rank: int = 0
     world_size: int = 1
-    local_rank: int = 0
     device: torch.device | None = None
     active: bool = False
 
     @property
-    def is_main(self) -> bool:
-        """Rank 0: the only rank that logs and writes the files that are not sharded."""
+    def is_main(self) -> bool:  # rank 0 logs and writes the files that are not sharded
         return self.rank == 0
 
 
@@ -53,7 +51,7 @@ def current() -> DistEnv:
     if not (dist.is_available() and dist.is_initialized()):
         return DistEnv()
     nccl = dist.get_backend() == "nccl"
-    return DistEnv(dist.get_rank(), dist.get_world_size(), int(os.environ.get("LOCAL_RANK", 0)),
+    return DistEnv(dist.get_rank(), dist.get_world_size(),
                    torch.device("cuda", torch.cuda.current_device()) if nccl else torch.device("cpu"), True)
 
 
@@ -239,12 +237,8 @@ def optimizer_step(opt: torch.optim.Optimizer) -> None:
 
 def strip_nproc(argv: list[str]) -> list[str]:
     """``argv`` without ``--nproc N`` / ``--nproc=N``."""
-    out, skip = [], False
-    for a in argv:
-        if not skip and a != "--nproc" and not a.startswith("--nproc="):
-            out.append(a)
-        skip = a == "--nproc"
-    return out
+    return [a for i, a in enumerate(argv) if a != "--nproc" and not a.startswith("--nproc=")
+            and (i == 0 or argv[i - 1] != "--nproc")]
 
 
 def launch(nproc: int, command: str, argv: list[str]) -> int:

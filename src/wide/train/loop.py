@@ -1,11 +1,9 @@
 """The training loop of paper §3.2: router calibration (stage 1) and LoRA recovery (stage 2).
 
-Loss = LM loss + sparsity loss (Eq. 6, or Eq. 22 in uniform mode) over hard Gumbel-softmax masks with a
-straight-through gradient (Eq. 5), the temperature annealed linearly from ``tau_start`` to ``tau_end``. AdamW with
-linear warm-up then cosine decay, gradient clipping and accumulation, bf16 autocast on a GPU, optional activation
-checkpointing, FSDP2 under torchrun. The data order and the noise are functions of (seed, sample, module), never of
-a carried RNG state, so a resumed run, or one at another world size with the same global batch, has the losses of
-an uninterrupted one. The training state is a ``torch.distributed.checkpoint`` folder, one process included.
+Loss = LM loss + sparsity loss (Eq. 6 / Eq. 22) over hard Gumbel-softmax masks (Eq. 5) whose temperature anneals
+linearly; AdamW, warm-up then cosine decay, clipping, accumulation, bf16 autocast on a GPU, FSDP2 under torchrun.
+Data order and noise are functions of (seed, sample, module), so a resumed run, at any world size with the same
+global batch, has the losses of an uninterrupted one. The state is a ``torch.distributed.checkpoint`` folder.
 """
 
 from __future__ import annotations
@@ -22,6 +20,9 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import torch
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.api import CheckpointException  # a BaseException
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
 
 import wide.lora as L
 import wide.train.fsdp as D
@@ -53,8 +54,6 @@ class CalibrationArgs:
     grad_accum: int = 1
     lr: float = 1e-3
     warmup_steps: int = 0
-    weight_decay: float = 0.0
-    max_grad_norm: float = 1.0
     seed: int = 0
     save_every: int = 100
     grad_checkpoint: bool = False
@@ -71,15 +70,11 @@ class CalibrationArgs:
                             f"stage 2 2e-4)")
         if not isinstance(self.seed, int) or isinstance(self.seed, bool) or not 0 <= self.seed <= SEED_MAX:
             raise WideError(f"--seed {self.seed!r} must be an integer from 0 to {SEED_MAX} (2**32 - 1)")
-        if not (math.isfinite(self.weight_decay) and self.weight_decay >= 0):
-            raise WideError(f"weight_decay {self.weight_decay!r} must be a finite number >= 0")
         if self.warmup_steps < 0:
             raise WideError(f"--warmup-steps {self.warmup_steps!r} must be >= 0")
         if self.warmup_steps > self.steps:
             raise WideError(f"--warmup-steps {self.warmup_steps!r} must be <= --steps {self.steps!r} "
                             f"(0 to {self.steps})")
-        if not self.max_grad_norm > 0:
-            raise WideError(f"--max-grad-norm {self.max_grad_norm!r} must be > 0")
 
 
 def lr_lambda(step: int, warmup: int, total: int) -> float:
@@ -99,11 +94,7 @@ def stream_rows(blocks: torch.Tensor, positions, seed: int) -> torch.Tensor:
 
 
 def read_meta(output: str | os.PathLike) -> dict | None:
-    """The ``train_state.json`` of the training state in ``output`` (or of the copy a crash left aside), or None.
-
-    Raises:
-        WideError: the JSON is unreadable.
-    """
+    """The ``train_state.json`` of the state in ``output`` (or of the copy a crash left aside), or None."""
     output = Path(output)
     for d in (output / STATE_NAME, output / f".{STATE_NAME}.old"):
         if (d / META_NAME).is_file() and (d / ".metadata").is_file():
@@ -124,34 +115,24 @@ def saved_options(output: str | os.PathLike) -> dict | None:
     return options if isinstance(options, dict) else None
 
 
-def _options():
-    from torch.distributed.checkpoint.state_dict import StateDictOptions
-
-    return StateDictOptions(ignore_frozen_params=True, strict=False)
+_OPTIONS = StateDictOptions(ignore_frozen_params=True, strict=False)
 
 
 def _trained_state(wm: WideModel, opt) -> dict:
-    """``get_state_dict`` of the trained parameters (a frozen tied embedding is listed under its second name)."""
-    from torch.distributed.checkpoint.state_dict import get_state_dict
-
+    """The trained parameters' and the optimizer's state (a frozen tied embedding is listed under its second name)."""
     names = {n for n, p in wm.named_parameters() if p.requires_grad}
-    msd, osd = get_state_dict(wm, opt, options=_options())
+    msd, osd = get_state_dict(wm, opt, options=_OPTIONS)
     return {"model": {k: v for k, v in msd.items() if k in names}, "optim": osd}
 
 
 def _dcp(op: str, state: dict, path, env: D.DistEnv) -> None:
-    """``torch.distributed.checkpoint.save`` / ``load`` (``op``), without a process group on one process."""
-    import torch.distributed.checkpoint as dcp
-
-    with warnings.catch_warnings():
+    with warnings.catch_warnings():  # one process has no process group, on purpose
         warnings.filterwarnings("ignore", message="torch.distributed is disabled")
         getattr(dcp, op)(state, checkpoint_id=str(path), no_dist=not (env.active and env.world_size > 1))
 
 
 def _save_state(wm: WideModel, opt, output: Path, meta: dict, env: D.DistEnv) -> None:
-    """Write the training state with DCP into ``.train_state.dcp.tmp``, then swap it into place (every rank)."""
-    from torch.distributed.checkpoint.api import CheckpointException  # a BaseException
-
+    """Write the state with DCP into ``.train_state.dcp.tmp``, then swap it into place (every rank)."""
     tmp = output / f".{STATE_NAME}.tmp"
     if env.is_main:
         shutil.rmtree(tmp, ignore_errors=True)
@@ -170,15 +151,12 @@ def _save_state(wm: WideModel, opt, output: Path, meta: dict, env: D.DistEnv) ->
 
 
 def _load_state(wm: WideModel, opt, meta: dict, env: D.DistEnv) -> None:
-    from torch.distributed.checkpoint.api import CheckpointException
-    from torch.distributed.checkpoint.state_dict import set_state_dict
-
     state = _trained_state(wm, opt)
     try:
         _dcp("load", state, meta["_path"], env)
     except (Exception, CheckpointException) as e:  # noqa: BLE001 - any failure to read is a corrupt state
         raise WideError(f"corrupt training state {meta['_path']}: {first_line(e)}") from None
-    set_state_dict(wm, opt, model_state_dict=state["model"], optim_state_dict=state["optim"], options=_options())
+    set_state_dict(wm, opt, model_state_dict=state["model"], optim_state_dict=state["optim"], options=_OPTIONS)
 
 
 def _truncate_log(path: Path, step: int) -> None:
@@ -189,13 +167,10 @@ def _truncate_log(path: Path, step: int) -> None:
     keep, bad = [], []
     for i, ln in enumerate(path.read_text(errors="replace").splitlines(), 1):
         try:
-            rec_step = json.loads(ln)["step"]
+            if json.loads(ln)["step"] + 0 <= step:  # + 0: a step that is not a number is a bad line
+                keep.append(ln)
         except (ValueError, KeyError, TypeError):
-            rec_step = None
-        if ln.strip() and (not isinstance(rec_step, int) or isinstance(rec_step, bool)):
-            bad.append(i)
-        elif ln.strip() and rec_step <= step:
-            keep.append(ln)
+            bad += [i] if ln.strip() else []
     if bad:
         warnings.warn(f"{path}: skipped {len(bad)} unreadable line(s) (line {', '.join(map(str, bad[:3]))}"
                       f"{', ...' if len(bad) > 3 else ''}; a killed run leaves a truncated last line)",
@@ -267,26 +242,19 @@ def train(wm: WideModel, blocks: torch.Tensor, args: CalibrationArgs, output: st
           stage: str = "router", resume: bool = False, progress: bool = True, on_step=None,
           extra_key: dict | None = None, extra_info: dict | None = None, data_source: str | None = None,
           options: dict | None = None) -> list[dict]:
-    """Train the parameters of ``wm`` with ``requires_grad`` (paper §3.2, Eq. 6 / Eq. 22); one process or torchrun.
-
-    Args:
-        blocks: int64 ``[N, seq_len]`` token blocks, the same on every rank.
-        output: folder of the WIDE checkpoint, ``train_state.dcp`` and ``train_log.jsonl``.
-        model_ref: the base model's ``--model``, recorded in the checkpoint.
-        stage: ``"router"`` or ``"lora"`` (then the adapter is saved in ``<output>/adapter`` too).
-        resume: continue the run saved in ``output`` (same settings, base model and data; any world size).
-        progress: a progress bar on rank 0. on_step: ``f(record)`` after every step, on every rank.
-        extra_key: settings a resumed run must match; extra_info: facts for ``base_model.json``'s ``"extra"``.
-        data_source, options: how the text and the command line were given, stored with the state for ``--resume``.
+    """Train the parameters of ``wm`` with ``requires_grad`` (paper §3.2, Eq. 6 / Eq. 22), in one process or under
+    torchrun, on int64 ``blocks`` ``[N, seq_len]``; ``output`` gets the checkpoint (``model_ref`` its base model),
+    ``train_state.dcp`` and ``train_log.jsonl``. ``resume`` continues the saved run (same settings, base model and
+    data); ``extra_key`` adds settings it must match, ``extra_info`` facts for ``base_model.json``; ``data_source``
+    and ``options`` are kept for ``--resume``'s messages and defaults.
 
     Returns:
-        per-step records: ``step``, ``lm_loss``, ``sparsity_loss``, ``attn_sparsity`` / ``ffn_sparsity`` (fractions
-        skipped), ``tau``, ``lr``, ``grad_norm``, ``tokens_per_s``, ``world_size``; empty when a resumed run was done.
+        one record a step: ``step``, ``lm_loss``, ``sparsity_loss``, ``attn_sparsity`` / ``ffn_sparsity``, ``tau``,
+        ``lr``, ``grad_norm``, ``tokens_per_s``, ``world_size`` (none when the resumed run was complete).
 
     Raises:
-        WideError: bad settings, nothing to train, a missing / corrupt / mismatched state on ``resume``, a failed
-            write (the previous state stays), a micro-batch that does not fit in memory, or a diverged step (a
-            non-finite loss, gradient norm or parameter; the last saved state is the last good one).
+        WideError: bad settings, a bad state to resume, a failed write, a micro-batch that does not fit, or a
+            diverged step (the last saved state is the last good one).
     """
     from tqdm.auto import tqdm
 
@@ -308,7 +276,7 @@ def train(wm: WideModel, blocks: torch.Tensor, args: CalibrationArgs, output: st
                            grad_accum=args.grad_accum, device=device,
                            procs=int(os.environ.get("LOCAL_WORLD_SIZE", "1")) if env.active else 1)
     params = [p for p in wm.parameters() if p.requires_grad]
-    opt = torch.optim.AdamW(params, lr=args.lr, weight_decay=args.weight_decay, betas=(0.9, 0.999))
+    opt = torch.optim.AdamW(params, lr=args.lr, weight_decay=0.0, betas=(0.9, 0.999))
     key = _resume_key(wm, args, stage, extra_key, env.world_size, blocks)
     start = 0
     if resume:
@@ -363,7 +331,7 @@ def train(wm: WideModel, blocks: torch.Tensor, args: CalibrationArgs, output: st
                     ((out.loss.float() + sp) / args.grad_accum).backward()
                 parts.append(torch.stack([out.loss.detach().float(), sp.detach(), *(
                     1.0 - torch.stack(k).detach().mean() for k in (keeps[:na], keeps[na:]) if k)]))
-            gnorm = D.clip_grad_norm_(params, args.max_grad_norm, env)
+            gnorm = D.clip_grad_norm_(params, 1.0, env)
             D.optimizer_step(opt)
             bad = sum((~torch.isfinite(D.local(p).detach())).sum() for p in params)
             lm, spl, *sparsity, gn, bad = torch.cat([torch.stack(parts).double().mean(0), torch.stack(
