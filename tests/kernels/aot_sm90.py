@@ -99,10 +99,7 @@ def main() -> None:
                                                     FUSE_SUM=fuse, BM=bm), num_warps=w, num_stages=3)
     compile_sm90(gemm_k._splitk_sum_kernel, types_of(gemm_k._splitk_sum_kernel, part_ptr=f32),
                  dict(SPLITS=8, BLOCK=1024))
-    # gemm_mn's decode GEMVs (per-tile and split kernels, the fused SwiGLU)
-    gt = types_of(gemm_mn._gemv_mn_kernel, route_ptr=b)
-    for sw in (False, True):
-        compile_sm90(gemm_mn._gemv_mn_kernel, gt, dict(BN=16, BK=256, SWIGLU=sw, EVEN_K=True), num_stages=4)
+    # gemm_mn's decode GEMV and the fused SwiGLU's
     gt = types_of(gemm_mn._gemv_mn_split_kernel, part_ptr=f32, cnt_ptr=i32, route_ptr=b)
     for sw in (False, True):
         compile_sm90(gemm_mn._gemv_mn_split_kernel, gt, dict(G=128, BN=32, BK=128, NGP=128, SMAX=32, SWIGLU=sw,

@@ -35,7 +35,7 @@ def test_refusals():
     r2, r3 = (torch.ones((3, n), dtype=torch.bool, device=DEVICE) for n in (2, 3))
     for call, msg in [(lambda: masked_swiglu_act(g, g, r3, 16), "route"),
                       (lambda: masked_swiglu_act(g, g, r2, 5), "G=5"),
-                      (lambda: masked_swiglu_act(g, g[:, :16], r2, 16), "equal"),
+                      (lambda: masked_swiglu_act(g, g[:, :16], r2, 16), "equal shapes and dtypes"),
                       (lambda: masked_swiglu_act([[0.0] * 32] * 3, g, r2, 16), "g must be a torch.Tensor, got list"),
                       (lambda: masked_swiglu_act(g, g, None, 16), "route must be a torch.Tensor, got NoneType")]:
         with pytest.raises(KernelArgumentError, match=msg):

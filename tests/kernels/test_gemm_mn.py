@@ -53,11 +53,11 @@ def test_head_group_widths(G, M, mode):
 
 
 @pytest.mark.parametrize("M", [1, 2, 3, 4])
-@pytest.mark.parametrize("kernel", ["tile", "split"])
+@pytest.mark.parametrize("smax", [1, 8])
 @pytest.mark.parametrize("kind", ["random", "none", "one_active"])
-def test_gemv(M, kernel, kind, monkeypatch):
-    # per-tile and split kernels forced; K = 96 leaves a ragged last K chunk, more splits than chunks are capped
-    force_gemv(monkeypatch, dict(BN=16, BK=32) if kernel == "tile" else dict(BN=32, BK=32, SPLIT=1 + M % 2, SMAX=8))
+def test_gemv(M, smax, kind, monkeypatch):
+    # one or more K splits per active tile; K = 96 leaves a ragged last K chunk, more splits than chunks are capped
+    force_gemv(monkeypatch, dict(BN=16 if smax == 1 else 32, BK=32, SPLIT=1 if smax == 1 else 1 + M % 2, SMAX=smax))
     run(M, 128, 96 if M % 2 else 128, 32, torch.bfloat16, kind)
 
 
@@ -76,13 +76,13 @@ def test_gemv_split_counters_reset(split, smax, monkeypatch):
     assert all(int(c.abs().sum()) == 0 for c in _common._COUNTERS.values())
 
 
-@pytest.mark.parametrize("kernel", ["tile", "split"])
+@pytest.mark.parametrize("split", [1, 2])
 @pytest.mark.parametrize("G,NQ,NKV", [(32, 128, 32), (192, 576, 192)])
 @pytest.mark.parametrize("kind", ["random", "none"])
-def test_gemv_tail(kernel, G, NQ, NKV, kind, monkeypatch):
+def test_gemv_tail(split, G, NQ, NKV, kind, monkeypatch):
     # the decode step's one-launch [Q | K | V]: Q routed, K and V (separate tensors) always computed
-    force_gemv(monkeypatch, dict(BN=16, BK=32) if kernel == "tile" else dict(BN=16, BK=32, SPLIT=2, SMAX=3))
-    gen = seed_for("gemv_tail", kernel, G, kind)
+    force_gemv(monkeypatch, dict(BN=16, BK=32, SPLIT=split, SMAX=3))
+    gen = seed_for("gemv_tail", split, G, kind)
     M, K = 3, 96
     x = randn((M, K), torch.bfloat16, gen)
     wq, wk, wv = (randn((n, K), torch.bfloat16, gen) for n in (NQ, NKV, NKV))
@@ -105,7 +105,7 @@ def test_tma_weight_tiles(K, monkeypatch):
 
 def test_gpu_tile_candidates_fit_the_group(monkeypatch):
     """Compiled-mode lists: every BN divides G, no duplicates, TMA only on the reorder path; GEMV splits legal."""
-    monkeypatch.setattr(mod, "interpret_mode", lambda: False)
+    monkeypatch.setattr(mod.common, "interpret_mode", lambda: False)
     for G in (16, 48, 128, 192, 512):
         for M in (5, 64, 129, 16384):
             for sw in (False, True):
@@ -115,7 +115,7 @@ def test_gpu_tile_candidates_fit_the_group(monkeypatch):
         for K, sw in ((4096, False), (4096, True), (96, True)):
             for c in mod._gemv_cands(K, sw, G):
                 chunks = max(1, -(-K // c["BK"]))
-                assert G % c["BN"] == 0 and ("SPLIT" not in c or 1 <= c["SPLIT"] <= c["SMAX"] <= chunks)
+                assert G % c["BN"] == 0 and 1 <= c["SPLIT"] <= c["SMAX"] <= chunks
 
 
 def test_refusals():
@@ -135,10 +135,10 @@ def test_refusals():
         (lambda: gemm_mn(x, w, r, 32, reordered=(1, 2, 3)), "got tuple of int, int, int"),
         (lambda: gemm_mn(x, w, r, 32, reordered=reorder(r[:7])), r"reordered.index must be int32 with shape \(8, 2\)"),
         (lambda: gemv_mn(x[:5], w, r[:5], 32), "M <= 4"),
-        (lambda: gemv_mn(x[:1], w, r[:1], 32, tail=w[:32]), "tail must be a tuple"),
-        (lambda: gemv_mn(x[:1], w, r[:1], 32, tail=(w[:32],) * 3), "at most two tail weights"),
+        (lambda: gemv_mn(x[:1], w, r[:1], 32, tail=w[:32]), "tail must be a tuple of at most two"),
+        (lambda: gemv_mn(x[:1], w, r[:1], 32, tail=(w[:32],) * 3), "got tuple of 3"),
         (lambda: gemv_mn(x[:1], w, r[:1], 32, tail=(w[:16],)), "multiple of G=32"),
-        (lambda: gemv_mn(x[:1], w, r[:1], 32, w2=w, tail=(w[:32],)), "not supported with w2"),
+        (lambda: gemv_mn(x[:1], w, r[:1], 32, tail=(w.half()[:32],)), r"tail\[0\] must be"),
     ]:
         with pytest.raises(KernelArgumentError, match=msg):
             call()

@@ -141,27 +141,3 @@ def test_autotune_cache_across_processes(tmp_path, monkeypatch):
     assert len(json.loads((tmp_path / "kernel_autotune.json").read_text())) == 3
     # off the GPU the first candidate, nothing timed
     assert _common.pick_config("op", (1,), torch.device("cpu"), [{"a": 1}, {"a": 2}], lambda c: 1 / 0) == {"a": 1}
-
-
-def test_untuned_choice_is_the_first_that_launches(monkeypatch):
-    """WIDE_AUTOTUNE=0: the first config that does not run out of GPU resources (an fp32 model may need more shared
-    memory than a bf16-sized list allows); other errors propagate."""
-    from triton.runtime.errors import OutOfResources
-
-    tried = []
-
-    def run(cfg):
-        tried.append(cfg["BM"])
-        if cfg["BM"] > 64:
-            raise OutOfResources(245760, 232448, "shared memory")
-
-    cands = [{"BM": 128}, {"BM": 256}, {"BM": 64}, {"BM": 32}]
-    monkeypatch.setenv("WIDE_AUTOTUNE", "0")
-    monkeypatch.setattr(_common, "_capturing", lambda: False)
-    monkeypatch.setattr(_common, "device_name", lambda d: "fake-gpu")
-    assert _common.pick_config("oor", (1,), types.SimpleNamespace(type="cuda"), cands, run) == {"BM": 64}
-    assert tried == [128, 256, 64]
-    with pytest.raises(OutOfResources):
-        _common.first_launchable(cands[:2], run)
-    with pytest.raises(ValueError, match="real bug"):
-        _common.first_launchable(cands, lambda c: (_ for _ in ()).throw(ValueError("a real bug")))

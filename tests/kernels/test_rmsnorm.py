@@ -1,11 +1,11 @@
-"""add_rmsnorm (residual add + LlamaRMSNorm in one kernel) against the float64 reference and the dtype reference."""
+"""add_rmsnorm (the engine's residual add + LlamaRMSNorm in one kernel) against the float64 and the dtype reference."""
 
 import pytest
 import torch
-from kernel_testutil import DEVICE, check_close, randn, seed_for
+from kernel_testutil import check_close, randn, seed_for
 
-from wide.kernels import KernelArgumentError, add_rmsnorm
 from wide.kernels.reference import add_rmsnorm_ref
+from wide.kernels.rmsnorm import add_rmsnorm
 
 
 @pytest.mark.parametrize("shape", [(3, 5, 64), (1, 4096), (7, 48)])
@@ -23,12 +23,3 @@ def test_add_rmsnorm(shape, dtype, with_add):
     if dtype == torch.float32:
         assert (y - add_rmsnorm_ref(h, add, w, 1e-5)[1]).abs().max().item() <= 1e-5 * y.abs().max().item()
 
-
-def test_refusals():
-    h = torch.zeros(2, 8, device=DEVICE)
-    for call, msg in [(lambda: add_rmsnorm(h, None, torch.ones(7, device=DEVICE), 1e-5), r"weight \(7,\) must be"),
-                      (lambda: add_rmsnorm(h, h.half(), torch.ones(8, device=DEVICE), 1e-5), "add is"),
-                      (lambda: add_rmsnorm(h, None, torch.ones(8, device=DEVICE), float("nan")), "eps=nan"),
-                      (lambda: add_rmsnorm(h.int(), None, torch.ones(8, device=DEVICE), 1e-5), "h has dtype int32")]:
-        with pytest.raises(KernelArgumentError, match=msg):
-            call()

@@ -7,7 +7,7 @@ import pytest
 import torch
 from kernel_testutil import DEVICE, seed_for
 
-from wide.kernels import KernelArgumentError, router_mask
+from wide.kernels import KernelArgumentError, _common, router_mask
 from wide.kernels.reference import router_ref
 
 mod = importlib.import_module("wide.kernels.router")
@@ -82,8 +82,6 @@ def test_two_launch_form(rows, with_add):
 def test_tile_kernel(rows, split3, splitd):
     # many rows: x W1^T against W1's pieces (tensor cores) or as an fp32 dot, D unsplit or split over programs whose
     # last arrival finishes the tile; a second launch finds the counters reset
-    from wide.kernels import _common
-
     W, x = case(rows, 200, 112, 16, torch.bfloat16)
     for _ in range(2):
         logits = torch.full((rows, 112, 2), float("nan"), device=DEVICE)
@@ -99,7 +97,7 @@ def test_split3_pieces_sum_to_w1_and_follow_changes():
     with torch.no_grad():
         W[0].mul_(0.5)  # an in-place change rebuilds the pieces
     assert torch.equal(mod._w1_split3(W[0]).view(3, 16, 4096).double().sum(0), W[0].double())
-    check(mod._split3(x, W), W, x)
+    check(mod._mm_launch(x, W), W, x)  # many rows through the two-launch form
 
 
 @pytest.mark.parametrize("rows", [1, 3, 40])
@@ -116,16 +114,15 @@ def test_residual_add(rows, dtype):
 
 
 def test_counter_reset_strided_rows_and_reference():
-    from wide.kernels._common import tuned_config
-
     W, x = case(2, 64, 6, 16, torch.bfloat16)
     first = router_mask(x, *W)
     for _ in range(3):  # the arrival counter is reset by the last program of every launch
         assert torch.equal(router_mask(x, *W), first)
-    assert all(cnt.item() == 0 for _, cnt in mod._WS.values())
+    assert all(int(c.abs().sum()) == 0 for c in _common._COUNTERS.values())
     xs = torch.randn((3, 2, 128), generator=seed_for("strided")).to(DEVICE)[..., ::2]
     check(router_mask(xs, *W), W, xs)
-    many = torch.randn((tuned_config(DEVICE)["router"]["max_rows"] + 1, 64), generator=seed_for("many")).to(DEVICE)
+    rows = _common.tuned_config(DEVICE)["router"]["max_rows"] + 1
+    many = torch.randn((rows, 64), generator=seed_for("many")).to(DEVICE)
     assert torch.equal(router_mask(many, *W), router_ref(many, *W))  # the tile kernel, same convention
 
 

@@ -24,13 +24,11 @@ from wide.errors import WideError
 from wide.inference.cache import StaticKVCache
 from wide.kernels import (
     Reordered,
-    add_rmsnorm,
     gemm_k,
     gemm_mn,
     gemv_mn,
     masked_swiglu_act,
     reorder,
-    rope_cache,
     routed_attention,
     router_mask,
     swiglu,
@@ -39,6 +37,8 @@ from wide.kernels import (
 )
 from wide.kernels._common import use_triton
 from wide.kernels.gemm_mn import uses_reorder
+from wide.kernels.rmsnorm import add_rmsnorm
+from wide.kernels.rope import rope_cache
 from wide.model import WideModel, check_architecture, check_token_ids, decoder_layers, dims_of, outside_vocab
 
 OPS = ("routed", "dense")

@@ -1,10 +1,6 @@
-"""Shared helpers of the routed kernels: the Triton guard, argument checks of the public ops, the reorder result,
-the per-GPU tuned settings (``configs/*.json``), the autotuning cache and launch helpers.
-
-``import wide.kernels`` works without Triton; the public ops then run their PyTorch references.
+"""Shared helpers of the kernels: the Triton guard, the public ops' argument checks, the per-GPU tuned settings
+(``configs/*.json``), the autotuning cache and launch helpers.  Without Triton every op runs its reference.
 """
-
-from __future__ import annotations
 
 import functools
 import hashlib
@@ -55,8 +51,7 @@ def interpret_mode() -> bool:
 
 
 def use_triton(t: torch.Tensor) -> bool:
-    """Whether the Triton kernels run for tensor ``t``: CUDA, or CPU under ``TRITON_INTERPRET=1``.  Where Triton is
-    wanted but missing, one ``RuntimeWarning`` per process says the reference runs instead."""
+    """Whether Triton kernels run for ``t``: CUDA, or CPU under ``TRITON_INTERPRET=1`` (warns once without Triton)."""
     wanted = t.is_cuda or (interpret_mode() and t.device.type == "cpu")
     if wanted and not HAS_TRITON and not _WARNED:
         _WARNED.append(True)
@@ -70,10 +65,6 @@ def use_triton(t: torch.Tensor) -> bool:
 
 _WARNED: list = []
 
-
-# ----------------------------------------------------------------------------------------------
-# Tuned settings per GPU
-# ----------------------------------------------------------------------------------------------
 
 CONFIG_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "configs")
 
@@ -99,14 +90,8 @@ def _tuned(name: str) -> dict:
 
 
 def tuned_config(device=None) -> dict:
-    """Tuned thresholds for ``device`` (None: the current CUDA device): ``configs/<GPU name>.json`` laid section by
-    section over ``configs/default.json``, read once per GPU name (do not modify the returned dict)."""
+    """Tuned thresholds for ``device`` (None: the current GPU): ``configs/<GPU name>.json`` over ``default.json``."""
     return _tuned(device_name(device))
-
-
-# ----------------------------------------------------------------------------------------------
-# Argument checks of the public ops (one line each, naming the value and what is allowed)
-# ----------------------------------------------------------------------------------------------
 
 
 def fail(msg: str):
@@ -150,19 +135,14 @@ def check_route(route, M: int, NG: int, name: str = "route") -> None:
 
 
 def check_flag(name: str, value) -> bool:
-    if not isinstance(value, bool):
-        fail(f"{name}={value!r} must be True or False")
-    return value
+    return value if isinstance(value, bool) else fail(f"{name}={value!r} must be True or False")
 
 
 def check_gemm(x, w, route, G: int, along: str, xname: str = "x", wname: str = "w", w2=None,
                w2name: str = "w2") -> tuple[int, int, int]:
-    """``x [M, K]`` and ``w [N, K]`` (and ``w2`` like ``w``) of one float dtype, ``G`` dividing ``N`` (``along="N"``)
-    or ``K``, ``route`` bool ``[M, dim // G]``, all on one device.  Returns ``(M, N, K)``."""
+    """Checks x ``[M, K]``, w (w2) ``[N, K]``, route ``[M, N // G]`` or ``[M, K // G]``; returns ``(M, N, K)``."""
     check_tensor(xname, x, 2, FLOAT_DTYPES)
-    for name, t in ((wname, w), (w2name, w2)):
-        if name == w2name and t is None:
-            continue
+    for name, t in ((wname, w),) + (((w2name, w2),) if w2 is not None else ()):
         check_tensor(name, t, 2, FLOAT_DTYPES)
         if t.dtype != x.dtype:
             fail(f"{name} dtype {_dt(t.dtype)} must match {xname} dtype {_dt(x.dtype)}")
@@ -179,18 +159,14 @@ def check_gemm(x, w, route, G: int, along: str, xname: str = "x", wname: str = "
 
 
 def check_reordered(r, shape: tuple, device: torch.device) -> Reordered:
-    """``r`` as a :class:`Reordered` of int32 ``index`` ``shape`` and ``counts`` ``shape[:-2] + shape[-1:]`` on
-    ``device``, index and counts made contiguous."""
+    """``r`` checked as a reorder of a route of ``shape`` on ``device``, index and counts made contiguous."""
     if not isinstance(r, tuple) or len(r) != 3 or not all(isinstance(t, torch.Tensor) for t in r):
         got = type(r).__name__ + ("" if not isinstance(r, tuple) else " of " + ", ".join(type(t).__name__ for t in r))
         fail(f"reordered must be a Reordered(index, mask, counts) from wide.kernels.reorder; got {got}")
     r = Reordered(*r)
-    cshape = tuple(shape[:-2]) + (shape[-1],)
-    if tuple(r.index.shape) != tuple(shape) or r.index.dtype != torch.int32:
-        fail(f"reordered.index must be int32 with shape {tuple(shape)}, got {_dt(r.index.dtype)} "
-             f"{tuple(r.index.shape)}")
-    if tuple(r.counts.shape) != cshape or r.counts.dtype != torch.int32:
-        fail(f"reordered.counts must be int32 with shape {cshape}, got {_dt(r.counts.dtype)} {tuple(r.counts.shape)}")
+    for name, t, want in (("index", r.index, tuple(shape)), ("counts", r.counts, tuple(shape[:-2]) + (shape[-1],))):
+        if tuple(t.shape) != want or t.dtype != torch.int32:
+            fail(f"reordered.{name} must be int32 with shape {want}, got {_dt(t.dtype)} {tuple(t.shape)}")
     if r.index.device != device or r.counts.device != device:
         fail(f"reordered must be on the route's device {device}; got index on {r.index.device}, counts on "
              f"{r.counts.device}")
@@ -208,10 +184,7 @@ def check_no_overlap(out, written: str = "out", **inputs) -> None:
         return
     o0, o1 = _span(out)
     for name, t in inputs.items():
-        if t is None or t.numel() == 0 or t.device != out.device:
-            continue
-        t0, t1 = _span(t)
-        if o0 < t1 and t0 < o1:
+        if t is not None and t.numel() and t.device == out.device and o0 < _span(t)[1] and _span(t)[0] < o1:
             if written != "out":
                 fail(f"{written} overlaps {name} in memory, and {written} is written in place: pass tensors that do "
                      "not share memory (or leave the in-place option off)")
@@ -224,11 +197,9 @@ def check_out(out, shape, dtype, device, **inputs):
     if out is None:
         return None
     check_tensor("out", out)
-    if tuple(out.shape) != tuple(shape) or out.dtype != dtype or out.device != device:
-        fail(f"out must be a {_dt(dtype)} tensor of shape {tuple(shape)} on {device}; got {_dt(out.dtype)} "
-             f"{tuple(out.shape)} on {out.device}")
-    if not out.is_contiguous():
-        fail("out must be contiguous")
+    if tuple(out.shape) != tuple(shape) or out.dtype != dtype or out.device != device or not out.is_contiguous():
+        fail(f"out must be a contiguous {_dt(dtype)} tensor of shape {tuple(shape)} on {device}; got {_dt(out.dtype)} "
+             f"{tuple(out.shape)} on {out.device}" + ("" if out.is_contiguous() else " (not contiguous)"))
     check_no_overlap(out, **inputs)
     return out
 
@@ -247,18 +218,15 @@ def softmax_scale(scale, head_dim: int) -> float:
 
 
 def check_attention(q, k, v, route, left_pad) -> tuple:
-    """SDPA-layout ``q [B, Hq, Tq, d]``, ``k, v [B, Hk, Tk, d]`` of q's dtype, ``route`` bool ``[B, Tq, N_G]``, optional
-    int ``left_pad [B]``.  Returns ``(B, Hq, Tq, d, Hk, Tk, N_G)``."""
+    """Checks SDPA-layout q, k, v, route ``[B, Tq, N_G]`` and left_pad; returns ``(B, Hq, Tq, d, Hk, Tk, N_G)``."""
     check_tensor("q", q, 4, FLOAT_DTYPES)
     for name, t in (("k", k), ("v", v)):
         check_tensor(name, t, 4)
         if t.dtype != q.dtype:
             fail(f"{name} has dtype {_dt(t.dtype)}, q {_dt(q.dtype)}: k and v must have q's dtype")
     B, Hq, Tq, D = q.shape
-    if k.shape != v.shape:
-        fail(f"k and v must have the same shape, got {tuple(k.shape)} and {tuple(v.shape)}")
-    if k.shape[0] != B or k.shape[3] != D:
-        fail(f"k/v must be [B={B}, Hk, Tk, d={D}], got {tuple(k.shape)}")
+    if k.shape != v.shape or k.shape[0] != B or k.shape[3] != D:
+        fail(f"k and v must both be [B={B}, Hk, Tk, d={D}], got {tuple(k.shape)} and {tuple(v.shape)}")
     Hk, Tk = k.shape[1], k.shape[2]
     if Hk == 0 or Hq % Hk:
         fail(f"Hq={Hq} must be a multiple of Hk={Hk} (GQA)")
@@ -267,11 +235,9 @@ def check_attention(q, k, v, route, left_pad) -> tuple:
     if D < 16 or D > 256 or D & (D - 1):
         fail(f"head_dim d={D} must be a power of two in [16, 256]")
     check_tensor("route", route, 3, (torch.bool,))
-    if route.shape[0] != B or route.shape[1] != Tq:
-        fail(f"route must be [B={B}, Tq={Tq}, N_G], got {tuple(route.shape)}")
     NG = route.shape[2]
-    if NG == 0 or Hq % NG:
-        fail(f"route has N_G={NG} head groups; N_G must divide Hq={Hq} (G = Hq*d/N_G a multiple of d={D})")
+    if route.shape[:2] != (B, Tq) or NG == 0 or Hq % NG:
+        fail(f"route must be [B={B}, Tq={Tq}, N_G] with N_G dividing Hq={Hq}, got N_G={NG} in {tuple(route.shape)}")
     if left_pad is not None:
         check_tensor("left_pad", left_pad, 1, (torch.int32, torch.int64))
         if left_pad.shape[0] != B:
@@ -281,11 +247,6 @@ def check_attention(q, k, v, route, left_pad) -> tuple:
         if t.stride(3) != 1:
             fail(f"{name} must have a contiguous last dimension (stride 1), got strides {t.stride()}")
     return B, Hq, Tq, D, Hk, Tk, NG
-
-
-# ----------------------------------------------------------------------------------------------
-# Launch helpers
-# ----------------------------------------------------------------------------------------------
 
 
 def next_pow2(x: int) -> int:
@@ -316,8 +277,7 @@ def num_sms(device: torch.device) -> int:
 
 
 def tma_aligned(*tensors: torch.Tensor) -> bool:
-    """Whether 2-D row-major tensors can be read by a TMA descriptor: non-empty, 16-byte aligned base and row stride,
-    unit column stride."""
+    """Whether 2-D row-major tensors can be read by TMA: non-empty, 16-byte aligned, unit column stride."""
     return all(t.numel() > 0 and t.data_ptr() % 16 == 0 and t.stride(0) > 0
                and (t.stride(0) * t.element_size()) % 16 == 0 and t.stride(1) == 1 for t in tensors)
 
@@ -326,8 +286,7 @@ _COUNTERS: dict = {}  # (device, stream) -> int32 arrival counters
 
 
 def tile_counters(device: torch.device, n: int) -> torch.Tensor:
-    """At least ``n`` int32 arrival counters, one buffer per (device, stream), zeroed once: the last program of a
-    tile resets its counter, so nothing is cleared per call (CUDA-graph replays included)."""
+    """At least ``n`` int32 arrival counters per (device, stream), zeroed once; each tile's last program resets."""
     stream = torch.cuda.current_stream(device).cuda_stream if device.type == "cuda" else 0
     buf = _COUNTERS.get((str(device), stream))
     if buf is None or buf.numel() < n:
@@ -339,8 +298,7 @@ _RESIDENT: dict = {}
 
 
 def resident_programs(kernel, key: tuple, device: torch.device, args: tuple, consts: dict, opts: dict) -> int:
-    """Programs of the compiled ``kernel`` the whole GPU holds at once (SMs x per-SM occupancy from its shared memory,
-    registers and threads; cached per ``key``); 2 per SM when the compiled kernel cannot be inspected."""
+    """Programs of the compiled ``kernel`` the GPU holds at once (from its occupancy; cached per ``key``)."""
     props = torch.cuda.get_device_properties(device)
     key = (device.index, *key)
     if key not in _RESIDENT:
@@ -348,38 +306,35 @@ def resident_programs(kernel, key: tuple, device: torch.device, args: tuple, con
         try:
             k = kernel.warmup(*args, grid=(1,), **consts, **opts)
             k._init_handles()
-            smem = getattr(props, "shared_memory_per_multiprocessor", 0) or 228 * 1024
-            regs = getattr(props, "regs_per_multiprocessor", 0) or 65536
-            threads = getattr(props, "max_threads_per_multi_processor", 0) or 2048
-            shared = int(getattr(k.metadata, "shared", 0)) + 1024  # + the 1 KB the driver reserves per block
-            per_sm = min(smem // shared, regs // max(1, int(k.n_regs) * 32 * w), threads // (32 * w), 32)
+            shared = int(k.metadata.shared) + 1024  # + the 1 KB the driver reserves per block
+            per_sm = min(props.shared_memory_per_multiprocessor // shared, props.max_threads_per_multi_processor //
+                         (32 * w), props.regs_per_multiprocessor // max(1, int(k.n_regs) * 32 * w), 32)
         except Exception:  # an inspection API that moved: the estimate only sets how work is split
             per_sm = 2
         _RESIDENT[key] = max(1, int(per_sm))
     return _RESIDENT[key] * props.multi_processor_count
 
 
-# ----------------------------------------------------------------------------------------------
-# Autotuning with a cache across processes
-# ----------------------------------------------------------------------------------------------
-
 _LOCK = threading.Lock()
 _CACHE: dict | None = None
-_LAUNCHABLE: dict = {}  # untuned choices checked to launch (this process only)
 
 
 def _cache_path() -> str:
     return os.path.join(cache_dir(), "kernel_autotune.json")
 
 
+def _read(path: str) -> dict:
+    try:
+        with open(path) as f:
+            return json.load(f)
+    except Exception:
+        return {}
+
+
 def _load_cache() -> dict:
     global _CACHE
     if _CACHE is None:
-        try:
-            with open(_cache_path()) as f:
-                _CACHE = json.load(f)
-        except Exception:
-            _CACHE = {}
+        _CACHE = _read(_cache_path())
     return _CACHE
 
 
@@ -387,13 +342,7 @@ def _store_cache(key: str, value: dict) -> None:
     path = _cache_path()
     try:
         os.makedirs(os.path.dirname(path), exist_ok=True)
-        try:
-            with open(path) as f:
-                disk = json.load(f)
-        except Exception:
-            disk = {}
-        disk.update(_load_cache())
-        disk[key] = value
+        disk = {**_read(path), **_load_cache(), key: value}
         fd, tmp = tempfile.mkstemp(dir=os.path.dirname(path), prefix=".tune")
         with os.fdopen(fd, "w") as f:
             json.dump(disk, f, indent=0, sort_keys=True)
@@ -409,30 +358,12 @@ def _capturing() -> bool:
         return False
 
 
-def first_launchable(candidates: Sequence[dict], run: Callable[[dict], None]) -> dict:
-    """The first candidate whose launch does not run out of GPU resources (shared memory grows with the element
-    size); other errors propagate.  Raises ``OutOfResources`` when none fits."""
-    try:
-        from triton.runtime.errors import OutOfResources as oor
-    except Exception:  # noqa: BLE001 - no Triton: nothing to catch
-        oor = ()
-    last = None
-    for c in candidates:
-        try:
-            run(c)
-            return dict(c)
-        except oor as e:  # noqa: PERF203
-            last = e
-    raise last
-
-
 def pick_config(op: str, key: tuple, device: torch.device, candidates: Sequence[dict],
                 run: Callable[[dict], None], graph: bool = False) -> dict:
     """The fastest of ``candidates`` for ``(op, key)`` on this GPU, timed once (median of ``triton.testing.do_bench``,
-    or of ``do_bench_cudagraph`` with ``graph`` for microsecond kernels) and cached in
-    ``$WIDE_CACHE_DIR/kernel_autotune.json`` under the GPU name, Triton version, ``key`` and the candidate list's hash.
-    Nothing is timed off the GPU, during CUDA-graph capture or with ``WIDE_AUTOTUNE=0``: the cached winner, else the
-    first candidate that launches (during capture: ``candidates[0]``).  ``run(cfg)`` launches the op repeatably."""
+    or ``do_bench_cudagraph`` with ``graph``) and cached in ``$WIDE_CACHE_DIR/kernel_autotune.json`` by GPU name,
+    Triton version, ``key`` and candidate list.  Off the GPU or during CUDA-graph capture nothing is timed: the cached
+    winner, else the first candidate.  ``run(cfg)`` launches the op repeatably."""
     if len(candidates) == 1 or device.type != "cuda":
         return dict(candidates[0])
     tag = hashlib.sha1(repr([sorted(c.items()) for c in candidates]).encode()).hexdigest()[:8]
@@ -442,11 +373,7 @@ def pick_config(op: str, key: tuple, device: torch.device, candidates: Sequence[
     if hit is not None and hit in candidates:
         return dict(hit)
     if _capturing():
-        return dict(_LAUNCHABLE.get(skey, candidates[0]))
-    if os.environ.get("WIDE_AUTOTUNE", "1") == "0":
-        if skey not in _LAUNCHABLE:
-            _LAUNCHABLE[skey] = first_launchable(candidates, run)
-        return dict(_LAUNCHABLE[skey])
+        return dict(candidates[0])
     from triton.testing import do_bench, do_bench_cudagraph
 
     best, best_t = candidates[0], float("inf")
@@ -468,8 +395,7 @@ def pick_config(op: str, key: tuple, device: torch.device, candidates: Sequence[
 
 
 def dense_tuner(run: Callable, route: torch.Tensor) -> Callable[[dict], None]:
-    """``run(cfg, route)`` for the autotuner with an all-True route (made on first use): a decode config is cached
-    per shape, not per mask, so it is tuned with every group executed, which also serves sparse routes."""
+    """``run(cfg, route)`` for the autotuner with an all-True route: a config is cached per shape, not per mask."""
     ones: list = []
 
     def tune(cfg):
@@ -480,17 +406,13 @@ def dense_tuner(run: Callable, route: torch.Tensor) -> Callable[[dict], None]:
     return tune
 
 
-# ----------------------------------------------------------------------------------------------
-# Triton device helpers
-# ----------------------------------------------------------------------------------------------
-
 if HAS_TRITON:
     # Triton 3.6's CPU interpreter computes bf16 tl.dot wrongly: operands are upcast to fp32 there (exact)
     DOT_F32 = tl.constexpr(interpret_mode())
 
     @triton.jit
     def mma(a, b, acc):
-        """``acc + a @ b`` with fp32 accumulation; fp32 operands in full fp32 (``ieee``), not TF32."""
+        """``acc + a @ b`` (``acc`` None: ``a @ b``) with fp32 accumulation; fp32 operands in full fp32 (``ieee``)."""
         if DOT_F32:
             a = a.to(tl.float32)
             b = b.to(tl.float32)
@@ -499,19 +421,8 @@ if HAS_TRITON:
         return tl.dot(a, b, acc)
 
     @triton.jit
-    def mm(a, b):
-        """``a @ b`` in fp32 (fp32 operands: ``ieee``)."""
-        if DOT_F32:
-            a = a.to(tl.float32)
-            b = b.to(tl.float32)
-        if a.dtype == tl.float32:
-            return tl.dot(a, b, input_precision="ieee")
-        return tl.dot(a, b)
-
-    @triton.jit
     def round_to(x, DT: tl.constexpr):
-        """fp32 ``x`` rounded to dtype DT (nearest even) and returned as fp32; the interpreter truncates fp32 to bf16,
-        so there the rounding is done on the bits."""
+        """fp32 ``x`` rounded to DT (nearest even) as fp32 (bitwise in the interpreter, which truncates)."""
         if DOT_F32 and DT == tl.bfloat16:
             b = x.to(tl.uint32, bitcast=True)
             b = ((b + 0x7FFF + ((b >> 16) & 1)) >> 16) << 16
@@ -521,8 +432,7 @@ if HAS_TRITON:
 
     @triton.jit
     def swiglu_act(g, u, DT: tl.constexpr):
-        """``silu(g) * u`` from fp32 accumulators with the model MLP's rounding points in dtype DT (gate, up, SiLU and
-        product each rounded)."""
+        """``silu(g) * u`` from fp32 accumulators, gate, up, SiLU and product each rounded to DT as the model's MLP."""
         g = round_to(g, DT)
         u = round_to(u, DT)
         return round_to(g / (1.0 + tl.exp(-g)), DT) * u

@@ -2,24 +2,12 @@
 ``silu(g) * u`` where the route executes, exact 0 elsewhere, in one pass that reads no byte of a skipped group.
 """
 
-from __future__ import annotations
-
 import torch
 
+from wide.kernels import _common as common
 from wide.kernels import reference
-from wide.kernels._common import (
-    FLOAT_DTYPES,
-    HAS_TRITON,
-    check_same_device,
-    check_tensor,
-    fail,
-    interpret_mode,
-    pow2_part,
-    use_triton,
-    warps,
-)
 
-if HAS_TRITON:
+if common.HAS_TRITON:
     import triton
     import triton.language as tl
 
@@ -46,33 +34,28 @@ if HAS_TRITON:
 
 
 def masked_swiglu_act(g: torch.Tensor, u: torch.Tensor, route: torch.Tensor, G: int) -> torch.Tensor:
-    """``silu(g) * u`` where ``route[m, n // G]``, else 0, with the MLP's rounding (SiLU and product each rounded to
-    the dtype), so ``down_proj`` may run as a dense GEMM.
-
-    g, u ``[M, N]`` bf16/fp16/fp32 of one dtype; route bool ``[M, N // G]``; G a positive int dividing N.  Returns
-    ``[M, N]`` in g's dtype.
-
-    Raises:
-        KernelArgumentError: tensors of the wrong kind, shapes, dtypes or G that do not fit, or different devices.
+    """``silu(g) * u`` where ``route[m, n // G]``, else exactly 0, rounded as the model's MLP (Eq. 3 after dense gate /
+    up GEMMs).  g, u ``[M, N]`` of one float dtype, route bool ``[M, N // G]``, G dividing N.  Raises
+    KernelArgumentError: tensors, shapes, dtypes or G that do not fit, or different devices.
     """
     for name, t in (("g", g), ("u", u), ("route", route)):
-        check_tensor(name, t)
-    check_tensor("g", g, 2, FLOAT_DTYPES)
-    if g.shape != u.shape or g.dtype != u.dtype:
-        fail(f"masked_swiglu_act: g {tuple(g.shape)} {g.dtype} and u {tuple(u.shape)} {u.dtype} must be equal 2-D "
-             "shapes and dtypes")
+        common.check_tensor(name, t)
+    if g.dim() != 2 or g.shape != u.shape or g.dtype != u.dtype or g.dtype not in common.FLOAT_DTYPES:
+        common.fail(f"masked_swiglu_act: g and u must be bf16/fp16/fp32 [M, N] of equal shapes and dtypes; got "
+                    f"{g.dtype} {tuple(g.shape)} and {u.dtype} {tuple(u.shape)}")
     M, N = g.shape
     if isinstance(G, bool) or not isinstance(G, int) or G < 1 or N % G:
-        fail(f"masked_swiglu_act: G={G!r} must be a positive int dividing N={N}")
+        common.fail(f"masked_swiglu_act: G={G!r} must be a positive int dividing N={N}")
     if route.dtype != torch.bool or tuple(route.shape) != (M, N // G):
-        fail(f"masked_swiglu_act: route must be bool [M, N // G] = [{M}, {N // G}]; got {route.dtype} "
-             f"{tuple(route.shape)}")
-    check_same_device(g=g, u=u, route=route)
-    if not use_triton(g):
+        common.fail(f"masked_swiglu_act: route must be bool [M, N // G] = [{M}, {N // G}]; got {route.dtype} "
+                    f"{tuple(route.shape)}")
+    common.check_same_device(g=g, u=u, route=route)
+    if not common.use_triton(g):
         return reference.masked_swiglu_act_ref(g, u, route, G)
     g, u, route = g.contiguous(), u.contiguous(), route.contiguous()
     out = torch.empty_like(g)
-    BN = min(pow2_part(G), 16 if interpret_mode() else 256)  # divides G: a tile lies in one group
-    BM = max(1, (256 if interpret_mode() else 4096) // BN)
-    _masked_swiglu_kernel[(triton.cdiv(M, BM), N // BN)](g, u, route, out, M, N, N // G, G, BN=BN, BM=BM, **warps(4))
+    BN = min(common.pow2_part(G), 16 if common.interpret_mode() else 256)  # divides G: a tile lies in one group
+    BM = max(1, (256 if common.interpret_mode() else 4096) // BN)
+    _masked_swiglu_kernel[(triton.cdiv(M, BM), N // BN)](g, u, route, out, M, N, N // G, G, BN=BN, BM=BM,
+                                                          **common.warps(4))
     return out

@@ -1,38 +1,23 @@
 """Routed flash attention for prefill (paper Eq. 2, Algorithm 4).
 
-Routing is per token and head group: ``route[b, t, g]`` for the ``Hq / N_G`` consecutive query heads of group g.
-Every (b, g) column is reordered (Algorithm 1) so its active query rows form a prefix; a program owns BM sorted query
-rows of one (b, query head): a tile whose first sorted row is inactive only writes zeros (level 0); an active tile
-gathers its Q rows, streams dense K / V tiles (online softmax) and scatters the rows back.  Since the partition is
-stable, the last active row of a tile is its largest query position, so causal attention streams no key beyond it;
-fully visible key tiles skip the element-wise mask; left padding starts the stream at ``left_pad[b]``.  ``Tq == 1``
-runs the split-KV decode kernel (:mod:`wide.kernels.decode_attn`).
+Every (b, head group) column of the route is reordered (Algorithm 1); a program owns BM sorted query rows of one
+(b, query head): an inactive tile only writes zeros, an active one gathers its Q rows, streams K / V (online
+softmax) and scatters the rows back.  The last active row of a tile is its largest query position, so causal
+attention streams no later key.  ``Tq == 1`` runs :mod:`wide.kernels.decode_attn`.
 """
-
-from __future__ import annotations
 
 import torch
 
+from wide.kernels import _common as common
 from wide.kernels import reference
-from wide.kernels._common import (
-    HAS_TRITON,
-    Reordered,
-    check_attention,
-    check_flag,
-    check_out,
-    check_reordered,
-    interpret_mode,
-    softmax_scale,
-    use_triton,
-)
 from wide.kernels.decode_attn import _decode_attention
 from wide.kernels.reorder import reorder
 
-if HAS_TRITON:
+if common.HAS_TRITON:
     import triton
     import triton.language as tl
 
-    from wide.kernels._common import left_pad_at, mm
+    from wide.kernels._common import left_pad_at, mma
 
     @triton.jit
     def _attn_inner(acc, l_i, m_i, q, kbase, vbase, skt, svt, start, end, qpos, lo, Tk, qk_scale,
@@ -45,7 +30,7 @@ if HAS_TRITON:
                              other=0.0)
             else:
                 kt = tl.load(kbase + offs_n[None, :].to(tl.int64) * skt + offs_d[:, None])
-            s = mm(q, kt) * qk_scale
+            s = mma(q, kt, None) * qk_scale
             if MASKED:
                 vis = kmask[None, :]
                 if CAUSAL:
@@ -60,7 +45,7 @@ if HAS_TRITON:
                              other=0.0)
             else:
                 vt = tl.load(vbase + offs_n[:, None].to(tl.int64) * svt + offs_d[None, :])
-            acc = acc * alpha[:, None] + mm(p.to(vt.dtype), vt)
+            acc = acc * alpha[:, None] + mma(p.to(vt.dtype), vt, None)
             m_i = m_new
         return acc, l_i, m_i
 
@@ -133,28 +118,22 @@ if HAS_TRITON:
 
 def routed_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, route: torch.Tensor,
                      causal: bool = False, *, left_pad: torch.Tensor | None = None, scale: float | None = None,
-                     reordered: Reordered | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
-    """Routed FlashAttention (Eq. 2, Algorithm 4) in ``F.scaled_dot_product_attention``'s layout.
-
-    q ``[B, Hq, Tq, d]`` bf16/fp16/fp32 (d a power of two in [16, 256], last dim contiguous); k, v ``[B, Hk, Tk, d]``
-    of q's dtype, ``Hq % Hk == 0`` (GQA), ``Tk >= Tq`` (query i at key position ``i + Tk - Tq``; causal: it sees keys
-    ``j <= i + Tk - Tq``); route bool ``[B, Tq, N_G]`` (group g = query heads ``[g*Hq/N_G, (g+1)*Hq/N_G)``); left_pad
-    optional int ``[B]`` (keys ``j < left_pad[b]`` masked); scale default ``1/sqrt(d)``; reordered optional
-    :func:`~wide.kernels.reorder` of route; out optional contiguous ``[B, Hq, Tq, d]``.
-
-    Returns ``[B, Hq, Tq, d]`` in q's dtype (without ``out``: a transposed view of a contiguous ``[B, Tq, Hq, d]``,
-    as SDPA's flash backend returns); 0 for an inactive (token, head group) and for a row that sees no key.
-
-    Raises:
-        KernelArgumentError: bad shapes, dtypes, devices, left_pad, reordered, out, scale or causal.
+                     reordered: common.Reordered | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
+    """Routed FlashAttention (Eq. 2, Algorithm 4) in SDPA's layout: q ``[B, Hq, Tq, d]`` (d a power of 2 in [16, 256]),
+    k / v ``[B, Hk, Tk, d]`` of q's dtype with ``Hq % Hk == 0`` and ``Tk >= Tq`` (query i at key position
+    ``i + Tk - Tq``), route bool ``[B, Tq, N_G]`` (group g: query heads ``[g*Hq/N_G, (g+1)*Hq/N_G)``), optional int
+    ``left_pad [B]`` (keys ``j < left_pad[b]`` masked), scale (default ``1/sqrt(d)``), reordered (a
+    :func:`~wide.kernels.reorder` of route) and contiguous out.  Returns ``[B, Hq, Tq, d]`` (without out: a view of a
+    contiguous ``[B, Tq, Hq, d]``, as SDPA's flash backend); 0 for an inactive (token, group) or a row with no visible
+    key.  Raises KernelArgumentError: bad shapes, dtypes, devices, left_pad, reordered, out, scale or causal.
     """
-    B, Hq, Tq, D, Hk, Tk, NG = check_attention(q, k, v, route, left_pad)
-    check_flag("causal", causal)
-    check_out(out, (B, Hq, Tq, D), q.dtype, q.device, q=q, k=k, v=v, route=route, left_pad=left_pad)
+    B, Hq, Tq, D, Hk, Tk, NG = common.check_attention(q, k, v, route, left_pad)
+    common.check_flag("causal", causal)
+    common.check_out(out, (B, Hq, Tq, D), q.dtype, q.device, q=q, k=k, v=v, route=route, left_pad=left_pad)
     if reordered is not None:
-        reordered = check_reordered(reordered, (B, Tq, NG), route.device)
-    scale = softmax_scale(scale, D)
-    if not use_triton(q):
+        reordered = common.check_reordered(reordered, (B, Tq, NG), route.device)
+    scale = common.softmax_scale(scale, D)
+    if not common.use_triton(q):
         res = reference.attention_ref(q, k, v, route, causal, left_pad, scale)
         return out.copy_(res) if out is not None else res
     if out is None:  # [B, Tq, Hq, d] in memory, like SDPA's flash output: the O projection reads a free view
@@ -167,11 +146,8 @@ def routed_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, route: t
         reordered = reorder(route)
     if left_pad is not None:
         left_pad = left_pad.contiguous()  # the kernel reads left_pad[b] at offset b
-    if interpret_mode():
-        bm, bn, opts = 16, 16, {}
-    else:
-        bm, bn = (128, 64) if D <= 128 else (64, 32)
-        opts = {"num_warps": 8 if D >= 128 else 4, "num_stages": 3}
+    bm, bn = (16, 16) if common.interpret_mode() else (128, 64) if D <= 128 else (64, 32)
+    opts = {} if common.interpret_mode() else {"num_warps": 8 if D >= 128 else 4, "num_stages": 3}
     lp = left_pad if left_pad is not None else reordered.counts
     grid = (triton.cdiv(Tq, bm), B * Hq)
     _attn_fwd_kernel[grid](q, k, v, out, reordered.index, reordered.counts, lp,

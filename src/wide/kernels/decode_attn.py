@@ -1,35 +1,19 @@
-"""Split-KV routed decode attention (``Tq == 1``) with GQA packing (paper Algorithm 4, decode variant; Appendix B:
-no reorder, routing checked at the block level).
+"""Split-KV routed decode attention (``Tq == 1``) with GQA packing (paper Algorithm 4, Appendix B: no reorder).
 
-The ``Hq / Hk`` query heads sharing a KV head form a pack read by one program per KV split; a pack no routed head
-group spans reads no K / V (level 0), and its programs become more KV splits of the active packs, numbered on the
-device (no host sync, CUDA-graph capturable).  A second kernel merges the splits by log-sum-exp.
+A pack (the query heads of one KV head) no routed head group spans reads no K / V; its programs become more KV
+splits of the active packs, numbered on the device.  A second kernel merges the splits by log-sum-exp.
 """
-
-from __future__ import annotations
 
 import torch
 
+from wide.kernels import _common as common
 from wide.kernels import reference
-from wide.kernels._common import (
-    HAS_TRITON,
-    check_attention,
-    check_out,
-    fail,
-    interpret_mode,
-    next_pow2,
-    num_sms,
-    resident_programs,
-    softmax_scale,
-    use_triton,
-    warps,
-)
 
-if HAS_TRITON:
+if common.HAS_TRITON:
     import triton
     import triton.language as tl
 
-    from wide.kernels._common import left_pad_at, mm, nth_active
+    from wide.kernels._common import left_pad_at, mma, nth_active
 
     @triton.jit
     def _pack_flags(route_ptr, PACKS, Hk, NG, REP, HPG, PP: tl.constexpr, GPP: tl.constexpr):
@@ -123,15 +107,14 @@ if HAS_TRITON:
                 jm = (offs_j < end) & (offs_j >= lo)
                 kt = tl.load(kbase + offs_j[None, :].to(tl.int64) * skt + offs_d[:, None], mask=jm[None, :],
                              other=0.0)  # [D, BN]
-                s = mm(q, kt) * qk_scale
+                s = mma(q, kt, None) * qk_scale
                 s = tl.where(jm[None, :], s, float("-inf"))
                 m_new = tl.maximum(m_i, tl.max(s, axis=1))
                 alpha = tl.exp2(m_i - m_new)
                 p = tl.exp2(s - m_new[:, None])
                 l_i = l_i * alpha + tl.sum(p, axis=1)
-                vt = tl.load(vbase + offs_j[:, None].to(tl.int64) * svt + offs_d[None, :], mask=jm[:, None],
-                             other=0.0)
-                acc = acc * alpha[:, None] + mm(p.to(vt.dtype), vt)
+                vt = tl.load(vbase + offs_j[:, None].to(tl.int64) * svt + offs_d[None, :], mask=jm[:, None], other=0.0)
+                acc = acc * alpha[:, None] + mma(p.to(vt.dtype), vt, None)
                 m_i = m_new
             pidx = (b * Hq + h) * SMAX + sp
             tl.store(mpart_ptr + pidx, m_i, mask=hmask)
@@ -172,29 +155,23 @@ def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, route: t
                      left_pad: torch.Tensor | None = None, scale: float | None = None,
                      out: torch.Tensor | None = None, splits: int | None = None, max_splits: int | None = None,
                      wave: int | None = None) -> torch.Tensor:
-    """Split-KV routed decode attention (Eq. 2; Algorithm 4, decode variant):
-    ``out[b, h, 0] = softmax(scale * q[b, h, 0] @ k[b, h // (Hq/Hk)].T) @ v[b, h // (Hq/Hk)]`` over the keys
-    ``j >= left_pad[b]`` if ``route[b, 0, h // (Hq/N_G)]``, else 0.
+    """Split-KV routed decode attention (Eq. 2; Algorithm 4, decode): for ``route[b, 0, g]`` the softmax attention of
+    ``q[b, h, 0]`` over the keys ``j >= left_pad[b]`` of KV head ``h // (Hq / Hk)``, else 0 (g the head's group).
 
-    q ``[B, Hq, 1, d]``, k / v ``[B, Hk, Tk, d]`` (a KV cache: any strides but the last), route bool ``[B, 1, N_G]``,
-    left_pad / scale / out as :func:`~wide.kernels.routed_attention`.  ``splits``: KV splits per pack when every pack
-    is active (default: enough programs to fill the GPU); ``max_splits``: the most an active pack may get (default
-    ``4 * splits``); ``wave``: programs per wave (default: what the GPU holds at once); the A active packs get
-    ``S = ceil(A * splits / wave) * wave // A`` splits each, so the last wave is not nearly empty (``wave=1`` keeps
-    ``splits``).  Returns q's shape and dtype, fp32-accumulated; 0 for an inactive head and a row with no visible key.
-
-    Raises:
-        KernelArgumentError: Tq != 1, splits / max_splits / wave not an int >= 1, or as
-            :func:`~wide.kernels.routed_attention`.
+    q ``[B, Hq, 1, d]``, k / v ``[B, Hk, Tk, d]`` (any strides but the last), route ``[B, 1, N_G]``; left_pad, scale
+    and out as :func:`~wide.kernels.routed_attention`.  ``splits`` KV splits per pack when all are active, at most
+    ``max_splits`` per active pack, ``wave`` programs per wave: the A active packs get ``ceil(A * splits / wave) * wave
+    // A`` splits (``wave=1`` keeps ``splits``); defaults fill the GPU.  Raises KernelArgumentError: Tq != 1, splits /
+    max_splits / wave not an int >= 1, or as :func:`~wide.kernels.routed_attention`.
     """
-    B, Hq, Tq, D, Hk, Tk, NG = check_attention(q, k, v, route, left_pad)
-    check_out(out, tuple(q.shape), q.dtype, q.device, q=q, k=k, v=v, route=route, left_pad=left_pad)
+    B, Hq, Tq, D, Hk, Tk, NG = common.check_attention(q, k, v, route, left_pad)
+    common.check_out(out, tuple(q.shape), q.dtype, q.device, q=q, k=k, v=v, route=route, left_pad=left_pad)
     if Tq != 1:
-        fail(f"decode_attention needs Tq == 1, got Tq={Tq}")
+        common.fail(f"decode_attention needs Tq == 1, got Tq={Tq}")
     for name, val in (("splits", splits), ("max_splits", max_splits), ("wave", wave)):
         if val is not None and (isinstance(val, bool) or not isinstance(val, int) or val < 1):
-            fail(f"decode_attention: {name}={val!r} must be an int >= 1 (or None for the default)")
-    return _decode_attention(q, k, v, route, left_pad, softmax_scale(scale, D), out, splits, max_splits, wave)
+            common.fail(f"decode_attention: {name}={val!r} must be an int >= 1 (or None for the default)")
+    return _decode_attention(q, k, v, route, left_pad, common.softmax_scale(scale, D), out, splits, max_splits, wave)
 
 
 def _decode_attention(q, k, v, route, left_pad, scale: float, out, splits=None, max_splits=None, wave=None):
@@ -204,7 +181,7 @@ def _decode_attention(q, k, v, route, left_pad, scale: float, out, splits=None, 
     NG = route.shape[-1]
     if out is None:
         out = torch.empty_like(q)
-    if not use_triton(q):
+    if not common.use_triton(q):
         return out.copy_(reference.attention_ref(q, k, v, route, False, left_pad, scale))
     if B * Hq == 0:
         return out
@@ -213,13 +190,10 @@ def _decode_attention(q, k, v, route, left_pad, scale: float, out, splits=None, 
     rep = Hq // Hk
     hpg = Hq // NG
     route = route.contiguous()
-    if splits is None:
-        if interpret_mode():
-            splits = 2
-        else:
-            sms = num_sms(q.device)
-            splits = max(1, min(triton.cdiv(Tk, 128), triton.cdiv(8 * sms, B * Hk)))
-    bn = 16 if interpret_mode() else 64
+    if splits is None:  # enough programs to fill the GPU
+        splits = 2 if common.interpret_mode() else max(1, min(triton.cdiv(Tk, 128),
+                                                               triton.cdiv(8 * common.num_sms(q.device), B * Hk)))
+    bn = 16 if common.interpret_mode() else 64
     split_len = triton.cdiv(triton.cdiv(Tk, splits), bn) * bn
     splits = triton.cdiv(Tk, split_len)  # the dense split count: no split starts past Tk
     if max_splits is None:
@@ -228,13 +202,13 @@ def _decode_attention(q, k, v, route, left_pad, scale: float, out, splits=None, 
     mpart = torch.empty((B, Hq, smax), dtype=torch.float32, device=q.device)
     lpart = torch.empty_like(mpart)
     opart = torch.empty((B, Hq, smax, D), dtype=torch.float32, device=q.device)
-    rp = max(16, next_pow2(rep))
+    rp = max(16, common.next_pow2(rep))
     packs = B * Hk
-    pp = max(2, next_pow2(packs))
+    pp = max(2, common.next_pow2(packs))
     gpp = max((hk * rep + rep - 1) // hpg - (hk * rep) // hpg + 1 for hk in range(Hk))
     ns = torch.empty(1, dtype=torch.int32, device=q.device)  # S, from the split kernel to the merge kernel
     lp = left_pad if left_pad is not None else mpart  # dummy pointer when unused
-    opts = {} if interpret_mode() else {"num_warps": 4, "num_stages": 3}
+    opts = {} if common.interpret_mode() else {"num_warps": 4, "num_stages": 3}
     consts = dict(D=D, RP=rp, HAS_LP=left_pad is not None, PP=pp, GPP=gpp, BN=bn)
 
     def args(w):  # the split kernel's runtime arguments with WAVE = w
@@ -243,10 +217,11 @@ def _decode_attention(q, k, v, route, left_pad, scale: float, out, splits=None, 
                 v.stride(2))
 
     if wave is None:  # compiled (not launched) with a WAVE of the same specialization as any real one
-        wave = 2 if interpret_mode() else resident_programs(
+        wave = 2 if common.interpret_mode() else common.resident_programs(
             _decode_attn_split_kernel, ("decode_attn", q.dtype, D, rp, bn, left_pad is not None), q.device, args(3),
             consts, opts)
     _decode_attn_split_kernel[(packs * splits,)](*args(wave), **consts, **opts)
     _decode_attn_combine_kernel[(B * Hq,)](route, mpart, lpart, opart, out, ns, Hq, Tk, NG, hpg, smax, out.stride(0),
-                                           out.stride(1), D=D, SP=max(2, next_pow2(smax)), BN=bn, **warps(1))
+                                           out.stride(1), D=D, SP=max(2, common.next_pow2(smax)), BN=bn,
+                                           **common.warps(1))
     return out

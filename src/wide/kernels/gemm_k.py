@@ -1,47 +1,20 @@
-"""GEMM-K: the K-axis routed GEMM of the O and down projections (paper Eq. 21, Algorithm 3) and its GEMV variant.
+"""GEMM-K: the K-axis routed GEMM of the O and down projections (paper Eq. 21, Algorithm 3) and its GEMV:
+``out[m] = sum over the groups g that row m executes of a[m, K_g] @ w[:, K_g].T``; no reorder.
 
-``out[m] = sum over the groups g that row m executes of a[m, K_g] @ w[:, K_g].T``.  Both paths read the route
-directly (no reorder):
-
-* split-K (the GEMV for M <= 4, and below the tuned ``masked_min_m`` rows): a program owns BM rows, an N tile and
-  an even share of the weight tiles of the groups some of its rows execute, compacted on the device, so a group no
-  row executes moves no weight byte; a tile's fp32 K-split partials are summed in split order by the split arriving
-  last or by a second kernel;
-* masked (Appendix A's mask-multiply, from ``masked_min_m`` rows; below, a tuner candidate): the inactive groups of
-  ``a`` are zeroed by a select that reads only the active ones, into a scratch copy or with ``overwrite_a`` into
-  ``a`` itself, and cuBLAS runs the GEMM.
+Split-K kernel (the GEMV; below the tuned ``masked_min_m`` rows): a program takes BM rows, an N tile and a share of
+the weight tiles of the groups its rows execute (compacted on the device); K-split partials are summed in split
+order.  Masked path (Appendix A's mask-multiply; from ``masked_min_m`` rows, a tuner candidate below): a select zeroes
+the inactive groups of ``a`` (into a copy, or in place with ``overwrite_a``), then cuBLAS.
 """
-
-from __future__ import annotations
 
 import torch
 
+from wide.kernels import _common as common
 from wide.kernels import reference
-from wide.kernels._common import (
-    HAS_TRITON,
-    Reordered,
-    check_flag,
-    check_gemm,
-    check_no_overlap,
-    check_out,
-    check_reordered,
-    dense_tuner,
-    fail,
-    interpret_mode,
-    launch_opts,
-    m_bucket,
-    next_pow2,
-    pick_config,
-    pow2_part,
-    tile_counters,
-    tuned_config,
-    use_triton,
-    warps,
-)
 
 PATHS = ("auto", "splitk", "masked")
 
-if HAS_TRITON:
+if common.HAS_TRITON:
     import triton
     import triton.language as tl
 
@@ -136,16 +109,10 @@ if HAS_TRITON:
             tl.store(out_ptr + rows64 * stride_om + cols, v, mask=inb)
 
 
-def uses_reorder(M: int, G: int | None = None) -> bool:
-    """Whether gemm_k reads a reorder for M rows: never (both paths read the route)."""
-    return False
-
-
 def _gemv_cands(G: int, K: int) -> list[dict]:
-    """Split-K configs for M <= 4 rows ``BN, BK, SPLIT, FUSE`` (BK divides G), the untuned default first: at N = 4096
-    it launches 64 N tiles x 8 splits, enough loads in flight to stream HBM."""
-    if interpret_mode():
-        bk = min(32, pow2_part(G))
+    """Split-K configs ``BN, BK, SPLIT, FUSE`` for M <= 4 rows (BK divides G), the untuned default first."""
+    if common.interpret_mode():
+        bk = min(32, common.pow2_part(G))
         sp = max(1, min(3, K // bk))
         return [dict(BN=16, BK=bk, SPLIT=sp, FUSE=sp > 1)]
     out = []
@@ -153,7 +120,7 @@ def _gemv_cands(G: int, K: int) -> list[dict]:
                                     (32, 128, 8, 1, 4, 4), (64, 128, 4, 1, 4, 4), (128, 128, 4, 1, 8, 3),
                                     (64, 256, 4, 1, 4, 3), (32, 256, 8, 1, 4, 3), (16, 128, 16, 1, 4, 4),
                                     (64, 64, 16, 1, 4, 4), (32, 128, 1, 0, 4, 4)]:
-        bk = min(bk, pow2_part(G))
+        bk = min(bk, common.pow2_part(G))
         sp = max(1, min(sp, K // bk))
         cfg = dict(BN=bn, BK=bk, SPLIT=sp, FUSE=bool(fuse and sp > 1), num_warps=w, num_stages=st)
         if cfg not in out:
@@ -162,16 +129,15 @@ def _gemv_cands(G: int, K: int) -> list[dict]:
 
 
 def _splitk_cands(G: int, K: int, N: int, M: int) -> list[dict]:
-    """Split-K configs for M > 4 rows: row tiles of 16-64 rows, splits chosen so that about 512 programs run (and
-    half as many); the first is the untuned default."""
-    if interpret_mode():
-        return [dict(BM=16 if M <= 16 else 32, BN=16, BK=min(32, pow2_part(G)),
-                     SPLIT=max(1, min(2, K // min(32, pow2_part(G)))), FUSE=True)]
-    top = min(64, max(16, next_pow2(M)))
+    """Split-K configs for M > 4 rows: row tiles of 16-64, about 512 programs (or half); default first."""
+    if common.interpret_mode():
+        return [dict(BM=16 if M <= 16 else 32, BN=16, BK=min(32, common.pow2_part(G)),
+                     SPLIT=max(1, min(2, K // min(32, common.pow2_part(G)))), FUSE=True)]
+    top = min(64, max(16, common.next_pow2(M)))
     out = []
     for bm in [top] + [b for b in (32, 16) if b < top]:
         for bn, bk, w in ((64, 128, 4), (128, 64, 8), (32, 128, 4)):
-            bk = min(bk, pow2_part(G))
+            bk = min(bk, common.pow2_part(G))
             sp = max(1, min(8, 512 // (-(-N // bn) * -(-M // bm)), K // bk))
             for split in (sp, max(1, sp // 2)):
                 cfg = dict(BM=bm, BN=bn, BK=bk, SPLIT=split, FUSE=split > 1, num_warps=w, num_stages=3)
@@ -188,27 +154,27 @@ def _splitk(a, w, route, G, out, cfg) -> torch.Tensor:
     fuse = split > 1 and cfg.get("FUSE", False)
     part = torch.empty((split, M, N), dtype=torch.float32, device=a.device) if split > 1 else out
     tiles = triton.cdiv(N, cfg["BN"]) * triton.cdiv(M, bm)
-    _splitk_kernel[(tiles, split)](a, w, out, part, tile_counters(a.device, tiles) if fuse else route, route, M, N,
-                                   K // G, a.stride(0), w.stride(0), out.stride(0), G=G, BN=cfg["BN"], BK=cfg["BK"],
-                                   NGP=max(2, next_pow2(K // G)), SPLITS=split, EVEN_N=N % cfg["BN"] == 0,
-                                   FUSE_SUM=fuse, BM=bm, **launch_opts(cfg))
+    cnt = common.tile_counters(a.device, tiles) if fuse else route
+    _splitk_kernel[(tiles, split)](a, w, out, part, cnt, route, M, N, K // G, a.stride(0), w.stride(0), out.stride(0),
+                                   G=G, BN=cfg["BN"], BK=cfg["BK"], NGP=max(2, common.next_pow2(K // G)), SPLITS=split,
+                                   EVEN_N=N % cfg["BN"] == 0, FUSE_SUM=fuse, BM=bm, **common.launch_opts(cfg))
     if split > 1 and not fuse:
-        blk = 256 if interpret_mode() else 1024
-        _splitk_sum_kernel[(triton.cdiv(M * N, blk),)](part, out, M * N, SPLITS=split, BLOCK=blk, **warps(4))
+        blk = 256 if common.interpret_mode() else 1024
+        _splitk_sum_kernel[(triton.cdiv(M * N, blk),)](part, out, M * N, SPLITS=split, BLOCK=blk, **common.warps(4))
     return out
 
 
 def _masked(a, w, route, G, out, inplace: bool) -> torch.Tensor:
-    """``out = (a with the inactive groups zeroed) @ w.T`` by ``torch.mm``; the zeros go into a scratch copy, or with
-    ``inplace`` into ``a`` itself (its executed groups unchanged).  The select drops inf / NaN of inactive groups."""
+    """``(a with inactive groups zeroed) @ w.T`` by ``torch.mm``; zeroed in a copy or, ``inplace``, in ``a``."""
     M, K = a.shape
     dst = a if inplace else torch.empty((M, K), dtype=a.dtype, device=a.device)
     if M and K:
-        NG, gp = K // G, next_pow2(G)
-        br, cols = (4, 64) if interpret_mode() else (8, 1024)
-        gb = max(1, min(cols // gp, next_pow2(NG)))  # whole groups per block
+        NG, gp = K // G, common.next_pow2(G)
+        br, cols = (4, 64) if common.interpret_mode() else (8, 1024)
+        gb = max(1, min(cols // gp, common.next_pow2(NG)))  # whole groups per block
         _select_kernel[(triton.cdiv(M, br) * triton.cdiv(NG, gb),)](
-            a, route, dst, M, NG, a.stride(0), dst.stride(0), G=G, BR=br, GB=gb, GP=gp, INPLACE=inplace, **warps(4))
+            a, route, dst, M, NG, a.stride(0), dst.stride(0), G=G, BR=br, GB=gb, GP=gp, INPLACE=inplace,
+            **common.warps(4))
     return torch.mm(dst, w.t(), out=out)
 
 
@@ -216,7 +182,7 @@ def _gemm_k(a, w, route, G, out, path: str, overwrite_a: bool) -> torch.Tensor:
     M, K = a.shape
     N = w.shape[0]
     out = torch.empty((M, N), dtype=a.dtype, device=a.device) if out is None else out
-    if not use_triton(a):
+    if not common.use_triton(a):
         return out.copy_(reference.gemm_k_ref(a, w, route, G))
     if M == 0 or N == 0:
         return out
@@ -224,7 +190,8 @@ def _gemm_k(a, w, route, G, out, path: str, overwrite_a: bool) -> torch.Tensor:
         a = a.contiguous()  # rows that share memory cannot be zeroed per row in place: the copy is
     w = w if w.stride(1) == 1 else w.contiguous()
     route = route.contiguous()
-    if M > 4 and (path == "masked" or (path == "auto" and M >= tuned_config(a.device)["gemm_k"]["masked_min_m"])):
+    masked_min_m = common.tuned_config(a.device)["gemm_k"]["masked_min_m"]
+    if M > 4 and (path == "masked" or (path == "auto" and M >= masked_min_m)):
         return _masked(a, w, route, G, out, overwrite_a)
 
     def run(cfg, route=route):
@@ -236,52 +203,44 @@ def _gemm_k(a, w, route, G, out, path: str, overwrite_a: bool) -> torch.Tensor:
     if M <= 4:
         op, key, cands = "gemv_k4", (M, N, K, G, str(a.dtype)), _gemv_cands(G, K)
     else:
-        op, key = ("gemm_k_small" if path == "auto" else "gemm_k_splitk"), (m_bucket(M), N, K, G, str(a.dtype))
+        op, key = ("gemm_k_small" if path == "auto" else "gemm_k_splitk"), (common.m_bucket(M), N, K, G, str(a.dtype))
         cands = _splitk_cands(G, K, N, M)
-        if path == "auto" and not interpret_mode():
+        if path == "auto" and not common.interpret_mode():
             cands, key = cands + [dict(KIND="masked")], key + (("overwrite_a",) if overwrite_a else ())
-    run(pick_config(op, key, a.device, cands, dense_tuner(run, route), graph=True))
+    run(common.pick_config(op, key, a.device, cands, common.dense_tuner(run, route), graph=True))
     return out
 
 
-def gemm_k(a: torch.Tensor, w: torch.Tensor, route: torch.Tensor, G: int, *, reordered: Reordered | None = None,
+def gemm_k(a: torch.Tensor, w: torch.Tensor, route: torch.Tensor, G: int, *, reordered: common.Reordered | None = None,
            out: torch.Tensor | None = None, path: str = "auto", overwrite_a: bool = False) -> torch.Tensor:
     """K-axis routed GEMM (Eq. 21, Algorithm 3): ``out[m] = sum over g with route[m, g] of a[m, K_g] @ w[:, K_g].T``.
 
-    a ``[M, K]`` bf16/fp16/fp32; w ``[N, K]`` of a's dtype; route bool ``[M, K // G]``; G a multiple of 16 dividing K;
-    ``reordered``: checked and not needed (the same argument as :func:`~wide.kernels.gemm_mn`); ``out`` optional
-    contiguous ``[M, N]``.  ``path``: ``"auto"`` (M <= 4 the GEMV; below ``masked_min_m`` rows the faster of split-K
-    and masked, timed once with every group executed; above, masked), ``"splitk"`` or ``"masked"`` (M > 4).
-    ``overwrite_a``: the masked path zeroes the inactive groups of ``a`` in place instead of in a scratch copy (its
-    executed groups are never changed).  Returns ``[M, N]`` in a's dtype, fp32-accumulated.
-
-    Raises:
-        KernelArgumentError: bad shapes, dtypes, devices, G, route, reordered, out or path; overwrite_a not a bool, or
-            set with an ``a`` that requires grad or shares memory with w or route.
+    a ``[M, K]`` bf16/fp16/fp32, w ``[N, K]``, route bool ``[M, K // G]``, G a multiple of 16 dividing K, ``reordered``
+    checked, not needed; out optional contiguous ``[M, N]``.  ``path``: ``"auto"`` (the GEMV for M <= 4; below
+    ``masked_min_m`` rows split-K or masked, whichever was faster with every group executed; masked above),
+    ``"splitk"`` or ``"masked"``.  ``overwrite_a``: the masked path zeroes a's inactive groups in place (its executed
+    groups unchanged).  Raises KernelArgumentError: bad arguments, or overwrite_a with an a that requires grad or shares
+    memory with w or route.
     """
-    M, N, K = check_gemm(a, w, route, G, "K", xname="a")
-    check_out(out, (M, N), a.dtype, a.device, a=a, w=w, route=route)
+    M, N, K = common.check_gemm(a, w, route, G, "K", xname="a")
+    common.check_out(out, (M, N), a.dtype, a.device, a=a, w=w, route=route)
     if path not in PATHS:
-        fail(f"path={path!r}; allowed: {', '.join(map(repr, PATHS))}")
-    if check_flag("overwrite_a", overwrite_a):
+        common.fail(f"path={path!r}; allowed: {', '.join(map(repr, PATHS))}")
+    if common.check_flag("overwrite_a", overwrite_a):
         if a.requires_grad:
-            fail("gemm_k(overwrite_a=True) cannot zero an a that requires grad in place (it would break autograd): "
-                 "pass a.detach() or leave it off")
-        check_no_overlap(a, "a", w=w, route=route)
+            common.fail("gemm_k(overwrite_a=True) cannot zero an a that requires grad in place (it would break "
+                        "autograd): pass a.detach() or leave it off")
+        common.check_no_overlap(a, "a", w=w, route=route)
     if reordered is not None:
-        check_reordered(reordered, (M, K // G), route.device)
+        common.check_reordered(reordered, (M, K // G), route.device)
     return _gemm_k(a, w, route, G, out, path, overwrite_a)
 
 
 def gemv_k(a: torch.Tensor, w: torch.Tensor, route: torch.Tensor, G: int, *,
            out: torch.Tensor | None = None) -> torch.Tensor:
-    """Decode GEMM-K for ``M <= 4`` rows (Eq. 21, GEMV variant, no reorder); as :func:`gemm_k`.
-
-    Raises:
-        KernelArgumentError: M > 4, or as :func:`gemm_k`.
-    """
-    M, N, K = check_gemm(a, w, route, G, "K", xname="a")
+    """Decode GEMM-K for ``M <= 4`` rows (Eq. 21, GEMV, no reorder); as :func:`gemm_k`; raises for M > 4 too."""
+    M, N, K = common.check_gemm(a, w, route, G, "K", xname="a")
     if M > 4:
-        fail(f"gemv_k: the GEMV path takes M <= 4 rows, got M={M}")
-    check_out(out, (M, N), a.dtype, a.device, a=a, w=w, route=route)
+        common.fail(f"gemv_k: the GEMV path takes M <= 4 rows, got M={M}")
+    common.check_out(out, (M, N), a.dtype, a.device, a=a, w=w, route=route)
     return _gemm_k(a, w, route, G, out, "auto", False)

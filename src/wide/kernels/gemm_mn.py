@@ -1,45 +1,19 @@
-"""GEMM-MN: the N-axis routed GEMM of Q, up and gate (paper Eq. 3, Eq. 9 level 0, Algorithm 2), its fused SwiGLU
-and its GEMV variants for M <= 4 rows (Appendix B).
+"""GEMM-MN: the N-axis routed GEMM of Q, gate and up (paper Eq. 3, Eq. 9, Algorithm 2), its fused SwiGLU and its
+GEMV for M <= 4 rows (Appendix B): ``out[m, n] = (x @ w.T)[m, n]`` where ``route[m, n // G]``, else 0.
 
-``out[m, n] = (x @ w.T)[m, n]`` where ``route[m, n // G]``, else 0; with a second weight, the fused SwiGLU
-``silu(x Wg^T) * (x Wu^T)`` on the same entries (each gathered tile of x read once for both weights).
-
-* Tile kernel: a program owns a ``(BM, BN)`` tile (``BN | G``) of the reordered rows of one group, gathers its rows
-  through the reorder index and writes them back through it; a tile whose first sorted row is inactive (level 0)
-  only writes zeros.  Up to the tuned ``direct_max_m`` rows it reads the route directly (no reorder).  On sm_90 the
-  tuner also times the warp-specialized Gluon kernel (:mod:`wide.kernels.gemm_mn_ws`) for the SwiGLU.
-* GEMV (no reorder): a tile of N columns that no row executes reads no weight byte.  Either one program per N tile,
-  or a split kernel whose dense-sized grid is mapped on the device onto the active (N tile, K split) work items,
-  the fp32 partials summed in split order by the last split to arrive (deterministic).
+Tile kernel: a program owns a ``(BM, BN | G)`` tile of the reordered rows of one group, gathered and scattered
+through the reorder index; a tile whose first sorted row is inactive only writes zeros (level 0).  Up to the tuned
+``direct_max_m`` rows it reads the route directly.  GEMV: a dense-sized grid mapped on the device onto the
+(N tile, K split) work of the groups some row executes; a tile's fp32 partials are summed in split order.
 """
-
-from __future__ import annotations
 
 import torch
 
+from wide.kernels import _common as common
 from wide.kernels import gemm_mn_ws, reference
-from wide.kernels._common import (
-    HAS_TRITON,
-    Reordered,
-    check_gemm,
-    check_out,
-    check_reordered,
-    dense_tuner,
-    fail,
-    interpret_mode,
-    launch_opts,
-    m_bucket,
-    next_pow2,
-    pick_config,
-    pow2_part,
-    tile_counters,
-    tma_aligned,
-    tuned_config,
-    use_triton,
-)
 from wide.kernels.reorder import reorder
 
-if HAS_TRITON:
+if common.HAS_TRITON:
     import triton
     import triton.language as tl
 
@@ -110,58 +84,9 @@ if HAS_TRITON:
 
     @triton.jit
     def _tail_shift(n0, N1, N2, OFF2, OFF3, stride_wn):
-        """int64 shift from ``w_ptr + n * stride_wn`` to the weight row of output column n (tile at n0): 0 for the
-        routed rows (< N1), else into the first (element offset OFF2 from w_ptr) or second (OFF3) tail weight."""
+        """int64 shift of column n0's weight row from ``w_ptr``: 0 (routed), else into tail OFF2 or OFF3."""
         return tl.where(n0 < N1, 0, tl.where(n0 < N1 + N2, OFF2 - N1.to(tl.int64) * stride_wn,
                                              OFF3 - (N1 + N2).to(tl.int64) * stride_wn)).to(tl.int64)
-
-    @triton.jit
-    def _gemv_mn_kernel(x_ptr, w_ptr, w2_ptr, out_ptr, route_ptr, M, N, K, NG, stride_xm, stride_wn, stride_om, G,
-                        N1, N2, OFF2, OFF3, BN: tl.constexpr, BK: tl.constexpr, SWIGLU: tl.constexpr,
-                        EVEN_K: tl.constexpr):
-        # one program per N tile; rows padded to 16 for the tensor-core dot.  Columns >= N1 are the always-executed
-        # tail (a tile lies in one segment: BN divides G, G divides N1 and N2)
-        pid = tl.program_id(0)
-        offs_n = pid * BN + tl.arange(0, BN)
-        nmask = offs_n < N
-        offs_m = tl.arange(0, 16)
-        mmask = offs_m < M
-        r = tl.load(route_ptr + offs_m[:, None] * NG + (offs_n // G)[None, :],
-                    mask=mmask[:, None] & (nmask & (offs_n < N1))[None, :], other=0) != 0
-        r = r | (mmask[:, None] & (nmask & (offs_n >= N1))[None, :])
-        colact = (tl.max(r.to(tl.int32), axis=0) != 0) & nmask  # some row executes this column
-        o_ptrs = out_ptr + offs_m[:, None] * stride_om + offs_n[None, :]
-        if tl.max(colact.to(tl.int32), axis=0) == 0:
-            tl.store(o_ptrs, tl.zeros((16, BN), dtype=out_ptr.dtype.element_ty), mask=mmask[:, None] & nmask[None, :])
-        else:
-            offs_k = tl.arange(0, BK)
-            acc = tl.zeros((16, BN), dtype=tl.float32)
-            acc2 = tl.zeros((16, BN), dtype=tl.float32)
-            w_ptrs = (w_ptr + _tail_shift(pid * BN, N1, N2, OFF2, OFF3, stride_wn)
-                      + offs_n[:, None].to(tl.int64) * stride_wn + offs_k[None, :])
-            w2_ptrs = w2_ptr + offs_n[:, None].to(tl.int64) * stride_wn + offs_k[None, :]
-            x_ptrs = x_ptr + offs_m[:, None] * stride_xm + offs_k[None, :]
-            for k0 in range(0, K, BK):
-                if EVEN_K:
-                    wt = tl.load(w_ptrs, mask=colact[:, None], other=0.0)
-                    xt = tl.load(x_ptrs, mask=mmask[:, None], other=0.0)
-                else:
-                    km = (k0 + offs_k) < K
-                    wt = tl.load(w_ptrs, mask=colact[:, None] & km[None, :], other=0.0)
-                    xt = tl.load(x_ptrs, mask=mmask[:, None] & km[None, :], other=0.0)
-                acc = mma(xt, tl.trans(wt), acc)
-                if SWIGLU:
-                    if EVEN_K:
-                        w2t = tl.load(w2_ptrs, mask=colact[:, None], other=0.0)
-                    else:
-                        w2t = tl.load(w2_ptrs, mask=colact[:, None] & km[None, :], other=0.0)
-                    acc2 = mma(xt, tl.trans(w2t), acc2)
-                    w2_ptrs += BK
-                w_ptrs += BK
-                x_ptrs += BK
-            if SWIGLU:
-                acc = swiglu_act(acc, acc2, out_ptr.dtype.element_ty)
-            tl.store(o_ptrs, tl.where(r, acc, 0.0).to(out_ptr.dtype.element_ty), mask=mmask[:, None] & nmask[None, :])
 
     @triton.jit
     def _gemv_mn_split_kernel(x_ptr, w_ptr, w2_ptr, out_ptr, part_ptr, cnt_ptr, route_ptr, M, K, NG, PROGS,
@@ -250,15 +175,14 @@ if HAS_TRITON:
 
 
 def uses_reorder(M: int, device=None) -> bool:
-    """Whether gemm_mn / swiglu read a reorder for M rows: above the tuned ``direct_max_m`` (up to it the tile kernel
-    reads the route directly; M <= 4 runs the GEMV)."""
-    return M > tuned_config(device)["gemm_mn"]["direct_max_m"]
+    """Whether gemm_mn / swiglu read a reorder for M rows: above the tuned ``direct_max_m``."""
+    return M > common.tuned_config(device)["gemm_mn"]["direct_max_m"]
 
 
 def _candidates(G: int, M: int, swiglu: bool) -> list[dict]:
     """Tile configs timed for M rows: ``(BM, BN, BK, GROUP_M, warps, stages, TMA weight tiles)``, BN cut to divide G."""
-    if interpret_mode():
-        return [dict(BM=32, BN=min(pow2_part(G), 64), BK=32, GROUP_M=4)]
+    if common.interpret_mode():
+        return [dict(BM=32, BN=min(common.pow2_part(G), 64), BK=32, GROUP_M=4)]
     if M <= 64:
         base = ([(64, 64, 64, 8, 4, 4, False), (32, 64, 128, 8, 4, 3, False)] if swiglu else
                 [(64, 128, 64, 8, 4, 4, False), (32, 64, 128, 8, 4, 4, False), (64, 64, 128, 8, 4, 3, False)])
@@ -269,10 +193,10 @@ def _candidates(G: int, M: int, swiglu: bool) -> list[dict]:
         base = [(128, 256, 64, 8, 8, 4, True), (128, 256, 64, 8, 8, 3, True), (128, 128, 64, 16, 8, 4, True),
                 (128, 128, 64, 8, 8, 3, False), (128, 128, 64, 8, 8, 4, False), (128, 64, 64, 8, 4, 4, False),
                 (64, 128, 64, 8, 4, 4, False)] + ([(256, 128, 64, 8, 8, 3, False)] if M >= 2048 else [])
-    tma_ok = M > 128 and HAS_TRITON and hasattr(tl, "tensor_descriptor")
+    tma_ok = M > 128 and common.HAS_TRITON and hasattr(tl, "tensor_descriptor")
     cands = []
     for bm, bn, bk, gm, w, st, tma in base:
-        bn = min(bn, pow2_part(G))
+        bn = min(bn, common.pow2_part(G))
         c = dict(BM=bm, BN=bn, BK=bk, GROUP_M=gm, num_warps=w, num_stages=st, **({"TMA": True} if tma and tma_ok
                                                                                   and bn >= 16 else {}))
         if c not in cands:
@@ -300,7 +224,7 @@ def _launch(x, w, w2, route, G, reordered, out):
         if cfg.get("WS"):
             gemm_mn_ws.launch(x, w, w2, G, reordered, out, cfg)
             return
-        tma = cfg.get("TMA", False) and tma_aligned(w, w2_)
+        tma = cfg.get("TMA", False) and common.tma_aligned(w, w2_)
         wd = w2d = w
         if tma:
             from triton.tools.tensor_descriptor import TensorDescriptor
@@ -309,57 +233,47 @@ def _launch(x, w, w2, route, G, reordered, out):
         _gemm_mn_kernel[(triton.cdiv(M, cfg["BM"]) * (N // cfg["BN"]),)](
             x, w, w2_, out, idx, cnt, route, M, N, K, N // G, x.stride(0), w.stride(0), out.stride(0), G,
             BM=cfg["BM"], BN=cfg["BN"], BK=cfg["BK"], GROUP_M=cfg["GROUP_M"], EVEN_K=K % cfg["BK"] == 0,
-            SWIGLU=w2 is not None, DIRECT=direct, w_desc=wd, w2_desc=w2d, USE_TMA=tma, **launch_opts(cfg))
+            SWIGLU=w2 is not None, DIRECT=direct, w_desc=wd, w2_desc=w2d, USE_TMA=tma, **common.launch_opts(cfg))
 
     cands = _candidates(G, M, w2 is not None)
     if w2 is not None and not direct:
         cands += gemm_mn_ws.candidates(x, w, w2, G)
-    cfg = pick_config("gemm_mn" if w2 is None else "swiglu", (m_bucket(M), N, K, G, str(x.dtype)), x.device, cands,
-                      run)
+    key = (common.m_bucket(M), N, K, G, str(x.dtype))
+    cfg = common.pick_config("gemm_mn" if w2 is None else "swiglu", key, x.device, cands, run)
     run(cfg)
     return out
 
 
 def _gemv_cands(K: int, swiglu: bool, G: int) -> list[dict]:
-    """GEMV configs, the untuned default first: ``BN, BK`` (one program per N tile) or ``BN, BK, SPLIT, SMAX`` (the
-    split kernel: SPLIT K splits per tile in the dense case, at most SMAX when sparse).  BN divides G."""
+    """GEMV configs ``BN, BK, SPLIT, SMAX`` (K splits when dense, at most SMAX when sparse), default first."""
     ch = lambda bk: max(1, -(-K // bk))  # noqa: E731  K chunks of width bk
-    if interpret_mode():
-        bk = min(32, next_pow2(K))
-        return [dict(BN=16, BK=min(64, next_pow2(K))),
-                dict(BN=min(32, pow2_part(G)), BK=bk, SPLIT=min(2, ch(bk)), SMAX=min(4, ch(bk)))]
-    c = [(16, 256, 4, 4), (32, 128, 4, 4), (16, 128, 4, 5)] if swiglu else [(16, 256, 4, 4), (32, 256, 4, 4),
-                                                                         (16, 512, 4, 3), (64, 128, 4, 4)]
-    tiles = []
-    for bn, bk, w, st in c:  # BN divides G: a tile never straddles the routed columns and the tail
-        cfg = dict(BN=min(bn, pow2_part(G)), BK=min(bk, next_pow2(K)), num_warps=w, num_stages=st)
-        if cfg not in tiles:
-            tiles.append(cfg)
+    if common.interpret_mode():
+        bk = min(32, common.next_pow2(K))
+        return [dict(BN=min(32, common.pow2_part(G)), BK=bk, SPLIT=min(2, ch(bk)), SMAX=min(4, ch(bk)))]
     # (BN, BK, SPLIT, SMAX, warps, stages)
     sc = ([(32, 64, 2, 32, 4, 4), (64, 128, 2, 16, 8, 3), (64, 128, 4, 16, 8, 3), (64, 64, 4, 32, 4, 3),
            (128, 64, 2, 32, 8, 3), (16, 128, 1, 16, 4, 4), (32, 64, 4, 32, 4, 4)] if swiglu else
           [(32, 128, 4, 32, 4, 3), (64, 128, 8, 32, 4, 3), (64, 128, 8, 32, 8, 3), (32, 256, 4, 16, 8, 3),
            (16, 256, 2, 16, 4, 4), (128, 64, 8, 64, 8, 3), (64, 64, 8, 64, 4, 3)])
-    splits = []
-    for bn, bk, sp, smax, w, st in sc:
-        bk = min(bk, next_pow2(K))
+    cands = []
+    for bn, bk, sp, smax, w, st in sc + [(16, 256, 1, 1, 4, 4), (32, 128, 1, 1, 4, 3)]:
+        bk = min(bk, common.next_pow2(K))
         sp = max(1, min(sp, ch(bk)))
-        cfg = dict(BN=min(bn, pow2_part(G)), BK=bk, SPLIT=sp, SMAX=max(sp, min(smax, ch(bk))), num_warps=w,
+        cfg = dict(BN=min(bn, common.pow2_part(G)), BK=bk, SPLIT=sp, SMAX=max(sp, min(smax, ch(bk))), num_warps=w,
                    num_stages=st)
-        if cfg not in splits:
-            splits.append(cfg)
-    return splits[:1] + tiles + splits[1:]
+        if cfg not in cands:
+            cands.append(cfg)
+    return cands
 
 
 def _gemv(x, w, w2, route, G, out, tail=()):
-    """The GEMV (any M under the reference, M <= 4 on the kernels) on checked arguments; ``tail``: always-executed
-    weights whose outputs follow the routed ones."""
+    """The GEMV on checked arguments; ``tail``: always-executed weights after the routed columns."""
     M, K = x.shape
     N1 = w.shape[0]
     NT = sum(t.shape[0] for t in tail)
     N = N1 + NT
     out = torch.empty((M, N), dtype=x.dtype, device=x.device) if out is None else out
-    if not use_triton(x):
+    if not common.use_triton(x):
         if tail:
             full = torch.cat([route, torch.ones((M, NT // G), dtype=torch.bool, device=route.device)], 1)
             return out.copy_(reference.gemm_mn_ref(x, torch.cat([w, *tail]), full, G))
@@ -375,112 +289,82 @@ def _gemv(x, w, w2, route, G, out, tail=()):
     NR, NG = N1 // G, N // G
 
     def run(cfg, route=route):
-        even = K % cfg["BK"] == 0
-        if "SPLIT" not in cfg:
-            _gemv_mn_kernel[(triton.cdiv(N, cfg["BN"]),)](
-                x, w, w2c, out, route, M, N, K, NR, x.stride(0), w.stride(0), out.stride(0), G, N1, N2, offs[0],
-                offs[1], BN=cfg["BN"], BK=cfg["BK"], SWIGLU=w2 is not None, EVEN_K=even, **launch_opts(cfg))
-            return
         tiles = N // cfg["BN"]
         progs = tiles * cfg["SPLIT"]
         part = torch.empty((progs * (1 if w2 is None else 2) * M * cfg["BN"] if cfg["SMAX"] > 1 else 1,),
                            dtype=torch.float32, device=x.device)
         _gemv_mn_split_kernel[(progs,)](
-            x, w, w2c, out, part, tile_counters(x.device, tiles), route, M, K, NG, progs, x.stride(0), w.stride(0),
-            out.stride(0), NR, N1, N2, offs[0], offs[1], G=G, BN=cfg["BN"], BK=cfg["BK"], NGP=max(2, next_pow2(NG)),
-            SMAX=cfg["SMAX"], SWIGLU=w2 is not None, EVEN_K=even, **launch_opts(cfg))
+            x, w, w2c, out, part, common.tile_counters(x.device, tiles), route, M, K, NG, progs, x.stride(0),
+            w.stride(0), out.stride(0), NR, N1, N2, offs[0], offs[1], G=G, BN=cfg["BN"], BK=cfg["BK"],
+            NGP=max(2, common.next_pow2(NG)), SMAX=cfg["SMAX"], SWIGLU=w2 is not None, EVEN_K=K % cfg["BK"] == 0,
+            **common.launch_opts(cfg))
 
     key = (M, N, K, G, str(x.dtype)) + ((N1, N2) if tail else ())
-    cfg = pick_config("gemv_mn4" if w2 is None else "gemv_swiglu4", key, x.device, _gemv_cands(K, w2 is not None, G),
-                      dense_tuner(run, route), graph=True)
+    cfg = common.pick_config("gemv_mn4" if w2 is None else "gemv_swiglu4", key, x.device,
+                             _gemv_cands(K, w2 is not None, G), common.dense_tuner(run, route), graph=True)
     run(cfg)
     return out
 
 
+def _checked(op, x, w, w2, route, G, out, reordered=None, tail=()):
+    """The checks of the public ops (``w2``: the SwiGLU's up weight); returns ``reordered`` checked."""
+    wn, w2n = ("w", "w2") if w2 is None else ("w_gate", "w_up")
+    M, N, K = common.check_gemm(x, w, route, G, "N", wname=wn, w2=w2, w2name=w2n)
+    if op.startswith("gemv") and M > 4:
+        common.fail(f"{op}: the GEMV path takes M <= 4 rows, got M={M}")
+    if not isinstance(tail, (tuple, list)) or len(tail) > 2:
+        common.fail(f"{op}: tail must be a tuple of at most two [N_t, K] weights (() for none), got "
+                    f"{type(tail).__name__}" + (f" of {len(tail)}" if isinstance(tail, (tuple, list)) else ""))
+    for j, t in enumerate(tail):
+        if not isinstance(t, torch.Tensor) or t.dim() != 2 or t.shape[1] != K or t.dtype != x.dtype \
+                or t.device != x.device or t.shape[0] % G:
+            got = f"{t.dtype} {tuple(t.shape)} on {t.device}" if isinstance(t, torch.Tensor) else type(t).__name__
+            common.fail(f"tail[{j}] must be a [N_t, K={K}] {x.dtype} tensor on {x.device} with N_t a multiple of "
+                        f"G={G}, got {got}")
+    common.check_out(out, (M, N + sum(t.shape[0] for t in tail)), x.dtype, x.device, x=x, route=route,
+                     **{wn: w, w2n: w2}, **{f"tail[{j}]": t for j, t in enumerate(tail)})
+    return None if reordered is None else common.check_reordered(reordered, (M, N // G), route.device)
+
+
 def _gemm_mn(x, w, w2, route, G, reordered, out):
-    if x.shape[0] <= 4 or not use_triton(x):
+    if x.shape[0] <= 4 or not common.use_triton(x):
         return _gemv(x, w, w2, route, G, out)
     return _launch(x, w, w2, route, G, reordered, out)
 
 
-def gemm_mn(x: torch.Tensor, w: torch.Tensor, route: torch.Tensor, G: int, *, reordered: Reordered | None = None,
+def gemm_mn(x: torch.Tensor, w: torch.Tensor, route: torch.Tensor, G: int, *, reordered: common.Reordered | None = None,
             out: torch.Tensor | None = None) -> torch.Tensor:
     """N-axis routed GEMM (Algorithm 2): ``out[m, n] = (x @ w.T)[m, n] if route[m, n // G] else 0``.
 
-    x ``[M, K]`` bf16/fp16/fp32; w ``[N, K]`` of x's dtype; route bool ``[M, N // G]``; G a multiple of 16 dividing
-    N; ``reordered`` an optional :func:`~wide.kernels.reorder` of route (computed when needed); ``out`` an optional
-    contiguous ``[M, N]``.  Returns ``[M, N]`` in x's dtype, fp32-accumulated.  M <= 4 runs :func:`gemv_mn`.
-
-    Raises:
-        KernelArgumentError: bad shapes, dtypes, devices, G, route, reordered or out.
+    x ``[M, K]`` bf16/fp16/fp32, w ``[N, K]``, route bool ``[M, N // G]``, G a multiple of 16 dividing N, ``reordered``
+    an optional :func:`~wide.kernels.reorder` of route, out optional contiguous ``[M, N]``.  Returns ``[M, N]`` in x's
+    dtype, fp32-accumulated.  Raises KernelArgumentError: bad shapes, dtypes, devices, G, route, reordered or out.
     """
-    M, N, K = check_gemm(x, w, route, G, "N")
-    check_out(out, (M, N), x.dtype, x.device, x=x, w=w, route=route)
-    if reordered is not None:
-        reordered = check_reordered(reordered, (M, N // G), route.device)
-    return _gemm_mn(x, w, None, route, G, reordered, out)
+    return _gemm_mn(x, w, None, route, G, _checked("gemm_mn", x, w, None, route, G, out, reordered), out)
 
 
 def swiglu(x: torch.Tensor, w_gate: torch.Tensor, w_up: torch.Tensor, route: torch.Tensor, G: int, *,
-           reordered: Reordered | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
-    """Fused routed SwiGLU (Eq. 3): ``silu((x Wg^T)[m, n]) * (x Wu^T)[m, n] if route[m, n // G] else 0``.
-
-    As :func:`gemm_mn`, with ``w_gate`` and ``w_up`` ``[N, K]``; gate, up, SiLU and product are rounded to x's dtype
-    as the model's MLP rounds them.  M <= 4 runs :func:`gemv_swiglu`.
-
-    Raises:
-        KernelArgumentError: as :func:`gemm_mn`, or w_up shaped unlike w_gate.
+           reordered: common.Reordered | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
+    """Fused routed SwiGLU (Eq. 3): ``silu(x Wg^T)[m, n] * (x Wu^T)[m, n] if route[m, n // G] else 0``, rounded as the
+    model's MLP rounds; as :func:`gemm_mn` with ``w_gate`` and ``w_up`` ``[N, K]``.  Raises KernelArgumentError: as
+    :func:`gemm_mn`.
     """
-    M, N, K = check_gemm(x, w_gate, route, G, "N", wname="w_gate", w2=w_up, w2name="w_up")
-    check_out(out, (M, N), x.dtype, x.device, x=x, w_gate=w_gate, w_up=w_up, route=route)
-    if reordered is not None:
-        reordered = check_reordered(reordered, (M, N // G), route.device)
-    return _gemm_mn(x, w_gate, w_up, route, G, reordered, out)
+    return _gemm_mn(x, w_gate, w_up, route, G, _checked("swiglu", x, w_gate, w_up, route, G, out, reordered), out)
 
 
 def gemv_mn(x: torch.Tensor, w: torch.Tensor, route: torch.Tensor, G: int, *, out: torch.Tensor | None = None,
-            w2: torch.Tensor | None = None, tail: tuple[torch.Tensor, ...] = ()) -> torch.Tensor:
-    """Decode GEMM-MN for ``M <= 4`` rows (Algorithm 2, GEMV variant, no reorder); as :func:`gemm_mn`.
-
-    ``w2``: the fused SwiGLU's up weight (:func:`gemv_swiglu`).  ``tail``: up to two more weights ``[N_t, K]`` (N_t a
-    multiple of G) computed for every row after the routed columns, ``out[:, N:] = x @ cat(tail).T``; the decode step
-    runs ``[Q | K | V]`` in one launch this way.  Returns ``[M, N + N_tail]``.
-
-    Raises:
-        KernelArgumentError: M > 4, a bad tail (not a tuple of at most two ``[N_t, K]`` weights like w, or with w2),
-            or as :func:`gemm_mn`.
+            tail: tuple[torch.Tensor, ...] = ()) -> torch.Tensor:
+    """Decode GEMM-MN for ``M <= 4`` rows (Algorithm 2, GEMV, no reorder); as :func:`gemm_mn`, plus ``tail``: up to two
+    weights ``[N_t, K]`` (N_t a multiple of G) computed for every row after the routed columns (the decode step's
+    ``[Q | K | V]`` in one launch).  Returns ``[M, N + N_tail]``.  Raises KernelArgumentError: M > 4, a bad tail, or as
+    :func:`gemm_mn`.
     """
-    M, N, K = check_gemm(x, w, route, G, "N", w2=w2)
-    if M > 4:
-        fail(f"gemv_mn: the GEMV path takes M <= 4 rows, got M={M}")
-    if not isinstance(tail, (tuple, list)):
-        fail(f"gemv_mn: tail must be a tuple of up to two [N_t, K] weights (() for none), got {type(tail).__name__}")
-    if tail and w2 is not None:
-        fail("gemv_mn: tail weights are not supported with w2 (fused SwiGLU)")
-    if len(tail) > 2:
-        fail(f"gemv_mn: at most two tail weights, got {len(tail)}")
-    for j, t in enumerate(tail):
-        if not isinstance(t, torch.Tensor) or t.dim() != 2 or t.shape[1] != K:
-            fail(f"tail[{j}] must be a [N_t, K={K}] tensor, got "
-                 f"{tuple(t.shape) if isinstance(t, torch.Tensor) else type(t).__name__}")
-        if t.dtype != x.dtype or t.device != x.device or t.shape[0] % G:
-            fail(f"tail[{j}] is {t.dtype} {tuple(t.shape)} on {t.device}: it needs x's dtype {x.dtype} and device "
-                 f"{x.device} and a number of rows that is a multiple of G={G}")
-    NT = sum(t.shape[0] for t in tail)
-    check_out(out, (M, N + NT), x.dtype, x.device, x=x, w=w, w2=w2, route=route,
-              **{f"tail[{j}]": t for j, t in enumerate(tail)})
-    return _gemv(x, w, w2, route, G, out, tuple(tail))
+    _checked("gemv_mn", x, w, None, route, G, out, tail=tail)
+    return _gemv(x, w, None, route, G, out, tuple(tail))
 
 
 def gemv_swiglu(x: torch.Tensor, w_gate: torch.Tensor, w_up: torch.Tensor, route: torch.Tensor, G: int, *,
                 out: torch.Tensor | None = None) -> torch.Tensor:
-    """Decode fused routed SwiGLU for ``M <= 4`` rows (Eq. 3, GEMV variant, no reorder); as :func:`swiglu`.
-
-    Raises:
-        KernelArgumentError: M > 4, or as :func:`swiglu`.
-    """
-    M, N, K = check_gemm(x, w_gate, route, G, "N", wname="w_gate", w2=w_up, w2name="w_up")
-    if M > 4:
-        fail(f"gemv_swiglu: the GEMV path takes M <= 4 rows, got M={M}")
-    check_out(out, (M, N), x.dtype, x.device, x=x, w_gate=w_gate, w_up=w_up, route=route)
+    """Decode fused SwiGLU for ``M <= 4`` rows (Eq. 3, GEMV, no reorder); as :func:`swiglu`; raises for M > 4 too."""
+    _checked("gemv_swiglu", x, w_gate, w_up, route, G, out)
     return _gemv(x, w_gate, w_up, route, G, out)

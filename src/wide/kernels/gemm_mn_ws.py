@@ -1,22 +1,12 @@
-"""GEMM-MN and the fused routed SwiGLU on Hopper with warp specialization (Gluon; paper Algorithm 2).
-
-Same op and tile schedule as :mod:`wide.kernels.gemm_mn` (tiles of the reordered rows of one group, level-0 skip),
-but the work is split between partitions: a producer of ``PW`` warps issues, per K step, the TMA copy of the weight
-tile and the cp.async copies of the ``BM`` gathered token rows and signals an mbarrier per stage when they land
-(Hopper has no TMA gather); the default partition (two warpgroups) waits for a stage, runs ``wgmma`` from shared
-memory, frees the stage and writes the tile through the scatter index.  The grid is persistent by default (one
-program per SM; ``PERSIST=False``: one program per tile), so the producer runs ahead into the next tile while the
-MMA warps store the last one.  The tuner offers it for the fused SwiGLU (:func:`candidates`).
-
-Requires Triton's Gluon and an sm_90 GPU; bf16 / fp16, ``K % BK == 0``, ``BN | G``.
+"""GEMM-MN and the fused SwiGLU on Hopper with warp specialization (Gluon; paper Algorithm 2), a tuner candidate
+of :func:`wide.kernels.swiglu`.  A producer partition issues the TMA copy of each weight tile and the cp.async
+copies of the gathered token rows (an mbarrier per stage); the MMA warpgroups run ``wgmma`` from shared memory and
+write through the scatter index.  Persistent grid by default (``PERSIST=False``: one program per tile).
 """
-
-from __future__ import annotations
 
 import torch
 
-from wide.kernels._common import HAS_TRITON, check_gemm, check_out, check_reordered, fail, num_sms, tma_aligned
-from wide.kernels.reorder import reorder
+from wide.kernels._common import HAS_TRITON, num_sms, tma_aligned
 
 HAS_GLUON = False
 if HAS_TRITON:
@@ -41,8 +31,7 @@ if HAS_GLUON:
 
     @gluon.jit
     def _tile_of(tile, M, N, G, cnt_ptr, BM: gl.constexpr, BN: gl.constexpr, GROUP_M: gl.constexpr):
-        """First row ``m0`` (reordered row space) and column ``n0`` of output tile number ``tile`` in the grouped
-        order (as gemm_mn.grouped_tile), its routing group ``g`` and that group's active row count."""
+        """``(m0, n0, group, active rows)`` of output tile ``tile`` in the grouped order."""
         num_pid_m = gl.cdiv(M, BM)
         num_pid_n = N // BN
         in_group = GROUP_M * num_pid_n
@@ -162,8 +151,7 @@ if HAS_GLUON:
 
 
 def candidates(x: torch.Tensor, w: torch.Tensor, w2: torch.Tensor | None, G: int) -> list[dict]:
-    """Configs of this kernel for the tuner of the fused SwiGLU (``w2`` given) where it can run here: the default tile
-    config, persistent and one program per tile; none otherwise."""
+    """Configs of this kernel for the fused SwiGLU's tuner where it can run here (none otherwise)."""
     if w2 is None or not (HAS_GLUON and x.is_cuda and torch.cuda.get_device_capability(x.device)[0] == 9
                           and x.dtype in (torch.bfloat16, torch.float16) and x.shape[1] % 64 == 0 and G % 64 == 0
                           and tma_aligned(w, w2)):
@@ -173,15 +161,16 @@ def candidates(x: torch.Tensor, w: torch.Tensor, w2: torch.Tensor | None, G: int
 
 
 def default_config(G: int, swiglu: bool = False) -> dict:
-    """Tile config for group size G: 128 x 256 tiles where G allows (128 x 128 for the SwiGLU: two fp32 accumulators
-    of 256 columns would not fit the registers)."""
+    """Tile config for group size G: 128 x 256 tiles where G allows (128 x 128 for the SwiGLU)."""
     bn = 256 if G % 256 == 0 and not swiglu else 128 if G % 128 == 0 else 64
     return dict(BM=128, BN=bn, BK=64, GROUP_M=16 if swiglu else 8, STAGES=3 if bn == 256 or swiglu else 4, PW=4,
                 PREGS=40, num_warps=8, maxnreg=168)
 
 
 def launch(x, w, w2, G: int, reordered, out, cfg: dict) -> torch.Tensor:
-    """One launch on checked arguments (``reordered`` of the route, ``out`` contiguous ``[M, N]``)."""
+    """``out[m, n] = (x @ w.T)[m, n] if route[m, n // G] else 0`` (with ``w2``: ``silu(x @ w.T) * (x @ w2.T)``) on
+    checked arguments: x ``[M, K]`` bf16 / fp16 on an sm_90 GPU, w (w2) ``[N, K]``, K and G multiples of 64,
+    ``reordered`` of the route, contiguous ``out [M, N]``; ``cfg`` over :func:`default_config` (and ``PERSIST``)."""
     M, K = x.shape
     N = w.shape[0]
     cfg = {**default_config(G, w2 is not None), **cfg}
@@ -199,36 +188,3 @@ def launch(x, w, w2, G: int, reordered, out, cfg: dict) -> torch.Tensor:
                              SWIGLU=w2 is not None, num_warps=cfg["num_warps"], maxnreg=cfg["maxnreg"])
     return out
 
-
-def gemm_mn_ws(x: torch.Tensor, w: torch.Tensor, route: torch.Tensor, G: int, *, w2: torch.Tensor | None = None,
-               reordered=None, out: torch.Tensor | None = None, config: dict | None = None) -> torch.Tensor:
-    """``out[m, n] = (x @ w.T)[m, n] if route[m, n // G] else 0`` by the warp-specialized kernel; with ``w2`` the
-    fused SwiGLU ``silu(x @ w.T) * (x @ w2.T)`` on the same entries.
-
-    x ``[M, K]`` bf16 / fp16 on an sm_90 GPU, K a multiple of 64; w (and w2) ``[N, K]`` of x's dtype; route bool
-    ``[M, N // G]``; G a multiple of 64 dividing N; ``reordered`` optional; ``out`` optional contiguous ``[M, N]``;
-    ``config``: keys of :func:`default_config` and ``PERSIST`` over the default.  Returns ``[M, N]``, fp32-accumulated.
-
-    Raises:
-        KernelArgumentError: bad shapes, dtypes, devices, G or config (checked first, on any device).
-        RuntimeError: no Gluon in this Triton, or not an sm_90 device.
-    """
-    M, N, K = check_gemm(x, w, route, G, "N", w2=w2)
-    check_out(out, (M, N), x.dtype, x.device, x=x, w=w, w2=w2, route=route)
-    if x.dtype not in (torch.bfloat16, torch.float16):
-        fail(f"gemm_mn_ws takes bf16 / fp16 x and w; got {x.dtype}")
-    if K % 64:
-        fail(f"gemm_mn_ws needs K a multiple of 64; got K={K}")
-    if G % 64:
-        fail(f"gemm_mn_ws needs G a multiple of 64 dividing N={N}; got G={G}")
-    cfg = {**default_config(G, w2 is not None), **(config or {})}
-    if G % cfg["BN"] or K % cfg["BK"]:
-        fail(f"config BN={cfg['BN']} must divide G={G} and BK={cfg['BK']} divide K={K}")
-    if reordered is not None:
-        reordered = check_reordered(reordered, (M, N // G), route.device)
-    if not HAS_GLUON:
-        raise RuntimeError("gemm_mn_ws needs Triton's Gluon (triton >= 3.5)")
-    if not x.is_cuda or torch.cuda.get_device_capability(x.device)[0] != 9:
-        raise RuntimeError(f"gemm_mn_ws needs an sm_90 (Hopper) GPU; x is on {x.device}")
-    out = torch.empty((M, N), dtype=x.dtype, device=x.device) if out is None else out
-    return launch(x, w, w2, G, reorder(route.contiguous()) if reordered is None else reordered, out, cfg)

@@ -1,11 +1,7 @@
-"""PyTorch references of every kernel op, with the kernels' semantics: the tests' float64 references (call them with
-float64 inputs) and the ops' fallback where no Triton kernel runs.
-
-Each computes in its inputs' dtype promoted to at least float32 and returns the input dtype (the RMSNorm, RoPE and
-activation references round where the model's own modules round).  Mask convention: bool, True = execute.
+"""PyTorch references of the kernel ops: the tests' float64 references (call them with float64 inputs) and the ops'
+fallback where no Triton kernel runs.  They compute in at least float32 and return the input dtype; the RMSNorm,
+RoPE and activation references round where the model's modules round.  Masks: bool, True = execute.
 """
-
-from __future__ import annotations
 
 import math
 
@@ -44,8 +40,7 @@ def gemm_mn_ref(x: torch.Tensor, w: torch.Tensor, route: torch.Tensor, G: int) -
 
 def swiglu_ref(x: torch.Tensor, w_gate: torch.Tensor, w_up: torch.Tensor, route: torch.Tensor,
                G: int) -> torch.Tensor:
-    """Routed SwiGLU (Eq. 3): ``silu(x Wg^T) * (x Wu^T)`` for active groups, 0 elsewhere; in bf16 / fp16 the gate, up,
-    SiLU and product are each rounded to x's dtype, as the model's MLP rounds them."""
+    """Routed SwiGLU (Eq. 3): ``silu(x Wg^T) * (x Wu^T)`` for active groups, else 0, rounded as the model's MLP."""
     acc = _acc(x.dtype)
     xa = x.to(acc)
     gate, up = xa @ w_gate.to(acc).T, xa @ w_up.to(acc).T
@@ -66,9 +61,7 @@ def gemm_k_ref(a: torch.Tensor, w: torch.Tensor, route: torch.Tensor, G: int) ->
 
 def attention_ref(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, route: torch.Tensor, causal: bool = False,
                   left_pad: torch.Tensor | None = None, scale: float | None = None) -> torch.Tensor:
-    """Routed attention (Eq. 2, Algorithm 4), SDPA layout: q ``[B, Hq, Tq, d]``, k/v ``[B, Hk, Tk, d]`` (GQA), route
-    ``[B, Tq, N_G]``.  Query i sits at key position ``i + Tk - Tq``; keys ``j < left_pad[b]`` are masked; a row with no
-    visible key and an inactive (token, head group) give 0."""
+    """Routed attention (Eq. 2, Algorithm 4), the semantics of :func:`wide.kernels.routed_attention`."""
     B, Hq, Tq, d = q.shape
     Tk = k.shape[2]
     acc = _acc(q.dtype)
@@ -89,8 +82,7 @@ def attention_ref(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, route: torc
 
 def router_ref(x: torch.Tensor, w1: torch.Tensor, b1: torch.Tensor, w2: torch.Tensor,
                b2: torch.Tensor) -> torch.Tensor:
-    """Router argmax mask (Eq. 4-5): logits ``(x W1^T + b1) W2^T + b2`` as ``[..., N_G, 2]`` (class 0 = execute),
-    bool ``[..., N_G]`` = ``logit_0 >= logit_1``.  Computes in the weights' dtype (at least x's)."""
+    """Router mask (Eq. 4-5): ``logit_0 >= logit_1`` of ``(x W1^T + b1) W2^T + b2`` viewed ``[..., N_G, 2]``."""
     acc = torch.promote_types(x.dtype, w1.dtype)
     h = F.linear(F.linear(x.to(acc), w1.to(acc), b1.to(acc)), w2.to(acc), b2.to(acc))
     lg = h.view(*x.shape[:-1], w2.shape[0] // 2, 2)
@@ -111,8 +103,7 @@ def _rotate_half(x):
 
 
 def rope_cache_ref(q, k, v, cos, sin, cache_k, cache_v, slots, want_k: bool):
-    """``apply_rotary_pos_emb`` of q ``[B, T, Hq, d]`` and k ``[B, T, Hk, d]`` with cos / sin ``[B, T, d]``, then the
-    rotated K and V scattered into the cache rows ``0..B-1`` at ``slots [B, T]``; returns ``(q_rot, k_rot or None)``."""
+    """``apply_rotary_pos_emb`` of q and k, the rotated K and V scattered into the cache at ``slots``; as rope_cache."""
     c, s = cos.unsqueeze(2), sin.unsqueeze(2)
     qr = (q * c) + (_rotate_half(q) * s)
     kr = (k * c) + (_rotate_half(k) * s)

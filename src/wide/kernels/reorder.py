@@ -1,17 +1,10 @@
 """Unified mask reordering (paper Eq. 7, Algorithm 1): a stable prefix-sum partition of every routing column.
 
-Row r of a column with ``e`` active rows above it and ``total`` in all goes to position ``e`` if active, else
-``total + r - e``: O(M) work, no comparison sort.  Two plans:
-
-* ``columns`` (small M, one launch): one program holds a whole chunk of columns; ``e`` is its exclusive cumsum.
-* ``blocks``: (1) each block of BM rows writes its active count per column to ``blk[C, n_blocks, W]``; (2) each
-  block sums the earlier blocks' counts, adds its in-block prefix sum and scatters ``r`` to its position; for
-  N_G > 8 it scatters into a column-major ``tmp [C, N_G, M]`` (coalesced), and (3) a transpose writes ``index``.
-
-Launch sizes depend only on the shape and nothing leaves the device, so the op is CUDA-graph capturable.
+Row r with ``e`` active rows above it in a column of ``total`` goes to ``e`` if active, else to ``total + r - e``.
+Small M: one program per chunk of columns.  Otherwise three phases: per-block active counts, a scatter that adds the
+counts of earlier blocks to the in-block prefix sum (into a column-major scratch for N_G > 8, then a transpose).
+Launch sizes depend only on the shape and nothing leaves the device (CUDA-graph capturable).
 """
-
-from __future__ import annotations
 
 import torch
 
@@ -49,8 +42,7 @@ if HAS_TRITON:
         rows = tl.program_id(0) * BM + tl.arange(0, BM)
         cols = tl.program_id(2) * NGC + tl.arange(0, NGC)
         ok = (rows[:, None] < M) & (cols[None, :] < NG)
-        m = tl.load(mask_ptr + (c.to(tl.int64) * M + rows[:, None]) * NG + cols[None, :],
-                    mask=ok, other=0).to(tl.int32)
+        m = tl.load(mask_ptr + (c.to(tl.int64) * M + rows[:, None]) * NG + cols[None, :], mask=ok, other=0).to(tl.int32)
         # blk[c, block, col], W = num_programs(2) * NGC >= NG columns (the padding holds 0)
         slot = (c.to(tl.int64) * NBLK + tl.program_id(0)) * (tl.num_programs(2) * NGC)
         tl.store(blk_ptr + slot + cols, tl.sum(m, axis=0))
@@ -123,8 +115,7 @@ def _plan(M: int, NG: int) -> tuple:
 
 
 def _launch(mask: torch.Tensor, plan: tuple) -> Reordered:
-    """Run a plan: ``("columns", MP, NGC, warps)`` or ``("blocks", BM, NGC, BJ, NGT, warps)`` (row blocks of BM,
-    column chunks of NGC, a transpose tile ``[NGT, BJ]``; ``BJ == 0``: direct scatter, no phase 3)."""
+    """Runs ``("columns", MP, NGC, warps)`` or ``("blocks", BM, NGC, BJ, NGT, warps)`` (BJ 0: no transpose)."""
     M, NG = mask.shape[-2], mask.shape[-1]
     C = mask.shape[0] if mask.dim() == 3 else 1
     dev = mask.device
@@ -134,8 +125,7 @@ def _launch(mask: torch.Tensor, plan: tuple) -> Reordered:
     kw = warps(plan[-1])
     if plan[0] == "columns":
         _, mp, ngc, _ = plan
-        _columns_kernel[(triton.cdiv(NG, ngc), C)](mask, index, smask, counts, M, NG,
-                                                   MP=mp, NGC=ngc, **kw)
+        _columns_kernel[(triton.cdiv(NG, ngc), C)](mask, index, smask, counts, M, NG, MP=mp, NGC=ngc, **kw)
         return Reordered(index, smask, counts)
     _, bm, ngc, bj, ngt, _ = plan
     nblk, nchunk = triton.cdiv(M, bm), triton.cdiv(NG, ngc)
@@ -153,16 +143,9 @@ def _launch(mask: torch.Tensor, plan: tuple) -> Reordered:
 
 
 def reorder(mask: torch.Tensor) -> Reordered:
-    """Sort every routing column of a bool mask so that its active rows form a prefix, stably (Eq. 7).
-
-    Args:
-        mask: bool ``[M, N_G]`` (GEMM routing) or ``[B, T, N_G]`` (attention routing: a column per (b, g)).
-
-    Returns:
-        :class:`Reordered` ``(index, mask, counts)`` (see there); one result serves every op of a routing decision.
-
-    Raises:
-        KernelArgumentError: mask not a bool tensor of 2 or 3 dimensions, or with 2**31 - 1 rows or more.
+    """Stable sort of every routing column of a bool mask ``[M, N_G]`` (GEMM routing) or ``[B, T, N_G]`` (attention
+    routing), active rows first (Eq. 7).  Returns :class:`Reordered`; one result serves every op of a routing decision.
+    Raises KernelArgumentError: not a 2-D or 3-D bool tensor, or 2**31 - 1 rows or more.
     """
     check_tensor("mask", mask, None, (torch.bool,))
     if mask.dim() not in (2, 3):

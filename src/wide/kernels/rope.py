@@ -2,23 +2,12 @@
 each product and sum rounded to the model dtype, as ``apply_rotary_pos_emb`` rounds them).
 """
 
-from __future__ import annotations
-
 import torch
 
+from wide.kernels import _common as common
 from wide.kernels import reference
-from wide.kernels._common import (
-    FLOAT_DTYPES,
-    HAS_TRITON,
-    check_same_device,
-    check_tensor,
-    fail,
-    interpret_mode,
-    next_pow2,
-    use_triton,
-)
 
-if HAS_TRITON:
+if common.HAS_TRITON:
     import triton
     import triton.language as tl
 
@@ -73,49 +62,31 @@ if HAS_TRITON:
             tl.store(vdst + HALF, tl.load(vsrc + HALF, mask=m2), mask=m2)
 
 
-def _token_stride(t: torch.Tensor, name: str) -> int:
-    """Elements between consecutive tokens ``b * T + t`` of a ``[B, T, H, d]`` view whose heads are contiguous."""
-    B, T, H, d = t.shape
-    if t.stride(3) != 1 or (t.stride(2) != d and H > 1) or (T > 1 and B > 1 and t.stride(0) != T * t.stride(1)):
-        fail(f"rope_cache: {name} must be a [B, T, H, d] view with contiguous heads and evenly strided tokens; got "
-             f"strides {t.stride()}")
-    return t.stride(0) if T == 1 else t.stride(1)
+def _token_stride(t: torch.Tensor) -> int:
+    """Elements between consecutive tokens ``b * T + t`` of a ``[B, T, H, d]`` view with contiguous heads."""
+    return t.stride(0) if t.shape[1] == 1 else t.stride(1)
 
 
 def rope_cache(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                cache_k: torch.Tensor, cache_v: torch.Tensor, slots: torch.Tensor, want_k: bool):
-    """RoPE of q and k, and the rotated K and the V written into ``cache_k`` / ``cache_v`` at ``slots``.
-
-    q ``[B, T, Hq, d]``, k / v ``[B, T, Hk, d]`` (views of the projection outputs: contiguous heads), cos / sin
-    ``[B, T, d]`` (q's dtype for the kernel, else the reference runs), cache_k / cache_v one layer of the static cache
-    ``[B_c >= B, Hk, T_max, d]``, slots int64 ``[B, T]``.  Returns ``(q_rot [B, T, Hq, d] contiguous, k_rot or None)``.
-
-    Raises:
-        KernelArgumentError: tensors of the wrong kind, shapes or layouts that do not fit, or different devices.
-    """
-    for name, t in (("q", q), ("k", k), ("v", v), ("cache_k", cache_k), ("cache_v", cache_v)):
-        check_tensor(name, t, 4, FLOAT_DTYPES)
-    check_tensor("slots", slots, 2, (torch.int64,))
+    """RoPE of q ``[B, T, Hq, d]`` and k ``[B, T, Hk, d]`` (views, contiguous heads, evenly strided tokens) with cos /
+    sin ``[B, T, d]``, and the rotated K and V written into ``cache_k`` / ``cache_v`` ``[B_c >= B, Hk, T_max, d]`` at
+    ``slots`` (int64 ``[B, T]``).  Returns ``(q_rot [B, T, Hq, d], k_rot or None)``.  The engine's fused RoPE:
+    arguments are trusted."""
     B, T, Hq, d = q.shape
     Hk = k.shape[2]
-    if (k.shape != v.shape or k.shape[:2] != (B, T) or k.shape[3] != d or d % 2 or cos.shape != (B, T, d)
-            or sin.shape != cos.shape or slots.shape != (B, T) or cache_k.shape != cache_v.shape
-            or cache_k.shape[0] < B or cache_k.shape[1] != Hk or cache_k.shape[3] != d):
-        fail(f"rope_cache: shapes do not fit: q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)}, cos / sin "
-             f"{tuple(cos.shape)} / {tuple(sin.shape)}, cache {tuple(cache_k.shape)}, slots {tuple(slots.shape)}")
-    check_same_device(q=q, k=k, v=v, cos=cos, sin=sin, cache_k=cache_k, cache_v=cache_v, slots=slots)
-    if not use_triton(q) or cos.dtype != q.dtype:
+    if not common.use_triton(q) or cos.dtype != q.dtype:
         return reference.rope_cache_ref(q, k, v, cos, sin, cache_k, cache_v, slots, want_k)
-    sq, sk, sv = _token_stride(q, "q"), _token_stride(k, "k"), _token_stride(v, "v")
+    sq, sk, sv = _token_stride(q), _token_stride(k), _token_stride(v)
     cos, sin, slots = cos.contiguous(), sin.contiguous(), slots.contiguous()
     qo = torch.empty((B, T, Hq, d), dtype=q.dtype, device=q.device)
     ko = torch.empty((B, T, Hk, d), dtype=q.dtype, device=q.device) if want_k else qo
     NT = B * T
-    BT = max(2, min(8 if interpret_mode() else 32, next_pow2(NT)))  # a block of tokens per program
+    BT = max(2, min(8 if common.interpret_mode() else 32, common.next_pow2(NT)))  # a block of tokens per program
     _rope_cache_kernel[(triton.cdiv(NT, BT), Hq + 2 * Hk)](
         q, k, v, cos, sin, qo, ko, cache_k, cache_v, slots, NT, T, Hq, Hk, sq, sk, sv, cache_k.stride(0),
         cache_k.stride(1), cache_k.stride(2), cache_v.stride(0), cache_v.stride(1), cache_v.stride(2), HALF=d // 2,
         BT=BT, WRITE_K=want_k,
         # no FMA contraction: a fused bf16 product and sum would round once, not twice as apply_rotary_pos_emb does
-        **({} if interpret_mode() else {"num_warps": max(1, min(4, BT * d // 512)), "enable_fp_fusion": False}))
+        **({} if common.interpret_mode() else {"num_warps": max(1, min(4, BT * d // 512)), "enable_fp_fusion": False}))
     return qo, (ko if want_k else None)

@@ -2,24 +2,12 @@
 computed every head): one pass whose stores are masked to the skipped groups, so at s = 0 it only reads the routes.
 """
 
-from __future__ import annotations
-
 import torch
 
+from wide.kernels import _common as common
 from wide.kernels import reference
-from wide.kernels._common import (
-    FLOAT_DTYPES,
-    HAS_TRITON,
-    check_same_device,
-    check_tensor,
-    fail,
-    interpret_mode,
-    next_pow2,
-    use_triton,
-    warps,
-)
 
-if HAS_TRITON:
+if common.HAS_TRITON:
     import triton
     import triton.language as tl
 
@@ -43,34 +31,29 @@ if HAS_TRITON:
 
 
 def zero_skipped_heads_(a: torch.Tensor, route: torch.Tensor) -> torch.Tensor:
-    """Set to 0, in place, the heads of every (token, head group) that ``route`` skips.
-
-    a ``[B, H_q, T, d]`` bf16/fp16/fp32, any strides (SDPA returns a transposed view), not requiring grad; route bool
-    ``[B, T, N_G]`` with N_G dividing H_q (``H_q / N_G`` consecutive heads per group).  Returns ``a``.
-
-    Raises:
-        KernelArgumentError: tensors of the wrong kind or shape, an ``a`` that requires grad, or different devices.
+    """Set to 0, in place, the heads of every (token, head group) ``route`` skips: a ``[B, H_q, T, d]`` float (any
+    strides, no grad), route bool ``[B, T, N_G]`` with N_G dividing H_q.  Returns ``a``.  Raises KernelArgumentError:
+    tensors of the wrong kind or shape, an a that requires grad, or different devices.
     """
-    check_tensor("a", a)
-    check_tensor("route", route)
+    common.check_tensor("a", a)
+    common.check_tensor("route", route)
     if a.requires_grad:
-        fail("zero_skipped_heads_: a requires grad; it is written in place (inference only: call it under "
-             "torch.no_grad() on a tensor that does not require grad)")
-    if a.dim() != 4 or a.dtype not in FLOAT_DTYPES:
-        fail(f"zero_skipped_heads_: a must be a 4-D [B, H_q, T, d] bf16/fp16/fp32 tensor; got {a.dtype} "
-             f"{tuple(a.shape)}")
+        common.fail("zero_skipped_heads_: a requires grad; it is written in place (inference only: call it under "
+                    "torch.no_grad() on a tensor that does not require grad)")
+    if a.dim() != 4 or a.dtype not in common.FLOAT_DTYPES:
+        common.fail(f"zero_skipped_heads_: a must be a 4-D [B, H_q, T, d] bf16/fp16/fp32 tensor; got {a.dtype} "
+                    f"{tuple(a.shape)}")
     B, H, T, D = a.shape
     if route.dtype != torch.bool or route.dim() != 3 or tuple(route.shape[:2]) != (B, T) or route.shape[2] < 1 \
             or H % route.shape[2]:
-        fail(f"zero_skipped_heads_: route must be bool [B, T, N_G] = [{B}, {T}, N_G] with N_G dividing H_q={H}; got "
-             f"{route.dtype} {tuple(route.shape)}")
-    check_same_device(a=a, route=route)
-    if not use_triton(a):
+        common.fail(f"zero_skipped_heads_: route must be bool [B, T, N_G] = [{B}, {T}, N_G] with N_G dividing "
+                    f"H_q={H}; got {route.dtype} {tuple(route.shape)}")
+    common.check_same_device(a=a, route=route)
+    if not common.use_triton(a):
         return reference.zero_skipped_heads_ref(a, route)
     NG = route.shape[2]
-    BC = next_pow2(H // NG * D)
-    BT = 2 if interpret_mode() else max(1, min(16, 8192 // BC))
-    _zero_skipped_heads_kernel[(triton.cdiv(T, BT), B)](a, route.contiguous(), T, NG,
-                                                        a.stride(0), a.stride(1), a.stride(2), a.stride(3),
-                                                        HPG=H // NG, DH=D, BC=BC, BT=BT, **warps(4))
+    BC = common.next_pow2(H // NG * D)
+    BT = 2 if common.interpret_mode() else max(1, min(16, 8192 // BC))
+    _zero_skipped_heads_kernel[(triton.cdiv(T, BT), B)](a, route.contiguous(), T, NG, *a.stride(), HPG=H // NG,
+                                                        DH=D, BC=BC, BT=BT, **common.warps(4))
     return a
