@@ -69,10 +69,7 @@ class StaticPruning:
     attn_sparsity = property(lambda self: 1.0 - sum(map(sum, self.attn_keep)) / sum(map(len, self.attn_keep)))
     ffn_sparsity = property(lambda self: 1.0 - sum(map(sum, self.ffn_keep)) / sum(map(len, self.ffn_keep)))
 
-    @property
-    def sparsity(self) -> float:
-        """Mean removed fraction over the 2N modules (what Eq. 6 targets)."""
-        return 0.5 * (self.attn_sparsity + self.ffn_sparsity)
+    sparsity = property(lambda self: 0.5 * (self.attn_sparsity + self.ffn_sparsity))  # over the 2N modules (Eq. 6)
 
     def apply(self, base: nn.Module) -> WideModel:
         """A WideModel on ``base`` with these masks fixed (bool ``[L, 1, 1, N_G]``; routers unused); WideError for

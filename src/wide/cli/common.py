@@ -49,7 +49,7 @@ def add_method(p) -> None:
     g.add_argument("--sparsity", "-S", type=float, default=0.5, help="target sparsity S in [0, 1) (default: 0.5)")
     g.add_argument("--alpha", type=float, default=20.0, help="sparsity-loss weight (>= 0; default 20.0)")
     g.add_argument("--tau-start", type=float, default=5.0, help="Gumbel temperature at step 1 (1e-3 to 1e3; default 5)")
-    g.add_argument("--tau-end", type=float, default=0.5, help="temperature at the last step, linear (default 0.5)")
+    g.add_argument("--tau-end", type=float, default=0.5, help="final temperature, annealed linearly (default 0.5)")
     g.add_argument("--mode", choices=["global", "uniform"], default="global",
                    help="global = Eq. 6, uniform = Eq. 22 (attention and FFN each at S) (default: global)")
     add_layout(g)

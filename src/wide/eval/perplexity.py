@@ -38,14 +38,11 @@ class SparsityMeter:
             if keeps:
                 self.add(kind, [float(keep) * n_valid * n for keep in keeps], n_valid * n)
 
-    def layer_sparsity(self, kind: str) -> list[float]:
-        """Skipped fraction of ``kind``'s groups per layer; ``[]`` when that kind has no routers."""
-        return [1.0 - k / t if t else 0.0 for k, t in zip(self.kept.get(kind, []), self.total.get(kind, []))]
-
     def report(self, wm: WideModel, ctx: int) -> dict:
         """``attn_sparsity``, ``ffn_sparsity``, ``realized_sparsity``, ``flop_weighted_sparsity`` and
         ``per_layer`` (``[{"layer", "attn", "ffn"}]``, None for a kind without routers)."""
-        attn, ffn = self.layer_sparsity("attn"), self.layer_sparsity("ffn")
+        attn, ffn = ([1.0 - k / t if t else 0.0 for k, t in zip(self.kept.get(kind, []), self.total.get(kind, []))]
+                     for kind in ("attn", "ffn"))  # the skipped fraction per layer; [] for a kind without routers
         d, L, cfg = wm.dims.hidden_size, wm.dims.num_layers, wm.config
         cost_a = (2 * d * cfg.attn_group_size + cfg.attn_group_size * (ctx + 1)) * wm.n_attn_groups
         cost_f = 3 * d * cfg.ffn_group_size * wm.n_ffn_groups
