@@ -89,7 +89,7 @@ class _Run:
                          commit=git("rev-parse", "--short", "HEAD") or "unknown",
                          date=git("show", "-s", "--format=%cs", "HEAD") or datetime.date.today().isoformat(),
                          run_date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-                         command="wide bench kernels " + " ".join(getattr(args, "argv", sys.argv[1:])[2:]),
+                         command="wide bench kernels " + " ".join(getattr(args, "argv", [])[2:]),
                          backend=f"triton {triton.__version__}, torch {torch.__version__}, CUDA {torch.version.cuda}")
 
     def over_budget(self) -> bool:
@@ -293,3 +293,8 @@ def run(args) -> int:
     print(f"wrote {len(bench.records)} records to {out_json} in {time.time() - bench.t0:.0f} s")
     return 0
 
+
+if __name__ == "__main__":  # python -m wide.bench.kernels [options] runs wide bench kernels [options]
+    args = add_arguments(argparse.ArgumentParser(prog="python -m wide.bench.kernels")).parse_args()
+    args.argv = ["bench", "kernels", *sys.argv[1:]]
+    sys.exit(run(args))
