@@ -6,7 +6,8 @@ from wide.config import ModelDims, WideConfig
 from wide.errors import WideError
 
 SMOL = ModelDims(num_layers=30, hidden_size=576, num_heads=9, num_kv_heads=3, head_dim=64, intermediate_size=1536)
-LLAMA8B = ModelDims(num_layers=32, hidden_size=4096, num_heads=32, num_kv_heads=8, head_dim=128, intermediate_size=14336)
+LLAMA8B = ModelDims(num_layers=32, hidden_size=4096, num_heads=32, num_kv_heads=8, head_dim=128,
+                    intermediate_size=14336)
 
 
 def test_defaults_resolve_to_gqa_group():

@@ -173,7 +173,7 @@ def test_error_on_one_rank_ends_the_job(tmp_path):
     assert rep == {"rank": 1, "message": "boom on rank 1", "bad_input": True}
 
 
-# --- through the CLI: `wide calibrate --nproc 2 --no-reshard-after-forward` and `wide lora --nproc 2 --grad-checkpoint` -----------------
+# --- through the CLI: `wide calibrate --nproc 2` and `wide lora --nproc 2 --grad-checkpoint` ----------------
 def _cli(args, nproc=None):
     """``wide ARGS --nproc N`` in a subprocess (which starts torchrun), or ``wide ARGS`` in this process."""
     if nproc is None:

@@ -28,7 +28,8 @@ def test_all_skip_ffn_gives_post_attention_residual(model):
     layer = decoder_layers(model)[1]
     seen = {}
     layer.post_attention_layernorm.register_forward_pre_hook(lambda m, a: seen.__setitem__("resid", a[0].clone()))
-    layer.register_forward_hook(lambda m, a, out: seen.__setitem__("out", (out[0] if isinstance(out, tuple) else out).clone()))
+    layer.register_forward_hook(
+        lambda m, a, out: seen.__setitem__("out", (out[0] if isinstance(out, tuple) else out).clone()))
     with torch.no_grad(), wm.masks_fixed(attn=None, ffn=False):
         wm(ids())
     assert torch.equal(seen["out"], seen["resid"])

@@ -97,7 +97,7 @@ def test_a_state_saved_without_options_resumes_as_before(tmp_path, model_dir, te
     assert "already complete: step 2 of 2" in stdout and SAVED not in stdout
     rc, stdout, err = run([*calibrate_args(model_dir, text_file, out, "--steps", "2"), "--resume"], capsys)
     error_after_loading(rc, err, "calibrate", "written with other settings", "train.seed: saved 3, now 0",
-                        "now 0 (to continue it, give the saved values; or start over with --overwrite)")  # no options kept
+                        "now 0 (to continue it, give the saved values; or start over with --overwrite)")
 
 
 def test_lora_resume_takes_the_stage1_directory_and_lora_options(tmp_path, model_dir, text_file, capsys):

@@ -16,7 +16,8 @@ def blocks(n=12, t=16):
 
 def run(tmp, steps_total, stop_after=None, resume=False, save_every=2, tied=False):
     wm = WideModel(tiny_model(tie_word_embeddings=tied), WideConfig(ffn_group_size=32, target_sparsity=0.5))
-    args = CalibrationArgs(steps=steps_total, batch_size=3, grad_accum=2, lr=1e-2, warmup_steps=1, save_every=save_every)
+    args = CalibrationArgs(steps=steps_total, batch_size=3, grad_accum=2, lr=1e-2, warmup_steps=1,
+                           save_every=save_every)
     if stop_after is not None:  # simulate an interrupted run: stop early by raising from the callback
         class Stop(Exception):
             pass

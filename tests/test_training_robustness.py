@@ -379,7 +379,7 @@ def test_resume_on_other_text_names_the_text_of_the_saved_run(tmp_path, model_di
     assert rc == 0, err
     other = tmp_path / "other.txt"
     other.write_text("\n\n".join(random_text(300, seed=s + 10) for s in range(4)))
-    args = calibrate_args(model_dir, other, out, "--steps", "2", "--save-every", "1", "--resume")  # only the text differs
+    args = calibrate_args(model_dir, other, out, "--steps", "2", "--save-every", "1", "--resume")  # only the text
     rc, _, err = run(args, capsys)
     error_after_loading(rc, err, "calibrate", "data.tokens_sha256: saved",
                         f"the saved run used --text {str(text_file.resolve())!r}")

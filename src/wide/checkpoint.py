@@ -1,13 +1,7 @@
-"""WIDE checkpoint directories, and :func:`load`, the Python entry point (``wide.load``).
-
-Layout::
-
-    routers.safetensors   float32 router weights, keys "attn.<layer>.w1.weight", ...
-    wide_config.json      the WideConfig
-    adapter/              stage 2: the LoRA adapter in peft's format
-    base_model.json       {"model": ref, "fingerprint", "architecture", "dims", "files": {name: SHA-256}, "extra"}
-
-Every file is written atomically; :func:`load` checks each file against its recorded SHA-256 and never unpickles.
+"""WIDE checkpoint directories and :func:`load` (``wide.load``): ``routers.safetensors`` (float32, keys
+``"attn.<layer>.w1.weight"``, ...), ``wide_config.json``, stage 2's ``adapter/`` (peft) and ``base_model.json``
+(``model``, ``fingerprint``, ``architecture``, ``dims``, ``files``: each file's SHA-256, ``extra``). Files are written
+atomically and checked against their SHA-256 on load; nothing is unpickled.
 """
 
 from __future__ import annotations
@@ -34,13 +28,12 @@ def _is_count(v) -> bool:
     return isinstance(v, int) and not isinstance(v, bool) and v >= 0
 
 
-_DIM_NAMES = set(ModelDims.__dataclass_fields__)
 #: base_model.json's fields -> (required, test, what is allowed); "extra.<key>": the facts a training run records
 _FIELDS = {
     "model": (True, lambda v: isinstance(v, str) and v.strip(), "a non-empty string (the --model it was made with)"),
     "fingerprint": (True, lambda v: isinstance(v, str) and v.strip(), "a non-empty string (the base weights' hash)"),
     "architecture": (True, lambda v: isinstance(v, str), "a string (the base model's architecture class)"),
-    "dims": (True, lambda v: isinstance(v, dict) and set(v) == _DIM_NAMES and all(
+    "dims": (True, lambda v: isinstance(v, dict) and set(v) == set(ModelDims.__dataclass_fields__) and all(
         _is_count(x) and x > 0 for x in v.values()), "an object of the six model dims (num_layers, hidden_size, "
         "num_heads, num_kv_heads, head_dim, intermediate_size), each a positive integer"),
     "files": (True, lambda v: isinstance(v, dict) and all(isinstance(x, str) for x in v.values()),
@@ -53,14 +46,9 @@ _FIELDS = {
 _TOP = [k for k in _FIELDS if "." not in k]
 
 
-def _json_kind(value) -> str:
-    if value is None or isinstance(value, bool):
-        return json.dumps(value)
-    if isinstance(value, (int, float)):
-        return f"the number {value!r}"
-    if isinstance(value, str):
-        return f"the string {value!r}"[:80]
-    return "a list" if isinstance(value, list) else "an object"
+def _json_kind(v) -> str:
+    return (json.dumps(v) if v is None or isinstance(v, bool) else f"the number {v!r}" if isinstance(v, (int, float))
+            else f"the string {v!r}"[:80] if isinstance(v, str) else "a list" if isinstance(v, list) else "an object")
 
 
 def atomic_save_safetensors(tensors: dict[str, torch.Tensor], path: str | os.PathLike, metadata=None) -> None:
@@ -145,26 +133,23 @@ def check_directory(path: Path, what: str, expected: str) -> None:
         raise WideError(f"{what} {str(path)!r} not found (expected {expected}, a directory with {CONFIG_NAME})")
 
 
-def _check_fits(config: WideConfig, dims: ModelDims, directory: Path) -> None:
-    try:
-        config.resolve(dims)
-    except WideError as e:
-        raise WideError(f"corrupt {directory / CONFIG_NAME}: {e}") from None
-
-
-def read_config(directory: str | os.PathLike, base: torch.nn.Module) -> WideConfig:
-    """``<directory>/wide_config.json``, its group sizes checked against the Hugging Face model ``base``."""
+def read_config(directory: str | os.PathLike, base: torch.nn.Module | ModelDims) -> WideConfig:
+    """``<directory>/wide_config.json``, its group sizes checked against a Hugging Face model or dims."""
     config = WideConfig.load(directory)
-    _check_fits(config, dims_of(base.config), Path(directory))
+    try:
+        config.resolve(base if isinstance(base, ModelDims) else dims_of(base.config))
+    except WideError as e:
+        raise WideError(f"corrupt {Path(directory) / CONFIG_NAME}: {e}") from None
     return config
 
 
 def _read_checked(path: Path, what: str, expected: str) -> tuple[WideConfig, dict, dict]:
     """Config, base info and routers of a checkpoint, checked against each other and their SHA-256s."""
     check_directory(path, what, expected)
-    config, info = WideConfig.load(path), read_base_info(path)
+    WideConfig.load(path)  # a malformed config is named before base_model.json
+    info = read_base_info(path)
     saved = ModelDims(**info["dims"])
-    _check_fits(config, saved, path)
+    config = read_config(path, saved)
     routers = read_safetensors(path / ROUTERS_NAME)
     try:
         check_router_weights(routers, router_shapes(saved, config))

@@ -1,11 +1,8 @@
-"""Will it fit? A short estimate of training and evaluation memory, and a refusal that names a split that fits.
-
-Training, in values per token of a micro-batch (``d`` hidden, ``H`` / ``KV`` heads of ``hd``, ``I`` the FFN width,
-``L`` layers, ``V`` the vocabulary): a layer keeps ``A = 3 d + 2 (H + 2 KV) hd + 5 I`` for its backward, plus the
-routers' and LoRA's own (and ``3 H T`` with eager attention); ``(L + 1) A`` are live, ``L d + 3 A`` with activation
-checkpointing; the loss holds ``7 V`` float32 values; a trained parameter costs 12 bytes (gradient, AdamW moments).
-Evaluation: one layer at a time, the KV cache (``2 L KV hd``), 16 bytes per logit, and the weights (twice while a
-GGUF is dequantized). A batch passes when its estimate is at most :data:`HEADROOM` of the available memory.
+"""Will it fit? A short memory estimate, and a refusal that names a split that fits (at most :data:`HEADROOM` of
+the available memory). Training, values per token (``d`` hidden, ``H`` / ``KV`` heads of ``hd``, FFN ``I``, ``L``
+layers, vocabulary ``V``): a layer keeps ``A = 3 d + 2 (H + 2 KV) hd + 5 I`` (+ routers, LoRA, ``3 H T`` with eager
+attention); ``(L + 1) A`` are live (``L d + 3 A`` with checkpointing); the loss ``7 V`` float32; 12 bytes a trained
+parameter. Evaluation: one layer, the KV cache ``2 L KV hd``, 16 bytes a logit, the weights (x2 dequantizing GGUF).
 """
 
 from __future__ import annotations
@@ -120,20 +117,15 @@ def _gib(n: float) -> str:
 
 def check_train_memory(wm, batch_size: int, seq_len: int, *, device=None, **kw) -> int | None:
     """:func:`check_train_fits` for a loaded :class:`wide.model.WideModel` on ``device`` (default: its weights')."""
-    device = torch.device(device) if device is not None else next(wm.base.parameters()).device
-    return check_train_fits(train_memory_of(wm, device), batch_size, seq_len, device=device, **kw)
+    mem = train_memory_of(wm, device)
+    return check_train_fits(mem, batch_size, seq_len, device=device or next(wm.base.parameters()).device, **kw)
 
 
 def check_train_fits(mem: TrainMemory, batch_size: int, seq_len: int, *, device, grad_checkpoint: bool = False,
                      grad_accum: int = 1, procs: int = 1, checkpoint_option: str | None = "--grad-checkpoint"):
-    """Refuse a micro-batch that does not fit (``procs`` processes share the CPU); return its estimate in bytes,
-    or None when the memory is unknown. The message offers a smaller ``--batch-size`` with the ``--grad-accum``
-    that keeps the step's sequences, then activation checkpointing (``checkpoint_option``), then a shorter
-    ``--seq-len``.
-
-    Raises:
-        WideError: the estimate, the memory available, a split that fits and ``--no-memory-check``, in one line.
-    """
+    """The estimate in bytes (None: memory unknown), or a one-line WideError when it does not fit (``procs`` processes
+    share the CPU), offering a smaller ``--batch-size`` with a ``--grad-accum`` keeping the step's sequences, then
+    activation checkpointing (``checkpoint_option``), then a shorter ``--seq-len``."""
     device = torch.device(device)
     got = available_memory(device)
     if got is None:
@@ -205,13 +197,9 @@ def estimate_eval_memory(dims: ModelDims, vocab_size: int, params: int, batch_si
 
 def check_eval_memory(hf_config, batch_size: int, ctx: int, device, *, gguf: bool = False, asked: int | None = None,
                       ctx_flag: str = "--ctx", item: str = "window", purpose: str = "evaluation") -> int | None:
-    """Refuse, before the weights load, an evaluation whose weights (CPU: fp32, CUDA: bf16) and forward pass of
-    ``batch_size x ctx`` tokens do not fit; return the estimate (None: memory unknown). ``asked``: the
-    ``--batch-size`` given when ``batch_size`` is it capped; ``ctx_flag``, ``item``, ``purpose`` name things.
-
-    Raises:
-        WideError: the estimate, the memory available and a ``--batch-size`` (or ``ctx_flag``) that fits.
-    """
+    """The estimate (None: memory unknown) of the weights (CPU fp32, CUDA bf16) and a forward pass of ``batch_size x
+    ctx`` tokens, or a one-line WideError naming a ``--batch-size`` (or ``ctx_flag``) that fits. ``asked``: the
+    ``--batch-size`` given when ``batch_size`` is it capped; ``item`` and ``purpose`` name things."""
     device = torch.device(device)
     got = available_memory(device)
     if got is None:

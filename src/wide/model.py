@@ -1,12 +1,8 @@
-"""`WideModel`: WIDE routers attached to a Llama-family Hugging Face model (paper §3.1, Eq. 2-5).
-
-Forward pre-hooks on the Hugging Face modules do the routing, so the base model's own forward runs unchanged:
-
-* the attention router reads the residual stream entering ``input_layernorm``; its mask gates the attention
-  output per head group right before ``o_proj`` (K and V are never pruned, Eq. 2);
-* the FFN router reads the residual stream entering ``post_attention_layernorm``; its mask gates
-  ``act(gate) * up`` per channel group right before ``down_proj`` (Eq. 3).
-"""
+"""`WideModel`: WIDE routers on a Llama-family Hugging Face model (paper §3.1, Eq. 2-5), through forward pre-hooks
+so the base model's own forward runs unchanged. The attention router reads the residual stream entering
+``input_layernorm`` and gates the attention output per head group before ``o_proj`` (K and V stay, Eq. 2); the FFN
+router reads the stream entering ``post_attention_layernorm`` and gates ``act(gate) * up`` before ``down_proj``
+(Eq. 3)."""
 
 from __future__ import annotations
 
@@ -251,8 +247,7 @@ class WideModel(nn.Module):
                 for k, v in mods.state_dict().items()}
 
     def load_router_state_dict(self, sd: dict[str, torch.Tensor]) -> None:
-        """Load router weights. Raises WideError on missing or unexpected keys or shapes."""
-        check_router_weights(sd, {k: tuple(v.shape) for k, v in self.router_state_dict().items()})
+        """Load router weights (checked by the caller: :func:`check_router_weights`)."""
         for kind, mods in (("attn", self.attn_routers), ("ffn", self.ffn_routers)):
             mods.load_state_dict({k[len(kind) + 1:]: v for k, v in sd.items() if k.startswith(kind + ".")})
 

@@ -1,8 +1,6 @@
-"""Data-parallel training on FSDP2 (the paper trains with FSDP2, §4.1), and ``--nproc``'s launcher.
-
-Under ``torchrun`` (or ``wide calibrate --nproc N``) :func:`init` opens the process group (NCCL on GPUs, gloo on
-the CPU) and :func:`apply_fsdp` shards the model with ``fully_shard``. Rank ``r`` of ``W`` reads rows
-``r B .. r B + B - 1`` of each global micro-batch of ``B W`` rows. One process runs the same code without a group.
+"""Data-parallel training on FSDP2 (as the paper's, §4.1) and ``--nproc``'s launcher: under torchrun :func:`init`
+opens the process group (NCCL on GPUs, gloo on the CPU) and :func:`apply_fsdp` shards the model; rank ``r`` of
+``W`` reads rows ``r B .. r B + B - 1`` of each global micro-batch. One process runs the same code without a group.
 """
 
 from __future__ import annotations
@@ -21,7 +19,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from wide.errors import WideError
+from wide.errors import WideError, first_line
 from wide.hub import load_base_model
 from wide.model import decoder_layers
 
@@ -56,14 +54,8 @@ def current() -> DistEnv:
 
 
 def init(device: str | None = None, timeout_s: float = 600.0) -> DistEnv:
-    """Open the process group under torchrun (each collective times out after ``timeout_s``); else the
-    single-process env. On CUDA rank ``LOCAL_RANK`` takes that GPU.
-
-    Raises:
-        WideError: ``device`` is not cpu / cuda, or CUDA is asked for and missing or has too few GPUs.
-    """
-    if device is not None and str(device).split(":")[0] not in ("cpu", "cuda"):
-        raise WideError(f"--device {device!r} must be cpu or cuda")
+    """Open the process group under torchrun (collectives time out after ``timeout_s``; on CUDA rank ``LOCAL_RANK``
+    takes that GPU), else the single-process env. Raises WideError when CUDA is asked for and there are too few GPUs."""
     if not launched_by_torchrun():
         return DistEnv(device=torch.device(device) if device else None)
     if dist.is_initialized():
@@ -91,13 +83,9 @@ def shutdown(synchronize: bool = False) -> None:
 
 
 def apply_fsdp(wm: nn.Module, env: DistEnv, reshard_after_forward: bool = True) -> None:
-    """Shard a :class:`wide.model.WideModel` with FSDP2 ``fully_shard`` in place, filled from rank 0's weights.
-
-    All routers form one float32 unit kept unsharded from forward to backward (two collectives a step); each
-    decoder layer is a unit (bf16 parameters, fp32 gradient reduction on CUDA; fp32 on the CPU); the root takes
-    the rest. The other ranks may hold the model on the ``meta`` device (:func:`load_base`). Call after LoRA and
-    activation checkpointing are set up.
-    """
+    """Shard a :class:`wide.model.WideModel` with FSDP2 ``fully_shard`` in place, filled from rank 0's weights (the
+    others may be on the ``meta`` device): all routers one float32 unit kept from forward to backward (two
+    collectives a step), each decoder layer a unit (bf16 parameters, fp32 reduction on CUDA), the root the rest."""
     from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
@@ -242,12 +230,8 @@ def strip_nproc(argv: list[str]) -> list[str]:
 
 
 def launch(nproc: int, command: str, argv: list[str]) -> int:
-    """Run ``python -m wide <argv>`` on ``nproc`` local processes through ``torch.distributed.run`` (standalone
-    rendezvous, its own logging quiet). A failed job ends with the lowest failing rank's one-line message.
-
-    Returns:
-        0 on success, 2 if a rank failed on bad input (:class:`WideError`), else 1.
-    """
+    """Run ``python -m wide <argv>`` on ``nproc`` local processes through ``torch.distributed.run`` (standalone, its
+    logging quiet); a failure ends with the lowest failing rank's one line. Returns 0, 2 (bad input) or 1."""
     if nproc < 1:
         raise WideError(f"--nproc {nproc} must be >= 1")
     with tempfile.TemporaryDirectory(prefix="wide-errors-") as errdir:
@@ -272,8 +256,7 @@ def report_error(command: str, exc: BaseException, env: DistEnv | None = None) -
     :class:`WideError`, else 1."""
     env = env or current()
     bad = isinstance(exc, WideError)
-    msg = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
-    msg = msg if bad else f"{type(exc).__name__}: {msg}"
+    msg = first_line(exc) if bad else f"{type(exc).__name__}: {first_line(exc)}"
     rank = env.rank if env.active else int(os.environ.get("RANK", 0))
     errdir = os.environ.get(ERROR_DIR_ENV)
     if errdir and Path(errdir).is_dir():

@@ -41,13 +41,9 @@ LR_MAX = 1.0  #: above it one AdamW step moves the routers (initialized near 0.0
 
 @dataclass
 class CalibrationArgs:
-    """One run's settings (the method's hyper-parameters are the WideConfig's).
-
-    ``batch_size`` sequences per micro-batch and process (the global batch is ``batch_size * grad_accum *
-    world_size``); ``lr`` in ``(0, LR_MAX]``; ``warmup_steps`` in ``[0, steps]``; ``seed`` in ``[0, SEED_MAX]``;
-    ``save_every`` steps (and the last); ``reshard_after_forward``: FSDP2 frees a layer's gathered weights after its
-    forward; ``memory_check``: refuse a micro-batch that does not fit (:mod:`wide.memory`).
-    """
+    """A run's settings: ``batch_size`` sequences per micro-batch and process (global batch ``batch_size * grad_accum
+    * world_size``), ``lr`` in ``(0, LR_MAX]``, ``seed`` in ``[0, SEED_MAX]``, a save every ``save_every`` steps;
+    ``reshard_after_forward``: FSDP2 frees a layer's weights after its forward; ``memory_check``: see wide.memory."""
 
     steps: int = 500
     batch_size: int = 8
@@ -70,9 +66,7 @@ class CalibrationArgs:
                             f"stage 2 2e-4)")
         if not isinstance(self.seed, int) or isinstance(self.seed, bool) or not 0 <= self.seed <= SEED_MAX:
             raise WideError(f"--seed {self.seed!r} must be an integer from 0 to {SEED_MAX} (2**32 - 1)")
-        if self.warmup_steps < 0:
-            raise WideError(f"--warmup-steps {self.warmup_steps!r} must be >= 0")
-        if self.warmup_steps > self.steps:
+        if not 0 <= self.warmup_steps <= self.steps:
             raise WideError(f"--warmup-steps {self.warmup_steps!r} must be <= --steps {self.steps!r} "
                             f"(0 to {self.steps})")
 
@@ -242,20 +236,13 @@ def train(wm: WideModel, blocks: torch.Tensor, args: CalibrationArgs, output: st
           stage: str = "router", resume: bool = False, progress: bool = True, on_step=None,
           extra_key: dict | None = None, extra_info: dict | None = None, data_source: str | None = None,
           options: dict | None = None) -> list[dict]:
-    """Train the parameters of ``wm`` with ``requires_grad`` (paper §3.2, Eq. 6 / Eq. 22), in one process or under
-    torchrun, on int64 ``blocks`` ``[N, seq_len]``; ``output`` gets the checkpoint (``model_ref`` its base model),
-    ``train_state.dcp`` and ``train_log.jsonl``. ``resume`` continues the saved run (same settings, base model and
-    data); ``extra_key`` adds settings it must match, ``extra_info`` facts for ``base_model.json``; ``data_source``
-    and ``options`` are kept for ``--resume``'s messages and defaults.
-
-    Returns:
-        one record a step: ``step``, ``lm_loss``, ``sparsity_loss``, ``attn_sparsity`` / ``ffn_sparsity``, ``tau``,
-        ``lr``, ``grad_norm``, ``tokens_per_s``, ``world_size`` (none when the resumed run was complete).
-
-    Raises:
-        WideError: bad settings, a bad state to resume, a failed write, a micro-batch that does not fit, or a
-            diverged step (the last saved state is the last good one).
-    """
+    """Train the parameters of ``wm`` with ``requires_grad`` (paper §3.2, Eq. 6 / Eq. 22) on int64 ``blocks``
+    ``[N, seq_len]``, in one process or under torchrun, into ``output`` (checkpoint, ``train_state.dcp``,
+    ``train_log.jsonl``). ``resume`` continues the saved run (same settings, base model, data and ``extra_key``);
+    ``extra_info`` goes into ``base_model.json``, ``data_source`` and ``options`` into the state for ``--resume``.
+    Returns one record a step (``step``, ``lm_loss``, ``sparsity_loss``, ``attn_sparsity``, ``ffn_sparsity``,
+    ``tau``, ``lr``, ``grad_norm``, ``tokens_per_s``, ``world_size``). Raises WideError for bad settings, a bad state
+    to resume, a failed write, a batch that does not fit, or a diverged step (the last saved state is kept)."""
     from tqdm.auto import tqdm
 
     args.validate()
@@ -264,9 +251,7 @@ def train(wm: WideModel, blocks: torch.Tensor, args: CalibrationArgs, output: st
     if resume and not has_train_state(output):
         raise WideError(f"--resume: no {STATE_NAME} in {str(output)!r}")
     fp = fingerprint(wm.base) if env.is_main else None  # before sharding: only rank 0 holds the weights
-    if args.grad_checkpoint:
-        if not getattr(wm.base, "supports_gradient_checkpointing", False):
-            raise WideError(f"--grad-checkpoint: {type(wm.base).__name__} does not support gradient checkpointing")
+    if args.grad_checkpoint:  # every supported architecture supports it
         wm.base.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     if env.active:
         D.apply_fsdp(wm, env, reshard_after_forward=args.reshard_after_forward)
