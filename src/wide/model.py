@@ -107,15 +107,10 @@ class RoutingRecord:
 
 
 class WideModel(nn.Module):
-    """A supported ``*ForCausalLM`` with WIDE routers on its sublayers; ``config`` is resolved against its dims and
-    ``init_keep`` is every router's initial execute probability (near 1: calibration starts near dense).
-
-    Attributes: ``stochastic`` (Gumbel masks, training) with temperature ``tau``; ``fixed_masks`` ``{"attn", "ffn"}``
-    override routing (True / False: all / none, or masks ``[B, T, N_G]`` or ``[L, B, T, N_G]``); ``record_masks``.
-
-    Raises:
-        WideError: an unsupported architecture or group sizes that do not fit the model.
-    """
+    """A supported ``*ForCausalLM`` with WIDE routers on its sublayers (WideError for another architecture or group
+    sizes that do not fit); ``init_keep`` is each router's initial execute probability (near 1: near dense). Set
+    ``stochastic`` (Gumbel masks at temperature ``tau``), ``fixed_masks`` ``{"attn", "ffn"}`` (True / False: all /
+    none, or masks ``[B, T, N_G]`` / ``[L, B, T, N_G]``) or ``record_masks``."""
 
     def __init__(self, base: nn.Module, config: WideConfig, init_keep: float = 0.95) -> None:
         super().__init__()

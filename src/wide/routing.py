@@ -1,7 +1,5 @@
 """WIDE routers (paper §3.1, Eq. 4-5), the sparsity objective (Eq. 6, Eq. 22) and sample-keyed training noise.
-
-Mask convention: a routing decision is ``[..., N_G]``; True / 1.0 executes the group, False / 0.0 skips it.
-"""
+A routing decision is ``[..., N_G]``: True / 1.0 executes the group, False / 0.0 skips it."""
 
 from __future__ import annotations
 
@@ -15,11 +13,8 @@ from torch import nn
 
 
 class Router(nn.Module):
-    """Bottleneck router ``R = reshape(X W1 W2)`` (Eq. 4, with biases): ``[..., D] -> [..., N_G, 2]`` logits.
-
-    Class 0 executes, class 1 skips. Weights and compute are float32 whatever the input dtype; ``init_keep`` sets
-    the initial probability of executing a group.
-    """
+    """Bottleneck router ``R = reshape(X W1 W2)`` (Eq. 4, with biases): ``[..., D] -> [..., N_G, 2]`` float32 logits,
+    class 0 executes; ``init_keep`` is the initial probability of executing a group."""
 
     def __init__(self, hidden_size: int, n_groups: int, rank: int, init_keep: float = 0.5) -> None:
         super().__init__()
@@ -68,14 +63,9 @@ def masked_mean(mask: torch.Tensor, valid: torch.Tensor | None) -> torch.Tensor:
 
 def sparsity_loss(attn_keep: list[torch.Tensor], ffn_keep: list[torch.Tensor], target: float, alpha: float,
                   mode: str = "global") -> torch.Tensor:
-    """Sparsity term of the calibration objective, a float32 scalar.
-
-    ``global`` (Eq. 6): ``alpha * |S - mean over all routed modules of (1 - keep)|``; ``uniform`` (Eq. 22):
-    ``alpha / 2 * (|S - mean_i (1 - keep_attn_i)| + |S - mean_i (1 - keep_ffn_i)|)``. Either list may be empty.
-
-    Raises:
-        ValueError: an unknown mode, or no routed module.
-    """
+    """The sparsity loss, a float32 scalar: ``global`` (Eq. 6) ``alpha * |S - mean over routed modules of (1 - keep)|``;
+    ``uniform`` (Eq. 22) ``alpha / 2 * (|S - mean_i (1 - keep_attn_i)| + |S - mean_i (1 - keep_ffn_i)|)``. Either list
+    may be empty; raises ValueError for an unknown mode or no routed module."""
     if not attn_keep and not ffn_keep:
         raise ValueError("sparsity_loss needs at least one routed module")
     if mode == "global":
