@@ -26,8 +26,11 @@ def test_masked_swiglu_act(M, N, G, dtype, kind):
     want = (g.double() * torch.sigmoid(g.double()) * u.double())[keep]
     assert ((out[keep].double() - want).abs() <= 3 * ULP[dtype] * want.abs().max().item()).all()
     mod = (F.silu(g.float()).to(dtype).float() * u.float()).to(dtype)[keep]  # the MLP's ops in the dtype
-    rel = (out[keep].double() - mod.double()).abs() / mod.double().abs().clamp_min(1e-30)
-    assert rel.max().item() <= (8 if dtype == torch.float32 else 2) * ULP[dtype]
+    # SiLU may round to the neighbouring value of the dtype (its fp32 formula differs in the last bits), and the
+    # product is rounded again: two ulps of the dtype (4 * ULP), plus one spacing where the result is subnormal
+    err = (out[keep].double() - mod.double()).abs()
+    subnormal = torch.finfo(dtype).tiny * torch.finfo(dtype).eps
+    assert (err <= (8 if dtype == torch.float32 else 4) * ULP[dtype] * mod.double().abs() + subnormal).all()
 
 
 def test_refusals():
