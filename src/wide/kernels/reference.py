@@ -59,6 +59,33 @@ def gemm_k_ref(a: torch.Tensor, w: torch.Tensor, route: torch.Tensor, G: int) ->
     return (am @ w.to(acc).T).to(a.dtype)
 
 
+def token_order_ref(mask: torch.Tensor, tile: int = 64) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Shared token order of bool ``[M, N_G]``: ``(perm, keys, union)`` int32, ``perm`` the stable argsort of the
+    Gray-code rank of each row's bits ``sum_g mask[m, g] << g``, ``keys`` the sorted bits, ``union`` their OR per
+    ``tile`` sorted rows."""
+    bits = (mask.to(torch.int64) << torch.arange(mask.shape[-1], device=mask.device)).sum(-1)
+    rank = bits.clone()
+    for s in (1, 2, 4, 8):
+        rank ^= rank >> s
+    perm = torch.sort(rank, stable=True).indices
+    keys = bits[perm]
+    pad = torch.zeros((-keys.numel() % tile,), dtype=keys.dtype, device=keys.device)
+    tiles = torch.cat([keys, pad]).view(-1, tile)
+    union = torch.zeros(tiles.shape[0], dtype=torch.int64, device=mask.device)
+    for j in range(tile):
+        union |= tiles[:, j]
+    return perm.to(torch.int32), keys.to(torch.int32), union.to(torch.int32)
+
+
+def o_proj_ref(a: torch.Tensor, w: torch.Tensor, route: torch.Tensor, G: int,
+               perm: torch.Tensor | None = None) -> torch.Tensor:
+    """The K-axis op in a shared token order (Eq. 21): :func:`gemm_k_ref` of ``a`` (``perm`` given: ``a``'s row j is
+    token ``perm[j]``), in token order."""
+    if perm is not None:
+        a = torch.empty_like(a).index_copy_(0, perm.to(torch.int64), a)
+    return gemm_k_ref(a, w, route, G)
+
+
 def attention_ref(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, route: torch.Tensor, causal: bool = False,
                   left_pad: torch.Tensor | None = None, scale: float | None = None) -> torch.Tensor:
     """Routed attention (Eq. 2, Algorithm 4), the semantics of :func:`wide.kernels.routed_attention`."""
