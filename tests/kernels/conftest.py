@@ -10,8 +10,8 @@ import sys
 
 import torch
 
-MODULES = ("_common", "reference", "reorder", "gemm_mn_ws", "gemm_mn", "gemm_k", "decode_attn", "attention", "router",
-           "rmsnorm", "rope", "activation", "zero_heads")
+MODULES = ("_common", "reference", "reorder", "gemm_mn_ws", "gemm_mn", "gemm_k", "token_order", "o_proj", "decode_attn",
+           "attention", "router", "rmsnorm", "rope", "activation", "zero_heads")
 
 if not torch.cuda.is_available():
     _was = os.environ.get("TRITON_INTERPRET")
