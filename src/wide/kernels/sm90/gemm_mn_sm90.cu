@@ -1,0 +1,378 @@
+// Routed GEMM-MN (paper Algorithm 2) and the fused SwiGLU (Eq. 3) for sm_90a with CuTe: a persistent,
+// warp-specialized kernel.  Warpgroup 0 produces: each of its 128 threads gathers eight 16-byte pieces of the token
+// rows of the (row tile, group) through the reorder index with cp.async (inactive rows zero-filled, not read) and
+// arrives on the stage's barrier when they land; one thread loads the weight tile(s) by TMA.  Warpgroups 1 and 2
+// consume: wgmma on 64 rows each, the epilogue scatters the rows back to their original positions and writes zeros
+// for rows past the group's active count; a row tile wholly past it only writes zeros (level-0 skip).  The dense
+// fused SwiGLU (the baseline of the routed one) is the same kernel with the token tile loaded by TMA.
+
+#include "gemm_mn_sm90.h"
+
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+
+#include <cute/tensor.hpp>  // first: the atoms below need the whole of cute
+
+#include <cute/arch/copy_sm80.hpp>
+#include <cute/atom/copy_traits_sm90_tma.hpp>
+#include <cute/atom/mma_traits_sm90_gmma.hpp>
+#include <cutlass/arch/barrier.h>
+#include <cutlass/arch/reg_reconfig.h>
+#include <cutlass/numeric_types.h>
+
+namespace wide_sm90 {
+
+using namespace cute;
+
+constexpr int kBM = 128;               // rows of a tile (64 per consumer warpgroup)
+constexpr int kBK = 64;                // K step: one 128-byte swizzle atom of 16-bit elements
+constexpr int kProducerThreads = 128;  // warpgroup 0
+constexpr int kConsumerThreads = 256;  // warpgroups 1 and 2
+constexpr int kThreads = kProducerThreads + kConsumerThreads;
+constexpr int kProducerRegs = 56;  // setmaxnreg: 128 * 56 + 256 * 224 = 64512 <= 65536
+constexpr int kConsumerRegs = 224;
+constexpr int kGatherRows = kBM * kBK * 2 / 16 / kProducerThreads;  // 16-byte pieces per producer thread and stage
+
+template <class T>
+struct Io;
+
+template <>
+struct Io<cutlass::bfloat16_t> {
+  using Pair = __nv_bfloat162;
+  static __device__ __forceinline__ float round(float v) { return __bfloat162float(__float2bfloat16_rn(v)); }
+  static __device__ __forceinline__ Pair pack(float a, float b) { return __floats2bfloat162_rn(a, b); }
+};
+
+template <>
+struct Io<cutlass::half_t> {
+  using Pair = __half2;
+  static __device__ __forceinline__ float round(float v) { return __half2float(__float2half_rn(v)); }
+  static __device__ __forceinline__ Pair pack(float a, float b) { return __floats2half2_rn(a, b); }
+};
+
+// T: element type; BN: tile columns; NB: weights (2: the SwiGLU's gate and up); GATHER: rows through the reorder
+// index (false: the dense kernel, every row active); STAGES: pipeline depth.
+template <class T, int BN_, int NB_, bool GATHER_, int STAGES_>
+struct Config {
+  using Element = T;
+  static constexpr int BN = BN_;
+  static constexpr int NB = NB_;
+  static constexpr bool GATHER = GATHER_;
+  static constexpr int STAGES = STAGES_;
+  using SmemLayoutA =
+      decltype(tile_to_shape(GMMA::Layout_K_SW128_Atom<T>{}, Shape<Int<kBM>, Int<kBK>, Int<STAGES>>{}));
+  using SmemLayoutB =
+      decltype(tile_to_shape(GMMA::Layout_K_SW128_Atom<T>{}, Shape<Int<BN>, Int<kBK>, Int<STAGES>>{}));
+  using TiledMma = decltype(make_tiled_mma(GMMA::ss_op_selector<T, T, float, Shape<_64, Int<BN>, Int<kBK>>>(),
+                                           Layout<Shape<_2, _1, _1>>{}));
+  struct Smem {
+    alignas(1024) T a[cosize_v<SmemLayoutA>];
+    alignas(1024) T b[NB][cosize_v<SmemLayoutB>];
+    alignas(8) uint64_t full[STAGES];   // the stage's operands have landed
+    alignas(8) uint64_t empty[STAGES];  // both consumer warpgroups have read the stage
+  };
+  static constexpr int kSmem = int(sizeof(Smem));
+  static constexpr uint32_t kTxBytes = uint32_t((NB * BN + (GATHER ? 0 : kBM)) * kBK * sizeof(T));
+  static_assert(cosize_v<SmemLayoutA> == kBM * kBK * STAGES, "one stage of A is kBM * kBK elements");
+  static_assert(kSmem <= 227 * 1024, "shared memory of one CTA");
+};
+
+struct Args {
+  const void* x;
+  int64_t ldx;
+  void* out;
+  int64_t ldo;
+  const int32_t* index;
+  const int32_t* counts;
+  int M, N, K, G, NG, group_m;
+};
+
+// Tile t of the persistent order: bands of group_m row tiles, row tile fastest, so the CTAs running together share
+// the weight panels of a few N tiles and the token rows of a few row tiles in L2.
+__device__ __forceinline__ void tile_coords(int t, int MT, int NT, int group_m, int& mt, int& nt) {
+  const int in_band = group_m * NT;
+  const int first_m = (t / in_band) * group_m;
+  const int size_m = min(MT - first_m, group_m);
+  const int r = t % in_band;
+  mt = first_m + r % size_m;
+  nt = r / size_m;
+}
+
+template <class T>
+__device__ __forceinline__ float swiglu(float gate, float up) {
+  // silu(gate) * up with the model MLP's rounding points: gate, up and silu(gate) rounded to T
+  const float g = Io<T>::round(gate);
+  const float u = Io<T>::round(up);
+  return Io<T>::round(g / (1.0f + __expf(-g))) * u;
+}
+
+template <class C, class TmaA, class TmaB>
+__global__ void __launch_bounds__(kThreads, 1)
+    routed_kernel(const __grid_constant__ TmaA tma_a, const __grid_constant__ TmaB tma_b,
+                  const __grid_constant__ TmaB tma_b2, const Args args) {
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+  using T = typename C::Element;
+  using FullBarrier = cutlass::arch::ClusterTransactionBarrier;
+  using EmptyBarrier = cutlass::arch::ClusterBarrier;
+  constexpr int BN = C::BN;
+  constexpr int STAGES = C::STAGES;
+
+  extern __shared__ __align__(1024) uint8_t smem_raw[];
+  auto& sm = *reinterpret_cast<typename C::Smem*>(smem_raw);
+  Tensor sA = make_tensor(make_smem_ptr(sm.a), typename C::SmemLayoutA{});           // (BM, BK, STAGES)
+  Tensor sB = make_tensor(make_smem_ptr(sm.b[0]), typename C::SmemLayoutB{});        // (BN, BK, STAGES)
+  Tensor sB2 = make_tensor(make_smem_ptr(sm.b[C::NB - 1]), typename C::SmemLayoutB{});
+
+  const int tid = int(threadIdx.x);
+  const int warp_group = cutlass::canonical_warp_group_idx();
+  if (tid == 0) {
+    CUTE_UNROLL
+    for (int s = 0; s < STAGES; ++s) {
+      // gather: one arrival per producer thread (its cp.async pieces landed) plus the TMA thread's expect-tx
+      FullBarrier::init(&sm.full[s], C::GATHER ? kProducerThreads + 1 : 1);
+      EmptyBarrier::init(&sm.empty[s], 2);
+    }
+    cutlass::arch::fence_barrier_init();
+  }
+  __syncthreads();
+
+  const int M = args.M, N = args.N, K = args.K, NG = args.NG;
+  const int MT = (M + kBM - 1) / kBM, NT = N / BN, KT = K / kBK;
+  const int tiles = MT * NT;
+
+  if (warp_group == 0) {  // producer
+    cutlass::arch::warpgroup_reg_dealloc<kProducerRegs>();
+    if (!C::GATHER && tid != 0) return;
+    Tensor gB = local_tile(tma_b.get_tma_tensor(make_shape(N, K)), Shape<Int<BN>, Int<kBK>>{}, make_coord(_, _));
+    Tensor gB2 = local_tile(tma_b2.get_tma_tensor(make_shape(N, K)), Shape<Int<BN>, Int<kBK>>{}, make_coord(_, _));
+    auto [tBgB, tBsB] = tma_partition(tma_b, Int<0>{}, Layout<_1>{}, group_modes<0, 2>(sB), group_modes<0, 2>(gB));
+    auto [tBgB2, tBsB2] =
+        tma_partition(tma_b2, Int<0>{}, Layout<_1>{}, group_modes<0, 2>(sB2), group_modes<0, 2>(gB2));
+    if (tid == 0) {
+      prefetch_tma_descriptor(tma_b.get_tma_descriptor());
+      if constexpr (C::NB == 2) prefetch_tma_descriptor(tma_b2.get_tma_descriptor());
+      if constexpr (!C::GATHER) prefetch_tma_descriptor(tma_a.get_tma_descriptor());
+    }
+    // this thread's 16-byte pieces of a stage: column piece tid % 8 of rows tid / 8 + 16 i (swizzled offsets)
+    const int piece = tid % 8;
+    uint32_t soff[kGatherRows];
+    CUTE_UNROLL
+    for (int i = 0; i < kGatherRows; ++i) soff[i] = typename C::SmemLayoutA{}(tid / 8 + 16 * i, piece * 8, 0);
+    const T* x = static_cast<const T*>(args.x);
+    int stage = 0;
+    uint32_t phase = 0;
+    for (int t = int(blockIdx.x); t < tiles; t += int(gridDim.x)) {
+      int mt, nt;
+      tile_coords(t, MT, NT, args.group_m, mt, nt);
+      const int m0 = mt * kBM, g = nt * BN / args.G;
+      const int cnt = C::GATHER ? __ldg(args.counts + g) : M;
+      if (m0 >= cnt) continue;  // level 0: no row of the tile executes group g
+      if constexpr (C::GATHER) {
+        const T* src[kGatherRows];
+        uint32_t live = 0;  // bit i: row tid / 8 + 16 i is active (others zero-filled, not read)
+        CUTE_UNROLL
+        for (int i = 0; i < kGatherRows; ++i) {
+          const int j = m0 + tid / 8 + 16 * i;
+          const bool on = j < cnt;
+          const int64_t row = on ? int64_t(__ldg(args.index + int64_t(j) * NG + g)) : 0;
+          src[i] = x + row * args.ldx + piece * 8;
+          live |= uint32_t(on) << i;
+        }
+        for (int kt = 0; kt < KT; ++kt) {
+          EmptyBarrier::wait(&sm.empty[stage], phase ^ 1);
+          if (tid == 0) {
+            FullBarrier::arrive_and_expect_tx(&sm.full[stage], C::kTxBytes);
+            copy(tma_b.with(sm.full[stage]), tBgB(_, nt, kt), tBsB(_, stage));
+            if constexpr (C::NB == 2) copy(tma_b2.with(sm.full[stage]), tBgB2(_, nt, kt), tBsB2(_, stage));
+          }
+          T* base = sm.a + stage * (kBM * kBK);
+          CUTE_UNROLL
+          for (int i = 0; i < kGatherRows; ++i) {
+            SM80_CP_ASYNC_CACHEGLOBAL_ZFILL<uint128_t>::copy(
+                *reinterpret_cast<const uint128_t*>(src[i] + kt * kBK), *reinterpret_cast<uint128_t*>(base + soff[i]),
+                (live >> i) & 1u);
+          }
+          cutlass::arch::cpasync_barrier_arrive_noinc(&sm.full[stage]);
+          if (++stage == STAGES) {
+            stage = 0;
+            phase ^= 1;
+          }
+        }
+      } else {
+        Tensor gA = local_tile(tma_a.get_tma_tensor(make_shape(M, K)), Shape<Int<kBM>, Int<kBK>>{},
+                               make_coord(_, _));
+        auto [tAgA, tAsA] =
+            tma_partition(tma_a, Int<0>{}, Layout<_1>{}, group_modes<0, 2>(sA), group_modes<0, 2>(gA));
+        for (int kt = 0; kt < KT; ++kt) {
+          EmptyBarrier::wait(&sm.empty[stage], phase ^ 1);
+          FullBarrier::arrive_and_expect_tx(&sm.full[stage], C::kTxBytes);
+          copy(tma_a.with(sm.full[stage]), tAgA(_, mt, kt), tAsA(_, stage));
+          copy(tma_b.with(sm.full[stage]), tBgB(_, nt, kt), tBsB(_, stage));
+          if constexpr (C::NB == 2) copy(tma_b2.with(sm.full[stage]), tBgB2(_, nt, kt), tBsB2(_, stage));
+          if (++stage == STAGES) {
+            stage = 0;
+            phase ^= 1;
+          }
+        }
+      }
+    }
+    if constexpr (C::GATHER) cp_async_wait<0>();
+  } else {  // consumers
+    cutlass::arch::warpgroup_reg_alloc<kConsumerRegs>();
+    const int ctid = tid - kProducerThreads;
+    typename C::TiledMma mma;
+    auto thr = mma.get_thread_slice(ctid);
+    Tensor tCrA = thr.make_fragment_A(thr.partition_A(sA));  // (MMA, MMA_M, MMA_K, STAGES) descriptors
+    Tensor tCrB = thr.make_fragment_B(thr.partition_B(sB));
+    Tensor tCrB2 = thr.make_fragment_B(thr.partition_B(sB2));
+    Tensor tCcC = thr.partition_C(make_identity_tensor(Shape<Int<kBM>, Int<BN>>{}));  // (row, col) of each value
+    Tensor acc = partition_fragment_C(mma, Shape<Int<kBM>, Int<BN>>{});
+    Tensor acc2 = partition_fragment_C(mma, Shape<Int<kBM>, Int<BN>>{});
+    static_assert(decltype(size<1>(acc))::value == 1 && decltype(size<2>(acc))::value == 1,
+                  "one wgmma atom of 64 rows per consumer warpgroup");
+    static_assert(decltype(size(acc))::value == BN / 2, "values (2 columns, 2 rows, BN / 8) per thread");
+    // a thread's values: (2 adjacent columns, rows r and r + 8, BN / 8 blocks of 8 columns), one atom per warpgroup
+    using Pair = typename Io<T>::Pair;
+    T* out = static_cast<T*>(args.out);
+    int stage = 0;
+    uint32_t phase = 0;
+    for (int t = int(blockIdx.x); t < tiles; t += int(gridDim.x)) {
+      int mt, nt;
+      tile_coords(t, MT, NT, args.group_m, mt, nt);
+      const int m0 = mt * kBM, n0 = nt * BN, g = n0 / args.G;
+      const int cnt = C::GATHER ? __ldg(args.counts + g) : M;
+      if (m0 >= cnt) {  // level 0: the zero epilogue, 16-byte stores to the tile's original rows
+        constexpr int kPieces = BN * int(sizeof(T)) / 16;
+        for (int e = ctid; e < kBM * kPieces; e += kConsumerThreads) {
+          const int j = m0 + e / kPieces;
+          if (j < M) {
+            const int64_t row = __ldg(args.index + int64_t(j) * NG + g);
+            *reinterpret_cast<uint4*>(out + row * args.ldo + n0 + (e % kPieces) * 8) = make_uint4(0, 0, 0, 0);
+          }
+        }
+        continue;
+      }
+      clear(acc);
+      if constexpr (C::NB == 2) clear(acc2);
+      int prev = 0;
+      for (int kt = 0; kt < KT; ++kt) {
+        FullBarrier::wait(&sm.full[stage], phase);
+        // the gathered rows were written by cp.async (generic proxy); wgmma reads through the async proxy
+        if constexpr (C::GATHER) cutlass::arch::fence_view_async_shared();
+        warpgroup_fence_operand(acc);
+        if constexpr (C::NB == 2) warpgroup_fence_operand(acc2);
+        warpgroup_arrive();
+        CUTE_UNROLL
+        for (int kb = 0; kb < size<2>(tCrA); ++kb) {
+          gemm(mma, tCrA(_, _, kb, stage), tCrB(_, _, kb, stage), acc);
+          if constexpr (C::NB == 2) gemm(mma, tCrA(_, _, kb, stage), tCrB2(_, _, kb, stage), acc2);
+        }
+        warpgroup_commit_batch();
+        warpgroup_wait<1>();  // the previous step's wgmma retired: its stage may be refilled
+        warpgroup_fence_operand(acc);
+        if constexpr (C::NB == 2) warpgroup_fence_operand(acc2);
+        if (kt > 0 && ctid % 128 == 0) EmptyBarrier::arrive(&sm.empty[prev]);
+        prev = stage;
+        if (++stage == STAGES) {
+          stage = 0;
+          phase ^= 1;
+        }
+      }
+      warpgroup_wait<0>();
+      warpgroup_fence_operand(acc);
+      if constexpr (C::NB == 2) warpgroup_fence_operand(acc2);
+      if (ctid % 128 == 0) EmptyBarrier::arrive(&sm.empty[prev]);
+      // epilogue: rows r and r + 8 of this thread, scattered to their original rows; zeros past the active count
+      CUTE_UNROLL
+      for (int r = 0; r < 2; ++r) {
+        const int j = m0 + int(get<0>(tCcC(make_coord(0, r, 0), 0, 0)));
+        if (j < M) {
+          const bool on = j < cnt;
+          const int64_t row = C::GATHER ? int64_t(__ldg(args.index + int64_t(j) * NG + g)) : int64_t(j);
+          T* orow = out + row * args.ldo + n0;
+          CUTE_UNROLL
+          for (int nb = 0; nb < BN / 8; ++nb) {
+            float v0 = acc(make_coord(0, r, nb), 0, 0), v1 = acc(make_coord(1, r, nb), 0, 0);
+            if constexpr (C::NB == 2) {
+              v0 = swiglu<T>(v0, acc2(make_coord(0, r, nb), 0, 0));
+              v1 = swiglu<T>(v1, acc2(make_coord(1, r, nb), 0, 0));
+            }
+            *reinterpret_cast<Pair*>(orow + int(get<1>(tCcC(make_coord(0, r, nb), 0, 0)))) =
+                on ? Io<T>::pack(v0, v1) : Io<T>::pack(0.0f, 0.0f);
+          }
+        }
+      }
+    }
+  }
+#endif
+}
+
+template <class C>
+int run(const Args& args, const void* w, const void* w2, int64_t ldw, int grid_ctas, cudaStream_t stream) {
+  using T = typename C::Element;
+  const int tiles = ((args.M + kBM - 1) / kBM) * (args.N / C::BN);
+  if (tiles == 0) return 0;
+  auto weight = [&](const void* p) {
+    return make_tensor(make_gmem_ptr(static_cast<const T*>(p)), make_shape(args.N, args.K), make_stride(ldw, _1{}));
+  };
+  auto slice_b = typename C::SmemLayoutB{}(_, _, 0);
+  auto tma_b = make_tma_atom(SM90_TMA_LOAD{}, weight(w), slice_b, Shape<Int<C::BN>, Int<kBK>>{});
+  auto tma_b2 = make_tma_atom(SM90_TMA_LOAD{}, weight(C::NB == 2 ? w2 : w), slice_b, Shape<Int<C::BN>, Int<kBK>>{});
+  const dim3 grid(unsigned(tiles < grid_ctas ? tiles : grid_ctas));
+  auto go = [&](auto tma_a) {
+    auto kernel = routed_kernel<C, decltype(tma_a), decltype(tma_b)>;
+    static const cudaError_t attr =
+        cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, C::kSmem);
+    if (attr != cudaSuccess) return int(attr);
+    kernel<<<grid, kThreads, C::kSmem, stream>>>(tma_a, tma_b, tma_b2, args);
+    return int(cudaGetLastError());
+  };
+  if constexpr (C::GATHER) {
+    return go(tma_b);  // unused by the gathering kernel
+  } else {
+    auto x = make_tensor(make_gmem_ptr(static_cast<const T*>(args.x)), make_shape(args.M, args.K),
+                         make_stride(args.ldx, _1{}));
+    return go(make_tma_atom(SM90_TMA_LOAD{}, x, typename C::SmemLayoutA{}(_, _, 0), Shape<Int<kBM>, Int<kBK>>{}));
+  }
+}
+
+template <class T>
+using GemmN128 = Config<T, 128, 1, true, 6>;
+template <class T>
+using GemmN256 = Config<T, 256, 1, true, 4>;
+template <class T>
+using Swiglu = Config<T, 128, 2, true, 4>;
+template <class T>
+using DenseSwiglu = Config<T, 128, 2, false, 4>;
+
+template <class T>
+int dispatch(int op, const Args& a, const void* w, const void* w2, int64_t ldw, int grid_ctas, cudaStream_t s) {
+  if (op == kGemmMn) {
+    return a.G % 256 == 0 ? run<GemmN256<T>>(a, w, w2, ldw, grid_ctas, s) : run<GemmN128<T>>(a, w, w2, ldw, grid_ctas, s);
+  }
+  if (op == kSwiglu) return run<Swiglu<T>>(a, w, w2, ldw, grid_ctas, s);
+  return run<DenseSwiglu<T>>(a, w, w2, ldw, grid_ctas, s);
+}
+
+int smem_bytes(int op, int G) {
+  if (op == kGemmMn) return G % 256 == 0 ? GemmN256<cutlass::bfloat16_t>::kSmem : GemmN128<cutlass::bfloat16_t>::kSmem;
+  return op == kSwiglu ? Swiglu<cutlass::bfloat16_t>::kSmem : DenseSwiglu<cutlass::bfloat16_t>::kSmem;
+}
+
+int launch(int op, int dtype, const void* x, int64_t ldx, const void* w, const void* w2, int64_t ldw, void* out,
+           int64_t ldo, const int32_t* index, const int32_t* counts, int M, int N, int K, int G, int group_m,
+           int grid_ctas, cudaStream_t stream) {
+  const bool gather = op != kDenseSwiglu;
+  const auto aligned = [](const void* p) { return reinterpret_cast<uintptr_t>(p) % 16 == 0; };
+  if (op < kGemmMn || op > kDenseSwiglu || (dtype != kBF16 && dtype != kFP16) || M < 0 || K <= 0 || K % kBK ||
+      G <= 0 || G % 128 || N % G || N <= 0 || group_m < 1 || grid_ctas < 1 || ldx % 8 || ldw % 8 || ldo % 8 ||
+      !aligned(x) || !aligned(w) || !aligned(out) || (op != kGemmMn && (w2 == nullptr || !aligned(w2))) ||
+      (gather && (index == nullptr || counts == nullptr))) {
+    return int(cudaErrorInvalidValue);
+  }
+  const Args args{x, ldx, out, ldo, index, counts, M, N, K, gather ? G : N, gather ? N / G : 1, group_m};
+  return dtype == kBF16 ? dispatch<cutlass::bfloat16_t>(op, args, w, w2, ldw, grid_ctas, stream)
+                        : dispatch<cutlass::half_t>(op, args, w, w2, ldw, grid_ctas, stream);
+}
+
+}  // namespace wide_sm90
