@@ -1,0 +1,173 @@
+"""Tables 1-2 analogue with accuracy above chance, rendered as markdown from run records (runs on a CPU).
+
+Reads record files of ``run_quality.py`` (``table.json``) or ``run_control.py`` (``equal.json``): per method,
+target S and stage the realized sparsity in both units (Eq. 6's groups and the routed FLOPs skipped, the latter
+recomputed from each record's per-layer rates with :func:`wide.routing.realized_sparsity`; static pruning: its
+removed fractions), WikiText-2 token perplexity, the average zero-shot accuracy with its retention, the average
+without BoolQ with its retention, and the above-chance ratio ``(acc - chance) / (dense - chance)`` per task and of
+the average (:func:`wide.eval.chance.above_chance`, against the dense record of the same ``limit``).
+
+The chance level of each task is the mean over its evaluated documents (the first ``limit``) of ``1 / number of
+choices``, from the offline task data (:func:`wide.eval.chance.task_chance_levels`; needs lm-eval and the task
+data) or, when present with the same ``limit``, from ``--chance`` (``chance.json``, written here with
+``--write-chance``), so no model runs again.
+
+    python benchmarks/quality/make_tables.py --records benchmarks/quality/table.json --write-chance
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime as dt
+import json
+import shlex
+import subprocess
+import sys
+from pathlib import Path
+
+from wide.eval.chance import BOOLQ, above_chance
+
+HERE = Path(__file__).resolve().parent
+TASKS = [("arc_easy", "ARC-e"), ("arc_challenge", "ARC-c"), ("boolq", "BoolQ"), ("winogrande", "WinoG"),
+         ("piqa", "PIQA"), ("openbookqa", "OBQA"), ("hellaswag", "HellaS")]
+METHOD_ORDER = {"dense": 0, "wide": 1, "skipgpt": 2, "static": 3}
+METHOD_NAME = {"dense": "dense", "wide": "WIDE", "skipgpt": "SkipGPT", "static": "static width"}
+
+
+def chance_levels(limits: set, path: Path, write: bool) -> dict:
+    """``{limit: {key: {"task", "chance", "docs"}}}`` for every ``limit`` of the records: from ``path``'s record
+    when it has that limit, else from the task data (and written to ``path`` with ``write``)."""
+    have = {}
+    if path.is_file():
+        have = {rec["limit"]: rec["tasks"] for rec in json.loads(path.read_text())}
+    missing = [lim for lim in limits if lim not in have]
+    if missing:
+        from wide.eval.chance import task_chance_levels
+
+        for lim in missing:
+            have[lim] = task_chance_levels("zeroshot", limit=None if lim is None else int(lim))
+        if write:
+            commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
+                                    cwd=HERE).stdout.strip()
+            recs = [{"limit": lim, "unit": "accuracy of a uniform guess: mean over the first `limit` evaluated "
+                     "documents of 1 / number of choices", "tasks": tasks, "commit": commit,
+                     "date": dt.date.today().isoformat(), "command": "python " + shlex.join(sys.argv)}
+                    for lim, tasks in sorted(have.items(), key=lambda kv: -1 if kv[0] is None else kv[0])]
+            path.write_text(json.dumps(recs, indent=1) + "\n")
+    return have
+
+
+def flops_of(rec: dict, dims) -> float | None:
+    """The record's realized sparsity in the FLOPs unit: from its per-layer rates (routed models) or its removed
+    attention / FFN fractions (static pruning), at its training context ``seq_len``; None without either."""
+    from wide.config import WideConfig
+    from wide.routing import realized_sparsity
+
+    cfg = WideConfig(seq_len=rec.get("seq_len") or 2048)
+    if rec["method"] == "static" and rec.get("attn_sparsity") is not None:
+        attn, ffn = [rec["attn_sparsity"]], [rec["ffn_sparsity"]]
+    elif rec.get("per_layer"):
+        attn = [r["attn"] for r in rec["per_layer"] if r["attn"] is not None]
+        ffn = [r["ffn"] for r in rec["per_layer"] if r["ffn"] is not None]
+    else:
+        return None
+    return realized_sparsity([1 - a for a in attn], [1 - f for f in ffn], dims, cfg)["flops"]
+
+
+def _f(v, fmt: str, none: str = "-") -> str:
+    return none if v is None else format(v, fmt)
+
+
+def render(records: list[dict], chance: dict, dims, title: str) -> str:
+    """The markdown of one record file: a summary table per stage, then the per-task table above chance."""
+    dense = {r.get("limit"): r for r in records if r["method"] == "dense" and r.get("stage", "router") == "router"
+             and r.get("avg_acc") is not None}
+    rows = [r for r in records if r.get("avg_acc") is not None and r.get("limit") in dense]
+    rows.sort(key=lambda r: (r.get("stage", "router") != "router", METHOD_ORDER.get(r["method"], 9),
+                             r.get("target") or 0.0, r.get("key", "")))
+    out = [f"### {title}", ""]
+    below = set()
+    for r in rows:
+        lim = r.get("limit")
+        ch = {k: v["chance"] for k, v in chance[lim].items()}
+        r["_above"] = above_chance(r, ch, dense[lim])
+        below |= set(r["_above"]["dense_below_chance"])
+    limits = sorted({r.get("limit") for r in rows}, key=lambda x: -1 if x is None else x)
+    lim_text = ", ".join("all documents" if lim is None else f"the first {int(lim)} documents" for lim in limits)
+    out += [f"Zero-shot accuracy (%) on {lim_text} of each task; WikiText-2 token perplexity (ctx 2048). "
+            "Realized sparsity on WikiText-2: Eq. 6's groups / the routed FLOPs skipped. Retention: average "
+            "accuracy over dense's. Above chance: (acc - chance) / (dense - chance) of the average over the tasks "
+            "where dense is above chance.", ""]
+    stage_name = {"router": "stage 1 (routers only; Table 1 analogue)", "lora": "+ LoRA (Table 2 analogue)"}
+    for stage in ("router", "lora"):
+        srows = [r for r in rows if r.get("stage", "router") == stage]
+        if not srows:
+            continue
+        out += [f"**{stage_name[stage]}**", "",
+                "| method | target S | realized (groups / FLOPs) | WikiText-2 ppl | avg acc (retention) | "
+                "avg w/o BoolQ (retention) | above chance |", "|---|---|---|---|---|---|---|"]
+        for r in srows:
+            a = r["_above"]
+            realized = ("-" if r["method"] == "dense" else
+                        f"{_f(r.get('realized'), '.3f')} / {_f(flops_of(r, dims), '.3f')}")
+            out.append(f"| {METHOD_NAME.get(r['method'], r['method'])} | {_f(r.get('target'), 'g')} | {realized} | "
+                       f"{_f(r.get('ppl'), ',.2f')} | {100 * a['avg_acc']:.2f} ({100 * a['retention']:.1f} %) | "
+                       f"{100 * a['avg_acc_without_boolq']:.2f} ({100 * a['retention_without_boolq']:.1f} %) | "
+                       f"{_f(a['avg_above_chance'], '.3f')} |")
+        out.append("")
+    lim = limits[0]
+    d = dense[lim]
+    noisy = [k for k, _ in TASKS if k not in below and d.get(f"{k}_stderr")
+             and d[k] - chance[lim][k]["chance"] < 2 * d[f"{k}_stderr"]]
+    head = [f"{name}{'*' if key in below else ''}{'+' if key in noisy else ''} "
+            f"({100 * chance[lim][key]['chance']:.1f})" for key, name in TASKS]
+    out += ["Per task: accuracy (%), and in brackets the share of dense's margin over chance kept, (acc - chance) "
+            "/ (dense - chance); the chance level of each task in the header.", "",
+            "| method | stage | S | " + " | ".join(head) + " |", "|---|---|---|" + "---|" * len(TASKS)]
+    for r in rows:
+        a = r["_above"]
+        cells = []
+        for key, _ in TASKS:
+            ratio = a["above_chance"].get(key)
+            cells.append(f"{100 * r[key]:.1f}" + (f" ({ratio:.2f})" if ratio is not None and r is not d else ""))
+        out.append(f"| {METHOD_NAME.get(r['method'], r['method'])} | {r.get('stage', 'router')} | "
+                   f"{_f(r.get('target'), 'g')} | " + " | ".join(cells) + " |")
+    if below:
+        names = ", ".join(f"{dict(TASKS)[k]} ({100 * d[k]:.1f} against a chance level of "
+                          f"{100 * chance[lim][k]['chance']:.1f})" for k in sorted(below))
+        also = " (the average w/o BoolQ leaves it out too)" if BOOLQ in below else ""
+        out += ["", f"\\* Dense is at or below chance on {names}: the ratio is not defined there, and the task is "
+                f"left out of the above-chance average{also}."]
+    if noisy:
+        names = ", ".join(f"{dict(TASKS)[k]} ({100 * (d[k] - chance[lim][k]['chance']):.1f} points, standard error "
+                          f"{100 * d[f'{k}_stderr']:.1f})" for k in noisy)
+        out += ["", f"\\+ Dense is less than two standard errors above chance on {names}: there the ratio divides "
+                "by a margin within the noise of the measurement, so its values swing widely (the above-chance "
+                "average weighs each task by dense's margin)."]
+    return "\n".join(out) + "\n"
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--records", nargs="+", default=[str(HERE / "table.json")], help="record files to render")
+    p.add_argument("--chance", default=str(HERE / "chance.json"), help="stored chance levels (read, and written "
+                   "with --write-chance)")
+    p.add_argument("--write-chance", action="store_true", help="store the chance levels computed from the task data")
+    p.add_argument("--model", default="smollm2-135m", help="the records' base model (its dims give the FLOPs unit)")
+    p.add_argument("--out", default=None, help="also write the markdown to this file")
+    a = p.parse_args()
+    from wide.hub import read_hf_config, resolve_model
+    from wide.model import dims_of
+
+    dims = dims_of(read_hf_config(resolve_model(a.model)))
+    files = [(Path(f), json.loads(Path(f).read_text())) for f in a.records]
+    limits = {r.get("limit") for _, recs in files for r in recs if r.get("avg_acc") is not None}
+    chance = chance_levels(limits, Path(a.chance), a.write_chance)
+    md = "\n".join(render(recs, chance, dims, f"{f.name}") for f, recs in files)
+    print(md)
+    if a.out:
+        Path(a.out).write_text(md)
+
+
+if __name__ == "__main__":
+    main()
