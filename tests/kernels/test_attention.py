@@ -9,9 +9,12 @@ from wide.kernels import KernelArgumentError, Reordered, reorder, routed_attenti
 from wide.kernels.reference import attention_ref, head_route
 
 
-def run(B, Hq, Hk, Tq, Tk, D, NG, causal, dtype=torch.bfloat16, kind="random", left_pad=None, shared=False):
-    gen = seed_for("attn", B, Hq, Hk, Tq, Tk, D, NG, causal, dtype, kind, left_pad, shared)
-    q, k, v = randn((B, Hq, Tq, D), dtype, gen), randn((B, Hk, Tk, D), dtype, gen), randn((B, Hk, Tk, D), dtype, gen)
+def run(B, Hq, Hk, Tq, Tk, D, NG, causal, dtype=torch.bfloat16, kind="random", left_pad=None, shared=False,
+        kv_pad=(0, 0)):
+    """``kv_pad`` (extra keys, extra channels): K / V are views of a larger buffer, as a KV cache hands them over."""
+    gen = seed_for("attn", B, Hq, Hk, Tq, Tk, D, NG, causal, dtype, kind, left_pad, shared, kv_pad)
+    q = randn((B, Hq, Tq, D), dtype, gen)
+    k, v = (randn((B, Hk, Tk + kv_pad[0], D + kv_pad[1]), dtype, gen)[:, :, :Tk, :D] for _ in range(2))
     route = make_mask(kind, (B, Tq, NG), gen)
     lp = None if left_pad is None else torch.tensor(left_pad, dtype=torch.int64, device=DEVICE)
     out = poisoned((B, Hq, Tq, D), dtype)
@@ -25,6 +28,12 @@ def run(B, Hq, Hk, Tq, Tk, D, NG, causal, dtype=torch.bfloat16, kind="random", l
 @pytest.mark.parametrize("dtype", DTYPES + [torch.float32])
 def test_prefill(causal, Tq, Tk, dtype):
     run(2, 4, 2, Tq, Tk, 16, 2, causal, dtype)  # GQA: 4 query heads on 2 KV heads, 2 heads per group
+
+
+@pytest.mark.parametrize("kv_pad", [(0, 0), (7, 0), (5, 4)])  # contiguous, a cache view, rows not 16-byte aligned
+@pytest.mark.parametrize("causal", [False, True])
+def test_kv_layouts(kv_pad, causal):
+    run(1, 4, 2, 19, 35, 16, 2, causal, kv_pad=kv_pad)  # TMA descriptors where the layout allows, pointers otherwise
 
 
 @pytest.mark.parametrize("kind", KINDS)

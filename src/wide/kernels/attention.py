@@ -19,13 +19,22 @@ if common.HAS_TRITON:
 
     from wide.kernels._common import left_pad_at, mma
 
+    try:
+        from triton.tools.tensor_descriptor import TensorDescriptor
+        HAS_DESC = True
+    except ImportError:  # a Triton without host-side tensor descriptors streams K / V through pointers
+        HAS_DESC = False
+
     @triton.jit
-    def _attn_inner(acc, l_i, m_i, q, kbase, vbase, skt, svt, start, end, qpos, lo, Tk, qk_scale,
-                    offs_d, BN: tl.constexpr, MASKED: tl.constexpr, CAUSAL: tl.constexpr):
+    def _attn_inner(acc, l_i, m_i, q, kbase, vbase, kd, vd, b, hk, skt, svt, start, end, qpos, lo, Tk, qk_scale,
+                    offs_d, D: tl.constexpr, BN: tl.constexpr, MASKED: tl.constexpr, CAUSAL: tl.constexpr,
+                    DESC: tl.constexpr):
         for j in range(start, end, BN):
             offs_n = j + tl.arange(0, BN)
-            if MASKED:
-                kmask = (offs_n < Tk) & (offs_n >= lo)
+            kmask = (offs_n < Tk) & (offs_n >= lo)
+            if DESC:  # TMA: rows past Tk read as zeros
+                kt = kd.load([b, hk, j, 0]).reshape(BN, D).T
+            elif MASKED:
                 kt = tl.load(kbase + offs_n[None, :].to(tl.int64) * skt + offs_d[:, None], mask=kmask[None, :],
                              other=0.0)
             else:
@@ -40,7 +49,9 @@ if common.HAS_TRITON:
             alpha = tl.exp2(m_i - m_new)
             p = tl.exp2(s - m_new[:, None])
             l_i = l_i * alpha + tl.sum(p, axis=1)
-            if MASKED:
+            if DESC:
+                vt = vd.load([b, hk, j, 0]).reshape(BN, D)
+            elif MASKED:
                 vt = tl.load(vbase + offs_n[:, None].to(tl.int64) * svt + offs_d[None, :], mask=kmask[:, None],
                              other=0.0)
             else:
@@ -50,11 +61,11 @@ if common.HAS_TRITON:
         return acc, l_i, m_i
 
     @triton.jit
-    def _attn_fwd_kernel(q_ptr, k_ptr, v_ptr, out_ptr, idx_ptr, cnt_ptr, lp_ptr,
+    def _attn_fwd_kernel(q_ptr, k_ptr, v_ptr, kd, vd, out_ptr, idx_ptr, cnt_ptr, lp_ptr,
                          Hq, Tq, Tk, NG, REP, HPG, scale,
                          sqb, sqh, sqt, skb, skh, skt, svb, svh, svt, sob, soh, sot,
                          D: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, CAUSAL: tl.constexpr,
-                         HAS_LP: tl.constexpr):
+                         HAS_LP: tl.constexpr, DESC: tl.constexpr):
         num_m = tl.cdiv(Tq, BM)
         pid_m = tl.program_id(0)
         if CAUSAL:
@@ -102,14 +113,15 @@ if common.HAS_TRITON:
             kbase = k_ptr + b.to(tl.int64) * skb + hk.to(tl.int64) * skh
             vbase = v_ptr + b.to(tl.int64) * svb + hk.to(tl.int64) * svh
             # part A: boundary tile of the left padding (masked)
-            acc, l_i, m_i = _attn_inner(acc, l_i, m_i, q, kbase, vbase, skt, svt, lo_t, tl.minimum(full_lo, hi),
-                                        qpos, lo, Tk, qk_scale, offs_d, BN, True, CAUSAL)
+            acc, l_i, m_i = _attn_inner(acc, l_i, m_i, q, kbase, vbase, kd, vd, b, hk, skt, svt, lo_t,
+                                        tl.minimum(full_lo, hi), qpos, lo, Tk, qk_scale, offs_d, D, BN, True, CAUSAL,
+                                        DESC)
             # part B: fully visible tiles, no element-wise mask
-            acc, l_i, m_i = _attn_inner(acc, l_i, m_i, q, kbase, vbase, skt, svt, full_lo, mid_end,
-                                        qpos, lo, Tk, qk_scale, offs_d, BN, False, CAUSAL)
+            acc, l_i, m_i = _attn_inner(acc, l_i, m_i, q, kbase, vbase, kd, vd, b, hk, skt, svt, full_lo, mid_end,
+                                        qpos, lo, Tk, qk_scale, offs_d, D, BN, False, CAUSAL, DESC)
             # part C: causal diagonal band / ragged end (masked)
-            acc, l_i, m_i = _attn_inner(acc, l_i, m_i, q, kbase, vbase, skt, svt, mid_end, hi,
-                                        qpos, lo, Tk, qk_scale, offs_d, BN, True, CAUSAL)
+            acc, l_i, m_i = _attn_inner(acc, l_i, m_i, q, kbase, vbase, kd, vd, b, hk, skt, svt, mid_end, hi,
+                                        qpos, lo, Tk, qk_scale, offs_d, D, BN, True, CAUSAL, DESC)
             keep = active & (l_i > 0)
             res = acc / tl.where(keep, l_i, 1.0)[:, None]
             res = tl.where(keep[:, None], res, 0.0).to(out_ptr.dtype.element_ty)
@@ -146,13 +158,30 @@ def routed_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, route: t
         reordered = reorder(route)
     if left_pad is not None:
         left_pad = left_pad.contiguous()  # the kernel reads left_pad[b] at offset b
-    bm, bn = (16, 16) if common.interpret_mode() else (128, 64) if D <= 128 else (64, 32)
-    opts = {} if common.interpret_mode() else {"num_warps": 8 if D >= 128 else 4, "num_stages": 3}
+    cfg = _config(D, q.device)
     lp = left_pad if left_pad is not None else reordered.counts
-    grid = (triton.cdiv(Tq, bm), B * Hq)
-    _attn_fwd_kernel[grid](q, k, v, out, reordered.index, reordered.counts, lp,
+    kd = vd = k
+    desc = cfg["desc"] and all(t.stride(-1) == 1 and t.data_ptr() % 16 == 0 and
+                               all(st * t.element_size() % 16 == 0 for st in t.stride()[:-1]) for t in (k, v))
+    if desc:
+        kd, vd = (TensorDescriptor(t, list(t.shape), list(t.stride()), [1, 1, cfg["BN"], D]) for t in (k, v))
+    grid = (triton.cdiv(Tq, cfg["BM"]), B * Hq)
+    _attn_fwd_kernel[grid](q, k, v, kd, vd, out, reordered.index, reordered.counts, lp,
                            Hq, Tq, Tk, NG, Hq // Hk, Hq // NG, scale,
                            q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
                            v.stride(0), v.stride(1), v.stride(2), out.stride(0), out.stride(1), out.stride(2),
-                           D=D, BM=bm, BN=bn, CAUSAL=bool(causal), HAS_LP=left_pad is not None, **opts)
+                           D=D, BM=cfg["BM"], BN=cfg["BN"], CAUSAL=bool(causal), HAS_LP=left_pad is not None,
+                           DESC=desc, **cfg["opts"])
     return out
+
+
+def _config(D: int, device: torch.device) -> dict:
+    """Tile sizes, launch options and whether K / V stream through TMA descriptors (``configs/<GPU>.json``'s
+    ``attention`` section over the defaults; the interpreter takes 16 x 16 tiles)."""
+    if common.interpret_mode():
+        return {"BM": 16, "BN": 16, "desc": HAS_DESC, "opts": {}}
+    tuned = common.tuned_config(device).get("attention", {})
+    bm, bn = (tuned.get("BM", 128), tuned.get("BN", 64)) if D <= 128 else (64, 32)
+    opts = {"num_warps": 8 if D >= 128 else 4, "num_stages": tuned.get("num_stages", 3)}
+    desc = HAS_DESC and tuned.get("tma", False) and torch.cuda.get_device_capability(device)[0] >= 9 and D <= 128
+    return {"BM": bm, "BN": bn, "desc": desc, "opts": opts}
