@@ -43,3 +43,33 @@ def test_the_shipped_tables_load():
         for op in ("gemm_mn", "swiglu"):
             for M in (1024, 3000, 16384, 1 << 20):
                 assert 0.0 <= naxis_dense_above(tuned, op, 128, M) <= 1.0
+
+
+KAXIS = {"kaxis": {"o_proj": {"64": [[1.0, "dense"]], "4096": [[0.3, "gemm_k"], [0.5, "shared"]],
+                              "16384": [[0.6, "shared"], [1.0, "dense"]]}}}
+
+
+@pytest.mark.parametrize("op,M,p,want", [
+    ("o_proj", 4096, 0.2, "gemm_k"), ("o_proj", 4096, 0.3, "gemm_k"), ("o_proj", 4096, 0.45, "shared"),
+    ("o_proj", 4096, 0.7, "dense"),  # past the last bound
+    ("o_proj", 16384, 0.6, "shared"), ("o_proj", 1 << 20, 0.61, "dense"),
+    ("o_proj", 8192, 0.25, "gemm_k"),  # halfway in log2: the lower row count
+    ("o_proj", 9000, 0.55, "shared"), ("o_proj", 16, 0.1, "dense"), ("o_proj", 512, 0.1, "dense"),
+    ("o_proj", 600, 0.1, "gemm_k"), ("down_proj", 4096, 0.1, "dense"),  # no table: dense
+])
+def test_kaxis_path(op, M, p, want):
+    from wide.inference.engine import kaxis_path
+
+    assert kaxis_path(KAXIS, op, M, p) == want
+
+
+def test_the_shipped_kaxis_tables_name_known_paths():
+    from wide.inference.engine import KAXIS_PATHS, kaxis_path
+    from wide.kernels import tuned_config
+
+    for device in ("cpu", None):
+        tuned = tuned_config(device)["engine"]
+        for op in ("o_proj", "down_proj"):
+            for bounds in tuned.get("kaxis", {}).get(op, {}).values():
+                assert all(0.0 <= b <= 1.0 and path in KAXIS_PATHS for b, path in bounds)
+            assert all(kaxis_path(tuned, op, M, p) in KAXIS_PATHS for M in (5, 4096, 1 << 20) for p in (0.0, 1.0))

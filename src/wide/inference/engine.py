@@ -2,7 +2,8 @@
 
 Per layer the attention router reads the stream entering ``input_layernorm`` (Eq. 4-5); one reorder of its mask
 (Eq. 7, Algorithm 1) serves the Q projection (``gemm_mn``, Algorithm 2) and the attention (Algorithm 4); O is
-``gemm_k`` (Algorithm 3); K and V are dense (Eq. 2).  The FFN router gates the fused SwiGLU and ``down_proj``.  Each
+``o_proj`` in the shared token order of the mask (``token_order``) or ``gemm_k`` (Algorithm 3); K and V are dense
+(Eq. 2).  The FFN router gates the fused SwiGLU and ``down_proj``.  Each
 routed op runs as its kernel or as cuBLAS / SDPA with the skipped groups zeroed (the same function), chosen per layer
 from the measured activity and :func:`wide.kernels.tuned_config`; on CUDA the routers run on a second stream beside
 the work that reads no mask.  ``ops="dense"`` is the same structure unrouted (the benchmarks' baseline).
@@ -37,12 +38,27 @@ from wide.kernels import (
 )
 from wide.kernels._common import use_triton
 from wide.kernels.gemm_mn import uses_reorder
+from wide.kernels.o_proj import o_proj as shared_order_gemm_k
 from wide.kernels.rmsnorm import add_rmsnorm
 from wide.kernels.rope import rope_cache
+from wide.kernels.token_order import MAX_GROUPS, token_order
 from wide.model import WideModel, check_architecture, check_token_ids, decoder_layers, dims_of, outside_vocab
 
 OPS = ("routed", "dense")
 MODES = ("kernel", "auto", "dense")
+KAXIS_PATHS = ("dense", "shared", "gemm_k")
+
+
+def kaxis_path(tuned: dict, op: str, M: int, p: float) -> str:
+    """The path of the K-axis ``op`` ("o_proj" or "down_proj") of ``M`` rows executing the fraction ``p`` of its groups
+    (``tuned``: the tuned config's ``"engine"`` section): in ``kaxis[op]`` at the row count nearest ``M`` in ``log2``
+    (ties: the lower), the first ``[bound, path]`` with ``p <= bound``; "dense" past the last bound or without a table.
+    Paths: "dense" (cuBLAS on the zero-filled input), "shared" (``o_proj``, shared token order), "gemm_k"."""
+    table = tuned.get("kaxis", {}).get(op)
+    if not table:
+        return "dense"
+    m = min((int(k) for k in table), key=lambda k: (abs(math.log2(k) - math.log2(max(M, 1))), k))
+    return next((path for bound, path in table[str(m)] if p <= bound), "dense")
 
 
 def naxis_dense_above(tuned: dict, op: str, G: int, M: int, router_beside: bool = False) -> float:
@@ -188,14 +204,17 @@ class Layer(nn.Module):
         q, k = self.rope_kv_cache(q, k, v, f)
         a = self.attend(q.transpose(1, 2), k.transpose(1, 2) if k is not None else None, v.transpose(1, 2), m, per, f,
                         sdpa)
-        return h, self.o_proj(a.transpose(1, 2).reshape(M, -1), m, e).view(B, T, -1)
+        path = "dense" if m is None else e.kaxis_path("attn", i, M)
+        order = self.token_order("attn", m, path)
+        return h, self.o_proj(a.transpose(1, 2).reshape(M, -1), m, e, path, order).view(B, T, -1)
 
     def feed_forward(self, h, o, f: Pass):
         e, i = f.engine, self.i
         B, T, D = h.shape
         M = B * T
         n_dense = e.ops == "dense" or e.naxis_dense("ffn", i, M)
-        k_dense = e.ops == "dense" or e.kaxis_dense(M)
+        path = "dense" if e.ops == "dense" else e.kaxis_path("ffn", i, M)
+        k_dense = path == "dense"
         beside = e.streams and self.ffn_router is not None
         g = u = flat = None
         if f.phase == "decode" and not (n_dense and k_dense):  # the router reads h + o beside the norm
@@ -209,7 +228,8 @@ class Layer(nn.Module):
                 m, flat, _ = self.route_reorder("ffn", h, f, not n_dense, False)
         route = m.view(M, -1) if m is not None else None
         act = self.gate_up(x.view(M, D), route, flat, g, u, n_dense, e.g_ffn)
-        return h, self.down_proj(act, route, k_dense, e.g_ffn).view(B, T, D)
+        order = self.token_order("ffn", m, path)
+        return h, self.down_proj(act, route, "dense" if route is None else path, order, e.g_ffn).view(B, T, D)
 
     # --- the ops (each a profiler range) ---------------------------------------------------------------------
     def route(self, kind: str, h, f: Pass, add=None):
@@ -248,6 +268,14 @@ class Layer(nn.Module):
             if B == 1:
                 return flat, Reordered(flat.index.view(1, T, N), flat.mask.view(1, T, N), flat.counts.view(1, N))
             return flat, batch_reorder_view(flat, m)
+
+    def token_order(self, kind: str, m, path: str):
+        """The shared token order of ``m`` when its K-axis projection runs in it (``path`` "shared"), else None;
+        computed once per layer and routing decision, readable by every op of that decision."""
+        if path != "shared" or m is None:
+            return None
+        with record_function(f"{kind}_token_order"):
+            return token_order(m)
 
     def route_reorder(self, kind: str, h, f: Pass, mn_kernel: bool, attention: bool):
         m = self.route(kind, h, f)
@@ -301,10 +329,13 @@ class Layer(nn.Module):
                                 reordered=per)
 
     @_op
-    def o_proj(self, a, m, e: Engine):
-        if m is None or e.kaxis_dense(a.shape[0]):
-            return F.linear(a, self.wo, self.bo)  # the skipped head groups of a are exact zeros
-        o = gemm_k(a, self.wo, m.view(a.shape[0], -1), e.g_attn)
+    def o_proj(self, a, m, e: Engine, path: str, order):
+        """O of ``path`` (:func:`kaxis_path`); the skipped head groups of ``a`` are exact zeros."""
+        if path == "dense":
+            return F.linear(a, self.wo, self.bo)
+        route = m.view(a.shape[0], -1)
+        o = (shared_order_gemm_k(a, self.wo, route, e.g_attn, order=order, zeroed=True) if path == "shared"
+             else gemm_k(a, self.wo, route, e.g_attn))
         return o + self.bo if self.bo is not None else o
 
     @_op
@@ -321,9 +352,12 @@ class Layer(nn.Module):
         return F.silu(g) * u if route is None else masked_swiglu_act(g, u, route, G)
 
     @_op
-    def down_proj(self, act, route, k_dense: bool, G: int):
-        if route is None or k_dense:
-            return F.linear(act, self.wd)  # the skipped groups of act are exact zeros
+    def down_proj(self, act, route, path: str, order, G: int):
+        """Down of ``path`` (:func:`kaxis_path`); the skipped groups of ``act`` are exact zeros."""
+        if path == "dense":
+            return F.linear(act, self.wd)
+        if path == "shared":
+            return shared_order_gemm_k(act, self.wd, route, G, order=order, zeroed=True)
         return gemm_k(act, self.wd, route, G)
 
 
@@ -333,8 +367,9 @@ class Engine(nn.Module):
     ``model``: a :class:`wide.WideModel` (argmax routing) or a Hugging Face ``*ForCausalLM`` (every group executes).
     ``ops``: "routed", or "dense" (cuBLAS, SDPA prefill; routers ignored).  ``track_sparsity``: count the executed
     groups of valid tokens (:meth:`realized_sparsity`).  ``kaxis`` (O, down), ``naxis`` (Q, gate + up) and ``attn``
-    (prefill attention): "kernel", "dense" (cuBLAS / SDPA, the skipped groups zeroed) or "auto": O / down dense above
-    4 rows, the others dense in the layers whose activity (:meth:`measure_activity`) is above the tuned threshold.
+    (prefill attention): "kernel", "dense" (cuBLAS / SDPA, the skipped groups zeroed) or "auto": per layer from its
+    activity (:meth:`measure_activity`) and the tuned tables (O / down: :func:`kaxis_path`; unmeasured, dense above 4
+    rows).  O runs as a kernel in the shared token order (``o_proj``) where N_G <= 16, else as ``gemm_k``.
 
     Raises:
         WideError: another kind of model, an unsupported architecture or activation, a wrapped (unmerged LoRA)
@@ -394,9 +429,25 @@ class Engine(nn.Module):
         self.stats = torch.zeros(4, dtype=torch.float64, device=self.device)  # attn executed / total, ffn the same
 
     # --- dispatch ------------------------------------------------------------------------------------------------
-    def kaxis_dense(self, M: int) -> bool:
-        """Whether O / down of ``M`` rows run as cuBLAS on their zero-filled input instead of ``gemm_k``."""
-        return self.kaxis == "dense" or (self.kaxis == "auto" and M > 4)
+    def kaxis_path(self, kind: str, i: int, M: int) -> str:
+        """Path of layer ``i``'s O (``kind`` "attn") or down ("ffn") projection of ``M`` rows: "dense" (cuBLAS on the
+        zero-filled input), "shared" (``o_proj`` in the shared token order, N_G <= 16) or "gemm_k".  "kernel": the
+        GEMV up to 4 rows, above it O shared, down ``gemm_k``; "auto": the GEMV up to 4 rows, above it
+        :func:`kaxis_path` of the measured activity (dense when unmeasured)."""
+        shared_ok = (self.n_attn if kind == "attn" else self.n_ffn) <= MAX_GROUPS
+        if self.kaxis == "dense":
+            return "dense"
+        if M <= 4:
+            return "gemm_k"
+        if self.kaxis == "kernel":
+            return "shared" if kind == "attn" and shared_ok else "gemm_k"
+        p = self.expected_active.get((kind, i))
+        path = "dense" if p is None else kaxis_path(self.tuned, "o_proj" if kind == "attn" else "down_proj", M, p)
+        return "dense" if path == "shared" and not shared_ok else path
+
+    def kaxis_dense(self, M: int, kind: str = "ffn", i: int = 0) -> bool:
+        """Whether layer ``i``'s O / down of ``M`` rows run as cuBLAS on their zero-filled input."""
+        return self.kaxis_path(kind, i, M) == "dense"
 
     def naxis_dense(self, kind: str, i: int, M: int) -> bool:
         """Whether layer ``i``'s Q (``kind`` "attn") or gate + up ("ffn") of ``M`` rows run as cuBLAS."""
