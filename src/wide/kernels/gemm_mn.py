@@ -1,6 +1,10 @@
 """GEMM-MN: the N-axis routed GEMM of Q, gate and up (paper Eq. 3, Eq. 9, Algorithm 2), its fused SwiGLU and its
 GEMV for M <= 4 rows (Appendix B): ``out[m, n] = (x @ w.T)[m, n]`` where ``route[m, n // G]``, else 0.
 
+Backends: ``"cute"`` (:mod:`wide.kernels.sm90`, the warp-specialized CuTe kernel on sm_90a: bf16 / fp16, K a
+multiple of 64, G of 128), ``"triton"`` (every GPU, and the CPU interpreter); ``"auto"`` takes CuTe where it runs and
+the rows go through the reorder (M above ``direct_max_m``).  :data:`LAST_BACKEND` records what ran per op.
+
 Tile kernel: a program owns a ``(BM, BN | G)`` tile of the reordered rows of one group, gathered and scattered
 through the reorder index; a tile whose first sorted row is inactive only writes zeros (level 0).  Up to the tuned
 ``direct_max_m`` rows it reads the route directly.  GEMV: a dense-sized grid mapped on the device onto the
@@ -10,8 +14,11 @@ through the reorder index; a tile whose first sorted row is inactive only writes
 import torch
 
 from wide.kernels import _common as common
-from wide.kernels import gemm_mn_ws, reference
+from wide.kernels import gemm_mn_ws, reference, sm90
 from wide.kernels.reorder import reorder
+
+BACKENDS = ("auto", "triton", "cute")
+LAST_BACKEND: dict[str, str] = {}  # op ("gemm_mn", "swiglu") -> what ran last: "cute", "triton" or "reference"
 
 if common.HAS_TRITON:
     import triton
@@ -326,30 +333,69 @@ def _checked(op, x, w, w2, route, G, out, reordered=None, tail=()):
     return None if reordered is None else common.check_reordered(reordered, (M, N // G), route.device)
 
 
-def _gemm_mn(x, w, w2, route, G, reordered, out):
+def cute_unsupported(x, w, w2, G: int, out) -> str:
+    """Why the CuTe kernel cannot take these checked arguments ("" when it can); builds it on first use."""
+    if x.dtype not in (torch.bfloat16, torch.float16):
+        return f"dtype {str(x.dtype).replace('torch.', '')} (it takes bfloat16 and float16)"
+    if x.shape[1] % 64 or G % 128:
+        return f"K={x.shape[1]}, G={G} (it takes K a multiple of 64 and G a multiple of 128)"
+    if not common.tma_aligned(*(t for t in (x, w, w2, out) if t is not None)):
+        return "tensors not 16-byte aligned with unit column stride"
+    if not sm90.available(x.device):
+        return "no sm_90 GPU, or the CuTe kernels did not build (see the warning)"
+    return ""
+
+
+def _cute(x, w, w2, route, G, reordered, out):
+    """The CuTe kernel on checked, supported arguments."""
+    if reordered is None:
+        reordered = reorder(route.contiguous())
+    out = torch.empty((x.shape[0], w.shape[0]), dtype=x.dtype, device=x.device) if out is None else out
+    if w2 is not None and w2.stride(0) != w.stride(0):
+        w, w2 = w.contiguous(), w2.contiguous()
+    group_m = common.tuned_config(x.device)["gemm_mn"].get("cute_group_m", 8)
+    sm90.run("gemm_mn" if w2 is None else "swiglu", x, w, w2, reordered.index, reordered.counts, out, G, group_m)
+    return out
+
+
+def _gemm_mn(x, w, w2, route, G, reordered, out, backend="auto"):
+    op = "gemm_mn" if w2 is None else "swiglu"
+    if backend not in BACKENDS:
+        common.fail(f"backend={backend!r} is not allowed; allowed: {', '.join(map(repr, BACKENDS))}")
+    if backend == "cute" or (backend == "auto" and x.is_cuda and uses_reorder(x.shape[0], x.device)):
+        why = cute_unsupported(x, w, w2, G, out) if x.is_cuda else f"x is on {x.device}, not an sm_90 GPU"
+        if not why:
+            LAST_BACKEND[op] = "cute"
+            return _cute(x, w, w2, route, G, reordered, out)
+        if backend == "cute":
+            common.fail(f"backend='cute' cannot run this {op}: {why}")
+    LAST_BACKEND[op] = "triton" if common.use_triton(x) else "reference"
     if x.shape[0] <= 4 or not common.use_triton(x):
         return _gemv(x, w, w2, route, G, out)
     return _launch(x, w, w2, route, G, reordered, out)
 
 
 def gemm_mn(x: torch.Tensor, w: torch.Tensor, route: torch.Tensor, G: int, *, reordered: common.Reordered | None = None,
-            out: torch.Tensor | None = None) -> torch.Tensor:
+            out: torch.Tensor | None = None, backend: str = "auto") -> torch.Tensor:
     """N-axis routed GEMM (Algorithm 2): ``out[m, n] = (x @ w.T)[m, n] if route[m, n // G] else 0``.
 
     x ``[M, K]`` bf16/fp16/fp32, w ``[N, K]``, route bool ``[M, N // G]``, G a multiple of 16 dividing N, ``reordered``
-    an optional :func:`~wide.kernels.reorder` of route, out optional contiguous ``[M, N]``.  Returns ``[M, N]`` in x's
-    dtype, fp32-accumulated.  Raises KernelArgumentError: bad shapes, dtypes, devices, G, route, reordered or out.
+    an optional :func:`~wide.kernels.reorder` of route, out optional contiguous ``[M, N]``, ``backend`` one of
+    :data:`BACKENDS`.  Returns ``[M, N]`` in x's dtype, fp32-accumulated.  Raises KernelArgumentError: bad shapes,
+    dtypes, devices, G, route, reordered, out or backend, or ``backend="cute"`` where the CuTe kernel cannot run.
     """
-    return _gemm_mn(x, w, None, route, G, _checked("gemm_mn", x, w, None, route, G, out, reordered), out)
+    return _gemm_mn(x, w, None, route, G, _checked("gemm_mn", x, w, None, route, G, out, reordered), out, backend)
 
 
 def swiglu(x: torch.Tensor, w_gate: torch.Tensor, w_up: torch.Tensor, route: torch.Tensor, G: int, *,
-           reordered: common.Reordered | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
+           reordered: common.Reordered | None = None, out: torch.Tensor | None = None,
+           backend: str = "auto") -> torch.Tensor:
     """Fused routed SwiGLU (Eq. 3): ``silu(x Wg^T)[m, n] * (x Wu^T)[m, n] if route[m, n // G] else 0``, rounded as the
     model's MLP rounds; as :func:`gemm_mn` with ``w_gate`` and ``w_up`` ``[N, K]``.  Raises KernelArgumentError: as
     :func:`gemm_mn`.
     """
-    return _gemm_mn(x, w_gate, w_up, route, G, _checked("swiglu", x, w_gate, w_up, route, G, out, reordered), out)
+    return _gemm_mn(x, w_gate, w_up, route, G, _checked("swiglu", x, w_gate, w_up, route, G, out, reordered), out,
+                    backend)
 
 
 def gemv_mn(x: torch.Tensor, w: torch.Tensor, route: torch.Tensor, G: int, *, out: torch.Tensor | None = None,

@@ -321,9 +321,14 @@ int run(const Args& args, const void* w, const void* w2, int64_t ldw, int grid_c
   const dim3 grid(unsigned(tiles < grid_ctas ? tiles : grid_ctas));
   auto go = [&](auto tma_a) {
     auto kernel = routed_kernel<C, decltype(tma_a), decltype(tma_b)>;
-    static const cudaError_t attr =
-        cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, C::kSmem);
-    if (attr != cudaSuccess) return int(attr);
+    static bool raised[64] = {};  // the dynamic shared memory limit, raised once per device
+    int dev = 0;
+    cudaError_t err = cudaGetDevice(&dev);
+    if (err == cudaSuccess && (dev >= 64 || !raised[dev])) {
+      err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, C::kSmem);
+      if (err == cudaSuccess && dev < 64) raised[dev] = true;
+    }
+    if (err != cudaSuccess) return int(err);
     kernel<<<grid, kThreads, C::kSmem, stream>>>(tma_a, tma_b, tma_b2, args);
     return int(cudaGetLastError());
   };

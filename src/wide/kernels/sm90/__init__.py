@@ -1,0 +1,158 @@
+"""CuTe backend of :func:`wide.kernels.gemm_mn` and :func:`wide.kernels.swiglu` on sm_90a (H100 / H200), Algorithm 2.
+
+``gemm_mn_sm90.cu`` (CUTLASS 4 / CuTe headers from the ``nvidia-cutlass`` package, no torch headers) and the thin
+torch binding ``binding.cpp`` are built with nvcc through ``torch.utils.cpp_extension`` (ninja) once per source hash,
+architecture and torch version into ``<cache_dir()>/sm90/<name>``, then loaded.  Where nvcc, the headers or an sm_90
+GPU are missing, or the build fails, :func:`module` returns None after one warning line per process and the Triton
+kernels run.
+"""
+
+import functools
+import hashlib
+import importlib.util
+import os
+import shutil
+import warnings
+
+import torch
+
+from wide.kernels._common import cache_dir, fail, tma_aligned
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+SOURCES = ("gemm_mn_sm90.cu", "binding.cpp")
+HEADERS = ("gemm_mn_sm90.h",)
+ARCH_FLAG = "-gencode=arch=compute_90a,code=sm_90a"
+OPS = {"gemm_mn": 0, "swiglu": 1, "dense_swiglu": 2}
+_WARNED: list = []
+
+
+def cutlass_include() -> str | None:
+    """``include`` folder of the CUTLASS / CuTe headers shipped by ``nvidia-cutlass`` (not imported), or None."""
+    try:
+        spec = importlib.util.find_spec("cutlass_library")
+    except (ImportError, ValueError):
+        return None
+    for root in ([os.path.dirname(spec.origin)] if spec and spec.origin else []) + list(
+            (spec.submodule_search_locations or []) if spec else []):
+        inc = os.path.join(root, "source", "include")
+        if os.path.isfile(os.path.join(inc, "cute", "tensor.hpp")):
+            return inc
+    return None
+
+
+def nvcc() -> str | None:
+    """Path of nvcc: ``$CUDA_HOME/bin/nvcc`` or the one on PATH; None when there is none."""
+    home = os.environ.get("CUDA_HOME") or os.environ.get("CUDA_PATH")
+    if home and os.path.isfile(os.path.join(home, "bin", "nvcc")):
+        return os.path.join(home, "bin", "nvcc")
+    return shutil.which("nvcc")
+
+
+def nvcc_flags(include: str) -> list[str]:
+    """nvcc flags of the kernel source (the CI compile test uses the same)."""
+    return ["-O3", "-std=c++17", ARCH_FLAG, "--expt-relaxed-constexpr", "-DNDEBUG", f"-I{include}"]
+
+
+def build_name(include: str) -> str:
+    """``wide_sm90_<hash>``: a hash of the sources, the flags, torch's and CUDA's versions and the headers' package."""
+    h = hashlib.sha256()
+    for name in SOURCES + HEADERS:
+        with open(os.path.join(HERE, name), "rb") as f:
+            h.update(name.encode() + b"\0" + f.read())
+    try:
+        from importlib.metadata import version
+
+        cutlass = version("nvidia-cutlass")
+    except Exception:
+        cutlass = include
+    h.update(repr((nvcc_flags(""), torch.__version__, torch.version.cuda, cutlass)).encode())
+    return "wide_sm90_" + h.hexdigest()[:16]
+
+
+def build_dir(include: str) -> str:
+    return os.path.join(cache_dir(), "sm90", build_name(include))
+
+
+def _warn(why: str) -> None:
+    if not _WARNED:
+        _WARNED.append(why)
+        warnings.warn(f"wide.kernels: the CuTe sm_90a backend is not used ({why}); the Triton kernels run",
+                      RuntimeWarning, stacklevel=4)
+
+
+@functools.cache
+def _build():
+    include, compiler = cutlass_include(), nvcc()
+    if torch.version.cuda is None:
+        return None, "torch was built without CUDA"
+    if compiler is None:
+        return None, "nvcc not found; set CUDA_HOME or put nvcc on PATH"
+    if include is None:
+        return None, "CUTLASS headers not found; pip install nvidia-cutlass==4.2.0.0 --no-deps"
+    from torch.utils import cpp_extension
+
+    out = build_dir(include)
+    os.makedirs(out, exist_ok=True)
+    if cpp_extension.CUDA_HOME is None:  # torch looks for the toolkit itself; point it at this nvcc's
+        cpp_extension.CUDA_HOME = os.path.dirname(os.path.dirname(os.path.realpath(compiler)))
+    try:
+        mod = cpp_extension.load(name=build_name(include), sources=[os.path.join(HERE, s) for s in SOURCES],
+                                 extra_cflags=["-O3", "-std=c++17"], extra_cuda_cflags=nvcc_flags(include),
+                                 extra_include_paths=[include, HERE], build_directory=out, verbose=False)
+    except Exception as e:  # a failed build: the Triton path runs
+        return None, f"build failed in {out}: {type(e).__name__}: {str(e).strip().splitlines()[-1][:200]}"
+    return mod, ""
+
+
+def module(device: torch.device | None = None):
+    """The built extension (``run``, ``smem_bytes``) when ``device`` is an sm_90 GPU and the build works, else None
+    (with one warning line per process naming why)."""
+    if device is None or device.type != "cuda" or not torch.cuda.is_available():
+        return None
+    if torch.cuda.get_device_capability(device) != (9, 0):
+        return None  # not a Hopper GPU: the Triton kernels are this GPU's path, nothing to warn about
+    mod, why = _build()
+    if mod is None:
+        _warn(why)
+    return mod
+
+
+def available(device: torch.device | None) -> bool:
+    """Whether the CuTe kernels run on ``device`` (builds them on first use)."""
+    return module(device) is not None
+
+
+def run(op: str, x: torch.Tensor, w: torch.Tensor, w2, index, counts, out: torch.Tensor, G: int, group_m: int) -> None:
+    """Launch ``op`` (``gemm_mn``, ``swiglu``, ``dense_swiglu``) on checked, supported arguments (see
+    ``gemm_mn_sm90.h``) on the current stream."""
+    props = torch.cuda.get_device_properties(x.device)
+    module(x.device).run(OPS[op], x, w, w2, index, counts, out, G, group_m, props.multi_processor_count)
+
+
+def dense_swiglu(x: torch.Tensor, w_gate: torch.Tensor, w_up: torch.Tensor,
+                 out: torch.Tensor | None = None) -> torch.Tensor:
+    """Dense fused SwiGLU ``silu(x Wg^T) * (x Wu^T)`` (Eq. 3 with every group executed, the model MLP's rounding), the
+    dense baseline of the routed SwiGLU: x ``[M, K]`` bf16 / fp16 on an sm_90 GPU, w_gate and w_up ``[N, K]``, K a
+    multiple of 64, N of 128, out optional contiguous ``[M, N]``.  Returns ``[M, N]``.  Raises KernelArgumentError
+    where the kernel cannot run (other shapes, dtypes or devices, or no build)."""
+    ok = (isinstance(x, torch.Tensor) and x.dim() == 2 and x.dtype in (torch.bfloat16, torch.float16)
+          and all(isinstance(t, torch.Tensor) and t.dim() == 2 and t.dtype == x.dtype and t.device == x.device
+                  and t.shape == w_gate.shape for t in (w_gate, w_up))
+          and w_gate.shape[1] == x.shape[1] and x.shape[1] % 64 == 0 and w_gate.shape[0] % 128 == 0)
+    if not ok:
+        fail("dense_swiglu takes x [M, K] bfloat16 / float16 and w_gate, w_up [N, K] of its dtype and device, K a "
+             "multiple of 64 and N of 128")
+    M, N = x.shape[0], w_gate.shape[0]
+    out = torch.empty((M, N), dtype=x.dtype, device=x.device) if out is None else out
+    if tuple(out.shape) != (M, N) or out.dtype != x.dtype or out.device != x.device or not out.is_contiguous():
+        fail(f"out must be a contiguous {x.dtype} tensor of shape {(M, N)} on {x.device}")
+    if M == 0:
+        return out
+    if w_up.stride(0) != w_gate.stride(0):
+        w_gate, w_up = w_gate.contiguous(), w_up.contiguous()
+    if not tma_aligned(x, w_gate, w_up, out):
+        fail("dense_swiglu needs 16-byte aligned tensors with unit column stride")
+    if not available(x.device):
+        fail(f"dense_swiglu needs an sm_90 GPU and the built CuTe kernels; {x.device} has neither")
+    run("dense_swiglu", x, w_gate, w_up, None, None, out, N, 8)
+    return out
