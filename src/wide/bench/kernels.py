@@ -5,7 +5,8 @@ baseline and ``wide_ms`` of the routed op, timed in the same process as the medi
 ``triton.testing.do_bench_cudagraph`` (over several input sets where one set fits in L2); the reorder's time is added
 once per routing decision, shared by its three ops (the fused SwiGLU counts for two).  Baselines: cuBLAS ``x @ w.T``
 (``torch.matmul``) for gemm_mn / gemm_k; one cuBLAS GEMM on the stacked ``[W_gate; W_up]`` plus ``silu(a) * b`` for
-the SwiGLU; for attention the fastest SDPA backend timed here (every backend that runs: ``baseline_candidates_ms``).
+the SwiGLU; for attention the fastest SDPA backend timed here (every backend that runs: ``baseline_candidates_ms``);
+for ``o_proj`` / ``down_proj`` cuBLAS on the zero-filled input against the best routed path (:func:`bench_kaxis`).
 
 Run: ``wide bench kernels [--quick] [--out-dir benchmarks/kernels]``; writes ``kernels_<tag>.json`` (records),
 ``kernels_<tag>.md`` (table) and ``kernels_<tag>.png`` (speedup against M or T per sparsity, ideal 1/(1-s) dashed).
@@ -25,7 +26,7 @@ import zlib
 
 from wide.bench._args import choice_list, float_above, group_list, int_at_least, int_list, report_only, sparsity_list
 
-OPS = ("gemm_mn", "gemm_k", "swiglu", "attention_prefill", "attention_decode")
+OPS = ("gemm_mn", "gemm_k", "swiglu", "attention_prefill", "attention_decode", "o_proj", "down_proj")
 LLAMA = dict(hidden=4096, ffn=14336, hq=32, hk=8, d=128)
 UNIT = "s: Bernoulli probability that a (token, group) is skipped = expected fraction of the op's compute skipped"
 GEMM_BASELINE = {"gemm_mn": "cuBLAS x @ w.T (torch.matmul)", "gemm_k": "cuBLAS x @ w.T (torch.matmul)",
@@ -171,6 +172,87 @@ def bench_gemm(run: _Run, op: str, M: int, G: int, s: float) -> None:
     torch.cuda.empty_cache()
 
 
+def bench_kaxis(run: _Run, op: str, M: int, G: int, s: float) -> None:
+    """One record of a K-axis projection with M rows and sparsity s (Bernoulli(1 - s) per token and group, the skipped
+    blocks of the input zero as the attention / SwiGLU leave them): ``o_proj`` (4096 -> 4096, N_G = 8 head groups of
+    G = 512) or ``down_proj`` (14336 -> 4096, group size G).  Baseline: cuBLAS on the zero-filled input.  Candidates
+    (``candidates_ms``): ``shared`` (token_order + o_proj, N_G <= 16; the sort counted in full, each tile config timed,
+    ``U`` its union density at 64 rows, ``U_tile`` at the winner's row tile), ``gemm_k_splitk`` and ``gemm_k_masked``
+    (select + cuBLAS); ``wide_ms`` is the best of them.  ``shared_a_sorted`` (A given in the sorted order, which no
+    producer writes yet) is recorded beside, not a candidate."""
+    import torch
+
+    from wide.kernels import gemm_k, reference
+    from wide.kernels.o_proj import candidates as shared_candidates
+    from wide.kernels.o_proj import launch as shared_launch
+    from wide.kernels.o_proj import o_proj
+    from wide.kernels.token_order import MAX_GROUPS, token_order, union_density
+
+    D, Fd = LLAMA["hidden"], LLAMA["ffn"]
+    N, K = (D, LLAMA["hq"] * LLAMA["d"]) if op == "o_proj" else (D, Fd)
+    G = K // LLAMA["hk"] if op == "o_proj" else G
+    NG = K // G
+    n_sets = int(min(8, max(1, math.ceil(3 * run.l2 / (2 * (M * K + N * K + M * N))))))
+    gen = torch.Generator(device="cuda").manual_seed(zlib.crc32(repr((op, M, G, s)).encode()))
+    sets = []
+    for _ in range(n_sets):
+        route = torch.rand((M, NG), generator=gen, device="cuda") < (1.0 - s)
+        a = torch.randn(M, K, device="cuda", dtype=torch.bfloat16, generator=gen)
+        a = torch.where(reference.expand_route(route, G), a, torch.zeros((), dtype=a.dtype, device="cuda"))
+        w = torch.randn(N, K, device="cuda", dtype=torch.bfloat16, generator=gen) * 0.02
+        sets.append(dict(a=a, route=route, w=w, o=torch.empty(M, N, device="cuda", dtype=torch.bfloat16)))
+
+    def each(fn):  # one call per input set
+        return [lambda st=st: fn(st) for st in sets]
+
+    if (op, M) not in run.dense:
+        run.dense[(op, M)] = time_ms(each(lambda st: torch.matmul(st["a"], st["w"].t(), out=st["o"])))
+    cands = {path: time_ms(each(lambda st, path=path: gemm_k(st["a"], st["w"], st["route"], G, path=path,
+                                                              out=st["o"])))
+             for path in ("splitk", "masked")}
+    cands = {f"gemm_k_{k}": v for k, v in cands.items()}
+    rec = dict(op=op, M=M, N=N, K=K, G=G, N_G=NG, sparsity=s, dense_ms=run.dense[(op, M)],
+               baseline="cuBLAS on the zero-filled input (torch.matmul)", n_input_sets=n_sets)
+    if NG <= MAX_GROUPS and M > 4:
+        for st in sets:
+            st["order"] = token_order(st["route"])
+            st["a_sorted"] = st["a"][st["order"].perm.long()]
+        sort_ms = time_ms(each(lambda st: token_order(st["route"])))
+        by_cfg = {}
+        for cfg in shared_candidates(G, M):
+            name = ",".join(f"{k}={v}" for k, v in cfg.items())
+            try:
+                by_cfg[name] = (cfg, time_ms(each(lambda st, cfg=cfg: shared_launch(
+                    st["a"], st["w"], st["order"], G, st["o"], cfg, True, False))))
+            except Exception as e:  # a config that does not compile or launch here
+                print(f"o_proj config {name} failed: {type(e).__name__}: {e}", flush=True)
+        best = min(by_cfg, key=lambda k: by_cfg[k][1])
+        cfg = by_cfg[best][0]
+        sorted_ms = time_ms(each(lambda st: shared_launch(st["a_sorted"], st["w"], st["order"], G, st["o"], cfg, True,
+                                                          True)))
+        cands["shared"] = sort_ms + by_cfg[best][1]
+        rec.update(U=sum(union_density(st["order"], NG) for st in sets) / n_sets,
+                   U_tile=sum(union_density(st["order"], NG, max(64, cfg["BM"])) for st in sets) / n_sets,
+                   sort_ms=sort_ms, sort_share=1.0, shared_kernel_ms=by_cfg[best][1], shared_config=best,
+                   shared_configs_ms={k: v[1] for k, v in by_cfg.items()}, shared_a_sorted_ms=sort_ms + sorted_ms)
+    best = min(cands, key=cands.get)
+    rec.update(wide_ms=cands[best], wide_path=best, candidates_ms=cands,
+               active=sum(float(st["route"].float().mean()) for st in sets) / n_sets)
+    if M <= 4096:
+        st = sets[0]
+        ref = reference.gemm_k_ref(st["a"].float(), st["w"].float(), st["route"], G)
+        errs = {}
+        for path in ("splitk", "masked"):
+            errs[f"gemm_k_{path}"] = _rel(gemm_k(st["a"], st["w"], st["route"], G, path=path), ref)
+        if "order" in st:
+            errs["shared"] = _rel(o_proj(st["a"], st["w"], st["route"], G, order=st["order"], zeroed=True), ref)
+        rec["rel_err"] = max(errs.values())
+        rec["rel_err_by_path"] = errs
+    run.add(rec)
+    sets.clear()
+    torch.cuda.empty_cache()
+
+
 def bench_attention(run: _Run, T: int, s: float, decode: bool = False) -> None:
     """One record of routed prefill attention over T tokens (``decode``: split-KV decode over a T-key cache) with head
     group routes of sparsity s, against the fastest SDPA backend (each backend that runs is timed)."""
@@ -289,6 +371,17 @@ def run(args) -> int:
                 bench_gemm(bench, op, M, G, s)
             except Exception as e:  # keep the sweep going; the error is reported
                 print(f"FAILED {op} M={M} G={G} s={s}: {type(e).__name__}: {e}", flush=True)
+    # the K-axis projections: O (N_G = 8, its own G) once per M and s, down per G
+    points = [("o_proj", M, 0, s) for s in Ss for M in Ms] * ("o_proj" in args.ops) + [
+        ("down_proj", M, G, s) for G in Gs for s in Ss for M in Ms] * ("down_proj" in args.ops)
+    for op, M, G, s in points:
+        if bench.over_budget():
+            print(f"time budget reached: skipping {op} M={M} G={G} s={s}", flush=True)
+            continue
+        try:
+            bench_kaxis(bench, op, M, G, s)
+        except Exception as e:  # keep the sweep going; the error is reported
+            print(f"FAILED {op} M={M} G={G} s={s}: {type(e).__name__}: {e}", flush=True)
     write_report(bench.records, args.out_dir, args.tag)
     print(f"wrote {len(bench.records)} records to {out_json} in {time.time() - bench.t0:.0f} s")
     return 0
