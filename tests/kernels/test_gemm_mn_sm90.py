@@ -1,0 +1,112 @@
+"""The CuTe sm_90a backend of gemm_mn and the fused SwiGLU, and its dense fused SwiGLU, against the float64 references
+(Algorithm 2, Eq. 3) on an H100 / H200; the backend choice and its refusals (those also on the CPU)."""
+
+import importlib
+
+import pytest
+import torch
+from kernel_testutil import DEVICE, KINDS, check_close, gpu, make_mask, poisoned, randn, seed_for
+
+from wide.kernels import KernelArgumentError, gemm_mn, reorder, sm90, swiglu
+from wide.kernels.reference import expand_route, gemm_mn_ref, swiglu_ref
+
+mod = importlib.import_module("wide.kernels.gemm_mn")
+HOPPER = torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0)
+hopper = pytest.mark.skipif(not HOPPER, reason="needs an sm_90 GPU (H100 / H200)")
+
+
+@pytest.fixture(scope="module")
+def built():
+    """The extension, built once (minutes on a fresh cache); a failed build fails the GPU tests."""
+    assert sm90.available(torch.device("cuda")), "the CuTe sm_90a kernels did not build (see the warning)"
+
+
+def run(op, M, N, K, G, dtype, kind, shared=True, p=0.5):
+    gen = seed_for("sm90", op, M, N, K, G, dtype, kind, shared)
+    x = randn((M, K), dtype, gen)
+    w, w2 = randn((N, K), dtype, gen, 0.05), randn((N, K), dtype, gen, 0.05)
+    route = make_mask(kind, (M, N // G), gen, p)
+    out = poisoned((M, N), dtype)
+    kw = dict(out=out, backend="cute", **({"reordered": reorder(route)} if shared else {}))
+    if op == "gemm_mn":
+        res, ref = gemm_mn(x, w, route, G, **kw), gemm_mn_ref(x.double(), w.double(), route, G)
+    else:
+        res, ref = swiglu(x, w, w2, route, G, **kw), swiglu_ref(x.double(), w.double(), w2.double(), route, G)
+    assert res is out and mod.LAST_BACKEND[op] == "cute"
+    check_close(out, ref)
+    assert (out[~expand_route(route, G)] == 0).all(), "an inactive (row, group) output must be exactly 0"
+
+
+@gpu
+@hopper
+@pytest.mark.parametrize("op", ["gemm_mn", "swiglu"])
+@pytest.mark.parametrize("G", [128, 512])
+@pytest.mark.parametrize("K", [128, 4096])
+@pytest.mark.parametrize("kind", KINDS)
+def test_routed_against_reference(op, G, K, kind, built):
+    # M = 300: not a multiple of the 128-row tile; N_G = 4
+    run(op, 300, 4 * G, K, G, torch.bfloat16, kind)
+
+
+@gpu
+@hopper
+@pytest.mark.parametrize("op", ["gemm_mn", "swiglu"])
+@pytest.mark.parametrize("G,M,dtype,shared", [(128, 1, torch.bfloat16, True), (256, 129, torch.bfloat16, False),
+                                              (512, 1000, torch.float16, True), (384, 77, torch.float16, False)])
+def test_edges(op, G, M, dtype, shared, built):
+    # N_G = 1 (N = G), one row, a row tile plus one row, fp16, G = 384 (128-wide tiles), the reorder made inside
+    run(op, M, G, 192, G, dtype, "random", shared=shared, p=0.6)
+
+
+@gpu
+@hopper
+@pytest.mark.parametrize("M", [1, 300, 1000])
+@pytest.mark.parametrize("K", [64, 4096])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_dense_swiglu(M, K, dtype, built):
+    gen = seed_for("dense_swiglu", M, K, dtype)
+    x = randn((M, K), dtype, gen)
+    wg, wu = randn((384, K), dtype, gen, 0.05), randn((384, K), dtype, gen, 0.05)
+    out = poisoned((M, 384), dtype)
+    assert sm90.dense_swiglu(x, wg, wu, out=out) is out
+    ones = torch.ones((M, 1), dtype=torch.bool, device=DEVICE)
+    check_close(out, swiglu_ref(x.double(), wg.double(), wu.double(), ones, 384))
+
+
+@gpu
+@hopper
+def test_auto_takes_cute_above_direct_rows_and_graph_replay(built):
+    gen = seed_for("sm90_auto")
+    M, N, K, G = 513, 1024, 256, 128
+    x, w, w2 = (randn(shape, torch.bfloat16, gen, 0.1) for shape in ((M, K), (N, K), (N, K)))
+    route = make_mask("random", (M, N // G), gen, 0.4)
+    swiglu(x, w, w2, route, G)
+    assert mod.LAST_BACKEND["swiglu"] == "cute"
+    swiglu(x[:64], w, w2, route[:64], G)
+    assert mod.LAST_BACKEND["swiglu"] == "triton"
+    gemm_mn(x, w, route, G, backend="triton")
+    assert mod.LAST_BACKEND["gemm_mn"] == "triton"
+    # reorder + kernel captured in one CUDA graph (no host sync), replayed on a new route
+    out = torch.empty((M, N), dtype=torch.bfloat16, device=DEVICE)
+    gemm_mn(x, w, route, G, out=out)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        gemm_mn(x, w, route, G, reordered=reorder(route), out=out)
+    route.copy_(make_mask("random", (M, N // G), gen, 0.7))
+    out.fill_(float("nan"))
+    graph.replay()
+    torch.cuda.synchronize()
+    check_close(out, gemm_mn_ref(x.double(), w.double(), route, G))
+
+
+def test_backend_refusals():
+    x = torch.zeros(8, 64, dtype=torch.bfloat16, device=DEVICE)
+    w = torch.zeros(128, 64, dtype=torch.bfloat16, device=DEVICE)
+    r = torch.ones(8, 2, dtype=torch.bool, device=DEVICE)
+    with pytest.raises(KernelArgumentError, match="backend='tvm' is not allowed; allowed: 'auto', 'triton', 'cute'"):
+        gemm_mn(x, w, r, 64, backend="tvm")
+    with pytest.raises(KernelArgumentError, match="backend='cute' cannot run this swiglu"):
+        swiglu(x, w, w, r, 64, backend="cute")  # G = 64: the CuTe tiles take multiples of 128 (and CPU: no GPU)
+    with pytest.raises(KernelArgumentError, match="dense_swiglu takes"):
+        sm90.dense_swiglu(x, w[:, :32], w[:, :32])
