@@ -4,8 +4,10 @@ Per op, shape, group size G and sparsity s (Bernoulli(1 - s) routes per token an
 baseline and ``wide_ms`` of the routed op, timed in the same process as the median of
 ``triton.testing.do_bench_cudagraph`` (over several input sets where one set fits in L2); the reorder's time is added
 once per routing decision, shared by its three ops (the fused SwiGLU counts for two).  Baselines: cuBLAS ``x @ w.T``
-(``torch.matmul``) for gemm_mn / gemm_k; one cuBLAS GEMM on the stacked ``[W_gate; W_up]`` plus ``silu(a) * b`` for
-the SwiGLU; for attention the fastest SDPA backend timed here (every backend that runs: ``baseline_candidates_ms``);
+(``torch.matmul``) for gemm_mn / gemm_k; for the SwiGLU the faster of one cuBLAS GEMM on the stacked
+``[W_gate; W_up]`` plus ``silu(a) * b`` and, on sm_90, the dense fused CuTe SwiGLU (both in
+``baseline_candidates_ms``; ``backend`` names the kernel backend of the routed op); for attention the fastest SDPA
+backend timed here (every backend that runs: ``baseline_candidates_ms``);
 for ``o_proj`` / ``down_proj`` cuBLAS on the zero-filled input against the best routed path (:func:`bench_kaxis`).
 
 Run: ``wide bench kernels [--quick] [--out-dir benchmarks/kernels]``; writes ``kernels_<tag>.json`` (records),
@@ -31,6 +33,7 @@ LLAMA = dict(hidden=4096, ffn=14336, hq=32, hk=8, d=128)
 UNIT = "s: Bernoulli probability that a (token, group) is skipped = expected fraction of the op's compute skipped"
 GEMM_BASELINE = {"gemm_mn": "cuBLAS x @ w.T (torch.matmul)", "gemm_k": "cuBLAS x @ w.T (torch.matmul)",
                  "swiglu": "cuBLAS GEMM on the stacked [W_gate; W_up] (torch.matmul) + silu(a) * b"}
+FUSED_SWIGLU = "dense fused SwiGLU, CuTe sm_90a (wide.kernels.sm90.dense_swiglu)"
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
@@ -97,7 +100,8 @@ class _Run:
         return time.time() - self.t0 > self.args.time_budget
 
     def add(self, rec: dict) -> None:
-        rec.update(speedup=rec["dense_ms"] / rec["wide_ms"], ideal=1.0 / (1.0 - rec["sparsity"]), **self.meta)
+        rec.update(speedup=rec["dense_ms"] / rec["wide_ms"], ideal=1.0 / (1.0 - rec["sparsity"]),
+                   **{k: v for k, v in self.meta.items() if k not in rec})  # a record's own backend stays
         self.records.append(rec)
         print(" ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}" for k, v in rec.items()
                        if k not in self.meta and not isinstance(v, dict)), flush=True)
@@ -119,8 +123,8 @@ def bench_gemm(run: _Run, op: str, M: int, G: int, s: float) -> None:
     import torch
     import torch.nn.functional as F
 
-    from wide.kernels import gemm_k, gemm_mn, reference, reorder, swiglu
-    from wide.kernels.gemm_mn import uses_reorder
+    from wide.kernels import gemm_k, gemm_mn, reference, reorder, sm90, swiglu
+    from wide.kernels.gemm_mn import LAST_BACKEND, uses_reorder
 
     D, Fd = LLAMA["hidden"], LLAMA["ffn"]
     N, K = (D, Fd) if op == "gemm_k" else (Fd, D)
@@ -151,12 +155,19 @@ def bench_gemm(run: _Run, op: str, M: int, G: int, s: float) -> None:
         else:
             (gemm_mn if op == "gemm_mn" else gemm_k)(st["x"], st["w"], st["route"], G, reordered=st["r"], out=st["o"])
 
-    if (op, M) not in run.dense:
-        run.dense[(op, M)] = time_ms([lambda st=st: dense(st) for st in sets])
+    if (op, M) not in run.dense:  # (fastest ms, its name, every candidate's ms)
+        cands = {GEMM_BASELINE[op]: time_ms([lambda st=st: dense(st) for st in sets])}
+        if op == "swiglu" and sm90.available(sets[0]["x"].device) and N % 128 == 0 and K % 64 == 0:
+            cands[FUSED_SWIGLU] = time_ms([lambda st=st: sm90.dense_swiglu(st["x"], st["w"][:N], st["w"][N:],
+                                                                           out=st["o"]) for st in sets])
+        run.dense[(op, M)] = (min(cands.values()), min(cands, key=cands.get), cands)
     kernel_ms = time_ms([lambda st=st: wide(st) for st in sets])
+    backend = LAST_BACKEND.get(op, "triton") if op != "gemm_k" else "triton"
     share = 2.0 / 3.0 if op == "swiglu" else 1.0 / 3.0
     reorder_ms = run.reorder_ms([st["route"] for st in sets], s) if reordered else 0.0
-    rec = dict(op=op, M=M, N=N, K=K, G=G, sparsity=s, dense_ms=run.dense[(op, M)], baseline=GEMM_BASELINE[op],
+    dense_ms, baseline, cands = run.dense[(op, M)]
+    rec = dict(op=op, M=M, N=N, K=K, G=G, sparsity=s, dense_ms=dense_ms, baseline=baseline,
+               baseline_candidates_ms=cands, backend=f"{backend}; {run.meta['backend']}",
                wide_ms=kernel_ms + share * reorder_ms, kernel_ms=kernel_ms, reorder_ms=reorder_ms, reorder_share=share,
                n_input_sets=n_sets,  # realized fraction of the weight read: groups some row executes
                active=sum(float(st["route"].any(dim=0).float().mean()) for st in sets) / n_sets)
