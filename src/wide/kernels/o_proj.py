@@ -44,9 +44,11 @@ if common.HAS_TRITON:
         valid = offs_j < M
         rows = tl.load(perm_ptr + offs_j, mask=valid, other=0).to(tl.int64)
         # the union of the tile's rows: the OR of its UT-row tile unions (one when BM < UT)
-        NU: tl.constexpr = BM // UT if BM >= UT else 1
-        offs_u = m0 // UT + tl.arange(0, NU)
-        u = tl.reduce(tl.load(union_ptr + offs_u, mask=offs_u < tl.cdiv(M, UT), other=0), 0, _or)
+        if BM > UT:
+            offs_u = m0 // UT + tl.arange(0, BM // UT)
+            u = tl.reduce(tl.load(union_ptr + offs_u, mask=offs_u < tl.cdiv(M, UT), other=0), 0, _or)
+        else:
+            u = tl.load(union_ptr + m0 // UT)
         offs_g = tl.arange(0, NGP)
         act = ((u >> offs_g) & 1) * (offs_g < NG).to(tl.int32)
         rank = tl.where(act != 0, tl.cumsum(act, axis=0), 0)  # 1-based rank of each executed group
