@@ -89,8 +89,8 @@ def candidates(G: int, M: int) -> list[dict]:
     bk = min(64, common.pow2_part(G))
     if common.interpret_mode():
         return [dict(BM=32, BN=16, BK=min(bk, 32), GROUP_M=2)]
-    base = [(128, 128, 8, 8, 4, True), (128, 256, 8, 8, 3, True), (64, 256, 8, 4, 4, True), (128, 128, 8, 8, 3, True),
-            (64, 128, 8, 4, 4, True), (128, 128, 8, 8, 4, False), (64, 128, 8, 4, 4, False)]
+    base = [(128, 128, 8, 8, 4, True), (128, 256, 8, 8, 3, True), (64, 256, 8, 8, 4, True), (64, 256, 8, 4, 4, True),
+            (128, 128, 8, 8, 3, True), (64, 128, 8, 4, 4, True), (128, 128, 8, 8, 4, False), (64, 128, 8, 4, 4, False)]
     if M <= 512:
         base = [c for c in base if c[0] == 64] + [c for c in base if c[0] != 64]
     tma_ok = hasattr(tl, "tensor_descriptor")
