@@ -7,6 +7,9 @@
   and the bundled base model.
 * Figure 6 analogue: average zero-shot accuracy against target sparsity, per method and stage, from a
   sparsity-sweep record file (``--sweep FILE``).
+* Figure 6 companion: WikiText-2 perplexity of checkpoints dialed to X with ``wide.load(..., sparsity=X)``
+  beside checkpoints trained at X (``--dial dial.json --exact exact.json``), and realized against target
+  sparsity with and without the fitted logit shift (``--exact``); ``run_control.py`` writes both files.
 * Figure 5 analogue: WIDE at S = 0.5, average zero-shot accuracy and WikiText-2 token perplexity against
   the group size (G_ffn sweep at the default G_attn, G_attn sweep at G_ffn 128), from a group-sweep record
   file (``--group FILE``); planned points without a record are named under the plot.
@@ -15,6 +18,7 @@
         --profile wide-global-s50-gagqa-gf128-router \
         --checkpoint benchmarks/quality/checkpoints/smollm2-global-s50-g128 \
         --sweep benchmarks/quality/sparsity.json --group benchmarks/quality/group.json --out benchmarks/quality
+    python benchmarks/quality/make_plots.py --dial benchmarks/quality/dial.json --exact benchmarks/quality/exact.json
 """
 
 from __future__ import annotations
@@ -129,6 +133,93 @@ def group_plot(records: list[dict], path: Path) -> Path:
     return path
 
 
+def dial_plot(dial: list[dict], exact: list[dict], path: Path) -> Path:
+    """Figure 6 companion, two panels against the sparsity X realized on WikiText-2 (Eq. 6's groups): token
+    perplexity (left, log scale) of the checkpoints trained at each X (calibrated, and with the paper's uncalibrated
+    routing) and of the ones dialed from a trained S (``dial.json``, one line per S, its training point circled);
+    right, the dialed perplexity over the trained one at the same target, with the 10 % band."""
+    plt = _plt()
+    unit = "groups"
+    fig, axes = plt.subplots(1, 2, figsize=(9.5, 3.6), dpi=150)
+    ax, rx = axes
+    trained = {}
+    for calibrated, style, label in ((True, "-", "trained at X (calibrated)"),
+                                     (False, ":", "trained at S (uncalibrated, as the paper)")):
+        rs = sorted((r for r in exact if r["method"] == "wide" and r["unit"] == unit and r["calibrated"] == calibrated
+                     and r.get("max_module_sparsity", 1.0) == 1.0), key=lambda r: r["target"])
+        if calibrated:
+            trained = {round(r["target"], 6): r for r in rs}
+        if rs:
+            ax.plot([100 * r["realized_groups"] for r in rs], [r["ppl"] for r in rs], ls=style, marker="o", ms=3,
+                    color="k" if calibrated else "gray", label=label)
+    for i, (src, rs) in enumerate(sorted(_by(dial, "dialed_from").items())):
+        rs = sorted(rs, key=lambda r: r["target"])
+        color = f"C{i}"
+        ax.plot([100 * r["realized_groups"] for r in rs], [r["ppl"] for r in rs], marker="s", ms=3, color=color,
+                label=f"dialed from S = {src:g}")
+        t = trained.get(round(src, 6))
+        if t is not None:
+            ax.plot([100 * t["realized_groups"]], [t["ppl"]], marker="o", ms=9, mfc="none", color=color)
+        pts = [(r["target"], r["ppl"] / r["trained_ppl"]) for r in rs if r.get("trained_ppl")]
+        if pts:
+            rx.plot([100 * x for x, _ in pts], [y for _, y in pts], marker="s", ms=3, color=color,
+                    label=f"dialed from S = {src:g}")
+            rx.axvline(100 * src, color=color, lw=0.6, ls=":")
+    rx.axhspan(0.9, 1.1, color="gray", alpha=0.15, label="within 10 %")
+    rx.axhline(1.0, color="gray", lw=0.8)
+    ax.set_yscale("log")
+    ax.set_xlabel("realized sparsity on WikiText-2, Eq. 6 groups (%)")
+    ax.set_ylabel("WikiText-2 perplexity (token, ctx 2048)")
+    rx.set_xlabel("dialed target X (%)")
+    rx.set_ylabel("ppl dialed / ppl trained at X")
+    for a in axes:
+        a.grid(alpha=0.3)
+        a.legend(fontsize=7)
+    steps = sorted({r.get("steps") for r in [*dial, *exact] if r.get("steps")})
+    fig.text(0.5, 0.01, f"WIDE, router stage, {'/'.join(map(str, steps))} steps per checkpoint; dialed with "
+             "wide.load(..., sparsity=X)", ha="center", fontsize=8)
+    fig.tight_layout(rect=(0, 0.05, 1, 1))
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path)
+    plt.close(fig)
+    return path
+
+
+def exact_plot(exact: list[dict], path: Path) -> Path:
+    """Realized against target sparsity on WikiText-2, one panel per unit the checkpoints were trained in (Eq. 6's
+    groups, the routed FLOPs): calibrated (the fitted logit shift) and uncalibrated (the paper's argmax routing),
+    with the ±0.01 band around realized = target."""
+    plt = _plt()
+    units = [u for u in ("groups", "flops") if any(r["unit"] == u for r in exact)]
+    fig, axes = plt.subplots(1, len(units), figsize=(4.8 * len(units), 3.6), dpi=150, squeeze=False)
+    for ax, unit in zip(axes[0], units):
+        for calibrated, color, label in ((True, "C0", "calibrated"), (False, "C3", "uncalibrated (paper)")):
+            rs = sorted((r for r in exact if r["unit"] == unit and r["calibrated"] == calibrated
+                         and r["method"] == "wide" and r.get("max_module_sparsity", 1.0) == 1.0),
+                        key=lambda r: r["target"])
+            if rs:
+                ax.plot([100 * r["target"] for r in rs], [100 * (r["realized"] - r["target"]) for r in rs],
+                        marker="o", ms=3, color=color, label=label)
+        ax.axhspan(-1, 1, color="gray", alpha=0.15, label="±0.01")
+        ax.axhline(0, color="gray", lw=0.8)
+        ax.set_xlabel(f"target S, {unit} unit (%)")
+        ax.set_ylabel(f"realized - target, WikiText-2 ({unit}, pts)")
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=7)
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path)
+    plt.close(fig)
+    return path
+
+
+def _by(records: list[dict], field: str) -> dict:
+    out: dict = {}
+    for r in records:
+        out.setdefault(r[field], []).append(r)
+    return out
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--results", default=None, help="a run_quality.py record file (for --profile)")
@@ -141,9 +232,17 @@ def main() -> None:
     p.add_argument("--sentence", default=SENTENCE)
     p.add_argument("--sweep", default=None, help="a sparsity-sweep record file (Figure 6)")
     p.add_argument("--group", default=None, help="a group-sweep record file (Figure 5)")
+    p.add_argument("--dial", default=None, help="dial records (dial.json) for the dial curve, with --exact")
+    p.add_argument("--exact", default=None, help="exact-target records (exact.json): realized against target, and "
+                   "the trained checkpoints of the dial curve")
     p.add_argument("--out", default="benchmarks/quality")
     a = p.parse_args()
     out = Path(a.out)
+    exact = json.loads(Path(a.exact).read_text()) if a.exact else []
+    if a.exact:
+        print(exact_plot(exact, out / "fig_exact_realized.png"))
+    if a.dial:
+        print(dial_plot(json.loads(Path(a.dial).read_text()), exact, out / "fig6_dial.png"))
     from wide.eval.perplexity import perplexity
     from wide.eval.plots import plot_layer_profile, plot_token_routing, token_routing
 
