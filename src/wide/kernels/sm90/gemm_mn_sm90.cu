@@ -153,11 +153,12 @@ __global__ void __launch_bounds__(kThreads, 1)
       if constexpr (C::NB == 2) prefetch_tma_descriptor(tma_b2.get_tma_descriptor());
       if constexpr (!C::GATHER) prefetch_tma_descriptor(tma_a.get_tma_descriptor());
     }
-    // this thread's 16-byte pieces of a stage: column piece tid % 8 of rows tid / 8 + 16 i (swizzled offsets)
+    // this thread's 16-byte pieces of a stage: column piece tid % 8 of rows tid / 8 + 16 i, at their swizzled
+    // places (sA's pointer applies the 128-byte swizzle to the address, as TMA and the wgmma descriptors do)
     const int piece = tid % 8;
     uint32_t soff[kGatherRows];
     CUTE_UNROLL
-    for (int i = 0; i < kGatherRows; ++i) soff[i] = typename C::SmemLayoutA{}(tid / 8 + 16 * i, piece * 8, 0);
+    for (int i = 0; i < kGatherRows; ++i) soff[i] = uint32_t(&sA(tid / 8 + 16 * i, piece * 8, 0) - sm.a);
     const T* x = static_cast<const T*>(args.x);
     int stage = 0;
     uint32_t phase = 0;
