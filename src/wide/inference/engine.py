@@ -183,16 +183,22 @@ class Layer(nn.Module):
         q_dense = not one and (e.ops == "dense" or e.naxis_dense("attn", i, M))
         sdpa = not e.fast or (f.phase == "prefill" and (e.ops == "dense" or e.attn_dense(i)))
         beside = e.streams and self.attn_router is not None
+        path = "dense" if e.ops == "dense" else e.kaxis_path("attn", i, M)  # O's
         if decode:  # the router reads h + add beside the norm, K / V and a cuBLAS Q
             def main():
                 h2, x = _norm(self.ln1, h, add)
                 return (h2, x) + ((None,) * 3 if one else self.qkv_proj(x, q_dense))
             m, (h, x, q, k, v) = e.beside(lambda: self.route("attn", h, f, add), main, beside)
             flat, per = self.reorder("attn", m, not q_dense, False)
-        else:  # the router and its reorder beside K / V and a cuBLAS Q
+            order = self.token_order("attn", m, path)
+        else:  # the router, its reorder and O's token order beside K / V and a cuBLAS Q
             h, x = _norm(self.ln1, h, add)
-            (m, flat, per), (q, k, v) = e.beside(lambda: self.route_reorder("attn", h, f, not q_dense, not sdpa),
-                                                 lambda: self.qkv_proj(x, q_dense), beside)
+
+            def side():
+                r = self.route_reorder("attn", h, f, not q_dense, not sdpa)
+                return (*r, self.token_order("attn", r[0], path))
+
+            (m, flat, per, order), (q, k, v) = e.beside(side, lambda: self.qkv_proj(x, q_dense), beside)
         if one:
             q, k, v = self.qkv_gemv(x, m, e)
         elif q is None:
@@ -204,9 +210,8 @@ class Layer(nn.Module):
         q, k = self.rope_kv_cache(q, k, v, f)
         a = self.attend(q.transpose(1, 2), k.transpose(1, 2) if k is not None else None, v.transpose(1, 2), m, per, f,
                         sdpa)
-        path = "dense" if m is None else e.kaxis_path("attn", i, M)
-        order = self.token_order("attn", m, path)
-        return h, self.o_proj(a.transpose(1, 2).reshape(M, -1), m, e, path, order).view(B, T, -1)
+        return h, self.o_proj(a.transpose(1, 2).reshape(M, -1), m, e, "dense" if m is None else path,
+                              order).view(B, T, -1)
 
     def feed_forward(self, h, o, f: Pass):
         e, i = f.engine, self.i
