@@ -97,7 +97,7 @@ def _build():
         cpp_extension.CUDA_HOME = os.path.dirname(os.path.dirname(os.path.realpath(compiler)))
     try:
         mod = cpp_extension.load(name=build_name(include), sources=[os.path.join(HERE, s) for s in SOURCES],
-                                 extra_cflags=["-O3", "-std=c++17"], extra_cuda_cflags=nvcc_flags(include),
+                                 extra_cflags=["-O3"], extra_cuda_cflags=nvcc_flags(include),
                                  extra_include_paths=[include, HERE], build_directory=out, verbose=False)
     except Exception as e:  # a failed build: the Triton path runs
         return None, f"build failed in {out}: {type(e).__name__}: {str(e).strip().splitlines()[-1][:200]}"

@@ -1,6 +1,6 @@
 // Torch binding of the sm_90a routed GEMM-MN kernels: tensors in, one launch on the current stream.
-#include <ATen/cuda/CUDAContext.h>
 #include <c10/cuda/CUDAGuard.h>
+#include <c10/cuda/CUDAStream.h>
 #include <torch/extension.h>
 
 #include "gemm_mn_sm90.h"
@@ -25,7 +25,7 @@ void run(int64_t op, const at::Tensor& x, const at::Tensor& w, const c10::option
   const int rc = wide_sm90::launch(int(op), st == at::kBFloat16 ? wide_sm90::kBF16 : wide_sm90::kFP16, x.data_ptr(),
                                    x.stride(0), w.data_ptr(), ptr(w2), w.stride(0), out.data_ptr(), out.stride(0), idx,
                                    cnt, int(x.size(0)), int(w.size(0)), int(x.size(1)), int(G), int(group_m),
-                                   int(grid_ctas), at::cuda::getCurrentCUDAStream(x.device().index()).stream());
+                                   int(grid_ctas), c10::cuda::getCurrentCUDAStream(x.device().index()).stream());
   TORCH_CHECK(rc == 0, "wide sm90 kernel launch failed: ", cudaGetErrorString(cudaError_t(rc)));
 }
 
