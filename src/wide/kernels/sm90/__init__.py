@@ -93,8 +93,13 @@ def _build():
 
     out = build_dir(include)
     os.makedirs(out, exist_ok=True)
-    if cpp_extension.CUDA_HOME is None:  # torch looks for the toolkit itself; point it at this nvcc's
-        cpp_extension.CUDA_HOME = os.path.dirname(os.path.dirname(os.path.realpath(compiler)))
+    # torch takes the toolkit from CUDA_HOME or the folder above nvcc's; where that has no CUDA headers (nvcc on PATH
+    # as a wrapper script, say), the toolkit of nvcc's real path or /usr/local/cuda
+    for home in (cpp_extension.CUDA_HOME, os.path.dirname(os.path.dirname(os.path.realpath(compiler))),
+                 "/usr/local/cuda"):
+        if home and os.path.isfile(os.path.join(home, "include", "cuda_runtime.h")):
+            cpp_extension.CUDA_HOME = home
+            break
     try:
         mod = cpp_extension.load(name=build_name(include), sources=[os.path.join(HERE, s) for s in SOURCES],
                                  extra_cflags=["-O3"], extra_cuda_cflags=nvcc_flags(include),
