@@ -3,13 +3,16 @@ GEMV for M <= 4 rows (Appendix B): ``out[m, n] = (x @ w.T)[m, n]`` where ``route
 
 Backends: ``"cute"`` (:mod:`wide.kernels.sm90`, the warp-specialized CuTe kernel on sm_90a: bf16 / fp16, K a
 multiple of 64, G of 128), ``"triton"`` (every GPU, and the CPU interpreter); ``"auto"`` takes CuTe where it runs and
-the rows go through the reorder (M above ``direct_max_m``).  :data:`LAST_BACKEND` records what ran per op.
+the rows go through the reorder (M above ``direct_max_m``), Triton elsewhere (``WIDE_GEMM_BACKEND=triton`` in the
+environment: Triton for every ``"auto"`` call).  :data:`LAST_BACKEND` records what ran per op.
 
 Tile kernel: a program owns a ``(BM, BN | G)`` tile of the reordered rows of one group, gathered and scattered
 through the reorder index; a tile whose first sorted row is inactive only writes zeros (level 0).  Up to the tuned
 ``direct_max_m`` rows it reads the route directly.  GEMV: a dense-sized grid mapped on the device onto the
 (N tile, K split) work of the groups some row executes; a tile's fp32 partials are summed in split order.
 """
+
+import os
 
 import torch
 
@@ -360,6 +363,8 @@ def _cute(x, w, w2, route, G, reordered, out):
 
 def _gemm_mn(x, w, w2, route, G, reordered, out, backend="auto"):
     op = "gemm_mn" if w2 is None else "swiglu"
+    if backend == "auto" and os.environ.get("WIDE_GEMM_BACKEND") == "triton":
+        backend = "triton"
     if backend not in BACKENDS:
         common.fail(f"backend={backend!r} is not allowed; allowed: {', '.join(map(repr, BACKENDS))}")
     if backend == "cute" or (backend == "auto" and x.is_cuda and uses_reorder(x.shape[0], x.device)):
