@@ -187,10 +187,11 @@ def bench_kaxis(run: _Run, op: str, M: int, G: int, s: float) -> None:
     """One record of a K-axis projection with M rows and sparsity s (Bernoulli(1 - s) per token and group, the skipped
     blocks of the input zero as the attention / SwiGLU leave them): ``o_proj`` (4096 -> 4096, N_G = 8 head groups of
     G = 512) or ``down_proj`` (14336 -> 4096, group size G).  Baseline: cuBLAS on the zero-filled input.  Candidates
-    (``candidates_ms``): ``shared`` (token_order + o_proj, N_G <= 16; the sort counted in full, each tile config timed,
-    ``U`` its union density at 64 rows, ``U_tile`` at the winner's row tile), ``gemm_k_splitk`` and ``gemm_k_masked``
-    (select + cuBLAS); ``wide_ms`` is the best of them.  ``shared_a_sorted`` (A given in the sorted order, which no
-    producer writes yet) is recorded beside, not a candidate."""
+    (``candidates_ms``): ``shared`` (token_order + o_proj over A gathered through the permutation, N_G <= 16; the sort
+    counted in full, each tile config timed, ``U`` the union density at 64 rows, ``U_tile`` at the winner's row tile),
+    ``shared_sorted_a`` (O only: the same with A handed over in the sorted order, as the engine's O reads it: its copy
+    of the attention output to token rows, which the dense path makes too, writes them sorted), ``gemm_k_splitk`` and
+    ``gemm_k_masked`` (select + cuBLAS); ``wide_ms`` is the best of them."""
     import torch
 
     from wide.kernels import gemm_k, reference
@@ -229,23 +230,23 @@ def bench_kaxis(run: _Run, op: str, M: int, G: int, s: float) -> None:
             st["order"] = token_order(st["route"])
             st["a_sorted"] = st["a"][st["order"].perm.long()]
         sort_ms = time_ms(each(lambda st: token_order(st["route"])))
-        by_cfg = {}
-        for cfg in shared_candidates(G, M):
-            name = ",".join(f"{k}={v}" for k, v in cfg.items())
-            try:
-                by_cfg[name] = (cfg, time_ms(each(lambda st, cfg=cfg: shared_launch(
-                    st["a"], st["w"], st["order"], G, st["o"], cfg, True, False))))
-            except Exception as e:  # a config that does not compile or launch here
-                print(f"o_proj config {name} failed: {type(e).__name__}: {e}", flush=True)
-        best = min(by_cfg, key=lambda k: by_cfg[k][1])
-        cfg = by_cfg[best][0]
-        sorted_ms = time_ms(each(lambda st: shared_launch(st["a_sorted"], st["w"], st["order"], G, st["o"], cfg, True,
-                                                          True)))
-        cands["shared"] = sort_ms + by_cfg[best][1]
-        rec.update(U=sum(union_density(st["order"], NG) for st in sets) / n_sets,
-                   U_tile=sum(union_density(st["order"], NG, max(64, cfg["BM"])) for st in sets) / n_sets,
-                   sort_ms=sort_ms, sort_share=1.0, shared_kernel_ms=by_cfg[best][1], shared_config=best,
-                   shared_configs_ms={k: v[1] for k, v in by_cfg.items()}, shared_a_sorted_ms=sort_ms + sorted_ms)
+        variants = (("shared", "a", False),) + ((("shared_sorted_a", "a_sorted", True),) if op == "o_proj" else ())
+        for variant, a_key, a_sorted in variants:
+            by_cfg = {}
+            for cfg in shared_candidates(G, M):
+                name = ",".join(f"{k}={v}" for k, v in cfg.items())
+                try:
+                    by_cfg[name] = (cfg, time_ms(each(lambda st, cfg=cfg: shared_launch(
+                        st[a_key], st["w"], st["order"], G, st["o"], cfg, True, a_sorted))))
+                except Exception as e:  # a config that does not compile or launch here
+                    print(f"o_proj config {name} failed: {type(e).__name__}: {e}", flush=True)
+            best = min(by_cfg, key=lambda k: by_cfg[k][1])
+            cands[variant] = sort_ms + by_cfg[best][1]
+            rec[f"{variant}_kernel_ms"], rec[f"{variant}_config"] = by_cfg[best][1], best
+            rec[f"{variant}_configs_ms"] = {k: v[1] for k, v in by_cfg.items()}
+            bm = by_cfg[best][0]["BM"]
+            rec[f"{variant}_U_tile"] = sum(union_density(st["order"], NG, max(64, bm)) for st in sets) / n_sets
+        rec.update(U=sum(union_density(st["order"], NG) for st in sets) / n_sets, sort_ms=sort_ms, sort_share=1.0)
     best = min(cands, key=cands.get)
     rec.update(wide_ms=cands[best], wide_path=best, candidates_ms=cands,
                active=sum(float(st["route"].float().mean()) for st in sets) / n_sets)
@@ -257,6 +258,9 @@ def bench_kaxis(run: _Run, op: str, M: int, G: int, s: float) -> None:
             errs[f"gemm_k_{path}"] = _rel(gemm_k(st["a"], st["w"], st["route"], G, path=path), ref)
         if "order" in st:
             errs["shared"] = _rel(o_proj(st["a"], st["w"], st["route"], G, order=st["order"], zeroed=True), ref)
+            if op == "o_proj":
+                errs["shared_sorted_a"] = _rel(o_proj(st["a_sorted"], st["w"], st["route"], G, order=st["order"],
+                                                      zeroed=True, a_sorted=True), ref)
         rec["rel_err"] = max(errs.values())
         rec["rel_err_by_path"] = errs
     run.add(rec)

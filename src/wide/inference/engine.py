@@ -210,8 +210,7 @@ class Layer(nn.Module):
         q, k = self.rope_kv_cache(q, k, v, f)
         a = self.attend(q.transpose(1, 2), k.transpose(1, 2) if k is not None else None, v.transpose(1, 2), m, per, f,
                         sdpa)
-        return h, self.o_proj(a.transpose(1, 2).reshape(M, -1), m, e, "dense" if m is None else path,
-                              order).view(B, T, -1)
+        return h, self.o_proj(a, m, e, "dense" if m is None else path, order).view(B, T, -1)
 
     def feed_forward(self, h, o, f: Pass):
         e, i = f.engine, self.i
@@ -335,12 +334,20 @@ class Layer(nn.Module):
 
     @_op
     def o_proj(self, a, m, e: Engine, path: str, order):
-        """O of ``path`` (:func:`kaxis_path`); the skipped head groups of ``a`` are exact zeros."""
+        """O of ``path`` (:func:`kaxis_path`) over the attention output ``a [B, Hq, T, d]``, whose skipped head groups
+        are exact zeros, as ``[B * T, Hq * d]``.  In the shared order the copy to token rows writes them in the sorted
+        order (one gather instead of the transposing copy), so the kernel reads A tiles contiguously."""
+        B, _, T, _ = a.shape
+        if path == "shared":
+            idx = order.perm.long()
+            a_sorted = a.transpose(1, 2)[idx // T, idx % T].reshape(B * T, -1)
+            o = shared_order_gemm_k(a_sorted, self.wo, m.view(B * T, -1), e.g_attn, order=order, zeroed=True,
+                                    a_sorted=True)
+            return o + self.bo if self.bo is not None else o
+        a = a.transpose(1, 2).reshape(B * T, -1)
         if path == "dense":
             return F.linear(a, self.wo, self.bo)
-        route = m.view(a.shape[0], -1)
-        o = (shared_order_gemm_k(a, self.wo, route, e.g_attn, order=order, zeroed=True) if path == "shared"
-             else gemm_k(a, self.wo, route, e.g_attn))
+        o = gemm_k(a, self.wo, m.view(B * T, -1), e.g_attn)
         return o + self.bo if self.bo is not None else o
 
     @_op
