@@ -73,3 +73,22 @@ def test_the_shipped_kaxis_tables_name_known_paths():
             for bounds in tuned.get("kaxis", {}).get(op, {}).values():
                 assert all(0.0 <= b <= 1.0 and path in KAXIS_PATHS for b, path in bounds)
             assert all(kaxis_path(tuned, op, M, p) in KAXIS_PATHS for M in (5, 4096, 1 << 20) for p in (0.0, 1.0))
+
+
+@pytest.mark.parametrize("mode,kind,M,p,n,want", [
+    ("dense", "attn", 2, 0.1, 8, "dense"), ("kernel", "attn", 4, 0.1, 8, "gemm_k"),
+    ("auto", "ffn", 4, 1.0, 112, "gemm_k"), ("kernel", "attn", 5, 1.0, 8, "shared"),
+    ("kernel", "attn", 5, 0.1, 17, "gemm_k"), ("kernel", "ffn", 5, 0.1, 8, "gemm_k"),
+    ("auto", "attn", 4096, None, 8, "dense"),  # unmeasured
+    ("auto", "attn", 4096, 0.45, 8, "shared"), ("auto", "attn", 4096, 0.45, 17, "dense"),  # N_G > 16: no shared order
+    ("auto", "attn", 4096, 0.2, 8, "gemm_k"), ("auto", "attn", 4096, 0.9, 8, "dense"),
+])
+def test_engine_kaxis_path(mode, kind, M, p, n, want):
+    """Engine.kaxis_path: the mode, the GEMV up to 4 rows, the table of the measured activity, shared only for O-like
+    ops of at most 16 groups."""
+    from types import SimpleNamespace
+
+    from wide.inference.engine import Engine
+
+    e = SimpleNamespace(kaxis=mode, tuned=KAXIS, n_attn=n, n_ffn=n, expected_active={} if p is None else {(kind, 0): p})
+    assert Engine.kaxis_path(e, kind, 0, M) == want

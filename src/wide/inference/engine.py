@@ -457,10 +457,6 @@ class Engine(nn.Module):
         path = "dense" if p is None else kaxis_path(self.tuned, "o_proj" if kind == "attn" else "down_proj", M, p)
         return "dense" if path == "shared" and not shared_ok else path
 
-    def kaxis_dense(self, M: int, kind: str = "ffn", i: int = 0) -> bool:
-        """Whether layer ``i``'s O / down of ``M`` rows run as cuBLAS on their zero-filled input."""
-        return self.kaxis_path(kind, i, M) == "dense"
-
     def naxis_dense(self, kind: str, i: int, M: int) -> bool:
         """Whether layer ``i``'s Q (``kind`` "attn") or gate + up ("ffn") of ``M`` rows run as cuBLAS."""
         if self.naxis != "auto":
