@@ -119,7 +119,7 @@ def _launch(mask: torch.Tensor) -> TokenOrder:
     keys = torch.empty((M,), dtype=torch.int32, device=dev)
     union = torch.empty((triton.cdiv(M, TILE),), dtype=torch.int32, device=dev)
     _count_kernel[(nblk,)](mask, cnt, M, NG, nblk, blk, CH=ch, NGP=ngp, **common.warps(4))
-    sb = 256 if common.interpret_mode() else 4096
+    sb = 1024 if common.interpret_mode() else 4096
     _scan_kernel[(1,)](cnt, cnt.numel(), SB=sb, **common.warps(8))
     _scatter_kernel[(nblk,)](mask, cnt, perm, keys, M, NG, nblk, blk, CH=ch, NGP=ngp, **common.warps(4))
     _union_kernel[(union.numel(),)](keys, union, M, T=TILE, **common.warps(2))
