@@ -24,14 +24,10 @@ namespace wide_sm90 {
 
 using namespace cute;
 
-constexpr int kBM = 128;               // rows of a tile (64 per consumer warpgroup)
 constexpr int kBK = 64;                // K step: one 128-byte swizzle atom of 16-bit elements
 constexpr int kProducerThreads = 128;  // warpgroup 0
 constexpr int kConsumerThreads = 256;  // warpgroups 1 and 2
 constexpr int kThreads = kProducerThreads + kConsumerThreads;
-constexpr int kProducerRegs = 56;  // setmaxnreg: 128 * 56 + 256 * 224 = 64512 <= 65536
-constexpr int kConsumerRegs = 224;
-constexpr int kGatherRows = kBM * kBK * 2 / 16 / kProducerThreads;  // 16-byte pieces per producer thread and stage
 
 template <class T>
 struct Io;
@@ -50,17 +46,18 @@ struct Io<cutlass::half_t> {
   static __device__ __forceinline__ Pair pack(float a, float b) { return __floats2half2_rn(a, b); }
 };
 
-// T: element type; BN: tile columns; NB: weights (2: the SwiGLU's gate and up); GATHER: rows through the reorder
-// index (false: the dense kernel, every row active); STAGES: pipeline depth.
-template <class T, int BN_, int NB_, bool GATHER_, int STAGES_>
+// T: element type; BM x BN: the tile (BM / 2 rows per consumer warpgroup); NB: weights (2: the SwiGLU's gate and
+// up); GATHER: rows through the reorder index (false: the dense kernel, every row active); STAGES: pipeline depth.
+template <class T, int BM_, int BN_, int NB_, bool GATHER_, int STAGES_>
 struct Config {
   using Element = T;
+  static constexpr int BM = BM_;
   static constexpr int BN = BN_;
   static constexpr int NB = NB_;
   static constexpr bool GATHER = GATHER_;
   static constexpr int STAGES = STAGES_;
   using SmemLayoutA =
-      decltype(tile_to_shape(GMMA::Layout_K_SW128_Atom<T>{}, Shape<Int<kBM>, Int<kBK>, Int<STAGES>>{}));
+      decltype(tile_to_shape(GMMA::Layout_K_SW128_Atom<T>{}, Shape<Int<BM>, Int<kBK>, Int<STAGES>>{}));
   using SmemLayoutB =
       decltype(tile_to_shape(GMMA::Layout_K_SW128_Atom<T>{}, Shape<Int<BN>, Int<kBK>, Int<STAGES>>{}));
   using TiledMma = decltype(make_tiled_mma(GMMA::ss_op_selector<T, T, float, Shape<_64, Int<BN>, Int<kBK>>>(),
@@ -72,8 +69,15 @@ struct Config {
     alignas(8) uint64_t empty[STAGES];  // both consumer warpgroups have read the stage
   };
   static constexpr int kSmem = int(sizeof(Smem));
-  static constexpr uint32_t kTxBytes = uint32_t((NB * BN + (GATHER ? 0 : kBM)) * kBK * sizeof(T));
-  static_assert(cosize_v<SmemLayoutA> == kBM * kBK * STAGES, "one stage of A is kBM * kBK elements");
+  static constexpr uint32_t kTxBytes = uint32_t((NB * BN + (GATHER ? 0 : BM)) * kBK * sizeof(T));
+  // 16-byte pieces of A per producer thread and stage: column piece tid % 8 of rows tid / 8 + 16 i
+  static constexpr int kGatherRows = BM * kBK * int(sizeof(T)) / 16 / kProducerThreads;
+  static_assert(cosize_v<SmemLayoutA> == BM * kBK * STAGES, "one stage of A is BM * kBK elements");
+  // setmaxnreg split of the 64K registers: the gathering producer holds a pointer per piece
+  static constexpr int kProducerRegs = BM == 256 ? 88 : 56;
+  static constexpr int kConsumerRegs = BM == 256 ? 208 : 224;
+  static_assert(kProducerThreads * kProducerRegs + kConsumerThreads * kConsumerRegs <= 65536, "register file");
+  static_assert(BM % 128 == 0 && kBK * sizeof(T) == 128, "tiles of whole 128-row blocks, K steps of 128 bytes");
   static_assert(kSmem <= 227 * 1024, "shared memory of one CTA");
 };
 
@@ -137,11 +141,12 @@ __global__ void __launch_bounds__(kThreads, 1)
   __syncthreads();
 
   const int M = args.M, N = args.N, K = args.K, NG = args.NG;
-  const int MT = (M + kBM - 1) / kBM, NT = N / BN, KT = K / kBK;
+  constexpr int BM = C::BM;
+  const int MT = (M + BM - 1) / BM, NT = N / BN, KT = K / kBK;
   const int tiles = MT * NT;
 
   if (warp_group == 0) {  // producer
-    cutlass::arch::warpgroup_reg_dealloc<kProducerRegs>();
+    cutlass::arch::warpgroup_reg_dealloc<C::kProducerRegs>();
     if (!C::GATHER && tid != 0) return;
     Tensor gB = local_tile(tma_b.get_tma_tensor(make_shape(N, K)), Shape<Int<BN>, Int<kBK>>{}, make_coord(_, _));
     Tensor gB2 = local_tile(tma_b2.get_tma_tensor(make_shape(N, K)), Shape<Int<BN>, Int<kBK>>{}, make_coord(_, _));
@@ -154,25 +159,25 @@ __global__ void __launch_bounds__(kThreads, 1)
       if constexpr (!C::GATHER) prefetch_tma_descriptor(tma_a.get_tma_descriptor());
     }
     // this thread's 16-byte pieces of a stage: column piece tid % 8 of rows tid / 8 + 16 i, at their swizzled
-    // places (sA's pointer applies the 128-byte swizzle to the address, as TMA and the wgmma descriptors do)
+    // places (sA's pointer applies the 128-byte swizzle to the address, as TMA and the wgmma descriptors do); 16
+    // rows further is 2 KB further, the swizzle (address bits 4-9) unchanged
+    constexpr int kRows = C::kGatherRows;
     const int piece = tid % 8;
-    uint32_t soff[kGatherRows];
-    CUTE_UNROLL
-    for (int i = 0; i < kGatherRows; ++i) soff[i] = uint32_t(&sA(tid / 8 + 16 * i, piece * 8, 0) - sm.a);
+    const uint32_t soff = uint32_t(&sA(tid / 8, piece * 8, 0) - sm.a);
     const T* x = static_cast<const T*>(args.x);
     int stage = 0;
     uint32_t phase = 0;
     for (int t = int(blockIdx.x); t < tiles; t += int(gridDim.x)) {
       int mt, nt;
       tile_coords(t, MT, NT, args.group_m, mt, nt);
-      const int m0 = mt * kBM, g = nt * BN / args.G;
+      const int m0 = mt * BM, g = nt * BN / args.G;
       const int cnt = C::GATHER ? __ldg(args.counts + g) : M;
       if (m0 >= cnt) continue;  // level 0: no row of the tile executes group g
       if constexpr (C::GATHER) {
-        const T* src[kGatherRows];
-        uint32_t live = 0;  // bit i: row tid / 8 + 16 i is active (others zero-filled, not read)
+        const T* src[kRows];  // this thread's pieces of the gathered rows, advanced by one K step per stage
+        uint32_t live = 0;    // bit i: row tid / 8 + 16 i is active (others zero-filled, not read)
         CUTE_UNROLL
-        for (int i = 0; i < kGatherRows; ++i) {
+        for (int i = 0; i < kRows; ++i) {
           const int j = m0 + tid / 8 + 16 * i;
           const bool on = j < cnt;
           const int64_t row = on ? int64_t(__ldg(args.index + int64_t(j) * NG + g)) : 0;
@@ -186,12 +191,13 @@ __global__ void __launch_bounds__(kThreads, 1)
             copy(tma_b.with(sm.full[stage]), tBgB(_, nt, kt), tBsB(_, stage));
             if constexpr (C::NB == 2) copy(tma_b2.with(sm.full[stage]), tBgB2(_, nt, kt), tBsB2(_, stage));
           }
-          T* base = sm.a + stage * (kBM * kBK);
+          T* base = sm.a + stage * (BM * kBK) + soff;
           CUTE_UNROLL
-          for (int i = 0; i < kGatherRows; ++i) {
-            SM80_CP_ASYNC_CACHEGLOBAL_ZFILL<uint128_t>::copy(
-                *reinterpret_cast<const uint128_t*>(src[i] + kt * kBK), *reinterpret_cast<uint128_t*>(base + soff[i]),
-                (live >> i) & 1u);
+          for (int i = 0; i < kRows; ++i) {
+            SM80_CP_ASYNC_CACHEGLOBAL_ZFILL<uint128_t>::copy(*reinterpret_cast<const uint128_t*>(src[i]),
+                                                             *reinterpret_cast<uint128_t*>(base + i * 16 * kBK),
+                                                             (live >> i) & 1u);
+            src[i] += kBK;
           }
           cutlass::arch::cpasync_barrier_arrive_noinc(&sm.full[stage]);
           if (++stage == STAGES) {
@@ -200,7 +206,7 @@ __global__ void __launch_bounds__(kThreads, 1)
           }
         }
       } else {
-        Tensor gA = local_tile(tma_a.get_tma_tensor(make_shape(M, K)), Shape<Int<kBM>, Int<kBK>>{},
+        Tensor gA = local_tile(tma_a.get_tma_tensor(make_shape(M, K)), Shape<Int<BM>, Int<kBK>>{},
                                make_coord(_, _));
         auto [tAgA, tAsA] =
             tma_partition(tma_a, Int<0>{}, Layout<_1>{}, group_modes<0, 2>(sA), group_modes<0, 2>(gA));
@@ -219,19 +225,20 @@ __global__ void __launch_bounds__(kThreads, 1)
     }
     if constexpr (C::GATHER) cp_async_wait<0>();
   } else {  // consumers
-    cutlass::arch::warpgroup_reg_alloc<kConsumerRegs>();
+    cutlass::arch::warpgroup_reg_alloc<C::kConsumerRegs>();
     const int ctid = tid - kProducerThreads;
     typename C::TiledMma mma;
     auto thr = mma.get_thread_slice(ctid);
     Tensor tCrA = thr.make_fragment_A(thr.partition_A(sA));  // (MMA, MMA_M, MMA_K, STAGES) descriptors
     Tensor tCrB = thr.make_fragment_B(thr.partition_B(sB));
     Tensor tCrB2 = thr.make_fragment_B(thr.partition_B(sB2));
-    Tensor tCcC = thr.partition_C(make_identity_tensor(Shape<Int<kBM>, Int<BN>>{}));  // (row, col) of each value
-    Tensor acc = partition_fragment_C(mma, Shape<Int<kBM>, Int<BN>>{});
-    Tensor acc2 = partition_fragment_C(mma, Shape<Int<kBM>, Int<BN>>{});
-    static_assert(decltype(size<1>(acc))::value == 1 && decltype(size<2>(acc))::value == 1,
-                  "one wgmma atom of 64 rows per consumer warpgroup");
-    static_assert(decltype(size(acc))::value == BN / 2, "values (2 columns, 2 rows, BN / 8) per thread");
+    Tensor tCcC = thr.partition_C(make_identity_tensor(Shape<Int<BM>, Int<BN>>{}));  // (row, col) of each value
+    Tensor acc = partition_fragment_C(mma, Shape<Int<BM>, Int<BN>>{});
+    Tensor acc2 = partition_fragment_C(mma, Shape<Int<BM>, Int<BN>>{});
+    constexpr int kAtomsM = BM / 128;  // 64-row wgmma atoms per consumer warpgroup
+    static_assert(decltype(size<1>(acc))::value == kAtomsM && decltype(size<2>(acc))::value == 1,
+                  "BM / 128 wgmma atoms of 64 rows per consumer warpgroup, one atom wide");
+    static_assert(decltype(size<0>(acc))::value == BN / 2, "values (2 columns, 2 rows, BN / 8) per thread and atom");
     // a thread's values: (2 adjacent columns, rows r and r + 8, BN / 8 blocks of 8 columns), one atom per warpgroup
     using Pair = typename Io<T>::Pair;
     T* out = static_cast<T*>(args.out);
@@ -240,11 +247,11 @@ __global__ void __launch_bounds__(kThreads, 1)
     for (int t = int(blockIdx.x); t < tiles; t += int(gridDim.x)) {
       int mt, nt;
       tile_coords(t, MT, NT, args.group_m, mt, nt);
-      const int m0 = mt * kBM, n0 = nt * BN, g = n0 / args.G;
+      const int m0 = mt * BM, n0 = nt * BN, g = n0 / args.G;
       const int cnt = C::GATHER ? __ldg(args.counts + g) : M;
       if (m0 >= cnt) {  // level 0: the zero epilogue, 16-byte stores to the tile's original rows
         constexpr int kPieces = BN * int(sizeof(T)) / 16;
-        for (int e = ctid; e < kBM * kPieces; e += kConsumerThreads) {
+        for (int e = ctid; e < BM * kPieces; e += kConsumerThreads) {
           const int j = m0 + e / kPieces;
           if (j < M) {
             const int64_t row = __ldg(args.index + int64_t(j) * NG + g);
@@ -283,23 +290,27 @@ __global__ void __launch_bounds__(kThreads, 1)
       warpgroup_fence_operand(acc);
       if constexpr (C::NB == 2) warpgroup_fence_operand(acc2);
       if (ctid % 128 == 0) EmptyBarrier::arrive(&sm.empty[prev]);
-      // epilogue: rows r and r + 8 of this thread, scattered to their original rows; zeros past the active count
+      // epilogue: rows r and r + 8 of each atom of this thread, scattered to their original rows; zeros past the
+      // active count
       CUTE_UNROLL
-      for (int r = 0; r < 2; ++r) {
-        const int j = m0 + int(get<0>(tCcC(make_coord(0, r, 0), 0, 0)));
-        if (j < M) {
-          const bool on = j < cnt;
-          const int64_t row = C::GATHER ? int64_t(__ldg(args.index + int64_t(j) * NG + g)) : int64_t(j);
-          T* orow = out + row * args.ldo + n0;
-          CUTE_UNROLL
-          for (int nb = 0; nb < BN / 8; ++nb) {
-            float v0 = acc(make_coord(0, r, nb), 0, 0), v1 = acc(make_coord(1, r, nb), 0, 0);
-            if constexpr (C::NB == 2) {
-              v0 = swiglu<T>(v0, acc2(make_coord(0, r, nb), 0, 0));
-              v1 = swiglu<T>(v1, acc2(make_coord(1, r, nb), 0, 0));
+      for (int mi = 0; mi < kAtomsM; ++mi) {
+        CUTE_UNROLL
+        for (int r = 0; r < 2; ++r) {
+          const int j = m0 + int(get<0>(tCcC(make_coord(0, r, 0), mi, 0)));
+          if (j < M) {
+            const bool on = j < cnt;
+            const int64_t row = C::GATHER ? int64_t(__ldg(args.index + int64_t(j) * NG + g)) : int64_t(j);
+            T* orow = out + row * args.ldo + n0;
+            CUTE_UNROLL
+            for (int nb = 0; nb < BN / 8; ++nb) {
+              float v0 = acc(make_coord(0, r, nb), mi, 0), v1 = acc(make_coord(1, r, nb), mi, 0);
+              if constexpr (C::NB == 2) {
+                v0 = swiglu<T>(v0, acc2(make_coord(0, r, nb), mi, 0));
+                v1 = swiglu<T>(v1, acc2(make_coord(1, r, nb), mi, 0));
+              }
+              *reinterpret_cast<Pair*>(orow + int(get<1>(tCcC(make_coord(0, r, nb), mi, 0)))) =
+                  on ? Io<T>::pack(v0, v1) : Io<T>::pack(0.0f, 0.0f);
             }
-            *reinterpret_cast<Pair*>(orow + int(get<1>(tCcC(make_coord(0, r, nb), 0, 0)))) =
-                on ? Io<T>::pack(v0, v1) : Io<T>::pack(0.0f, 0.0f);
           }
         }
       }
@@ -311,7 +322,7 @@ __global__ void __launch_bounds__(kThreads, 1)
 template <class C>
 int run(const Args& args, const void* w, const void* w2, int64_t ldw, int grid_ctas, cudaStream_t stream) {
   using T = typename C::Element;
-  const int tiles = ((args.M + kBM - 1) / kBM) * (args.N / C::BN);
+  const int tiles = ((args.M + C::BM - 1) / C::BM) * (args.N / C::BN);
   if (tiles == 0) return 0;
   auto weight = [&](const void* p) {
     return make_tensor(make_gmem_ptr(static_cast<const T*>(p)), make_shape(args.N, args.K), make_stride(ldw, _1{}));
@@ -338,18 +349,18 @@ int run(const Args& args, const void* w, const void* w2, int64_t ldw, int grid_c
   } else {
     auto x = make_tensor(make_gmem_ptr(static_cast<const T*>(args.x)), make_shape(args.M, args.K),
                          make_stride(args.ldx, _1{}));
-    return go(make_tma_atom(SM90_TMA_LOAD{}, x, typename C::SmemLayoutA{}(_, _, 0), Shape<Int<kBM>, Int<kBK>>{}));
+    return go(make_tma_atom(SM90_TMA_LOAD{}, x, typename C::SmemLayoutA{}(_, _, 0), Shape<Int<C::BM>, Int<kBK>>{}));
   }
 }
 
 template <class T>
-using GemmN128 = Config<T, 128, 1, true, 6>;
+using GemmN128 = Config<T, 256, 128, 1, true, 4>;  // 256 x 128: G a multiple of 128 only
 template <class T>
-using GemmN256 = Config<T, 256, 1, true, 4>;
+using GemmN256 = Config<T, 128, 256, 1, true, 4>;
 template <class T>
-using Swiglu = Config<T, 128, 2, true, 4>;
+using Swiglu = Config<T, 128, 128, 2, true, 4>;  // gate and up: 128 x 256 of MMA per K step
 template <class T>
-using DenseSwiglu = Config<T, 128, 2, false, 4>;
+using DenseSwiglu = Config<T, 128, 128, 2, false, 4>;
 
 template <class T>
 int dispatch(int op, const Args& a, const void* w, const void* w2, int64_t ldw, int grid_ctas, cudaStream_t s) {
