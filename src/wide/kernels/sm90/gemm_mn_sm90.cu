@@ -2,9 +2,11 @@
 // warp-specialized kernel.  Warpgroup 0 produces: each of its 128 threads gathers eight 16-byte pieces of the token
 // rows of the (row tile, group) through the reorder index with cp.async (inactive rows zero-filled, not read) and
 // arrives on the stage's barrier when they land; one thread loads the weight tile(s) by TMA.  Warpgroups 1 and 2
-// consume: wgmma on 64 rows each, the epilogue scatters the rows back to their original positions and writes zeros
-// for rows past the group's active count; a row tile wholly past it only writes zeros (level-0 skip).  The dense
-// fused SwiGLU (the baseline of the routed one) is the same kernel with the token tile loaded by TMA.
+// consume: wgmma on half the tile's rows each, the epilogue scatters the rows back to their original positions and
+// writes zeros for rows past the group's active count; a row tile wholly past it only writes zeros (level-0 skip).
+// Tiles: 128 x 256 (G a multiple of 256) or 256 x 128 for gemm_mn, 128 x 128 with the gate and up weights for the
+// SwiGLU.  The dense fused SwiGLU (the baseline of the routed one) is the same kernel with the token tile loaded by
+// TMA.
 
 #include "gemm_mn_sm90.h"
 
