@@ -2,9 +2,10 @@
 
 ``gemm_mn_sm90.cu`` (CUTLASS 4 / CuTe headers from the ``nvidia-cutlass`` package, no torch headers) and the thin
 torch binding ``binding.cpp`` are built with nvcc through ``torch.utils.cpp_extension`` (ninja) once per source hash,
-architecture and torch version into ``<cache_dir()>/sm90/<name>``, then loaded.  Where nvcc, the headers or an sm_90
-GPU are missing, or the build fails, :func:`module` returns None after one warning line per process and the Triton
-kernels run.
+architecture and torch version into ``<cache_dir()>/sm90/<name>/<name>.so`` (:func:`build_name`), then loaded; a
+``.so`` already at that path (built on another machine with the same sources, torch and CUDA) is loaded as it is.
+Where nvcc, the headers or an sm_90 GPU are missing, or the build fails, :func:`module` returns None after one
+warning line per process and the Triton kernels run.
 """
 
 import functools
@@ -80,11 +81,28 @@ def _warn(why: str) -> None:
                       RuntimeWarning, stacklevel=4)
 
 
+def _load_prebuilt(name: str, folder: str):
+    path = os.path.join(folder, name + ".so")
+    if not os.path.isfile(path):
+        return None
+    spec = importlib.util.spec_from_file_location(name, path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
 @functools.cache
 def _build():
     include, compiler = cutlass_include(), nvcc()
     if torch.version.cuda is None:
         return None, "torch was built without CUDA"
+    try:
+        mod = _load_prebuilt(build_name(include or ""), build_dir(include or ""))
+    except Exception as e:  # a library that does not load here: rebuilt below
+        mod = None
+        warnings.warn(f"wide.kernels: rebuilding the CuTe kernels ({type(e).__name__}: {e})", RuntimeWarning)
+    if mod is not None:
+        return mod, ""
     if compiler is None:
         return None, "nvcc not found; set CUDA_HOME or put nvcc on PATH"
     if include is None:

@@ -1,5 +1,5 @@
 // Routed GEMM-MN (paper Algorithm 2) and the fused SwiGLU (Eq. 3) for sm_90a with CuTe: a persistent,
-// warp-specialized kernel.  Warpgroup 0 produces: each of its 128 threads gathers eight 16-byte pieces of the token
+// warp-specialized kernel.  Warpgroup 0 produces: each of its 128 threads gathers BM / 16 16-byte pieces of the token
 // rows of the (row tile, group) through the reorder index with cp.async (inactive rows zero-filled, not read) and
 // arrives on the stage's barrier when they land; one thread loads the weight tile(s) by TMA.  Warpgroups 1 and 2
 // consume: wgmma on half the tile's rows each, the epilogue scatters the rows back to their original positions and
