@@ -57,3 +57,22 @@ def test_cpu_device_takes_no_cute_path():
 
     assert sm90.module(torch.device("cpu")) is None
     assert not sm90.available(torch.device("cpu"))
+
+
+def test_prebuilt_library_absent_is_none(tmp_path):
+    assert sm90._load_prebuilt("wide_sm90_0000000000000000", str(tmp_path)) is None
+
+
+def test_cute_unsupported_names_the_reason():
+    import torch
+
+    from wide.kernels.gemm_mn import cute_unsupported
+
+    def why(dtype=torch.bfloat16, K=128, G=128):
+        x, w = torch.zeros(4, K, dtype=dtype), torch.zeros(256, K, dtype=dtype)
+        return cute_unsupported(x, w, None, G, None)
+
+    assert why(torch.float32).startswith("dtype float32")
+    assert why(K=96).startswith("K=96, G=128")
+    assert why(G=64).startswith("K=128, G=64")
+    assert why().startswith("no sm_90 GPU")  # the CPU
