@@ -241,7 +241,7 @@ __global__ void __launch_bounds__(kThreads, 1)
     static_assert(decltype(size<1>(acc))::value == kAtomsM && decltype(size<2>(acc))::value == 1,
                   "BM / 128 wgmma atoms of 64 rows per consumer warpgroup, one atom wide");
     static_assert(decltype(size<0>(acc))::value == BN / 2, "values (2 columns, 2 rows, BN / 8) per thread and atom");
-    // a thread's values: (2 adjacent columns, rows r and r + 8, BN / 8 blocks of 8 columns), one atom per warpgroup
+    // a thread's values per atom: (2 adjacent columns, rows r and r + 8, BN / 8 blocks of 8 columns)
     using Pair = typename Io<T>::Pair;
     T* out = static_cast<T*>(args.out);
     int stage = 0;
