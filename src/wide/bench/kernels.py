@@ -191,10 +191,12 @@ def bench_kaxis(run: _Run, op: str, M: int, G: int, s: float) -> None:
     counted in full, each tile config timed, ``U`` the union density at 64 rows, ``U_tile`` at the winner's row tile),
     ``shared_sorted_a`` (O only: the same with A handed over in the sorted order, as the engine's O reads it: its copy
     of the attention output to token rows, which the dense path makes too, writes them sorted), ``gemm_k_splitk`` and
-    ``gemm_k_masked`` (select + cuBLAS); ``wide_ms`` is the best of them."""
+    ``gemm_k_masked`` (select + cuBLAS); ``wide_ms`` is the best of them.  ``engine_path`` / ``engine_ms``: the path
+    the engine's per-GPU table picks at this M and active fraction (cuBLAS where the kernels lose) and its time."""
     import torch
 
-    from wide.kernels import gemm_k, reference
+    from wide.inference.engine import kaxis_path
+    from wide.kernels import gemm_k, reference, tuned_config
     from wide.kernels.o_proj import candidates as shared_candidates
     from wide.kernels.o_proj import launch as shared_launch
     from wide.kernels.o_proj import o_proj
@@ -248,8 +250,13 @@ def bench_kaxis(run: _Run, op: str, M: int, G: int, s: float) -> None:
             rec[f"{variant}_U_tile"] = sum(union_density(st["order"], NG, max(64, bm)) for st in sets) / n_sets
         rec.update(U=sum(union_density(st["order"], NG) for st in sets) / n_sets, sort_ms=sort_ms, sort_share=1.0)
     best = min(cands, key=cands.get)
-    rec.update(wide_ms=cands[best], wide_path=best, candidates_ms=cands,
-               active=sum(float(st["route"].float().mean()) for st in sets) / n_sets)
+    active = sum(float(st["route"].float().mean()) for st in sets) / n_sets
+    engine = "gemm_k" if M <= 4 else kaxis_path(tuned_config()["engine"], op, M, active)
+    engine = "dense" if engine == "shared" and "shared" not in cands else engine
+    engine_ms = {"dense": rec["dense_ms"], "gemm_k": min(cands["gemm_k_splitk"], cands["gemm_k_masked"]),
+                 "shared": cands.get("shared_sorted_a" if op == "o_proj" else "shared")}[engine]
+    rec.update(wide_ms=cands[best], wide_path=best, candidates_ms=cands, active=active, engine_path=engine,
+               engine_ms=engine_ms, engine_speedup=rec["dense_ms"] / engine_ms)
     if M <= 4096:
         st = sets[0]
         ref = reference.gemm_k_ref(st["a"].float(), st["w"].float(), st["route"], G)
