@@ -13,6 +13,7 @@ through the reorder index; a tile whose first sorted row is inactive only writes
 """
 
 import os
+import warnings
 
 import torch
 
@@ -22,6 +23,7 @@ from wide.kernels.reorder import reorder
 
 BACKENDS = ("auto", "triton", "cute")
 LAST_BACKEND: dict[str, str] = {}  # op ("gemm_mn", "swiglu") -> what ran last: "cute", "triton" or "reference"
+_CUTE_FAILED: list = []  # a failed CuTe launch of an "auto" call: the process stays on Triton
 
 if common.HAS_TRITON:
     import triton
@@ -369,9 +371,18 @@ def _gemm_mn(x, w, w2, route, G, reordered, out, backend="auto"):
         common.fail(f"backend={backend!r} is not allowed; allowed: {', '.join(map(repr, BACKENDS))}")
     if backend == "cute" or (backend == "auto" and x.is_cuda and uses_reorder(x.shape[0], x.device)):
         why = cute_unsupported(x, w, w2, G, out) if x.is_cuda else f"x is on {x.device}, not an sm_90 GPU"
-        if not why:
+        if not why and backend == "cute":
             LAST_BACKEND[op] = "cute"
             return _cute(x, w, w2, route, G, reordered, out)
+        if not why and not _CUTE_FAILED:
+            try:
+                out = _cute(x, w, w2, route, G, reordered, out)
+                LAST_BACKEND[op] = "cute"
+                return out
+            except RuntimeError as e:  # a launch the CuTe kernel refused: Triton from now on, said once
+                _CUTE_FAILED.append(e)
+                warnings.warn(f"wide.kernels: the CuTe {op} launch failed ({e}); the Triton kernels run from now on",
+                              RuntimeWarning, stacklevel=3)
         if backend == "cute":
             common.fail(f"backend='cute' cannot run this {op}: {why}")
     LAST_BACKEND[op] = "triton" if common.use_triton(x) else "reference"
