@@ -183,7 +183,12 @@ CASES = [
     case("info --bogus", "unrecognized arguments: --bogus"),
     case("info --model {model} --sparsity 0.5", "wide info: error: unrecognized arguments: --sparsity 0.5 (see "
          "wide info --help)"),
-    case("eval-ppl --sparsity 0.5", "unrecognized arguments: --sparsity 0.5"),
+    case("eval-ppl --sparsity x", "argument --sparsity: invalid float value: 'x'"),
+    case("eval-ppl --sparsity-unit params", "argument --sparsity-unit: invalid choice: 'params'"),
+    case("generate --prompt hi --sparsity-unit params", "argument --sparsity-unit: invalid choice: 'params'"),
+    case("calibrate -o x --sparsity-unit params", "argument --sparsity-unit: invalid choice: 'params'"),
+    case("lora -o x --sparsity-unit bytes", "argument --sparsity-unit: invalid choice: 'bytes'"),
+    case("calibrate -o x --max-module-sparsity x", "argument --max-module-sparsity: invalid float value: 'x'"),
     case("eval-ppl --mode global", "unrecognized arguments: --mode global", id="no abbreviation of --model"),
     case("demo --mode x", "argument --mode: invalid choice: 'x'"),
     case("generate --prompt hi --bogus", "wide generate: error: unrecognized arguments: --bogus"),
@@ -213,6 +218,19 @@ CASES = [
       for opt, v, low in (("--batch-size", 0, 1), ("--batch-size", -2, 1), ("--max-tokens", 0, 2),
                           ("--max-tokens", -5, 2), ("--max-tokens", 1, 2), ("--ctx", 0, 2), ("--ctx", -1, 2))],
     case(NOWHERE_CAL + " --max-blocks 0 --seq-len 64", "--max-blocks 0 must be >= 1"),
+    case(NOWHERE_CAL + " --fit-tokens 1", "--fit-tokens 1 must be >= 2"),
+    *[case(NOWHERE_CAL + f" --max-module-sparsity {v}", f"max module sparsity {v} is outside (0, 1] (1.0: no bound)")
+      for v in ("0.0", "1.5", "-0.2", "nan")],
+    *[case(f"{cmd} --model {{nowhere}} --wide {{nowhere}} --sparsity {v}", f"--sparsity {v:g} is outside [0, 1)")
+      for cmd in ("eval-ppl --text {text} --device cpu", "generate --prompt hi --device cpu")
+      for v in (1.0, -0.1, 2.5, float("nan"))],
+    *[case(f"{cmd} --model {{nowhere}} --sparsity 0.5", "--sparsity 0.5 dials the routers of a WIDE checkpoint: "
+           "give --wide") for cmd in ("eval-ppl --text {text} --device cpu", "generate --prompt hi --device cpu")],
+    *[case(f"{cmd} --model {{nowhere}} --wide {{nowhere}} --sparsity-unit flops", "--sparsity-unit flops is the "
+           "unit of a dialed --sparsity: give --sparsity")
+      for cmd in ("eval-ppl --text {text} --device cpu", "generate --prompt hi --device cpu")],
+    case("eval-ppl --model {nowhere} --text {text} --device cpu --uncalibrated", "--uncalibrated applies to the "
+         "routers of a WIDE checkpoint: give --wide"),
     case(NOWHERE_CAL + " --max-blocks -1", "--max-blocks -1 must be >= 1"),
     case(NOWHERE_CAL + " --seq-len 1", "--seq-len 1 must be >= 2"),
     case(NOWHERE_CAL + " --steps 10 --warmup-steps 11", "--warmup-steps 11 must be <= --steps 10"),
@@ -300,6 +318,8 @@ CASES = [
          setup=lambda c: (c["full"] / "adapter").mkdir(), id="calibrate --overwrite over a LoRA adapter"),
     case(LORA + " -o {full}", "'{full}'", "exists and is not empty", "--resume", "--overwrite", needs="peft"),
     case(LORA + " -o {ckpt}", "must differ from the stage-1 checkpoint", needs="peft"),
+    case(LORA + " --max-module-sparsity 1.5", "max module sparsity 1.5 is outside (0, 1]", needs="peft",
+         before="weights"),
     case(DEMO + " -o {full}", "'{full}'", "exists and is not empty", "use --overwrite to write over it: the files "
          "this command writes are replaced, any others are left as they are"),
     case("prune-static --model {nowhere} -S 0.5 -o {full}", "exists and is not empty (use --overwrite"),

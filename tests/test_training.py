@@ -96,6 +96,34 @@ def test_resume_errors(tmp_path):
         calibrate(wm, blocks(), args, tmp_path, "tiny", resume=True, progress=False)
 
 
+def test_resume_refuses_a_bad_saved_step(tmp_path):
+    run(tmp_path, 4, stop_after=3)  # saved at step 2
+    log = (tmp_path / "train_log.jsonl").read_text()
+    meta_path = tmp_path / STATE_NAME / "train_state.json"
+    meta = json.loads(meta_path.read_text())
+    wm = WideModel(tiny_model(), WideConfig(ffn_group_size=32, target_sparsity=0.5))
+    args = CalibrationArgs(steps=4, batch_size=3, grad_accum=2, lr=1e-2, warmup_steps=1, save_every=2)
+    for step in (-3, "4", 2.0, None, True):
+        meta_path.write_text(json.dumps({**meta, "step": step}))
+        with pytest.raises(WideError, match=rf'corrupt training state .*train_state.json: "step" is {step!r}; it '
+                                            r"must be an integer >= 0"):
+            calibrate(wm, blocks(), args, tmp_path, "tiny", resume=True, progress=False)
+        assert (tmp_path / "train_log.jsonl").read_text() == log  # the log is left as it was
+
+
+def test_flops_unit_and_bound_train_and_log_both_units(tmp_path):
+    cfg = WideConfig(ffn_group_size=32, target_sparsity=0.5, sparsity_unit="flops", max_module_sparsity=0.8)
+    wm = WideModel(tiny_model(), cfg)
+    args = CalibrationArgs(steps=2, batch_size=3, lr=1e-2, save_every=2)
+    recs = calibrate(wm, blocks(), args, tmp_path, "tiny", progress=False)
+    assert WideConfig.load(tmp_path).seq_len == 16 and WideConfig.load(tmp_path).sparsity_unit == "flops"
+    for r in recs:  # the training masks' sparsity in both units, each between the classes' rates
+        lo, hi = sorted((r["attn_sparsity"], r["ffn_sparsity"]))
+        assert lo - 1e-6 <= r["groups_sparsity"] <= hi + 1e-6 and lo - 1e-6 <= r["flops_sparsity"] <= hi + 1e-6
+    assert json.loads((tmp_path / "train_log.jsonl").read_text().splitlines()[-1])["flops_sparsity"] == \
+        pytest.approx(recs[-1]["flops_sparsity"])
+
+
 def test_resume_with_other_settings(tmp_path):
     run(tmp_path, 2)
     wm = WideModel(tiny_model(), WideConfig(ffn_group_size=32, target_sparsity=0.5))

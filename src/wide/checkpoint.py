@@ -1,13 +1,15 @@
 """WIDE checkpoint directories and :func:`load` (``wide.load``): ``routers.safetensors`` (float32, keys
 ``"attn.<layer>.w1.weight"``, ...), ``wide_config.json``, stage 2's ``adapter/`` (peft) and ``base_model.json``
-(``model``, ``fingerprint``, ``architecture``, ``dims``, ``files``: each file's SHA-256, ``extra``). Files are written
-atomically and checked against their SHA-256 on load; nothing is unpickled.
+(``model``, ``fingerprint``, ``architecture``, ``dims``, ``files``: each file's SHA-256, ``extra``) and, once the
+logit shifts are fitted (:mod:`wide.calibrate`), ``calibration.json`` (applied on load unless ``calibrated=False``).
+Files are written atomically and checked against their SHA-256 on load; nothing is unpickled.
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
+import math
 import os
 import warnings
 from pathlib import Path
@@ -22,6 +24,7 @@ from wide.model import WideModel, check_architecture, check_router_weights, dims
 
 ROUTERS_NAME = "routers.safetensors"
 BASE_NAME = "base_model.json"
+CALIBRATION_NAME = "calibration.json"
 
 
 def _is_count(v) -> bool:
@@ -77,7 +80,7 @@ def read_safetensors(path: str | os.PathLike) -> dict[str, torch.Tensor]:
 def _hashes(directory: Path) -> dict[str, str]:
     """SHA-256 of each file a checkpoint holds: the routers, the config and every file of the adapter."""
     adapter = directory / ADAPTER_DIR
-    names = [ROUTERS_NAME, CONFIG_NAME, *sorted(p.relative_to(directory).as_posix()
+    names = [ROUTERS_NAME, CONFIG_NAME, CALIBRATION_NAME, *sorted(p.relative_to(directory).as_posix()
                                                 for p in adapter.rglob("*") if p.is_file())]
     return {n: hashlib.sha256((directory / n).read_bytes()).hexdigest() for n in names if (directory / n).is_file()}
 
@@ -120,6 +123,47 @@ def read_base_info(directory: str | os.PathLike) -> dict:
         elif not ok(holder[key]):
             raise WideError(f"corrupt {path}: field {name!r} is {_json_kind(holder[key])}; it must be {allowed}")
     return info
+
+
+def save_calibration(directory: str | os.PathLike, record: dict) -> Path:
+    """Write a fitted record (:func:`wide.calibrate.fit_shifts`) to ``<directory>/calibration.json`` atomically,
+    then record its SHA-256 in ``base_model.json``; returns the file's path."""
+    directory = Path(directory)
+    path = directory / CALIBRATION_NAME
+    atomic_write_text(path, json.dumps(record, indent=1) + "\n")
+    info = read_base_info(directory)
+    info["files"] = _hashes(directory)
+    atomic_write_text(directory / BASE_NAME, json.dumps(info, indent=2) + "\n")
+    return path
+
+
+def _finite_list(v, n: int) -> bool:
+    return isinstance(v, list) and len(v) == n and all(
+        isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x) for x in v)
+
+
+def read_calibration(directory: str | os.PathLike, config: WideConfig, dims: ModelDims) -> dict | None:
+    """``<directory>/calibration.json`` checked against the routed modules (None when absent). Raises WideError
+    naming the file and the field when it is malformed."""
+    path = Path(directory) / CALIBRATION_NAME
+    if not path.is_file():
+        return None
+    try:
+        rec = json.loads(path.read_text())
+    except (ValueError, UnicodeDecodeError) as e:
+        raise WideError(f"corrupt {path}: {e}") from None
+    L = dims.num_layers
+    routed = [k for k, on in (("attn", config.route_attn), ("ffn", config.route_ffn)) if on]
+    shifts = rec.get("module_shifts") if isinstance(rec, dict) else None
+    checks = [("format", isinstance(rec, dict) and rec.get("format") == "wide-calibration-v1",
+               '"wide-calibration-v1"'),
+              ("module_shifts", isinstance(shifts, dict) and sorted(shifts) == sorted(routed) and all(
+                  _finite_list(shifts[k], L) for k in routed), f"an object of {routed}, each a list of {L} finite "
+                                                                f"numbers (one shift per layer)")]
+    for name, ok, allowed in checks:
+        if not ok:
+            raise WideError(f"corrupt {path}: field {name!r} must be {allowed}")
+    return rec
 
 
 def check_directory(path: Path, what: str, expected: str) -> None:
@@ -180,7 +224,8 @@ def check_stage1(path: str | os.PathLike) -> dict:
 
 
 def load(path: str | os.PathLike, model: str | torch.nn.Module | None = None, device=None, dtype=None,
-         tokenizer: bool = False, merge_lora: bool = False, check=None, config_check=None):
+         tokenizer: bool = False, merge_lora: bool = False, check=None, config_check=None, calibrated: bool = True,
+         sparsity: float | None = None, sparsity_unit: str | None = None, text: str | None = None):
     """Load a saved WIDE model for inference (argmax routing, Eq. 5); every file (type, fields, shapes, SHA-256) is
     checked before any base weight is read.
 
@@ -190,13 +235,20 @@ def load(path: str | os.PathLike, model: str | torch.nn.Module | None = None, de
             bf16 on a GPU, fp32 on the CPU; fp16 is checked in fp32 on the CPU, then cast); routers stay fp32.
         tokenizer: also return the tokenizer. merge_lora: fold a stage-2 adapter into the base weights.
         check, config_check: :func:`wide.hub.load_base_model`'s hooks, run before the weights load.
+        calibrated: apply the fitted logit shifts of ``calibration.json`` (when there); False: the routers as
+            trained (the paper's routing).
+        sparsity: dial the routers to realize this sparsity in ``[0, 1)`` without training
+            (:func:`wide.calibrate.dial`, a few forward passes over the held-out part of ``text``, default the
+            bundled calibration text), in ``sparsity_unit`` (``"groups"`` or ``"flops"``; default the config's).
+            ``model.calibration`` holds the record of what was fitted and realized.
 
     Returns:
         a :class:`WideModel` in eval mode (and the tokenizer): ``model(input_ids)`` with int64 ``[B, T]`` ids
         gives logits ``[B, T, vocab]``; each layer's masks are bool ``[B, T, N_G]``.
 
     Raises:
-        WideError: bad arguments, a missing or changed file (naming it), another base model, or a missing device.
+        WideError: bad arguments (a ``sparsity`` outside ``[0, 1)``, an unknown unit), a missing or changed file
+            (naming it), another base model, or a missing device.
         Warns WideWarning for an intermediate save of an unfinished run.
     """
     check_device(device)
@@ -206,8 +258,16 @@ def load(path: str | os.PathLike, model: str | torch.nn.Module | None = None, de
     if tokenizer and isinstance(model, torch.nn.Module):
         raise WideError("wide.load: tokenizer=True loads the tokenizer with the base model, so model must be None or "
                         "a --model string, not an already loaded module (load its tokenizer with transformers)")
+    if sparsity is not None or sparsity_unit is not None:
+        from wide.calibrate import check_target, check_unit
+        if sparsity is None:
+            raise WideError("wide.load: sparsity_unit is the unit of a dialed sparsity: give sparsity= too")
+        check_target(sparsity, "wide.load: sparsity")
+        if sparsity_unit is not None:
+            check_unit(sparsity_unit)
     path = Path(path)
     config, info, routers = _read_checked(path, "WIDE checkpoint", "the -o of `wide calibrate` or `wide lora`")
+    calibration = read_calibration(path, config, ModelDims(**info["dims"]))
     extra = info.get("extra", {})
     if "step" in extra and "steps" in extra and extra["step"] < extra["steps"]:
         command = {"router": "wide calibrate", "lora": "wide lora"}.get(extra.get("stage"), "the training command")
@@ -242,4 +302,16 @@ def load(path: str | os.PathLike, model: str | torch.nn.Module | None = None, de
     if (path / ADAPTER_DIR).exists():
         load_adapter(wm, path / ADAPTER_DIR, merge=merge_lora)
     wm.eval()
+    if calibration is not None and calibrated:
+        wm.set_router_shifts(calibration["module_shifts"])
+        wm.calibration = calibration
+    if sparsity is not None:
+        from wide.calibrate import dial
+        from wide.hub import load_tokenizer, resolve_model
+        if calibration is not None and not calibrated:
+            wm.calibration = calibration  # its curve starts the fit
+        dial(wm, sparsity, tok if tok is not None else load_tokenizer(resolve_model(recorded if model is None
+                                                                                     or not isinstance(model, str)
+                                                                                     else model)),
+             unit=sparsity_unit, text=text)
     return (wm, tok) if tokenizer else wm

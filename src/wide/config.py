@@ -16,6 +16,10 @@ from wide.errors import WideError
 SEED_MAX = 2 ** 32 - 1  #: every ``--seed`` lies in ``[0, SEED_MAX]``
 CONFIG_NAME = "wide_config.json"
 SPARSITY_MODES = ("global", "uniform")
+#: what the target sparsity S counts: Eq. 6's skipped groups, or the skipped compute of the routed modules
+SPARSITY_UNITS = ("groups", "flops")
+HELDOUT_EVERY = 10  #: one calibration document in ten is held out of training to fit the routers' logit shift
+FIT_TOKENS = 16384  #: held-out tokens the logit shift is fitted on after training
 ROUTED_CHOICES = ("both", "attn", "ffn")
 METHODS = ("wide", "skipgpt")
 #: Gumbel temperatures training accepts: the logits are divided by tau, so below 1e-3 they overflow
@@ -73,7 +77,10 @@ class WideConfig:
     power of two ``>= 16``, Eq. 3) must divide their widths; ``router_rank`` ``r`` (Eq. 4); ``target_sparsity`` ``S``
     in ``[0, 1)`` and ``alpha >= 0`` (Eq. 6); the Gumbel temperature anneals from ``tau_start`` to ``tau_end``;
     ``sparsity_mode`` ``"global"`` (Eq. 6) or ``"uniform"`` (Eq. 22); ``routed``: both, attn or ffn; ``method``
-    ``"skipgpt"``: one gate per module (``N_G = 1``), the dynamic-depth baseline of §4.1.
+    ``"skipgpt"``: one gate per module (``N_G = 1``), the dynamic-depth baseline of §4.1. ``sparsity_unit``:
+    ``"groups"`` (Eq. 6 / Eq. 22) or ``"flops"`` (the fraction of the routed compute skipped, at the context length
+    ``seq_len`` the weights were trained at; :func:`wide.routing.module_weights`); ``max_module_sparsity`` in
+    ``(0, 1]`` bounds every module's skip rate (1.0: no bound).
     """
 
     attn_group_size: int | None = None
@@ -86,6 +93,9 @@ class WideConfig:
     sparsity_mode: str = "global"
     routed: str = "both"
     method: str = "wide"
+    sparsity_unit: str = "groups"
+    max_module_sparsity: float = 1.0
+    seq_len: int | None = None
 
     def __post_init__(self) -> None:
         for f in dataclasses.fields(self):
@@ -104,9 +114,14 @@ class WideConfig:
             if not (math.isfinite(getattr(self, name)) and getattr(self, name) > 0):
                 raise WideError(f"{name}={getattr(self, name)!r} must be a finite number > 0 (training accepts "
                                 f"{TAU_MIN:g} to {TAU_MAX:g})")
-        for name, allowed in (("sparsity_mode", SPARSITY_MODES), ("routed", ROUTED_CHOICES), ("method", METHODS)):
+        if math.isnan(self.max_module_sparsity) or not 0.0 < self.max_module_sparsity <= 1.0:
+            raise WideError(f"max module sparsity {self.max_module_sparsity!r} is outside (0, 1] (1.0: no bound)")
+        if self.seq_len is not None and self.seq_len < 1:
+            raise WideError(f"seq_len={self.seq_len!r} must be a positive number of tokens (or null)")
+        for name, allowed in (("sparsity_mode", SPARSITY_MODES), ("routed", ROUTED_CHOICES), ("method", METHODS),
+                              ("sparsity_unit", SPARSITY_UNITS)):
             if getattr(self, name) not in allowed:
-                what = "sparsity mode " if name == "sparsity_mode" else f"{name}="
+                what = {"sparsity_mode": "sparsity mode ", "sparsity_unit": "sparsity unit "}.get(name, f"{name}=")
                 raise WideError(f"{what}{getattr(self, name)!r} is not one of {', '.join(allowed)}")
         g = self.ffn_group_size
         if self.method == "skipgpt" and g < 1:

@@ -133,6 +133,9 @@ class WideModel(nn.Module):
         self._valid: torch.Tensor | None = None
         self._cur: dict = {}
         self._handles: list = []
+        self._bias0: dict | None = None
+        self.router_shifts: dict | None = None
+        self.calibration: dict | None = None
         self.install_hooks()
 
     def install_hooks(self) -> None:
@@ -242,9 +245,28 @@ class WideModel(nn.Module):
                 for k, v in mods.state_dict().items()}
 
     def load_router_state_dict(self, sd: dict[str, torch.Tensor]) -> None:
-        """Load router weights (checked by the caller: :func:`check_router_weights`)."""
+        """Load router weights (checked by the caller: :func:`check_router_weights`); drops any logit shift."""
         for kind, mods in (("attn", self.attn_routers), ("ffn", self.ffn_routers)):
             mods.load_state_dict({k[len(kind) + 1:]: v for k, v in sd.items() if k.startswith(kind + ".")})
+        self._bias0, self.router_shifts, self.calibration = None, None, None
+
+    @torch.no_grad()
+    def set_router_shifts(self, shifts: dict[str, list[float]] | None) -> None:
+        """Fold a logit shift ``t`` per routed module into its router's ``w2`` bias (class 0 ``+ t / 2``, class 1
+        ``- t / 2``, in float64, rounded once to float32): each margin ``R0 - R1`` grows by ``t``, so argmax
+        (Eq. 5) and every path that reads the router weights (the inference engine's fused router) execute more
+        groups for ``t > 0``. ``shifts`` ``{"attn": [L floats], "ffn": [L floats]}`` (a routed kind only); None
+        puts the routers' own biases back. Shifts replace earlier ones, they do not add up."""
+        if self._bias0 is None:
+            self._bias0 = {(kind, i): r.w2.bias.detach().clone() for kind, mods in
+                           (("attn", self.attn_routers), ("ffn", self.ffn_routers)) for i, r in enumerate(mods)}
+        for kind, mods in (("attn", self.attn_routers), ("ffn", self.ffn_routers)):
+            for i, r in enumerate(mods):
+                b0 = self._bias0[(kind, i)]
+                t = 0.0 if shifts is None else float(shifts[kind][i])
+                half = torch.tensor([t / 2, -t / 2], dtype=torch.float64, device=b0.device)
+                r.w2.bias.copy_((b0.view(-1, 2).double() + half).view(-1).to(b0.dtype))
+        self.router_shifts = None if shifts is None else {k: [float(x) for x in v] for k, v in shifts.items()}
 
     def router_param_count(self) -> int:
         return sum(p.numel() for p in self.router_parameters())

@@ -4,7 +4,9 @@ TTFT: one prefill of ``batch x prompt_len`` random tokens; TPOT: one greedy deco
 context (the lengths reset before each step); medians of ``triton.testing.do_bench_cudagraph``, bf16.  ``dense_ms``:
 the dense engine; ``wide_ms``: every routed op as its kernel; ``wide_auto_ms``: the default dispatch;
 ``hf_eager_ms``: the Hugging Face model, eager.  Models: Llama-3.1-8B shapes with random weights and routers biased
-to the target sparsity (the §4.4 split or uniform), and the bundled SmolLM2-135M with its calibrated routers.  Writes
+to the target sparsity (the §4.4 split or uniform), and the bundled SmolLM2-135M with its trained routers dialed to
+each ``--sparsity`` (:func:`wide.calibrate.dial`).  Every record's ``realized_sparsity`` gives both units: ``groups``
+(Eq. 6, also ``overall``) and ``flops`` (the routed compute skipped at the point's context).  Writes
 ``e2e_<tag>.json`` (records), ``.md``, ``.png`` and ``_trace.json`` (one layer's GPU time per op, Amdahl's bound).
 """
 
@@ -56,7 +58,10 @@ def add_arguments(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
     p.add_argument("--prompt", default="512,2048,16384", type=int_list(1),
                    help="prompt lengths in tokens (default: 512,2048,16384)")
     p.add_argument("--sparsity", default="0,0.25,0.5", type=sparsity_list,
-                   help="overall target sparsities s in [0, 1) (default: 0,0.25,0.5)")
+                   help="overall target sparsities s in [0, 1): the routers' bias targets of the Llama shapes, and the "
+                        "values the SmolLM2 routers are dialed to (default: 0,0.25,0.5)")
+    p.add_argument("--sparsity-unit", default=None, choices=["groups", "flops"], help="unit of the SmolLM2 dial: "
+                   "groups (Eq. 6) or flops (the routed compute skipped) (default: the checkpoint's)")
     p.add_argument("--G", default="64,128,256", type=group_list, help="FFN group sizes (default: 64,128,256)")
     p.add_argument("--split", default="paper,uniform", type=choice_list("paper", "uniform"),
                    help="attention/FFN split of s: paper, uniform (default: both)")
@@ -214,12 +219,22 @@ class Run:
         print(" ".join(f"{k}={rec.get(k)}" for k in keys), flush=True)
 
 
-def _realized(engine, run):
+def _realized(engine, run, context: int):
+    """The engine's realized sparsity over one ``run()``: ``attn``, ``ffn``, ``overall`` = ``groups`` (Eq. 6) and
+    ``flops`` (the routed compute skipped at ``context`` tokens, :func:`wide.routing.realized_sparsity`)."""
+    from wide.config import WideConfig
+    from wide.routing import realized_sparsity
+
     engine.track_sparsity = True
     engine.reset_stats()
     run()
     engine.track_sparsity = False
-    return {k: round(v, 4) for k, v in engine.realized_sparsity().items()}
+    out = engine.realized_sparsity()
+    if out:
+        keep = {k: [1.0 - out[k]] if k in out else [] for k in ("attn", "ffn")}
+        both = realized_sparsity(keep["attn"], keep["ffn"], engine.dims, WideConfig(), seq_len=context)
+        out.update(groups=both["groups"], flops=both["flops"])
+    return {**{k: round(v, 4) for k, v in out.items()}, "flops_context": context}
 
 
 def bench_prefill(run: Run, model: str, base, engs: dict, B: int, T: int, extra: dict) -> None:
@@ -238,7 +253,7 @@ def bench_prefill(run: Run, model: str, base, engs: dict, B: int, T: int, extra:
         with torch.no_grad():
             rec["hf_eager_ms"] = round(do_bench(lambda: base(input_ids=ids, use_cache=False, logits_to_keep=1),
                                                 return_mode="median"), 4)
-    rec["realized_sparsity"] = _realized(engs["wide"], prefill_fn(engs["wide"], ids[:, :4096]))
+    rec["realized_sparsity"] = _realized(engs["wide"], prefill_fn(engs["wide"], ids[:, :4096]), min(T, 4096))
     run.add(rec)
 
 
@@ -271,7 +286,7 @@ def bench_decode(run: Run, model: str, base, engs: dict, B: int, T: int, extra: 
                 base(input_ids=tok, past_key_values=hfc, position_ids=pos, use_cache=True)
             rec["hf_eager_ms"] = round(do_bench(step, return_mode="median"), 4)
             del hfc
-    rec["realized_sparsity"] = _realized(engs["wide"], decode_fn(engs["wide"], cache, T, first.clone()))
+    rec["realized_sparsity"] = _realized(engs["wide"], decode_fn(engs["wide"], cache, T, first.clone()), T)
     del cache
     torch.cuda.empty_cache()
     run.add(rec)
@@ -329,35 +344,47 @@ def amdahl(w: dict, d: dict) -> dict:
 
 
 def bench_smollm2(run: Run) -> None:
-    """The bundled SmolLM2-135M with its calibrated routers: prefill (batch 1) and decode (context 2048) points."""
+    """The bundled SmolLM2-135M with its trained routers dialed to each ``--sparsity`` (a logit shift fitted on the
+    held-out calibration text): prefill (batch 1) and decode (context 2048) points."""
     import torch
 
     import wide
+    from wide.calibrate import calibration_line, dial
     from wide.data import load_texts, pack
 
     a = run.args
     wm, tok = wide.load(a.smollm2_ckpt, model=a.smollm2_model, device="cuda", dtype=torch.bfloat16, tokenizer=True)
-    for h in wm._handles:  # the engines call the routers themselves: the HF baseline runs without hooks
-        h.remove()
-    engs = engines(wm.base, wm)
-    engs["wide_auto"].measure_activity(pack(load_texts(a.smollm2_text)[:64], tok, 2048, max_blocks=1).to("cuda"))
-    extra = dict(sparsity=wm.config.target_sparsity, G_ffn=wm.config.ffn_group_size, split="calibrated",
-                 checkpoint=a.smollm2_ckpt)
-    for T in (t for t in a.prompt if t <= 8192 and not run.over()):
-        bench_prefill(run, "smollm2-135m", wm.base, engs, 1, T, extra)
-    for B in (b for b in a.batch if b <= 16 and not run.over()):
-        bench_decode(run, "smollm2-135m", wm.base, engs, B, 2048, extra)
+    sample = pack(load_texts(a.smollm2_text)[:64], tok, 2048, max_blocks=1).to("cuda")
+    for s in a.sparsity:
+        if run.over():
+            break
+        wm.install_hooks()  # the dial runs the model's own routed forward pass
+        rec = dial(wm, s, tok, unit=a.sparsity_unit, text=a.smollm2_text)
+        print(f"smollm2-135m: {' '.join(calibration_line(rec).split())}", flush=True)
+        for h in wm._handles:  # the engines call the routers themselves: the HF baseline runs without hooks
+            h.remove()
+        engs = engines(wm.base, wm)
+        engs["wide_auto"].measure_activity(sample)
+        extra = dict(sparsity=s, G_ffn=wm.config.ffn_group_size, split="dialed", checkpoint=a.smollm2_ckpt,
+                     trained_sparsity=wm.config.target_sparsity, dial_unit=rec["unit"],
+                     dial_realized={k: round(rec["realized"][k], 4) for k in ("groups", "flops")})
+        for T in (t for t in a.prompt if t <= 8192 and not run.over()):
+            bench_prefill(run, "smollm2-135m", wm.base, engs, 1, T, extra)
+        for B in (b for b in a.batch if b <= 16 and not run.over()):
+            bench_decode(run, "smollm2-135m", wm.base, engs, B, 2048, extra)
+        del engs
+        torch.cuda.empty_cache()
 
 
 # --- report and run --------------------------------------------------------------------------------------------------
 def write_report(records: list, out_dir: str, tag: str) -> None:
     """A Markdown table and a plot of the default engine's speedup against prompt tokens (prefill) and batch size
     (decode); colour = s, marker = G_ffn."""
-    rows = ["| phase | model | split | B | prompt | s | G | realized attn / ffn / overall | HF eager ms | dense ms | "
-            "WIDE ms | speedup | WIDE auto ms | speedup auto |", "|" + "---|" * 14]
+    rows = ["| phase | model | split | B | prompt | s | G | realized attn / ffn / groups / flops | HF eager ms | "
+            "dense ms | WIDE ms | speedup | WIDE auto ms | speedup auto |", "|" + "---|" * 14]
     for r in records:
         rs = r.get("realized_sparsity") or {}
-        real = " / ".join(f"{rs[k]:.3f}" for k in ("attn", "ffn", "overall") if k in rs)
+        real = " / ".join(f"{rs[k]:.3f}" for k in ("attn", "ffn", "overall", "flops") if k in rs)
         rows.append(f"| {r['phase']} | {r['model']} | {r.get('split', '')} | {r['batch']} | {r['prompt_len']} | "
                     f"{r['sparsity']} | {r['G_ffn']} | {real} | {r.get('hf_eager_ms', '')} | {r['dense_ms']} | "
                     f"{r['wide_ms']} | {r['speedup']} | {r.get('wide_auto_ms', '')} | {r.get('speedup_auto', '')} |")

@@ -52,7 +52,19 @@ def add_method(p) -> None:
     g.add_argument("--tau-end", type=float, default=0.5, help="final temperature, annealed linearly (default 0.5)")
     g.add_argument("--mode", choices=["global", "uniform"], default="global",
                    help="global = Eq. 6, uniform = Eq. 22 (attention and FFN each at S) (default: global)")
+    add_unit(g)
     add_layout(g)
+
+
+def add_unit(g, inherited: str | None = None) -> None:
+    """``--sparsity-unit`` and ``--max-module-sparsity`` (``inherited``: where their defaults come from instead)."""
+    g.add_argument("--sparsity-unit", choices=["groups", "flops"], default=None if inherited else "groups",
+                   help="what S counts: groups = Eq. 6 / 22, the paper's; flops = the fraction of the routed compute "
+                        "skipped (Q, O, gate, up, down and the attention core at --seq-len) (default: "
+                        f"{inherited or 'groups'})")
+    g.add_argument("--max-module-sparsity", type=float, default=None if inherited else 1.0,
+                   help="bound on every attention / FFN module's skip rate, in (0, 1], so that no sublayer is removed "
+                        f"entirely (default: {inherited or '1.0, no bound'})")
 
 
 def add_layout(g) -> None:
@@ -130,8 +142,10 @@ def config_from(args):
     from wide.config import WideConfig
     check_ffn_group_size(args)
     names = {"target_sparsity": "sparsity", "alpha": "alpha", "tau_start": "tau_start", "tau_end": "tau_end",
-             "sparsity_mode": "mode"}
+             "sparsity_mode": "mode", "sparsity_unit": "sparsity_unit", "max_module_sparsity": "max_module_sparsity"}
     objective = {k: getattr(args, a) for k, a in names.items() if hasattr(args, a)}
+    if objective and isinstance(getattr(args, "seq_len", None), int) and args.seq_len >= 2:
+        objective["seq_len"] = args.seq_len  # the context of the flops unit (refused below 2 by the run's checks)
     cfg = WideConfig(attn_group_size=args.attn_group_size, ffn_group_size=args.ffn_group_size,
                      router_rank=args.rank, routed=args.routed, **objective)
     if objective:  # a training command: the temperatures must be trainable
@@ -242,9 +256,23 @@ say = functools.partial(print, flush=True)
 
 
 def sparsity_text(r: dict) -> str:
-    """The realized sparsities of a report (:meth:`wide.eval.perplexity.SparsityMeter.report`)."""
-    return (f"attn {r['attn_sparsity']:.3f}  ffn {r['ffn_sparsity']:.3f}  overall {r['realized_sparsity']:.3f}  "
-            f"flop-weighted {r['flop_weighted_sparsity']:.3f}")
+    """The realized sparsities of a report (:meth:`wide.eval.perplexity.SparsityMeter.report`): both units, named,
+    and each class."""
+    return (f"groups {r['groups_sparsity']:.3f} (Eq. 6)  flops {r['flops_sparsity']:.3f} (T={r['flops_context']})  "
+            f"attn {r['attn_sparsity']:.3f}  ffn {r['ffn_sparsity']:.3f}")
+
+
+def check_sparsity(args, option: str = "--sparsity") -> None:
+    """Refuse a serve-time ``--sparsity`` outside ``[0, 1)`` or without ``--wide``, in one line."""
+    import math
+    x = getattr(args, "sparsity", None)
+    if x is None:
+        return
+    if not (math.isfinite(x) and 0.0 <= x < 1.0):
+        raise WideError(f"{option} {x:g} is outside [0, 1): the fraction of the routed groups (or, with "
+                        f"--sparsity-unit flops, of the routed compute) to skip, e.g. 0.5")
+    if not getattr(args, "wide", None):
+        raise WideError(f"{option} {x:g} dials the routers of a WIDE checkpoint: give --wide")
 
 
 def summary_line(name: str, r: dict) -> str:

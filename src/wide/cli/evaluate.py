@@ -41,6 +41,13 @@ def add_parsers(sub) -> None:
     ppl.add_argument("--max-tokens", type=int, help="evaluate the first N tokens of the text at most (>= 2; default: "
                                                     "all); fewer than --ctx make one shorter window")
     ppl.add_argument("--layers", action="store_true", help="print the per-layer sparsity table")
+    ppl.add_argument("--sparsity", type=float, help="dial the --wide routers to realize this sparsity in [0, 1) "
+                     "without training (a logit shift fitted on held-out calibration text: the checkpoint's, else "
+                     "the bundled text's)")
+    ppl.add_argument("--sparsity-unit", choices=["groups", "flops"], help="unit of --sparsity: groups (Eq. 6) or "
+                     "flops (the routed compute skipped) (default: the checkpoint's)")
+    ppl.add_argument("--uncalibrated", action="store_true", help="the routers as trained, without the fitted logit "
+                     "shift (the paper's argmax routing)")
     ppl.add_argument("--no-memory-check", dest="memory_check", action="store_false",
                      help=MEMORY_CHECK.format("the --batch-size x --ctx x vocabulary float32 logits are the big term"))
     ppl.set_defaults(func=cmd_eval_ppl)
@@ -140,6 +147,11 @@ def cmd_eval_ppl(args) -> int:
     from wide.data import load_texts, ppl_windows
     from wide.eval.perplexity import format_layer_table, perplexity
     C.at_least(args, ctx=2, batch_size=1, max_tokens=2)
+    C.check_sparsity(args)
+    if args.sparsity_unit is not None and args.sparsity is None:
+        raise WideError(f"--sparsity-unit {args.sparsity_unit} is the unit of a dialed --sparsity: give --sparsity")
+    if args.uncalibrated and not args.wide:
+        raise WideError("--uncalibrated applies to the routers of a WIDE checkpoint: give --wide")
     C.check_writable("--json", args.json, file=True)
     docs = load_texts(args.text, split="eval")
     fits = C.fits_context("--ctx", args.ctx)
@@ -149,7 +161,11 @@ def cmd_eval_ppl(args) -> int:
         spec = args.model if args.model is not None or not args.wide else read_base_info(args.wide)["model"]
         _memory_check(args, spec, min(args.batch_size, win.shape[0]), win.shape[1])(hf)
     if args.wide:
-        wm, _ = load(args.wide, model=args.model, device=args.device, tokenizer=True, check=check, config_check=fits)
+        wm, _ = load(args.wide, model=args.model, device=args.device, tokenizer=True, check=check, config_check=fits,
+                     calibrated=not args.uncalibrated, sparsity=args.sparsity, sparsity_unit=args.sparsity_unit)
+        if wm.calibration is not None:
+            from wide.calibrate import calibration_line
+            C.say(calibration_line(wm.calibration))
     else:
         model, _, _ = C.load(args, pre=[fits], hf_check=check)
     win = data["win"]

@@ -19,6 +19,11 @@ def add_arguments(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
     p.add_argument("--max-cache-len", type=int, default=None, help="KV-cache capacity per sequence in tokens "
                    "(default: longest prompt + --max-new-tokens)")
     p.add_argument("--device", default=None, help="cpu, cuda or cuda:N (default: cuda if available)")
+    p.add_argument("--sparsity", type=float, default=None, help="dial the --wide routers to realize this sparsity in "
+                   "[0, 1) without training (a logit shift fitted on held-out calibration text; default: the "
+                   "checkpoint's own)")
+    p.add_argument("--sparsity-unit", choices=["groups", "flops"], default=None, help="unit of --sparsity: groups "
+                   "(Eq. 6) or flops (the routed compute skipped) (default: the checkpoint's)")
     p.add_argument("--dense-ops", action="store_true", help="run cuBLAS/SDPA dense ops (routers ignored)")
     p.add_argument("--no-graphs", action="store_true", help="decode eagerly instead of replaying CUDA graphs")
     p.add_argument("--chat", action="store_true", help="wrap each prompt in the tokenizer's chat template")
@@ -111,11 +116,15 @@ def _cpu_notice(engine, args) -> str:
 def run(args) -> int:
     """Run ``wide generate``.  Raises WideError for an empty prompt, bad sizes (before the weights load) or sampling
     options, ``--chat`` without a chat template, or a checkpoint made for another base model."""
+    from wide.cli.common import check_sparsity
     from wide.hub import load_base_model
     from wide.inference.engine import Engine
     from wide.inference.generation import generate, stream_delta
 
     check_sizes(args)
+    check_sparsity(args)
+    if args.sparsity_unit is not None and args.sparsity is None:
+        raise WideError(f"--sparsity-unit {args.sparsity_unit} is the unit of a dialed --sparsity: give --sparsity")
     sampling = sampling_from(args)
     if any(not p.strip() for p in args.prompt):
         raise WideError("empty prompt: every --prompt needs some text")
@@ -123,13 +132,18 @@ def run(args) -> int:
 
     def check(hf_config, tok):  # run by the loaders before any weight is read
         early["prompts"] = prompts = _chat_prompts(args, tok)
-        check_sizes(args, hf_config, max(len(tok(p, add_special_tokens=True)["input_ids"]) for p in prompts))
+        early["longest"] = max(len(tok(p, add_special_tokens=True)["input_ids"]) for p in prompts)
+        check_sizes(args, hf_config, early["longest"])
 
     if args.wide:
         from wide.checkpoint import load
 
         model, tok = load(args.wide, model=args.model, device=args.device, tokenizer=True, merge_lora=True,
-                          check=check)
+                          check=check, sparsity=args.sparsity, sparsity_unit=args.sparsity_unit)
+        if args.sparsity is not None:
+            from wide.calibrate import calibration_line
+
+            print(calibration_line(model.calibration), file=sys.stderr)
     else:
         model, tok, _ = load_base_model(args.model, device=args.device, check=check)
     engine = Engine(model, ops="dense" if args.dense_ops else "routed")
@@ -158,9 +172,16 @@ def run(args) -> int:
     if not stream:
         for i, t in enumerate(res.texts):
             print(f"[{i}] {t}", end="" if t.endswith("\n") else "\n")
+    n = sum(map(len, res.tokens))
     sp = res.sparsity
     sp_txt = ", ".join(f"{k} {v:.3f}" for k, v in sp.items()) or "0 (dense)"
-    n = sum(map(len, res.tokens))
+    if sp and args.wide:
+        from wide.routing import realized_sparsity
+
+        keep = {k: [1.0 - sp[k]] if k in sp else [] for k in ("attn", "ffn")}
+        both = realized_sparsity(keep["attn"], keep["ffn"], model.dims, model.config,
+                                 seq_len=args.max_cache_len or early["longest"] + args.max_new_tokens)
+        sp_txt += f"; groups {both['groups']:.3f} (Eq. 6), flops {both['flops']:.3f} (T={both['flops_context']})"
     tpot = f"{res.tpot_s * 1e3:.1f} ms" if res.steps else "n/a (no decode step)"
     print(f"TTFT {res.ttft_s * 1e3:.1f} ms | TPOT {tpot} | {res.tokens_per_s:.1f} tokens/s ({n} token"
           f"{'' if n == 1 else 's'}, batch {len(args.prompt)}) | realized sparsity: {sp_txt} | path: {res.path}")

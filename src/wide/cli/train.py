@@ -9,6 +9,7 @@ import time
 from pathlib import Path
 
 from wide.cli import common as C
+from wide.config import FIT_TOKENS, HELDOUT_EVERY
 from wide.errors import WideError
 
 #: parsed names that are not options of a run: never saved with its state, nor taken from it on --resume
@@ -16,7 +17,7 @@ NOT_RUN_OPTIONS = ("command", "func", "argv", "output", "resume", "overwrite")
 #: options that, given with --resume and unlike the saved run's, are refused before the model loads
 RESUME_FIXED = ("sparsity", "alpha", "tau_start", "tau_end", "mode", "attn_group_size", "ffn_group_size", "rank",
                 "routed", "method", "skipgpt_rank", "steps", "lr", "warmup_steps", "seed", "seq_len", "lora_r",
-                "lora_alpha", "lora_dropout", "freeze_router")
+                "lora_alpha", "lora_dropout", "freeze_router", "sparsity_unit", "max_module_sparsity", "no_fit_bias")
 
 
 def add_parsers(sub) -> None:
@@ -34,6 +35,14 @@ def add_parsers(sub) -> None:
                        "and log removed when training starts, other files replaced as the new ones are saved)")
     C.add_method(cal)
     lora.add_argument("--freeze-router", action="store_true", help="keep the stage-1 routers fixed; train only LoRA")
+    C.add_unit(lora.add_argument_group("sparsity objective"), inherited="the stage-1 checkpoint's")
+    for s in (cal, lora):
+        g = s.add_argument_group("exact realized sparsity (a logit shift fitted after training)")
+        g.add_argument("--no-fit-bias", action="store_true", help="skip the fit: train on all of --text and keep "
+                       "the routers as trained (the paper's argmax routing, which realizes a sparsity near S)")
+        g.add_argument("--fit-tokens", type=int, default=FIT_TOKENS, help="held-out tokens the shift is fitted on "
+                       f"(>= 2; default: {FIT_TOKENS}); one document in {HELDOUT_EVERY} of --text is held out of "
+                       "training for it")
     g = lora.add_argument_group("LoRA (peft)")
     g.add_argument("--lora-r", type=int, default=16, help="LoRA rank r")
     g.add_argument("--lora-alpha", type=float, default=32.0, help="lora_alpha; peft scales by alpha / r")
@@ -49,11 +58,21 @@ def add_parsers(sub) -> None:
 
 
 def _prechecks(args, stage: str = "router"):
-    """The checks that need no model (options, ``-o``, the text); returns the CalibrationArgs and documents."""
+    """The checks that need no model (options, ``-o``, the text); returns the CalibrationArgs, the training
+    documents and the held-out ones (None with ``--no-fit-bias``)."""
+    from wide.calibrate import heldout_split
     from wide.data import load_texts
     targs = C.train_args_from(args)
+    C.at_least(args, fit_tokens=2)
     C.check_output(args, stage)
-    return targs, load_texts(args.text, split="calib")
+    docs = load_texts(args.text, split="calib")
+    if args.no_fit_bias:
+        return targs, docs, None
+    train, held = heldout_split(docs)
+    if not held and os.environ.get("RANK", "0") == "0":
+        C.say("note: the text is one document, so nothing is held out of training: the logit shift is fitted on "
+              "the training text (more documents, e.g. a .jsonl, give a held-out tenth)")
+    return targs, train, held or train
 
 
 def _launch(args, precheck) -> int | None:
@@ -113,6 +132,8 @@ def take_saved_options(parser, args) -> None:
                         f"{'; '.join(differ)} (to continue it, drop the options that differ and the saved run's own "
                         f"are reused; or start over with --overwrite)")
     taken = []
+    if "no_fit_bias" in actions and "no_fit_bias" not in saved and "no_fit_bias" not in given:
+        saved = {**saved, "no_fit_bias": True}  # a run saved without this option (the demo's) held nothing out
     for dest, value in saved.items():
         if dest in actions and dest not in given and value is not None and value != getattr(args, dest, None):
             setattr(args, dest, value)
@@ -121,9 +142,24 @@ def take_saved_options(parser, args) -> None:
         C.say(f"resuming with the saved settings: {' '.join(taken)}")
 
 
-def _train(env, what: str, blocks, targs, fit, saved: str) -> int:
+def _fit_bias(args, env, wm, held, model_ref: str) -> None:
+    """After training: fit the routers' logit shift on the held-out windows ``held`` and store it in ``-o`` (one
+    process; under torchrun rank 0 loads the saved checkpoint alone), unless ``--no-fit-bias`` or already stored."""
+    from wide.calibrate import calibration_line, fit_shifts
+    from wide.checkpoint import CALIBRATION_NAME, load, save_calibration
+    if held is None or not env.is_main or (Path(args.output) / CALIBRATION_NAME).is_file():
+        return
+    if env.active:  # the trained model is sharded over the processes
+        wm = load(args.output, model=model_ref, device=env.device, calibrated=False)
+    rec = fit_shifts(wm, held, batch_size=args.batch_size)
+    rec["text"] = C.text_name(args.text if args.text is None else os.path.abspath(args.text))
+    save_calibration(args.output, rec)
+    C.say(calibration_line(rec))
+
+
+def _train(env, what: str, blocks, targs, fit, saved: str, after=None) -> int:
     """Say what is trained (and when the text gives fewer sequences than one global batch), run ``fit()`` and
-    close with its result (rank 0 speaks)."""
+    close with its result (rank 0 speaks), then ``after()``."""
     say = C.say if env.is_main else (lambda *_: None)
     n, batch = int(blocks.shape[0]), targs.batch_size * targs.grad_accum * env.world_size
     say(f"{what}: {n} sequences x {blocks.shape[1]} tokens, {targs.steps} steps, {env.world_size} process(es), "
@@ -136,6 +172,10 @@ def _train(env, what: str, blocks, targs, fit, saved: str) -> int:
     recs = fit()
     if recs:  # none: --resume of a finished run, nothing written
         say(done_line(recs, t0))
+        say(units_line(recs))
+    if after is not None:
+        after()
+    if recs:
         say(saved)
     return 0
 
@@ -147,11 +187,19 @@ def done_line(recs: list[dict], t0: float) -> str:
             f"ffn sparsity {r['ffn_sparsity']:.3f}")
 
 
+def units_line(recs: list[dict]) -> str:
+    """The last step's sparsity in both units (of its Gumbel training masks)."""
+    r = recs[-1]
+    return (f"sparsity of the last step's training masks: groups {r['groups_sparsity']:.3f} (Eq. 6), flops "
+            f"{r['flops_sparsity']:.3f} (the routed compute skipped)")
+
+
 def cmd_calibrate(args) -> int:
     """``wide calibrate``: stage-1 router calibration (Eq. 10-13) into ``-o``, ``--resume`` from its last save."""
     import torch
 
     import wide.train.fsdp as D
+    from wide.calibrate import heldout_windows
     from wide.data import pack
     from wide.hub import default_device
     from wide.model import WideModel
@@ -160,11 +208,12 @@ def cmd_calibrate(args) -> int:
     launched = _launch(args, lambda: _prechecks(args))
     if launched is not None:
         return launched
-    targs, docs = _prechecks(args)
+    targs, docs, held = _prechecks(args)
     env = D.init(args.device)
     packed = {}
     def hf_check(hf, tok):  # before any weight is read: the text first, then a batch far too large
         packed["blocks"] = pack(docs, tok, args.seq_len, max_blocks=args.max_blocks, source=C.text_name(args.text))
+        packed["held"] = None if held is None else heldout_windows(held, tok, args.seq_len, args.fit_tokens)
         if targs.memory_check:
             from wide.memory import check_train_fits, train_memory_from_config
             device = env.device if env.active else (args.device or default_device())
@@ -180,13 +229,18 @@ def cmd_calibrate(args) -> int:
                        f"G_ffn={wm.config.ffn_group_size}", blocks, targs,
                   lambda: calibrate(wm, blocks, targs, Path(args.output), src.ref, resume=args.resume,
                                     data_source=data_source(args), options=run_options(args, env)),
-                  f"saved WIDE checkpoint to {args.output}")
+                  f"saved WIDE checkpoint to {args.output}",
+                  lambda: _fit_bias(args, env, wm, packed.get("held"), src.ref))
 
 
 def cmd_lora(args) -> int:
     """``wide lora``: stage-2 LoRA recovery (peft, all 7 projections) on a stage-1 checkpoint, ``--resume``."""
+    import dataclasses
+
     import wide.train.fsdp as D
+    from wide.calibrate import heldout_windows
     from wide.checkpoint import check_stage1, load
+    from wide.config import WideConfig
     from wide.data import pack
     from wide.lora import LoraSettings
     from wide.model import dims_of
@@ -195,11 +249,14 @@ def cmd_lora(args) -> int:
         raise WideError("--wide is required: the stage-1 checkpoint directory (the -o of `wide calibrate`); "
                         "only a --resume of a run that saved it may leave it out")
     settings = LoraSettings(r=args.lora_r, alpha=args.lora_alpha, dropout=args.lora_dropout)
-    info = {}
+    info, objective = {}, {}
     def precheck():
         C.need_extra("peft", "wide lora")
         settings.validate()
         info.update(check_stage1(args.wide))
+        objective.update({k: v for k, v in (("sparsity_unit", args.sparsity_unit),
+                                            ("max_module_sparsity", args.max_module_sparsity)) if v is not None})
+        WideConfig(**objective)  # a bad --max-module-sparsity is named before any weight loads
         settings.check_dims(dims_of(C.hf_config(args.model or info["model"])[1]))
         if Path(args.wide).resolve() == Path(args.output).resolve():
             raise WideError(f"-o {str(args.output)!r} must differ from the stage-1 checkpoint --wide {args.wide!r}")
@@ -207,21 +264,26 @@ def cmd_lora(args) -> int:
     launched = _launch(args, precheck)
     if launched is not None:
         return launched
-    targs, docs = precheck()
+    targs, docs, held = precheck()
     fits = C.fits_context("--seq-len", args.seq_len)
     env = D.init(args.device)
     if env.active:  # rank 0 holds the weights (CPU) and checks the checkpoint; the others only the structure
         from wide.checkpoint import read_config
         from wide.model import WideModel
         base, tok, _ = D.load_base(args.model or info["model"], env, config_check=fits)
-        wm = load(args.wide, model=base) if env.is_main else WideModel(base, read_config(args.wide, base))
+        wm = (load(args.wide, model=base, calibrated=False) if env.is_main
+              else WideModel(base, read_config(args.wide, base)))
     else:
-        wm, tok = load(args.wide, model=args.model, device=args.device, tokenizer=True, config_check=fits)
+        wm, tok = load(args.wide, model=args.model, device=args.device, tokenizer=True, config_check=fits,
+                       calibrated=False)
+    wm.config = dataclasses.replace(wm.config, **objective)
     blocks = pack(docs, tok, args.seq_len, max_blocks=args.max_blocks, source=C.text_name(args.text))
+    held_windows = None if held is None else heldout_windows(held, tok, args.seq_len, args.fit_tokens)
     return _train(env, f"LoRA recovery on {args.wide} ({info['model']}) with r={settings.r} alpha={settings.alpha} "
                        f"dropout={settings.dropout}, routers {'frozen' if args.freeze_router else 'trained'}",
                   blocks, targs,
                   lambda: recover(wm, blocks, targs, Path(args.output), args.model or info["model"], settings=settings,
                                   freeze_router=args.freeze_router, stage1=args.wide, resume=args.resume,
                                   data_source=data_source(args), options=run_options(args, env)),
-                  f"saved WIDE checkpoint with LoRA adapter to {args.output}")
+                  f"saved WIDE checkpoint with LoRA adapter to {args.output}",
+                  lambda: _fit_bias(args, env, wm, held_windows, args.model or info["model"]))

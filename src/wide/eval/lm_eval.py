@@ -29,7 +29,10 @@ _DTYPES = {"bfloat16": torch.bfloat16, "bf16": torch.bfloat16, "float16": torch.
 class WideLM(HFLM):
     """lm-eval model ``wide``: ``pretrained`` (``--model`` syntax or a loaded HF causal LM; default the checkpoint's
     base) with the routers of ``wide`` (a WIDE / SkipGPT checkpoint folder or a :class:`WideModel`; None = dense),
-    argmax routing; ``merge_lora`` folds a stage-2 adapter into the weights; other keywords are ``HFLM``'s.
+    argmax routing; ``merge_lora`` folds a stage-2 adapter into the weights; ``calibrated`` (default True) applies
+    the checkpoint's fitted logit shift; ``sparsity`` (``[0, 1)``, e.g. ``--model_args wide=CKPT,sparsity=0.3``)
+    dials the routers to it, in ``sparsity_unit`` (groups / flops; default the checkpoint's), without training;
+    other keywords are ``HFLM``'s.
 
     Lm-eval's loglikelihood batches are right-padded without a mask: causal attention and per-token routers keep
     real tokens blind to the padding, and the realized sparsity counts real tokens only (:meth:`_select_cont_toks`).
@@ -40,15 +43,28 @@ class WideLM(HFLM):
     ROLLING_TOKENS = 16384
 
     def __init__(self, pretrained=None, wide=None, tokenizer=None, device=None, dtype=None, merge_lora=True,
-                 batch_size=1, max_batch_size: int = 64, max_length: int | None = None, **kwargs) -> None:
+                 batch_size=1, max_batch_size: int = 64, max_length: int | None = None, calibrated=True,
+                 sparsity=None, sparsity_unit=None, **kwargs) -> None:
         if dtype not in (None, "auto") and not isinstance(dtype, torch.dtype) and str(dtype) not in _DTYPES:
             raise WideError(f"dtype {dtype!r} is not one of {', '.join(sorted(_DTYPES))}, auto")
         dtype = dtype if isinstance(dtype, torch.dtype) else _DTYPES.get(str(dtype))
         if device is not None and str(device).startswith("cuda") and not torch.cuda.is_available():
             device = None  # lm-eval's command line asks cuda:0 by default
+        if isinstance(sparsity, str):  # lm-eval's --model_args give strings
+            try:
+                sparsity = float(sparsity)
+            except ValueError:
+                raise WideError(f"sparsity {sparsity!r} is not a number; give a fraction in [0, 1), e.g. 0.5") from None
+        if sparsity is not None and wide is None:
+            raise WideError(f"sparsity={sparsity!r} dials the routers of a WIDE checkpoint: give wide=CKPT")
+        calibrated = str(calibrated).lower() not in ("false", "0", "no")
         wm, tok, loaded = wide if isinstance(wide, WideModel) else None, None, isinstance(pretrained, torch.nn.Module)
+        if wm is not None and sparsity is not None:
+            raise WideError("sparsity= dials a checkpoint as it loads: give wide= a checkpoint folder, or dial the "
+                            "WideModel first (wide.calibrate.dial)")
         if wide is not None and wm is None:
-            kw = {"model": pretrained, "merge_lora": bool(merge_lora)}
+            kw = {"model": pretrained, "merge_lora": bool(merge_lora), "calibrated": calibrated,
+                  "sparsity": sparsity, "sparsity_unit": sparsity_unit}
             wm, tok = (load(str(wide), **kw), None) if loaded else load(str(wide), device=device, dtype=dtype,
                                                                         tokenizer=True, **kw)
         base = wm.base if wm is not None else pretrained
@@ -123,8 +139,9 @@ class WideLM(HFLM):
         if self.wide_model is not None:
             rep = self.sparsity_report() or {}
             info.update({"wide_checkpoint": self.wide_path, "wide_config": self.wide_model.config.to_dict(),
-                         **{k: rep[k] for k in ("attn_sparsity", "ffn_sparsity", "realized_sparsity",
-                                                "flop_weighted_sparsity", "tokens") if k in rep}})
+                         **{k: rep[k] for k in ("groups_sparsity", "flops_sparsity", "flops_context", "attn_sparsity",
+                                                "ffn_sparsity", "realized_sparsity", "flop_weighted_sparsity",
+                                                "calibration", "tokens") if k in rep}})
         return info
 
 

@@ -1,7 +1,7 @@
 """Token perplexity (``exp(mean NLL)`` over non-overlapping windows) and realized sparsity (paper §4.1): the
-skipped fraction of groups over valid tokens, per layer and module, as attention / FFN / overall (the mean over the
-2N routed modules, Eq. 6) and FLOP-weighted, where per token and layer an attention group of ``G_a`` channels costs
-``2·D·G_a + G_a·(ctx + 1)`` MACs (Q, O; QK, PV) and an FFN group of ``G_f`` channels ``3·D·G_f``."""
+skipped fraction of groups over valid tokens, per layer and module, as attention / FFN and in both units of
+:func:`wide.routing.realized_sparsity`: ``groups`` (the mean over the 2N routed modules, Eq. 6) and ``flops`` (the
+routed compute skipped, at the checkpoint's training context, else the evaluation's)."""
 
 from __future__ import annotations
 
@@ -13,6 +13,7 @@ from torch import nn
 from tqdm.auto import tqdm
 
 from wide.model import WideModel
+from wide.routing import realized_sparsity
 
 
 @dataclass
@@ -39,23 +40,27 @@ class SparsityMeter:
                 self.add(kind, [float(keep) * n_valid * n for keep in keeps], n_valid * n)
 
     def report(self, wm: WideModel, ctx: int) -> dict:
-        """``attn_sparsity``, ``ffn_sparsity``, ``realized_sparsity``, ``flop_weighted_sparsity`` and
-        ``per_layer`` (``[{"layer", "attn", "ffn"}]``, None for a kind without routers)."""
-        attn, ffn = ([1.0 - k / t if t else 0.0 for k, t in zip(self.kept.get(kind, []), self.total.get(kind, []))]
-                     for kind in ("attn", "ffn"))  # the skipped fraction per layer; [] for a kind without routers
-        d, L, cfg = wm.dims.hidden_size, wm.dims.num_layers, wm.config
-        cost_a = (2 * d * cfg.attn_group_size + cfg.attn_group_size * (ctx + 1)) * wm.n_attn_groups
-        cost_f = 3 * d * cfg.ffn_group_size * wm.n_ffn_groups
-        total = cost_a * len(attn) + cost_f * len(ffn)
-        mods = [*attn, *ffn]
-        return {
-            "attn_sparsity": sum(attn) / len(attn) if attn else 0.0,
-            "ffn_sparsity": sum(ffn) / len(ffn) if ffn else 0.0,
-            "realized_sparsity": sum(mods) / len(mods) if mods else 0.0,
-            "flop_weighted_sparsity": (cost_a * sum(attn) + cost_f * sum(ffn)) / total if total else 0.0,
-            "per_layer": [{"layer": i, "attn": attn[i] if attn else None, "ffn": ffn[i] if ffn else None}
-                          for i in range(L)],
+        """``groups_sparsity`` (Eq. 6), ``flops_sparsity`` (the routed compute skipped at ``flops_context`` tokens:
+        the config's ``seq_len``, else ``ctx``), ``attn_sparsity``, ``ffn_sparsity``, ``realized_sparsity`` and
+        ``flop_weighted_sparsity`` (the same two units under their earlier names), ``per_layer`` (``[{"layer",
+        "attn", "ffn"}]``, None for a kind without routers) and, for a calibrated or dialed model,
+        ``calibration`` (its unit, target and the realized sparsity on its held-out text)."""
+        attn, ffn = ([k / t if t else 1.0 for k, t in zip(self.kept.get(kind, []), self.total.get(kind, []))]
+                     for kind in ("attn", "ffn"))  # the kept fraction per layer; [] for a kind without routers
+        r = realized_sparsity(attn, ffn, wm.dims, wm.config, seq_len=ctx)
+        skip_a, skip_f = r["per_module"]["attn"], r["per_module"]["ffn"]
+        out = {
+            "groups_sparsity": r["groups"], "flops_sparsity": r["flops"], "flops_context": r["flops_context"],
+            "attn_sparsity": r["attn"], "ffn_sparsity": r["ffn"],
+            "realized_sparsity": r["groups"], "flop_weighted_sparsity": r["flops"],
+            "per_layer": [{"layer": i, "attn": skip_a[i] if skip_a else None, "ffn": skip_f[i] if skip_f else None}
+                          for i in range(wm.dims.num_layers)],
         }
+        if wm.calibration is not None:
+            c = wm.calibration
+            out["calibration"] = {"unit": c["unit"], "target": c["target"], "dialed": bool(c.get("dialed")),
+                                  "heldout_realized": {k: c["realized"][k] for k in ("groups", "flops")}}
+        return out
 
 
 @torch.no_grad()

@@ -9,6 +9,7 @@ global batch, has the losses of an uninterrupted one. The state is a ``torch.dis
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import hashlib
 import json
 import math
@@ -26,12 +27,12 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_
 
 import wide.lora as L
 import wide.train.fsdp as D
-from wide.checkpoint import BASE_NAME, read_base_info, save_wide
+from wide.checkpoint import BASE_NAME, CALIBRATION_NAME, read_base_info, save_wide
 from wide.config import SEED_MAX, replace_dir
 from wide.errors import WideError, WideWarning, first_line
 from wide.memory import check_train_memory
 from wide.model import WideModel, fingerprint
-from wide.routing import mix, sample_keyed, sparsity_loss
+from wide.routing import mix, module_weights, sample_keyed, sparsity_loss
 
 STATE_NAME = "train_state.dcp"
 META_NAME = "train_state.json"
@@ -202,7 +203,9 @@ def _resume_key(wm: WideModel, args: CalibrationArgs, stage: str, extra_key: dic
     train["global_batch"] = args.batch_size * args.grad_accum * world
     t = blocks.detach().to("cpu").contiguous()
     digest = hashlib.sha256(f"{t.dtype}{tuple(t.shape)}".encode() + t.view(-1).view(torch.uint8).numpy().tobytes())
-    return {"stage": stage, "config": wm.config.to_dict(), "train": train, **(extra_key or {}),
+    config = {k: v for k, v in wm.config.to_dict().items()  # the fields a run of an earlier version had not
+              if (k, v) not in (("sparsity_unit", "groups"), ("max_module_sparsity", 1.0), ("seq_len", t.shape[1]))}
+    return {"stage": stage, "config": config, "train": train, **(extra_key or {}),
             "data": {"seq_len": int(t.shape[1]), "tokens_sha256": digest.hexdigest()[:16]}}
 
 
@@ -221,6 +224,10 @@ def _check_resume(output: Path, wm: WideModel, fp: str | None, key: dict, env: D
         raise WideError(msg or f"--resume: the base model differs from the one the run in {str(output)!r} was "
                                f"trained on (see rank 0)")
     meta = read_meta(output)
+    step = meta.get("step")
+    if isinstance(step, bool) or not isinstance(step, int) or step < 0:
+        raise WideError(f"corrupt training state {meta['_path']}/{META_NAME}: \"step\" is {step!r}; it must be an "
+                        f"integer >= 0 (the optimizer steps done)")
     if meta.get("key") != key:
         diff = _key_diff(meta.get("key"), key)
         source = meta.get("data_source") if "data.tokens_sha256:" in diff and "data.seq_len:" not in diff else None
@@ -240,13 +247,17 @@ def train(wm: WideModel, blocks: torch.Tensor, args: CalibrationArgs, output: st
     ``[N, seq_len]``, in one process or under torchrun, into ``output`` (checkpoint, ``train_state.dcp``,
     ``train_log.jsonl``). ``resume`` continues the saved run (same settings, base model, data and ``extra_key``);
     ``extra_info`` goes into ``base_model.json``, ``data_source`` and ``options`` into the state for ``--resume``.
-    Returns one record a step (``step``, ``lm_loss``, ``sparsity_loss``, ``attn_sparsity``, ``ffn_sparsity``,
-    ``tau``, ``lr``, ``grad_norm``, ``tokens_per_s``, ``world_size``). Raises WideError for bad settings, a bad state
+    A config without ``seq_len`` gets the blocks' (the context of the flops unit). Returns one record a step
+    (``step``, ``lm_loss``, ``sparsity_loss``, ``attn_sparsity``, ``ffn_sparsity``, ``groups_sparsity`` (Eq. 6),
+    ``flops_sparsity`` (the routed compute skipped), ``tau``, ``lr``, ``grad_norm``, ``tokens_per_s``,
+    ``world_size``; the sparsities of the step's Gumbel masks). Raises WideError for bad settings, a bad state
     to resume, a failed write, a batch that does not fit, or a diverged step (the last saved state is kept)."""
     from tqdm.auto import tqdm
 
     args.validate()
     wm.config.check_training()
+    if wm.config.seq_len is None:
+        wm.config = dataclasses.replace(wm.config, seq_len=int(blocks.shape[1]))
     env, output = D.current(), Path(output)
     if resume and not has_train_state(output):
         raise WideError(f"--resume: no {STATE_NAME} in {str(output)!r}")
@@ -282,6 +293,7 @@ def train(wm: WideModel, blocks: torch.Tensor, args: CalibrationArgs, output: st
             _truncate_log(log_path, start)
         else:  # an earlier run's state and log must not be resumed
             log_path.unlink(missing_ok=True)
+            (output / CALIBRATION_NAME).unlink(missing_ok=True)  # an earlier run's fitted shifts
             for d in (STATE_NAME, f".{STATE_NAME}.old", f".{STATE_NAME}.tmp"):
                 shutil.rmtree(output / d, ignore_errors=True)
     D.barrier(env)
@@ -292,6 +304,9 @@ def train(wm: WideModel, blocks: torch.Tensor, args: CalibrationArgs, output: st
         wm.base.eval()  # stage 1: no dropout in the frozen base (HF checkpointing needs train mode)
     W, R, B, T = env.world_size, env.rank, args.batch_size, blocks.shape[1]
     kinds = [k for k, on in (("attn", cfg.route_attn), ("ffn", cfg.route_ffn)) if on]
+    weights = None if cfg.sparsity_unit == "groups" else module_weights(wm.dims, cfg)
+    flops_w = torch.tensor(module_weights(wm.dims, cfg, "flops"), dtype=torch.float64, device=device)
+    flops_w = (flops_w / flops_w.sum()).float()
     bar = tqdm(total=args.steps, initial=start, disable=not (progress and env.is_main), desc=f"train {stage}",
                dynamic_ncols=True)
     try:
@@ -312,14 +327,17 @@ def train(wm: WideModel, blocks: torch.Tensor, args: CalibrationArgs, output: st
                         out = wm(ids, labels=ids, use_cache=False)
                     na = len(wm.record.attn_keep)
                     keeps = D.global_keep([*wm.record.attn_keep, *wm.record.ffn_keep], env)
-                    sp = sparsity_loss(keeps[:na], keeps[na:], cfg.target_sparsity, cfg.alpha, cfg.sparsity_mode)
+                    sp = sparsity_loss(keeps[:na], keeps[na:], cfg.target_sparsity, cfg.alpha, cfg.sparsity_mode,
+                                       weights=weights, max_module=cfg.max_module_sparsity)
                     ((out.loss.float() + sp) / args.grad_accum).backward()
-                parts.append(torch.stack([out.loss.detach().float(), sp.detach(), *(
-                    1.0 - torch.stack(k).detach().mean() for k in (keeps[:na], keeps[na:]) if k)]))
+                skip = 1.0 - torch.stack(keeps).detach().float()
+                parts.append(torch.stack([out.loss.detach().float(), sp.detach(), skip.mean(), (flops_w * skip).sum(),
+                                          *(1.0 - torch.stack(k).detach().mean() for k in (keeps[:na], keeps[na:])
+                                            if k)]))
             gnorm = D.clip_grad_norm_(params, 1.0, env)
             D.optimizer_step(opt)
             bad = sum((~torch.isfinite(D.local(p).detach())).sum() for p in params)
-            lm, spl, *sparsity, gn, bad = torch.cat([torch.stack(parts).double().mean(0), torch.stack(
+            lm, spl, groups, flops, *sparsity, gn, bad = torch.cat([torch.stack(parts).double().mean(0), torch.stack(
                 [gnorm.to(device, torch.float64), bad.to(device, torch.float64)])]).tolist()  # one host sync
             lm, bad = D.all_mean([lm, bad], env)
             if bad or not all(map(math.isfinite, (lm, spl, gn))):
@@ -331,7 +349,8 @@ def train(wm: WideModel, blocks: torch.Tensor, args: CalibrationArgs, output: st
                                 f"{kept}; lower --lr (now {args.lr:g}) or --alpha, or raise --tau-end")
             sparsity = dict(zip(kinds, sparsity))
             r = {"step": step + 1, "lm_loss": lm, "sparsity_loss": spl, "attn_sparsity": sparsity.get("attn", 0.0),
-                 "ffn_sparsity": sparsity.get("ffn", 0.0), "tau": wm.tau, "lr": lr, "grad_norm": gn,
+                 "ffn_sparsity": sparsity.get("ffn", 0.0), "groups_sparsity": groups, "flops_sparsity": flops,
+                 "tau": wm.tau, "lr": lr, "grad_norm": gn,
                  "tokens_per_s": B * args.grad_accum * W * T / (time.perf_counter() - t0), "world_size": W}
             records.append(r)
             if env.is_main:

@@ -1,0 +1,210 @@
+"""The logit-shift fit (exact realized sparsity), its storage in the checkpoint, the uncalibrated routing and the
+serve-time dial, on a tiny random Llama; every realized value is counted again from the argmax masks."""
+
+import json
+import warnings
+
+import pytest
+import torch
+
+from wide.calibrate import TOLERANCE, check_target, dial, fit_shifts, fit_text, heldout_split, heldout_windows
+from wide.checkpoint import BASE_NAME, CALIBRATION_NAME, load, save_calibration, save_wide
+from wide.config import WideConfig
+from wide.errors import WideError, WideWarning
+from wide.model import WideModel
+from wide_testutil import random_text, tiny_model, tiny_tokenizer
+
+
+def spread(wm: WideModel) -> WideModel:
+    """Routers far from one another: sharp margins, some modules all-skip and some all-execute before the fit."""
+    with torch.no_grad():
+        for j, r in enumerate([*wm.attn_routers, *wm.ffn_routers]):
+            r.w2.weight.mul_(30)
+            r.w2.bias.view(-1, 2)[:, 0] += (j - 2.5) * 0.5
+    return wm
+
+
+def routed(base=None, **kw) -> WideModel:
+    torch.manual_seed(0)
+    cfg = WideConfig(**{"ffn_group_size": 16, "seq_len": 64, **kw})
+    return spread(WideModel(base if base is not None else tiny_model(num_hidden_layers=3), cfg, init_keep=0.5))
+
+
+WINDOWS = torch.randint(0, 128, (8, 64), generator=torch.Generator().manual_seed(1))
+
+
+def measured(wm: WideModel, ids: torch.Tensor) -> tuple[dict, dict]:
+    """Per-module skip rates of one argmax forward pass (from the recorded masks) and the masks."""
+    wm.record_masks = True
+    try:
+        with torch.no_grad():
+            wm(ids)
+    finally:
+        wm.record_masks = False
+    masks = dict(wm.record.masks)
+    return {k: 1.0 - m.double().mean().item() for k, m in masks.items()}, masks
+
+
+def unit_value(wm: WideModel, rates: dict, unit: str, mode: str) -> dict:
+    """The fitted quantity by hand in float64: per class (uniform) or overall, groups or FLOP-weighted."""
+    d, t, L = 64.0, float(wm.config.seq_len), wm.dims.num_layers
+    w = {"attn": 64 * (4 * d + 2 * (t + 1)), "ffn": 6 * d * 128} if unit == "flops" else {"attn": 1.0, "ffn": 1.0}
+    if mode == "uniform":
+        return {k: sum(rates[(k, i)] for i in range(L)) / L for k in ("attn", "ffn")}
+    return {"global": sum(w[k] * r for (k, _), r in rates.items()) / sum(w[k] for (k, _) in rates)}
+
+
+@pytest.mark.parametrize("unit,mode,bound,target", [
+    ("groups", "global", 1.0, 0.2), ("flops", "global", 1.0, 0.7), ("groups", "uniform", 1.0, 0.3),
+    ("flops", "uniform", 1.0, 0.6), ("flops", "global", 0.45, 0.3), ("groups", "uniform", 0.4, 0.3)])
+def test_fit_realizes_the_target(unit, mode, bound, target):
+    wm = routed(sparsity_unit=unit, sparsity_mode=mode, max_module_sparsity=bound)
+    before, _ = measured(wm, WINDOWS)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", WideWarning)
+        rec = fit_shifts(wm, WINDOWS, target)
+    rates, _ = measured(wm, WINDOWS)
+    for value in unit_value(wm, rates, unit, mode).values():
+        assert abs(value - target) <= TOLERANCE
+    n = WINDOWS.numel()
+    for (kind, _), r in rates.items():  # the bound holds within the tolerance or one decision
+        assert r <= bound + max(TOLERANCE, 1.0 / (n * (wm.n_attn_groups if kind == "attn" else wm.n_ffn_groups)))
+    assert max(before.values()) == 1.0 and min(before.values()) == 0.0  # the fit had work to do
+    assert rec["converged"] and rec["unit"] == unit and rec["mode"] == mode and rec["target"] == target
+    assert rec["realized"]["groups"] == pytest.approx(unit_value(wm, rates, "groups", "global")["global"])
+    assert rec["realized"]["flops"] == pytest.approx(unit_value(wm, rates, "flops", "global")["global"])
+    assert rec["uncalibrated"]["groups"] == pytest.approx(unit_value(wm, before, "groups", "global")["global"])
+    assert set(rec["shifts"]) == ({"global"} if mode == "global" else {"attn", "ffn"})
+
+
+def test_unreachable_target_warns_with_the_value_reached():
+    wm = routed(max_module_sparsity=0.3)
+    with pytest.warns(WideWarning, match=r"reached global 0\.\d+ \(groups, global mode\) for the target 0.5"):
+        rec = fit_shifts(wm, WINDOWS, 0.5)
+    assert not rec["converged"] and rec["realized"]["groups"] == pytest.approx(0.3, abs=0.01)
+
+
+def test_shifts_fold_into_the_bias_and_zero_restores_it():
+    wm = routed()
+    ids = WINDOWS[:2]
+    _, plain = measured(wm, ids)
+    bias = [r.w2.bias.clone() for r in wm.attn_routers]
+    shifts = {"attn": [0.5, -1.0, 2.0], "ffn": [0.0, 0.25, -0.25]}
+    wm.set_router_shifts(shifts)
+    for b, r, t in zip(bias, wm.attn_routers, shifts["attn"]):
+        margin, before = r.w2.bias.view(-1, 2).double(), b.view(-1, 2).double()
+        assert torch.allclose(margin[:, 0] - margin[:, 1], before[:, 0] - before[:, 1] + t, atol=1e-6)
+    wm.set_router_shifts(None)
+    assert all(torch.equal(b, r.w2.bias) for b, r in zip(bias, wm.attn_routers))
+    _, again = measured(wm, ids)
+    assert all(torch.equal(plain[k], again[k]) for k in plain)
+
+
+@pytest.fixture
+def fitted(tmp_path, model_dir):
+    """A checkpoint of ``model_dir`` with fitted shifts, its masks with and without them on some ids."""
+    from wide.hub import load_base_model
+
+    base, _, src = load_base_model(str(model_dir), device="cpu")
+    wm = routed(base, target_sparsity=0.4)
+    ids = torch.randint(0, 128, (2, 40), generator=torch.Generator().manual_seed(5))
+    _, plain = measured(wm, ids)
+    save_wide(wm, tmp_path / "ckpt", src.ref)
+    rec = fit_shifts(wm, WINDOWS, 0.4)
+    _, calibrated = measured(wm, ids)
+    save_calibration(tmp_path / "ckpt", rec)
+    return tmp_path / "ckpt", ids, plain, calibrated, rec
+
+
+def test_stored_shifts_give_identical_masks_and_uncalibrated_the_paper_routing(fitted):
+    path, ids, plain, calibrated, rec = fitted
+    info = json.loads((path / BASE_NAME).read_text())
+    assert CALIBRATION_NAME in info["files"]  # its SHA-256 is checked on load
+    wm = load(path, device="cpu")
+    assert wm.calibration["module_shifts"] == rec["module_shifts"]
+    _, got = measured(wm, ids)
+    assert any(not torch.equal(plain[k], calibrated[k]) for k in plain)
+    assert all(torch.equal(got[k], calibrated[k]) for k in got)
+    wm = load(path, device="cpu", calibrated=False)
+    assert wm.calibration is None
+    _, got = measured(wm, ids)
+    assert all(torch.equal(got[k], plain[k]) for k in got)
+    # an edited calibration file is refused, naming it
+    (path / CALIBRATION_NAME).write_text((path / CALIBRATION_NAME).read_text().replace("wide-calibration", "x"))
+    with pytest.raises(WideError, match=CALIBRATION_NAME):
+        load(path, device="cpu")
+
+
+@pytest.fixture
+def long_text(tmp_path):
+    p = tmp_path / "long.jsonl"
+    p.write_text("".join(json.dumps({"text": random_text(200, seed=s)}) + "\n" for s in range(60)))
+    return p
+
+
+@pytest.mark.parametrize("x,unit", [(0.15, None), (0.6, "flops")])
+def test_dial_realizes_the_value_asked(fitted, long_text, tokenizer, x, unit):
+    path, text_file = fitted[0], long_text
+    wm = load(path, device="cpu", sparsity=x, sparsity_unit=unit, text=str(text_file))
+    rec = wm.calibration
+    assert rec["dialed"] and rec["converged"] and rec["unit"] == (unit or "groups") and rec["target"] == x
+    from wide.data import load_texts
+
+    held = heldout_windows(heldout_split(load_texts(str(text_file)))[1], tokenizer, 64, 2048)
+    rates, _ = measured(wm, held)
+    assert abs(unit_value(wm, rates, unit or "groups", "global")["global"] - x) <= TOLERANCE
+    # the same dial on a model already loaded, from its stored curve
+    wm2 = load(path, device="cpu")
+    assert dial(wm2, x, tokenizer, unit=unit, text=str(text_file))["module_shifts"] == rec["module_shifts"]
+
+
+@pytest.mark.parametrize("x", [1.0, -0.1, float("nan"), "0.5", True])
+def test_bad_dial_values_are_refused(tmp_path, x):
+    with pytest.raises(WideError, match=rf"wide.load: sparsity {x!r} is outside \[0, 1\)"):
+        load(tmp_path, device="cpu", sparsity=x)  # before any file is read
+    with pytest.raises(WideError, match=r"outside \[0, 1\)"):
+        check_target(x)
+
+
+def test_bad_dial_unit_is_refused(tmp_path):
+    with pytest.raises(WideError, match="sparsity unit 'params' is not one of groups, flops"):
+        load(tmp_path, device="cpu", sparsity=0.5, sparsity_unit="params")
+    with pytest.raises(WideError, match="give sparsity= too"):
+        load(tmp_path, device="cpu", sparsity_unit="flops")
+
+
+def test_heldout_split():
+    docs = [random_text(20, seed=s) for s in range(40)]
+    train, held = heldout_split(docs)
+    assert held and train and not set(train) & set(held) and sorted(train + held) == sorted(docs)
+    assert heldout_split(docs) == (train, held)
+    for n in (2, 3):  # a few documents: some held out all the same
+        train, held = heldout_split(docs[:n])
+        assert train and held and sorted(train + held) == sorted(docs[:n])
+    assert heldout_split(docs[:1]) == (docs[:1], []) and fit_text(docs[:1]) == (docs[:1], False)
+    assert fit_text(docs) == (heldout_split(docs)[1], True)
+    w = heldout_windows(held, tiny_tokenizer(), 4, 9)
+    assert w.shape == (2, 4) and w.dtype == torch.long
+
+
+def test_cli_fits_stores_reports_and_dials(tmp_path, model_dir, long_text, capsys):
+    from wide_testutil import calibrate_args, run_cli
+
+    out = tmp_path / "run"
+    rc, stdout, err = run_cli(calibrate_args(model_dir, long_text, out, "--sparsity-unit", "flops"), capsys)
+    assert rc == 0, err
+    rec = json.loads((out / CALIBRATION_NAME).read_text())
+    assert rec["unit"] == "flops" and rec["target"] == 0.5 and "calibrated routing to S=0.5 (flops, global)" in stdout
+    assert "sparsity of the last step's training masks: groups 0." in stdout and "(Eq. 6), flops 0." in stdout
+    assert WideConfig.load(out).seq_len == 32
+    js = tmp_path / "r.json"
+    rc, stdout, err = run_cli(["eval-ppl", "--wide", out, "--text", long_text, "--ctx", "32", "--max-tokens", "64",
+                               "--device", "cpu", "--sparsity", "0.3", "--json", js], capsys)
+    assert rc == 0, err
+    assert "dialed routing to S=0.3 (flops, global): realized 0." in stdout and "groups" in stdout
+    r = json.loads(js.read_text())["wide"]
+    assert {"groups_sparsity", "flops_sparsity", "flops_context"} <= set(r) and r["calibration"]["dialed"]
+    assert r["calibration"]["heldout_realized"]["flops"] == pytest.approx(0.3, abs=TOLERANCE)
+    # --no-fit-bias: no held-out text, no shift
+    rc, _, err = run_cli(calibrate_args(model_dir, long_text, tmp_path / "plain", "--no-fit-bias"), capsys)
+    assert rc == 0, err and not (tmp_path / "plain" / CALIBRATION_NAME).exists()
