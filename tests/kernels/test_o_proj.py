@@ -137,7 +137,7 @@ def test_compiles_for_sm90():
     env["PYTHONPATH"] = os.pathsep.join([str(here.parents[2] / "src"), str(here.parent), env.get("PYTHONPATH", "")])
     r = subprocess.run([sys.executable, str(here)], env=env, capture_output=True, text=True, timeout=600)
     assert r.returncode == 0, (r.stdout + r.stderr)[-3000:]
-    assert r.stdout.count("ok ") == 9, r.stdout
+    assert r.stdout.count("ok ") == 11, r.stdout
 
 
 def _compile_sm90():
@@ -145,10 +145,14 @@ def _compile_sm90():
 
     to = importlib.import_module("wide.kernels.token_order")
     i32 = "*i32"
-    t = dict(mask_ptr="*i1", cnt_ptr=i32, perm_ptr=i32, key_ptr=i32, union_ptr=i32)
-    for k, c in ((to._count_kernel, dict(CH=64, NGP=8)), (to._scan_kernel, dict(SB=4096)),
-                 (to._scatter_kernel, dict(CH=64, NGP=16)), (to._union_kernel, dict(T=64))):
-        compile_sm90(k, {n: t.get(n, "i32") for n in k.arg_names}, c)
+    t = dict(mask_ptr="*i1", cnt_ptr=i32, perm_ptr=i32, key_ptr=i32, union_ptr=i32, tick_ptr=i32)
+    for fuse in (True, False):
+        compile_sm90(to._count_kernel, {n: t.get(n, "i32") for n in to._count_kernel.arg_names},
+                     dict(CH=64, NGP=8, ZB=256, SB=4096, FUSE=fuse))
+        compile_sm90(to._scatter_kernel, {n: t.get(n, "i32") for n in to._scatter_kernel.arg_names},
+                     dict(CH=64, NGP=16, T=64, UB=16, FUSE=fuse))
+    compile_sm90(to._scan_kernel, {n: t.get(n, "i32") for n in to._scan_kernel.arg_names}, dict(SB=4096))
+    compile_sm90(to._union_kernel, {n: t.get(n, "i32") for n in to._union_kernel.arg_names}, dict(T=64, UB=16))
     fn = mod._shared_order_kernel
     div = ("a_ptr", "w_ptr", "out_ptr", "perm_ptr", "key_ptr", "N", "stride_am", "stride_wn", "stride_om")
     configs = ((128, 128, 8, 4, True, False, False), (128, 256, 8, 3, True, False, False),

@@ -55,6 +55,18 @@ def test_many_groups(NG, M):
     check(make_mask("random", (M, NG), seed_for("token_order_many", NG, M), 0.5))
 
 
+@pytest.mark.parametrize("fuse", [True, False])
+@pytest.mark.parametrize("NG,M", [(8, 300), (2, 1000), (16, 40)])
+def test_two_and_four_launches(NG, M, fuse):
+    # the fused launches (the last block scans / computes the unions) and the four-launch form give the same order
+    from wide.kernels import token_order as mod
+
+    mask = make_mask("random", (M, NG), seed_for("token_order_fuse", NG, M), 0.3)
+    o = mod._launch(mask, fuse) if mod.common.use_triton(mask) else token_order(mask)
+    perm, keys, unions = direct(mask)
+    assert (o.perm.cpu().tolist(), o.keys.cpu().tolist(), o.union.cpu().tolist()) == (perm, keys, unions)
+
+
 def test_batched_mask_is_flattened_and_repeatable():
     mask = make_mask("random", (3, 41, 4), seed_for("token_order_3d"), 0.3)
     first = check(mask)

@@ -38,39 +38,78 @@ if common.HAS_TRITON:
         return bits, r
 
     @triton.jit
-    def _count_kernel(mask_ptr, cnt_ptr, M, NG, NBLK, BLK, CH: tl.constexpr, NGP: tl.constexpr):
-        # grid (NBLK,): block b's rows [b * BLK, (b + 1) * BLK) counted per pattern into cnt[rank * NBLK + b]
-        b = tl.program_id(0)
-        for c0 in range(b * BLK, tl.minimum(b * BLK + BLK, M), CH):
-            rows = c0 + tl.arange(0, CH)
-            _, r = _pattern(mask_ptr, rows, M, NG, NGP)
-            tl.atomic_add(cnt_ptr + r * NBLK + b, 1, mask=rows < M, sem="relaxed")
+    def _chunk(mask_ptr, c0, i, M, NG, NGP: tl.constexpr):
+        """Rows ``c0 + i`` of a chunk: ``(rows, ok, bits, rank, before, after)``, ``before`` / ``after`` the rows of the
+        same pattern earlier / later in the chunk (padding rows get distinct negative ranks and match nothing)."""
+        rows = c0 + i
+        ok = rows < M
+        bits, r = _pattern(mask_ptr, rows, M, NG, NGP)
+        r = tl.where(ok, r, -1 - i)
+        eq = (r[:, None] == r[None, :]).to(tl.int32)
+        before = tl.sum(tl.where(i[None, :] < i[:, None], eq, 0), axis=1)
+        after = tl.sum(tl.where(i[None, :] > i[:, None], eq, 0), axis=1)
+        return rows, ok, bits, r, before, after
 
     @triton.jit
-    def _scan_kernel(cnt_ptr, L, SB: tl.constexpr):
-        # one program: cnt (L = 2**N_G * NBLK, pattern-major) replaced by its exclusive prefix sum
+    def _scan(cnt_ptr, L, SB: tl.constexpr):
+        """cnt (L = 2**N_G * NBLK counters, pattern-major) replaced by its exclusive prefix sum (read past L1)."""
         carry = tl.zeros((), dtype=tl.int32)
         for s in range(0, L, SB):
             offs = s + tl.arange(0, SB)
-            v = tl.load(cnt_ptr + offs, mask=offs < L, other=0)
+            v = tl.load(cnt_ptr + offs, mask=offs < L, other=0, cache_modifier=".cg")
             tl.store(cnt_ptr + offs, tl.cumsum(v, axis=0) - v + carry, mask=offs < L)
             carry += tl.sum(v, axis=0)
 
     @triton.jit
-    def _scatter_kernel(mask_ptr, cnt_ptr, perm_ptr, key_ptr, M, NG, NBLK, BLK, CH: tl.constexpr,
-                        NGP: tl.constexpr):
+    def _or(a, b):
+        return a | b
+
+    @triton.jit
+    def _unions(key_ptr, union_ptr, t0, NT, M, T: tl.constexpr, UB: tl.constexpr):
+        """union[t] = OR of the sorted keys of tile t, for UB tiles from t0 (read past L1)."""
+        tt = t0 + tl.arange(0, UB)
+        offs = tt[:, None] * T + tl.arange(0, T)[None, :]
+        k = tl.load(key_ptr + offs, mask=offs < M, other=0, cache_modifier=".cg")
+        tl.store(union_ptr + tt, tl.reduce(k, 1, _or), mask=tt < NT)
+
+    @triton.jit
+    def _count_kernel(mask_ptr, cnt_ptr, tick_ptr, M, NG, NBLK, BLK, CH: tl.constexpr, NGP: tl.constexpr,
+                      ZB: tl.constexpr, SB: tl.constexpr, FUSE: tl.constexpr):
+        # grid (NBLK,): block b zeroes its counters cnt[rank * NBLK + b] and counts its rows [b * BLK, (b + 1) * BLK)
+        # per pattern, CH at a time (only block b writes them: no atomics).  FUSE: the block arriving last scans
+        b = tl.program_id(0)
+        nbins = 1 << NG
+        for r0 in range(0, nbins, ZB):
+            rr = r0 + tl.arange(0, ZB)
+            tl.store(cnt_ptr + rr.to(tl.int64) * NBLK + b, tl.zeros((ZB,), dtype=tl.int32), mask=rr < nbins)
+        tl.debug_barrier()
+        i = tl.arange(0, CH)
+        for c0 in range(b * BLK, tl.minimum(b * BLK + BLK, M), CH):
+            rows, ok, bits, r, before, after = _chunk(mask_ptr, c0, i, M, NG, NGP)
+            slot = cnt_ptr + tl.maximum(r, 0) * NBLK + b
+            n = tl.load(slot, mask=ok, other=0) + before + after + 1
+            tl.debug_barrier()
+            tl.store(slot, n, mask=ok & (after == 0))  # the pattern's last row in the chunk adds the chunk's count
+            tl.debug_barrier()
+        if FUSE:
+            if tl.atomic_add(tick_ptr, 1, sem="acq_rel", scope="gpu") == NBLK - 1:
+                _scan(cnt_ptr, nbins * NBLK, SB)
+                tl.atomic_xchg(tick_ptr, 0, sem="relaxed", scope="gpu")
+
+    @triton.jit
+    def _scan_kernel(cnt_ptr, L, SB: tl.constexpr):
+        _scan(cnt_ptr, L, SB)
+
+    @triton.jit
+    def _scatter_kernel(mask_ptr, cnt_ptr, perm_ptr, key_ptr, union_ptr, tick_ptr, M, NG, NBLK, BLK,
+                        CH: tl.constexpr, NGP: tl.constexpr, T: tl.constexpr, UB: tl.constexpr, FUSE: tl.constexpr):
         # grid (NBLK,): block b's rows in order, CH at a time; a row goes to the next free slot of its pattern in this
-        # block, cnt[rank * NBLK + b], plus the rows of its pattern before it in the chunk (stable)
+        # block, cnt[rank * NBLK + b], plus the rows of its pattern before it in the chunk (stable).  FUSE: the block
+        # arriving last computes the tile unions
         b = tl.program_id(0)
         i = tl.arange(0, CH)
         for c0 in range(b * BLK, tl.minimum(b * BLK + BLK, M), CH):
-            rows = c0 + i
-            ok = rows < M
-            bits, r = _pattern(mask_ptr, rows, M, NG, NGP)
-            r = tl.where(ok, r, -1 - i)  # padding rows match nothing
-            eq = (r[:, None] == r[None, :]).to(tl.int32)
-            before = tl.sum(tl.where(i[None, :] < i[:, None], eq, 0), axis=1)
-            after = tl.sum(tl.where(i[None, :] > i[:, None], eq, 0), axis=1)
+            rows, ok, bits, r, before, after = _chunk(mask_ptr, c0, i, M, NG, NGP)
             slot = cnt_ptr + tl.maximum(r, 0) * NBLK + b
             pos = tl.load(slot, mask=ok, other=0) + before
             tl.store(perm_ptr + pos, rows, mask=ok)
@@ -78,17 +117,16 @@ if common.HAS_TRITON:
             tl.debug_barrier()
             tl.store(slot, pos + 1, mask=ok & (after == 0))  # the pattern's last row in the chunk moves the slot on
             tl.debug_barrier()
+        if FUSE:
+            if tl.atomic_add(tick_ptr + 1, 1, sem="acq_rel", scope="gpu") == NBLK - 1:
+                NT = tl.cdiv(M, T)
+                for t0 in range(0, NT, UB):
+                    _unions(key_ptr, union_ptr, t0, NT, M, T, UB)
+                tl.atomic_xchg(tick_ptr + 1, 0, sem="relaxed", scope="gpu")
 
     @triton.jit
-    def _or(a, b):
-        return a | b
-
-    @triton.jit
-    def _union_kernel(key_ptr, union_ptr, M, T: tl.constexpr):
-        t = tl.program_id(0)
-        offs = t * T + tl.arange(0, T)
-        k = tl.load(key_ptr + offs, mask=offs < M, other=0)
-        tl.store(union_ptr + t, tl.reduce(k, 0, _or))
+    def _union_kernel(key_ptr, union_ptr, M, T: tl.constexpr, UB: tl.constexpr):
+        _unions(key_ptr, union_ptr, tl.program_id(0) * UB, tl.cdiv(M, T), M, T, UB)
 
 
 class TokenOrder(NamedTuple):
@@ -109,20 +147,28 @@ def _plan(M: int, NG: int) -> tuple[int, int, int]:
     return triton.cdiv(M, blk), blk, ch
 
 
-def _launch(mask: torch.Tensor) -> TokenOrder:
+def _launch(mask: torch.Tensor, fuse: bool = True) -> TokenOrder:
+    """The sort on a contiguous mask: two launches (``fuse``: the last block of the count scans, the last block of the
+    scatter computes the unions, through two arrival counters each reset by its last block), else four."""
     M, NG = mask.shape
     dev = mask.device
     nblk, blk, ch = _plan(M, NG)
     ngp = max(2, triton.next_power_of_2(NG))
-    cnt = torch.zeros(((1 << NG) * nblk,), dtype=torch.int32, device=dev)
+    cnt = torch.empty(((1 << NG) * nblk,), dtype=torch.int32, device=dev)
     perm = torch.empty((M,), dtype=torch.int32, device=dev)
     keys = torch.empty((M,), dtype=torch.int32, device=dev)
     union = torch.empty((triton.cdiv(M, TILE),), dtype=torch.int32, device=dev)
-    _count_kernel[(nblk,)](mask, cnt, M, NG, nblk, blk, CH=ch, NGP=ngp, **common.warps(4))
-    sb = 1024 if common.interpret_mode() else 4096
-    _scan_kernel[(1,)](cnt, cnt.numel(), SB=sb, **common.warps(8))
-    _scatter_kernel[(nblk,)](mask, cnt, perm, keys, M, NG, nblk, blk, CH=ch, NGP=ngp, **common.warps(4))
-    _union_kernel[(union.numel(),)](keys, union, M, T=TILE, **common.warps(2))
+    tick = common.tile_counters(dev, 2)
+    interp = common.interpret_mode()
+    sb, ub, zb = (1024, 4, 1024) if interp else (4096, 16, 1024)
+    _count_kernel[(nblk,)](mask, cnt, tick, M, NG, nblk, blk, CH=ch, NGP=ngp, ZB=min(zb, 1 << NG), SB=sb, FUSE=fuse,
+                           **common.warps(4))
+    if not fuse:
+        _scan_kernel[(1,)](cnt, cnt.numel(), SB=sb, **common.warps(8))
+    _scatter_kernel[(nblk,)](mask, cnt, perm, keys, union, tick, M, NG, nblk, blk, CH=ch, NGP=ngp, T=TILE, UB=ub,
+                             FUSE=fuse, **common.warps(4))
+    if not fuse:
+        _union_kernel[(triton.cdiv(union.numel(), ub),)](keys, union, M, T=TILE, UB=ub, **common.warps(4))
     return TokenOrder(perm, keys, union)
 
 
