@@ -2,8 +2,9 @@
 one order for every group, with the union of the groups each 64-row tile of the sorted order executes (paper §3.3,
 Eq. 9 at the row-tile level, over one shared order instead of one order per group).
 
-Counting sort over the 2**N_G patterns, O(M), fixed launch sizes and nothing read back to the host (CUDA-graph
-capturable): per-block pattern counts, one exclusive prefix sum over (pattern, block), a stable scatter.  Patterns are
+Counting sort over the 2**N_G patterns, O(M), two launches of fixed sizes and nothing read back to the host (CUDA-graph
+capturable): per-block pattern counts, whose last block takes the exclusive prefix sum over (pattern, block); a stable
+scatter, whose last block ORs the sorted patterns per tile.  Patterns are
 ordered by their Gray-code rank, so consecutive patterns differ in one group and a tile that straddles two executes
 one group more than the larger of them, not up to all.
 """
