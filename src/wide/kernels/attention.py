@@ -180,8 +180,8 @@ def _config(D: int, device: torch.device) -> dict:
     ``attention`` section over the defaults; the interpreter takes 16 x 16 tiles)."""
     if common.interpret_mode():
         return {"BM": 16, "BN": 16, "desc": HAS_DESC, "opts": {}}
-    tuned = common.tuned_config(device).get("attention", {})
-    bm, bn = (tuned.get("BM", 128), tuned.get("BN", 64)) if D <= 128 else (64, 32)
-    opts = {"num_warps": 8 if D >= 128 else 4, "num_stages": tuned.get("num_stages", 3)}
-    desc = HAS_DESC and tuned.get("tma", False) and torch.cuda.get_device_capability(device)[0] >= 9 and D <= 128
+    tuned = common.tuned_config(device)["attention"]
+    bm, bn = (tuned["BM"], tuned["BN"]) if D <= 128 else (64, 32)
+    opts = {"num_warps": 8 if D >= 128 else 4, "num_stages": tuned["num_stages"]}
+    desc = HAS_DESC and tuned["tma"] and torch.cuda.get_device_capability(device)[0] >= 9 and D <= 128
     return {"BM": bm, "BN": bn, "desc": desc, "opts": opts}
