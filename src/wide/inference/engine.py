@@ -339,8 +339,8 @@ class Layer(nn.Module):
         order (one gather instead of the transposing copy), so the kernel reads A tiles contiguously."""
         B, _, T, _ = a.shape
         if path == "shared":
-            idx = order.perm.long()
-            a_sorted = a.transpose(1, 2)[idx // T, idx % T].reshape(B * T, -1)
+            idx, at = order.perm.long(), a.transpose(1, 2)
+            a_sorted = (at[0].index_select(0, idx) if B == 1 else at[idx // T, idx % T]).reshape(B * T, -1)
             o = shared_order_gemm_k(a_sorted, self.wo, m.view(B * T, -1), e.g_attn, order=order, zeroed=True,
                                     a_sorted=True)
             return o + self.bo if self.bo is not None else o
