@@ -108,8 +108,8 @@ def launch(a, w, order: TokenOrder, G: int, out, cfg: dict, zeroed: bool, a_sort
     M, K = a.shape
     N = w.shape[0]
     bm, bn, bk = cfg["BM"], cfg["BN"], cfg["BK"]
-    tma_w = cfg.get("TMA", False) and common.tma_aligned(w)
-    tma_a = tma_w and a_sorted and common.tma_aligned(a)
+    tma_w = cfg.get("TMA", False) and N >= bn and common.tma_aligned(w)
+    tma_a = tma_w and a_sorted and M >= bm and common.tma_aligned(a)
     a_desc = w_desc = w
     if tma_w:
         from triton.tools.tensor_descriptor import TensorDescriptor
