@@ -1,5 +1,5 @@
-"""The K-axis routed GEMM of the O projection in a shared token order (paper Eq. 21, Algorithm 3 over one
-:func:`~wide.kernels.token_order` for all groups instead of one order per group):
+"""The K-axis routed GEMM of the O projection (any K-axis projection of at most 16 groups) in a shared token order
+(paper Eq. 21, Algorithm 3 over one :func:`~wide.kernels.token_order` for all groups instead of one order per group):
 ``out[m] = sum over the groups g that row m executes of a[m, K_g] @ w[:, K_g].T``.
 
 A program owns a ``(BM, BN)`` output tile of BM sorted rows.  Its K loop runs over the weight chunks of the groups in
