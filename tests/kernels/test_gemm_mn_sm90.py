@@ -7,7 +7,7 @@ import pytest
 import torch
 from kernel_testutil import DEVICE, KINDS, check_close, gpu, make_mask, poisoned, randn, seed_for
 
-from wide.kernels import KernelArgumentError, gemm_mn, reorder, sm90, swiglu
+from wide.kernels import KernelArgumentError, gemm_mn, reorder, sm90, swiglu, tuned_config
 from wide.kernels.reference import expand_route, gemm_mn_ref, swiglu_ref
 
 mod = importlib.import_module("wide.kernels.gemm_mn")
@@ -80,8 +80,12 @@ def test_auto_takes_cute_above_direct_rows_and_graph_replay(built):
     M, N, K, G = 513, 1024, 256, 128
     x, w, w2 = (randn(shape, torch.bfloat16, gen, 0.1) for shape in ((M, K), (N, K), (N, K)))
     route = make_mask("random", (M, N // G), gen, 0.4)
-    swiglu(x, w, w2, route, G)
-    assert mod.LAST_BACKEND["swiglu"] == "cute"
+    swiglu(x, w, w2, route, G)  # auto: CuTe at the group sizes the GPU's table lists for the op
+    assert mod.LAST_BACKEND["swiglu"] == ("cute" if G in tuned_config(DEVICE)["gemm_mn"]["cute_G"]["swiglu"] else
+                                          "triton")
+    gemm_mn(x, w, route, G)
+    assert mod.LAST_BACKEND["gemm_mn"] == ("cute" if G in tuned_config(DEVICE)["gemm_mn"]["cute_G"]["gemm_mn"] else
+                                           "triton")
     swiglu(x[:64], w, w2, route[:64], G)
     assert mod.LAST_BACKEND["swiglu"] == "triton"
     gemm_mn(x, w, route, G, backend="triton")
