@@ -34,9 +34,9 @@ def compile_sm90(fn, types: dict, consts: dict, num_warps: int = 4, div16: tuple
 
 
 def types_of(fn, **ptrs) -> dict:
-    """Argument types of ``fn``: ``*_ptr`` arguments bf16 pointers unless given in ``ptrs``, ``scale`` / ``eps``
-    fp32, everything else i32."""
-    return {n: ptrs.get(n, "*bf16") if n.endswith("_ptr") else "fp32" if n in ("scale", "eps") else "i32"
+    """Argument types of ``fn``: those given in ``ptrs``, else ``*_ptr`` arguments bf16 pointers, ``scale`` /
+    ``eps`` fp32, everything else i32."""
+    return {n: ptrs[n] if n in ptrs else "*bf16" if n.endswith("_ptr") else "fp32" if n in ("scale", "eps") else "i32"
             for n in fn.arg_names}
 
 
@@ -162,8 +162,13 @@ def main() -> None:
             if k.metadata.shared > 227 * 1024:
                 raise RuntimeError(f"gemm_mn_ws BN={bn} swiglu={swiglu}: {k.metadata.shared} bytes of shared memory")
     att = mods["attention"]._attn_fwd_kernel
-    compile_sm90(att, types_of(att, idx_ptr=i32, cnt_ptr=i32, lp_ptr=i32),
-                 dict(D=128, BM=128, BN=64, CAUSAL=True, HAS_LP=False), num_warps=8, num_stages=3)
+    compile_sm90(att, types_of(att, idx_ptr=i32, cnt_ptr=i32, lp_ptr=i32, kd="*bf16", vd="*bf16"),
+                 dict(D=128, BM=128, BN=64, CAUSAL=True, HAS_LP=False, DESC=False), num_warps=8, num_stages=3)
+    desc = "tensordesc<bf16[1, 1, 128, 128]>"  # K / V through TMA, the H200's 128 x 128 tiles
+    k = compile_sm90(att, types_of(att, idx_ptr=i32, cnt_ptr=i32, lp_ptr=i32, kd=desc, vd=desc),
+                     dict(D=128, BM=128, BN=128, CAUSAL=True, HAS_LP=True, DESC=True), num_warps=8, num_stages=3)
+    if "cp.async.bulk.tensor" not in k.asm["ptx"]:
+        raise RuntimeError("attention with DESC: expected TMA loads (cp.async.bulk.tensor) in its PTX")
 
 
 if __name__ == "__main__":
