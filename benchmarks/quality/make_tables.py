@@ -13,6 +13,8 @@ data) or, when present with the same ``limit``, from ``--chance`` (``chance.json
 ``--write-chance``), so no model runs again.
 
     python benchmarks/quality/make_tables.py --records benchmarks/quality/table.json --write-chance
+    python benchmarks/quality/make_tables.py --records benchmarks/quality/equal.json
+    python benchmarks/quality/make_tables.py --control   # exact.json, dial.json, bound.json of run_control.py
 """
 
 from __future__ import annotations
@@ -63,6 +65,8 @@ def flops_of(rec: dict, dims) -> float | None:
     from wide.config import WideConfig
     from wide.routing import realized_sparsity
 
+    if rec.get("realized_flops") is not None:
+        return rec["realized_flops"]
     cfg = WideConfig(seq_len=rec.get("seq_len") or 2048)
     if rec["method"] == "static" and rec.get("attn_sparsity") is not None:
         attn, ffn = [rec["attn_sparsity"]], [rec["ffn_sparsity"]]
@@ -147,6 +151,60 @@ def render(records: list[dict], chance: dict, dims, title: str) -> str:
     return "\n".join(out) + "\n"
 
 
+def render_control(exact: list[dict], dial: list[dict], bound: list[dict]) -> str:
+    """Markdown of ``run_control.py``'s records: realized sparsity against the target in both units with and without
+    the fitted logit shift; the dial beside the checkpoints trained at each X; the per-module bound."""
+    out = []
+    if exact:
+        units = [u for u in ("groups", "flops") if any(r["unit"] == u for r in exact)]
+        head = " | ".join(f"{u}: realized calibrated / uncalibrated (ppl calibrated / uncalibrated)" for u in units)
+        out += ["### Exact realized sparsity (WikiText-2, router stage)", "",
+                "Realized in the unit trained for; in brackets WikiText-2 token perplexity. Calibrated: the logit "
+                "shift fitted on held-out calibration text (`wide.load` default); uncalibrated: the routers as "
+                "trained (the paper's argmax routing).", "", f"| target S | {head} |", "|---|" + "---|" * len(units)]
+        by = {(r["unit"], round(r["target"], 6), r["calibrated"]): r for r in exact if r["method"] == "wide"}
+        for t in sorted({round(r["target"], 6) for r in exact}):
+            cells = []
+            for u in units:
+                c, n = by.get((u, t, True)), by.get((u, t, False))
+                cells.append(f"{_f(c and c['realized'], '.3f')} / {_f(n and n['realized'], '.3f')} "
+                             f"({_f(c and c['ppl'], '.2f')} / {_f(n and n['ppl'], '.2f')})")
+            out.append(f"| {t:g} | " + " | ".join(cells) + " |")
+        worst = [abs(r["realized"] - r["target"]) for r in exact if r["calibrated"] and r["method"] == "wide"]
+        if worst:
+            out += ["", f"Largest |realized - target| calibrated: {max(worst):.4f} over {len(worst)} checkpoints."]
+        out.append("")
+    if dial:
+        sources = sorted({r["dialed_from"] for r in dial})
+        out += ["### Serve-time dial (`wide.load(..., sparsity=X)`, groups unit)", "",
+                "WikiText-2 token perplexity of a checkpoint trained at S and dialed to X, beside the checkpoint "
+                "trained at X with the same budget (calibrated); in brackets dialed / trained.", "",
+                "| X | trained at X | " + " | ".join(f"dialed from {s:g}" for s in sources) + " |",
+                "|---|---|" + "---|" * len(sources)]
+        by = {(r["dialed_from"], round(r["target"], 6)): r for r in dial}
+        for x in sorted({round(r["target"], 6) for r in dial}):
+            tp = next((r["trained_ppl"] for r in dial if round(r["target"], 6) == x and r.get("trained_ppl")), None)
+            cells = []
+            for s in sources:
+                r = by.get((s, x))
+                cells.append("-" if r is None else f"{r['ppl']:.2f}" + (f" ({r['ppl'] / tp:.3f})" if tp else "")
+                             + f", realized {r['realized']:.3f}")
+            out.append(f"| {x:g} | {_f(tp, '.2f')} | " + " | ".join(cells) + " |")
+        out.append("")
+    if bound:
+        out += ["### Per-module bound (S = 0.5, groups)", "",
+                "| max module sparsity | calibrated | realized | WikiText-2 ppl | ppl cost | modules >= 0.99 | "
+                "modules <= 0.01 |", "|---|---|---|---|---|---|---|"]
+        for r in sorted(bound, key=lambda r: (-r.get("max_module_sparsity", 1.0), not r["calibrated"])):
+            cost = r.get("ppl_cost")
+            out.append(f"| {r.get('max_module_sparsity', 1.0):g} | {'yes' if r['calibrated'] else 'no'} | "
+                       f"{r['realized']:.3f} | {r['ppl']:.2f} | {'-' if cost is None else f'{100 * cost:+.1f} %'} | "
+                       f"{', '.join(r.get('modules_ge_099') or []) or 'none'} | "
+                       f"{len(r.get('modules_le_001') or [])} |")
+        out.append("")
+    return "\n".join(out)
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--records", nargs="+", default=[str(HERE / "table.json")], help="record files to render")
@@ -155,7 +213,17 @@ def main() -> None:
     p.add_argument("--write-chance", action="store_true", help="store the chance levels computed from the task data")
     p.add_argument("--model", default="smollm2-135m", help="the records' base model (its dims give the FLOPs unit)")
     p.add_argument("--out", default=None, help="also write the markdown to this file")
+    p.add_argument("--control", nargs="*", default=None, metavar="FILE", help="render run_control.py's exact.json, "
+                   "dial.json and bound.json instead (default: those beside this script)")
     a = p.parse_args()
+    if a.control is not None:
+        files = [Path(f) for f in a.control] or [HERE / n for n in ("exact.json", "dial.json", "bound.json")]
+        recs = {f.stem: json.loads(f.read_text()) for f in files if f.is_file()}
+        md = render_control(recs.get("exact", []), recs.get("dial", []), recs.get("bound", []))
+        print(md)
+        if a.out:
+            Path(a.out).write_text(md)
+        return
     from wide.hub import read_hf_config, resolve_model
     from wide.model import dims_of
 
