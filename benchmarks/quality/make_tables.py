@@ -231,7 +231,8 @@ def main() -> None:
     files = [(Path(f), json.loads(Path(f).read_text())) for f in a.records]
     limits = {r.get("limit") for _, recs in files for r in recs if r.get("avg_acc") is not None}
     chance = chance_levels(limits, Path(a.chance), a.write_chance)
-    md = "\n".join(render(recs, chance, dims, f"{f.name}") for f, recs in files)
+    md = "\n".join(render(recs, chance, dims, f"Zero-shot quality above chance ([{f.name}]({f.name}))")
+                   for f, recs in files)
     print(md)
     if a.out:
         Path(a.out).write_text(md)
