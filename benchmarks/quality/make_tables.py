@@ -139,7 +139,7 @@ def render(records: list[dict], chance: dict, dims, title: str) -> str:
     if below:
         names = ", ".join(f"{dict(TASKS)[k]} ({100 * d[k]:.1f} against a chance level of "
                           f"{100 * chance[lim][k]['chance']:.1f})" for k in sorted(below))
-        also = " (the average w/o BoolQ leaves it out too)" if BOOLQ in below else ""
+        also = " (and BoolQ from the average w/o BoolQ)" if BOOLQ in below else ""
         out += ["", f"\\* Dense is at or below chance on {names}: the ratio is not defined there, and the task is "
                 f"left out of the above-chance average{also}."]
     if noisy:
