@@ -372,7 +372,8 @@ def merge(a, earlier: dict[str, list[dict]]) -> dict[str, list[dict]]:
             seen.add(i)
             every.append(r)
     out = {part: [r for r in every if part_of(r) == part] for part in PART_FILES}
-    trained = {(r["unit"], round(r["target"], 6), r["steps"]): r for r in out["exact"] if r.get("calibrated")}
+    trained = {(r["unit"], round(r["target"], 6), r["steps"]): r for r in out["exact"]
+               if r.get("calibrated") and r["method"] == "wide"}
     for r in out["dial"]:
         t = trained.get((r["unit"], round(r["target"], 6), r["steps"]))
         r.update({"trained_ppl": t["ppl"] if t else None, "trained_realized": t["realized"] if t else None,
