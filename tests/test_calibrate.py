@@ -101,8 +101,16 @@ def test_shifts_fold_into_the_bias_and_zero_restores_it():
 
 
 @pytest.fixture
-def fitted(tmp_path, model_dir):
-    """A checkpoint of ``model_dir`` with fitted shifts, its masks with and without them on some ids."""
+def long_text(tmp_path):
+    p = tmp_path / "long.jsonl"
+    p.write_text("".join(json.dumps({"text": random_text(200, seed=s)}) + "\n" for s in range(60)))
+    return p
+
+
+@pytest.fixture
+def fitted(tmp_path, model_dir, long_text):
+    """A checkpoint of ``model_dir`` with fitted shifts (its text: ``long_text``), its masks with and without them
+    on some ids."""
     from wide.hub import load_base_model
 
     base, _, src = load_base_model(str(model_dir), device="cpu")
@@ -112,7 +120,7 @@ def fitted(tmp_path, model_dir):
     save_wide(wm, tmp_path / "ckpt", src.ref)
     rec = fit_shifts(wm, WINDOWS, 0.4)
     _, calibrated = measured(wm, ids)
-    save_calibration(tmp_path / "ckpt", rec)
+    save_calibration(tmp_path / "ckpt", {**rec, "text": str(long_text)})
     return tmp_path / "ckpt", ids, plain, calibrated, rec
 
 
@@ -135,17 +143,10 @@ def test_stored_shifts_give_identical_masks_and_uncalibrated_the_paper_routing(f
         load(path, device="cpu")
 
 
-@pytest.fixture
-def long_text(tmp_path):
-    p = tmp_path / "long.jsonl"
-    p.write_text("".join(json.dumps({"text": random_text(200, seed=s)}) + "\n" for s in range(60)))
-    return p
-
-
 @pytest.mark.parametrize("x,unit", [(0.15, None), (0.6, "flops")])
 def test_dial_realizes_the_value_asked(fitted, long_text, tokenizer, x, unit):
     path, text_file = fitted[0], long_text
-    wm = load(path, device="cpu", sparsity=x, sparsity_unit=unit, text=str(text_file))
+    wm = load(path, device="cpu", sparsity=x, sparsity_unit=unit)  # on the held-out part of the fit's text
     rec = wm.calibration
     assert rec["dialed"] and rec["converged"] and rec["unit"] == (unit or "groups") and rec["target"] == x
     from wide.data import load_texts
@@ -208,3 +209,18 @@ def test_cli_fits_stores_reports_and_dials(tmp_path, model_dir, long_text, capsy
     # --no-fit-bias: no held-out text, no shift
     rc, _, err = run_cli(calibrate_args(model_dir, long_text, tmp_path / "plain", "--no-fit-bias"), capsys)
     assert rc == 0, err and not (tmp_path / "plain" / CALIBRATION_NAME).exists()
+
+
+def test_lm_eval_model_args_dial(fitted):
+    pytest.importorskip("lm_eval")
+    from wide.eval.lm_eval import WideLM
+
+    lm = WideLM(wide=str(fitted[0]), device="cpu", sparsity="0.25", sparsity_unit="flops")
+    rec = lm.wide_model.calibration
+    assert rec["dialed"] and rec["unit"] == "flops" and abs(rec["realized"]["flops"] - 0.25) <= TOLERANCE
+    lm = WideLM(wide=str(fitted[0]), device="cpu", calibrated="False")
+    assert lm.wide_model.calibration is None
+    with pytest.raises(WideError, match="sparsity 'x' is not a number"):
+        WideLM(wide=str(fitted[0]), device="cpu", sparsity="x")
+    with pytest.raises(WideError, match=r"sparsity 1.5 is outside \[0, 1\)"):
+        WideLM(wide=str(fitted[0]), device="cpu", sparsity=1.5)

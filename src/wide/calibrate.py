@@ -28,7 +28,7 @@ from wide.routing import module_weights, realized_sparsity
 TOLERANCE = 0.002  #: |realized - target| the fit stops at, in the unit fitted
 MAX_PASSES = 16  #: forward passes over the held-out text at most
 CURVE_POINTS = 128  #: stored margin quantiles per router, which start a later re-fit (:func:`dial`)
-DIAL_TOKENS = 2048  #: held-out tokens of a serve-time dial
+DIAL_TOKENS = 1024  #: held-out tokens of a serve-time dial
 FORMAT = "wide-calibration-v1"
 
 
@@ -143,10 +143,11 @@ class _Objective:
         """Each module's total shift: its class's shift, plus what holds it at the bound."""
         return {k: max(deltas[self.cls[k]], _hold(raw[k], self.bound)) for k in self.keys}
 
-    def solve(self, raw: dict, target: float) -> dict[str, float]:
-        """Each class's shift at which the predicted rates (``raw``: unshifted margins) realize ``target``."""
+    def solve(self, raw: dict, targets: dict[str, float]) -> dict[str, float]:
+        """Each class's shift at which the predicted rates (``raw``: unshifted margins) realize its target."""
         out = {}
         for c in self.classes:
+            target = targets[c]
             ks = [k for k in self.keys if self.cls[k] == c]
             span = max(float(raw[k].abs().max()) for k in ks) + 1.0
             hold = {k: _hold(raw[k], self.bound) for k in ks}
@@ -230,12 +231,12 @@ def fit_shifts(wm: WideModel, windows: torch.Tensor, target: float | None = None
     if curve:
         raw = {(kind, i): torch.tensor(q, dtype=torch.float64) for kind, rows in curve.items()
                for i, q in enumerate(rows)}
-        deltas = obj.solve(raw, target)
+        deltas = obj.solve(raw, dict.fromkeys(obj.classes, target))
         totals = obj.totals(raw, deltas)
     else:
         deltas, totals = {c: 0.0 for c in obj.classes}, dict(zero)
     bracket = {c: [-math.inf, math.inf] for c in obj.classes}
-    best, uncalibrated, passes, stalled = None, None, 0, 0
+    best, uncalibrated, passes, stalled, last, history = None, None, 0, 0, None, []
     for passes in range(1, max_passes + 1):
         wm.set_router_shifts(_as_lists(wm, totals))
         margins = router_margins(wm, windows, batch_size)
@@ -245,6 +246,7 @@ def fit_shifts(wm: WideModel, windows: torch.Tensor, target: float | None = None
         over = max(max(0.0, rates[k] - obj.bound - max(tol, 1.0 / margins[k].numel())) for k in obj.keys)
         score = (over, max(abs(real[c] - target) for c in obj.classes))
         raw = {k: margins[k] - totals[k] for k in obj.keys}
+        history.append({"shifts": dict(deltas), "realized": dict(real)})
         if all(v == 0.0 for v in totals.values()):
             uncalibrated = rates
         stalled = 0 if best is None or score < best[0] and best[0][1] - score[1] > tol / 10 else stalled + 1
@@ -253,8 +255,18 @@ def fit_shifts(wm: WideModel, windows: torch.Tensor, target: float | None = None
         if score[0] == 0.0 and score[1] <= tol or stalled >= 3:
             break
         for c in obj.classes:
-            bracket[c][0 if real[c] > target else 1] = deltas[c]
-        new = obj.solve(raw, target)
+            side = 0 if real[c] > target else 1
+            bracket[c][side] = deltas[c]
+            if bracket[c][0] >= bracket[c][1]:  # the other class moved this one's curve (uniform mode): start over
+                bracket[c][1 - side] = math.inf if side == 0 else -math.inf
+        # the margins predict a router's own rate; later layers' inputs change too, by a gain the last step measured
+        aim = dict.fromkeys(obj.classes, target)
+        for c in obj.classes:
+            if last is not None and abs(last[1][c] - last[0][c]) > tol / 4:
+                gain = min(max((real[c] - last[0][c]) / (last[1][c] - last[0][c]), 0.25), 4.0)
+                aim[c] = min(max(real[c] + (target - real[c]) / gain, 0.0), 1.0)
+        last = (real, aim)
+        new = obj.solve(raw, aim)
         for c in obj.classes:
             lo, hi = bracket[c]
             if not lo < new[c] < hi and math.isfinite(lo) and math.isfinite(hi):
@@ -274,7 +286,7 @@ def fit_shifts(wm: WideModel, windows: torch.Tensor, target: float | None = None
 
     rec = {"format": FORMAT, "unit": unit, "mode": cfg.sparsity_mode, "target": float(target),
            "max_module_sparsity": cfg.max_module_sparsity, "tolerance": tol, "converged": converged,
-           "passes": passes, "realized": report(rates),
+           "passes": passes, "history": history, "realized": report(rates),
            **({"uncalibrated": report(uncalibrated)} if uncalibrated is not None else {}),
            "shifts": {c: float(d) for c, d in deltas.items()}, "module_shifts": _as_lists(wm, totals),
            "heldout": {"windows": int(windows.shape[0]), "ctx": int(windows.shape[1]), "tokens": int(windows.numel())},

@@ -205,6 +205,9 @@ def _read_checked(path: Path, what: str, expected: str) -> tuple[WideConfig, dic
         if now.get(name) != recorded.get(name):
             why = ("is missing" if name not in now else f"is not recorded in {BASE_NAME}" if name not in recorded
                    else f"does not match its SHA-256 in {BASE_NAME}: it changed after it was saved")
+            if name == CALIBRATION_NAME and name not in recorded:
+                why += (" (a fit stopped while saving): delete it to load the routers as trained, or run `wide "
+                        "calibrate` (or `wide lora`) -o on this folder with --resume to fit again")
             raise WideError(f"corrupt checkpoint file {path / name}: {why}")
     for name, t in routers.items():
         if not bool(torch.isfinite(t).all()):
