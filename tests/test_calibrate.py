@@ -224,3 +224,13 @@ def test_lm_eval_model_args_dial(fitted):
         WideLM(wide=str(fitted[0]), device="cpu", sparsity="x")
     with pytest.raises(WideError, match=r"sparsity 1.5 is outside \[0, 1\)"):
         WideLM(wide=str(fitted[0]), device="cpu", sparsity=1.5)
+
+
+def test_cli_generate_dials(fitted, capsys):
+    from wide_testutil import run_cli
+
+    rc, out, err = run_cli(["generate", "--wide", fitted[0], "--prompt", "w1 w2 w3", "--max-new-tokens", "3",
+                            "--device", "cpu", "--sparsity", "0.35", "--no-stream"], capsys)
+    assert rc == 0, err
+    assert "dialed routing to S=0.35 (groups, global): realized 0.3" in err
+    assert "realized sparsity: attn" in out and "groups 0." in out and "flops 0." in out

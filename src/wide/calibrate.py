@@ -6,8 +6,8 @@ module class (uniform mode, Eq. 22) such that the sparsity realized over the hel
 (Eq. 6's groups or the routed FLOPs, :func:`wide.routing.module_weights`), is the target within :data:`TOLERANCE`;
 with ``max_module_sparsity < 1`` a router whose own rate would pass the bound gets the extra shift that holds it
 there. Every pass is a full forward pass, so later layers see the masks of earlier ones. Each pass records every
-router's margins; the next shift solves the target on them (exact for a router's own rate, the change of later
-layers' inputs is what the next pass measures), kept inside the bracket of the passes so far.
+router's margins; the next shift solves the target on them (exact for a router's own rate; the change of later
+layers' inputs scales the step by a gain the last step measured), kept inside the bracket of the passes so far.
 """
 
 from __future__ import annotations
@@ -221,7 +221,8 @@ def fit_shifts(wm: WideModel, windows: torch.Tensor, target: float | None = None
     Returns the record that :func:`wide.checkpoint.save_calibration` stores: ``unit``, ``mode``, ``target``,
     ``max_module_sparsity``, ``tolerance``, ``converged``, ``passes``, ``realized`` (both units,
     :func:`wide.routing.realized_sparsity`, on the held-out tokens), ``uncalibrated`` (the same at zero shift, when
-    measured), ``shifts`` (per class), ``module_shifts`` (``{"attn": [L], "ffn": [L]}``), ``heldout`` and ``curve``.
+    measured), ``shifts`` (per class), ``module_shifts`` (``{"attn": [L], "ffn": [L]}``), ``history`` (each pass's
+    class shifts and realized value), ``heldout`` and ``curve`` (each router's unshifted margin quantiles).
     Warns WideWarning with the value reached when the tolerance is not met."""
     cfg = wm.config
     target = cfg.target_sparsity if target is None else target
