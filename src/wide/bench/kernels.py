@@ -383,25 +383,18 @@ def run(args) -> int:
                 if f"attention_{'decode' if decode else 'prefill'}" in args.ops:
                     bench_attention(bench, T, s, decode)
     # the points quoted most first (G = 128 / 512, s = 0 / 0.5), then the rest of the grid until --time-budget
-    for *_, G, s, M in sorted((G not in (128, 512) or s not in (0.0, 0.5), G != 128, G, s, M)
-                              for G in Gs for s in Ss for M in Ms):
-        for op in (o for o in ("gemm_mn", "gemm_k", "swiglu") if o in args.ops):
-            if bench.over_budget():
-                print(f"time budget reached: skipping {op} M={M} G={G} s={s}", flush=True)
-                continue
-            try:
-                bench_gemm(bench, op, M, G, s)
-            except Exception as e:  # keep the sweep going; the error is reported
-                print(f"FAILED {op} M={M} G={G} s={s}: {type(e).__name__}: {e}", flush=True)
+    order = sorted((G not in (128, 512) or s not in (0.0, 0.5), G != 128, G, s, M) for G in Gs for s in Ss for M in Ms)
+    gemms = [(bench_gemm, op, M, G, s) for *_, G, s, M in order for op in ("gemm_mn", "gemm_k", "swiglu")
+             if op in args.ops]
     # the K-axis projections: O (N_G = 8, its own G) once per M and s, down per G
-    points = [("o_proj", M, 0, s) for s in Ss for M in Ms] * ("o_proj" in args.ops) + [
-        ("down_proj", M, G, s) for G in Gs for s in Ss for M in Ms] * ("down_proj" in args.ops)
-    for op, M, G, s in points:
+    kaxis = [(bench_kaxis, "o_proj", M, 0, s) for s in Ss for M in Ms] * ("o_proj" in args.ops) + [
+        (bench_kaxis, "down_proj", M, G, s) for G in Gs for s in Ss for M in Ms] * ("down_proj" in args.ops)
+    for fn, op, M, G, s in gemms + kaxis:
         if bench.over_budget():
             print(f"time budget reached: skipping {op} M={M} G={G} s={s}", flush=True)
             continue
         try:
-            bench_kaxis(bench, op, M, G, s)
+            fn(bench, op, M, G, s)
         except Exception as e:  # keep the sweep going; the error is reported
             print(f"FAILED {op} M={M} G={G} s={s}: {type(e).__name__}: {e}", flush=True)
     write_report(bench.records, args.out_dir, args.tag)
