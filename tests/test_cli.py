@@ -16,6 +16,21 @@ from wide_testutil import run_cli as run
 MAKEFILE = Path(__file__).resolve().parents[1] / "Makefile"
 
 
+@pytest.mark.parametrize("per_layer,flags,count", [
+    ([{"layer": 0, "attn": 0.0, "ffn": 0.3}, {"layer": 1, "attn": 1.0, "ffn": None}],
+     ["  attn never pruned", "  attn pruned away"], "pruned away (>= 0.99): 1; never pruned (<= 0.01): 1"),
+    ([{"layer": 0, "attn": 0.5, "ffn": 0.995}, {"layer": 1, "attn": 0.011, "ffn": 0.989}],
+     ["  ffn pruned away", ""], "pruned away (>= 0.99): 1; never pruned (<= 0.01): 0"),
+])
+def test_layer_table_flags(per_layer, flags, count):
+    """Modules at >= 0.99 / <= 0.01 sparsity are flagged on their row and counted on the last line."""
+    from wide.eval.perplexity import format_layer_table
+
+    lines = format_layer_table({"per_layer": per_layer}).splitlines()
+    assert [line[len("    0          0.000         0.300"):] for line in lines[1:-1]] == flags
+    assert lines[-1] == f"modules {count}"
+
+
 def _subparser(*names):
     p = build_parser()
     for n in names:
@@ -68,6 +83,9 @@ def test_calibrate_then_eval(tmp_path, model_dir, text_file, capsys):
     assert r["dense"]["ppl"] > 1 and r["wide"]["ppl"] > 1
     assert 0 <= r["wide"]["realized_sparsity"] <= 1 and len(r["wide"]["per_layer"]) == 2
     assert "ppl ratio wide/dense" in out and "layer  attn_sparsity" in out
+    values = [x for row in r["wide"]["per_layer"] for x in (row["attn"], row["ffn"]) if x is not None]
+    assert (f"modules pruned away (>= 0.99): {sum(x >= 0.99 for x in values)}; never pruned (<= 0.01): "
+            f"{sum(x <= 0.01 for x in values)}") in out.splitlines()
     rc, out, err = run([*args, "--resume"], capsys)  # a finished run: --resume says so and rewrites nothing
     assert rc == 0, err
     assert (f"the run in {out_dir} is already complete: step 3 of 3 done (state in {out_dir / 'train_state.dcp'}); "

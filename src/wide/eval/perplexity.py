@@ -91,9 +91,23 @@ def perplexity(model: nn.Module, windows: torch.Tensor, batch_size: int = 1, pro
     return out
 
 
+#: a module at or above PRUNED_AWAY sparsity is flagged as removed, at or below NEVER_PRUNED as never pruned
+PRUNED_AWAY, NEVER_PRUNED = 0.99, 0.01
+
+
 def format_layer_table(report: dict) -> str:
-    """The per-layer sparsity table of a :meth:`SparsityMeter.report` as plain text."""
+    """The per-layer sparsity table of a :meth:`SparsityMeter.report` as plain text; each module at or above
+    :data:`PRUNED_AWAY` is flagged ``pruned away``, at or below :data:`NEVER_PRUNED` ``never pruned``, and a last line
+    counts them."""
     def cell(v, width):
         return f"{'-' if v is None else f'{v:.3f}':>{width}}"
-    rows = [f"{r['layer']:>5}  {cell(r['attn'], 13)}  {cell(r['ffn'], 12)}" for r in report["per_layer"]]
-    return "\n".join(["layer  attn_sparsity  ffn_sparsity", *rows])
+
+    def flags(r):
+        out = [f"{kind} {'pruned away' if r[kind] >= PRUNED_AWAY else 'never pruned'}" for kind in ("attn", "ffn")
+               if r[kind] is not None and (r[kind] >= PRUNED_AWAY or r[kind] <= NEVER_PRUNED)]
+        return f"  {', '.join(out)}" if out else ""
+    rows = [f"{r['layer']:>5}  {cell(r['attn'], 13)}  {cell(r['ffn'], 12)}{flags(r)}" for r in report["per_layer"]]
+    values = [r[k] for r in report["per_layer"] for k in ("attn", "ffn") if r[k] is not None]
+    away, never = sum(v >= PRUNED_AWAY for v in values), sum(v <= NEVER_PRUNED for v in values)
+    return "\n".join(["layer  attn_sparsity  ffn_sparsity", *rows,
+                      f"modules pruned away (>= {PRUNED_AWAY}): {away}; never pruned (<= {NEVER_PRUNED}): {never}"])
