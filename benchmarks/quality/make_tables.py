@@ -14,7 +14,7 @@ data) or, when present with the same ``limit``, from ``--chance`` (``chance.json
 
     python benchmarks/quality/make_tables.py --records benchmarks/quality/table.json --write-chance
     python benchmarks/quality/make_tables.py --records benchmarks/quality/equal.json
-    python benchmarks/quality/make_tables.py --control   # exact.json, dial.json, bound.json of run_control.py
+    python benchmarks/quality/make_tables.py --control   # the part files of run_control.py
 """
 
 from __future__ import annotations
@@ -151,9 +151,10 @@ def render(records: list[dict], chance: dict, dims, title: str) -> str:
     return "\n".join(out) + "\n"
 
 
-def render_control(exact: list[dict], dial: list[dict], bound: list[dict]) -> str:
+def render_control(exact: list[dict], dial: list[dict], bound: list[dict], indomain: list[dict] = ()) -> str:
     """Markdown of ``run_control.py``'s records: realized sparsity against the target in both units with and without
-    the fitted logit shift; the dial beside the checkpoints trained at each X; the per-module bound."""
+    the fitted logit shift (fitted on the calibration text, and on held-out WikiText-2 windows); the dial beside the
+    checkpoints trained at each X; the per-module bound."""
     out = []
     if exact:
         units = [u for u in ("groups", "flops") if any(r["unit"] == u for r in exact)]
@@ -174,6 +175,20 @@ def render_control(exact: list[dict], dial: list[dict], bound: list[dict]) -> st
         if worst:
             out += ["", f"Largest |realized - target| calibrated: {max(worst):.4f} over {len(worst)} checkpoints."]
         out.append("")
+    if indomain:
+        units = [u for u in ("groups", "flops") if any(r["unit"] == u for r in indomain)]
+        out += ["### Exact realized sparsity, the shift fitted on WikiText-2 ([indomain.json](indomain.json))", "",
+                f"The logit shift fitted on held-out WikiText-2 test windows ({indomain[0].get('fit_windows', '')}); "
+                "realized sparsity and token perplexity on the other windows, which the fit never read.", "",
+                "| target S | " + " | ".join(f"{u}: realized (ppl)" for u in units) + " |",
+                "|---|" + "---|" * len(units)]
+        by = {(r["unit"], round(r["target"], 6)): r for r in indomain}
+        for t in sorted({round(r["target"], 6) for r in indomain}):
+            cells = [f"{_f(r and r['realized'], '.3f')} ({_f(r and r['ppl'], '.2f')})"
+                     for r in (by.get((u, t)) for u in units)]
+            out.append(f"| {t:g} | " + " | ".join(cells) + " |")
+        worst = [abs(r["realized"] - r["target"]) for r in indomain]
+        out += ["", f"Largest |realized - target|: {max(worst):.4f} over {len(worst)} checkpoints.", ""]
     if dial:
         sources = sorted({r["dialed_from"] for r in dial})
         out += ["### Serve-time dial (`wide.load(..., sparsity=X)`, groups unit)", "",
@@ -214,12 +229,14 @@ def main() -> None:
     p.add_argument("--model", default="smollm2-135m", help="the records' base model (its dims give the FLOPs unit)")
     p.add_argument("--out", default=None, help="also write the markdown to this file")
     p.add_argument("--control", nargs="*", default=None, metavar="FILE", help="render run_control.py's exact.json, "
-                   "dial.json and bound.json instead (default: those beside this script)")
+                   "indomain.json, dial.json and bound.json instead (default: those beside this script)")
     a = p.parse_args()
     if a.control is not None:
-        files = [Path(f) for f in a.control] or [HERE / n for n in ("exact.json", "dial.json", "bound.json")]
+        files = [Path(f) for f in a.control] or [HERE / n for n in ("exact.json", "indomain.json", "dial.json",
+                                                                     "bound.json")]
         recs = {f.stem: json.loads(f.read_text()) for f in files if f.is_file()}
-        md = render_control(recs.get("exact", []), recs.get("dial", []), recs.get("bound", []))
+        md = render_control(recs.get("exact", []), recs.get("dial", []), recs.get("bound", []),
+                            recs.get("indomain", []))
         print(md)
         if a.out:
             Path(a.out).write_text(md)

@@ -6,6 +6,10 @@ Parts (``--parts``), each written to one current record file under ``--out``:
   Eq. 6; ``flops``, the routed compute skipped), the logit shift fitted on held-out calibration text
   (:func:`wide.calibrate.fit_shifts`); WikiText-2 token perplexity and realized sparsity in both units, once with the
   fitted shifts (``calibrated`` true) and once without (the paper's routing).
+* ``indomain`` (``indomain.json``): the checkpoints of ``exact`` with the logit shift fitted instead on held-out
+  WikiText-2 windows (every ``--fit-every``-th 2048-token window of wiki.test.raw, the fit's text from the evaluated
+  domain); realized sparsity and perplexity on the other windows, which the fit never read. Each record has
+  ``fit_on`` ``"wikitext"`` (``exact``'s: ``"calibration"``).
 * ``dial`` (``dial.json``): the ``--dial-from`` checkpoints (groups unit) loaded with ``wide.load(..., sparsity=X)``
   for every ``--dial-targets`` X; each record carries ``dialed_from`` and ``trained_ppl``, the calibrated perplexity
   of the checkpoint trained at X with the same budget (from ``exact``).
@@ -47,7 +51,8 @@ import time
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
-PART_FILES = {"exact": "exact.json", "dial": "dial.json", "bound": "bound.json", "equal": "equal.json"}
+PART_FILES = {"exact": "exact.json", "indomain": "indomain.json", "dial": "dial.json", "bound": "bound.json",
+              "equal": "equal.json"}
 TASK_KEYS = ["arc_easy", "arc_challenge", "boolq", "winogrande", "piqa", "openbookqa", "hellaswag"]
 #: estimated GPU memory (GB) and wall time (s, several jobs at once on one H200, batch 8 x 2048) per job kind
 MEM_GB = {"train": 28.0, "dial": 8.0, "zs": 12.0}
@@ -77,7 +82,7 @@ def plan_jobs(a) -> list[dict]:
         return k
 
     first = [s for s in (*a.dial_from, *(a.equal_targets if "equal" in a.parts else ())) if s in a.targets]
-    if "exact" in a.parts or "dial" in a.parts:
+    if "exact" in a.parts or "indomain" in a.parts or "dial" in a.parts:
         for s in [*first, *a.targets]:  # the dial sources first: their dial jobs start early
             train("wide", "groups", s)
     if "dial" in a.parts:  # before the later trainings: a dial job starts as soon as its source is fitted
@@ -85,7 +90,7 @@ def plan_jobs(a) -> list[dict]:
             src = train("wide", "groups", s)
             jobs.append({"key": f"dial-{src}", "kind": "dial", "needs": src, "from": s, "unit": "groups",
                          "targets": [x for x in a.dial_targets if abs(x - s) > 1e-9]})
-    if "exact" in a.parts:
+    if "exact" in a.parts or "indomain" in a.parts:
         for s in a.flops_targets:
             train("wide", "flops", s)
     if "bound" in a.parts:
@@ -106,7 +111,7 @@ def records_of(job: dict, part_records: dict[str, list[dict]], steps: int, limit
     def same(r):
         return r.get("steps") == steps or r.get("method") in ("dense", "static")
     if job["kind"] == "train":
-        return [r for p in ("exact", "bound") for r in part_records.get(p, []) if r.get("key") == job["key"]
+        return [r for p in ("exact", "indomain", "bound") for r in part_records.get(p, []) if r.get("key") == job["key"]
                 and same(r)]
     if job["kind"] == "dial":
         return [r for r in part_records.get("dial", []) if r.get("source_key") == job["needs"] and same(r)]
@@ -114,9 +119,11 @@ def records_of(job: dict, part_records: dict[str, list[dict]], steps: int, limit
             and same(r)]
 
 
-def job_done(job: dict, earlier: list[dict]) -> bool:
+def job_done(job: dict, earlier: list[dict], parts=()) -> bool:
     if job["kind"] == "train":
-        return {r.get("calibrated") for r in earlier} >= {True, False}
+        fitted = {r.get("fit_on", "calibration") for r in earlier if r.get("calibrated")}
+        return ({r.get("calibrated") for r in earlier} >= {True, False}
+                and ("indomain" not in parts or job["method"] != "wide" or job["bound"] < 1.0 or "wikitext" in fitted))
     if job["kind"] == "dial":
         return {round(r["target"], 6) for r in earlier} >= {round(x, 6) for x in job["targets"]}
     return bool(earlier)
@@ -198,13 +205,15 @@ class Worker:
 
         return fit_shifts(wm, self.data["fit_windows"], batch_size=self.a.batch_size)  # as wide calibrate
 
-    def evaluate(self, wm) -> dict:
-        """WikiText-2 token perplexity and realized sparsity in both units, with the modules at the flags."""
+    def evaluate(self, wm, windows=None) -> dict:
+        """WikiText-2 token perplexity and realized sparsity in both units over ``windows`` (default: all of
+        WikiText-2's), with the modules at the flags."""
         from wide.eval.perplexity import perplexity
         from wide.routing import realized_sparsity
 
         t0 = time.time()
-        r = perplexity(wm, self.data["wikitext"], batch_size=self.a.eval_batch_size, progress=False)
+        windows = self.data["wikitext"] if windows is None else windows
+        r = perplexity(wm, windows, batch_size=self.a.eval_batch_size, progress=False)
         layers = r["per_layer"]
         attn = [x["attn"] for x in layers if x["attn"] is not None]
         ffn = [x["ffn"] for x in layers if x["ffn"] is not None]
@@ -224,7 +233,7 @@ class Worker:
         done = json.loads((out / "done.json").read_text())
         wm = load(out, model=self.base)  # calibrated: the fitted shifts of calibration.json
         fit = wm.calibration
-        have = {r["calibrated"] for r in self.records}
+        have = {r["calibrated"] for r in self.records if r.get("fit_on", "calibration") == "calibration"}
         for calibrated in (True, False):
             if calibrated in have:
                 continue
@@ -232,11 +241,31 @@ class Worker:
             ev = self.evaluate(wm)
             self.emit({"key": job["key"], "method": job["method"], "stage": "router", "target": job["target"],
                        "unit": job["unit"], "realized": ev[f"realized_{job['unit']}"], "calibrated": calibrated,
-                       "max_module_sparsity": job["bound"], **ev, "checkpoint": str(out),
+                       "fit_on": "calibration", "max_module_sparsity": job["bound"], **ev, "checkpoint": str(out),
                        "train_wall_s": done.get("train_wall_s"),
                        "fit": {k: fit[k] for k in ("converged", "passes", "realized", "uncalibrated", "shifts",
                                                    "heldout", "tolerance", "fit_wall_s") if k in fit}})
+        if ("indomain" in self.a.parts and job["bound"] >= 1.0
+                and not any(r.get("fit_on") == "wikitext" for r in self.records)):
+            self.run_indomain(job, wm, out, done)
         unhook(wm)
+
+    def run_indomain(self, job: dict, wm, out: Path, done: dict) -> None:
+        """The shift fitted on the held-out WikiText-2 windows; realized sparsity and perplexity on the others."""
+        from wide.calibrate import fit_shifts
+
+        t0 = time.time()
+        wm.set_router_shifts(None)
+        fit = fit_shifts(wm, self.data["wikitext_fit"], batch_size=self.a.batch_size)
+        fit_s = time.time() - t0
+        ev = self.evaluate(wm, self.data["wikitext_eval"])
+        self.emit({"key": job["key"], "method": job["method"], "stage": "router", "target": job["target"],
+                   "unit": job["unit"], "realized": ev[f"realized_{job['unit']}"], "calibrated": True,
+                   "fit_on": "wikitext", "fit_windows": f"wiki.test.raw windows i % {self.a.fit_every} == 0",
+                   "max_module_sparsity": job["bound"], **ev, "checkpoint": str(out),
+                   "train_wall_s": done.get("train_wall_s"),
+                   "fit": {**{k: fit[k] for k in ("converged", "passes", "realized", "shifts", "heldout", "tolerance")
+                              if k in fit}, "fit_wall_s": fit_s}})
 
     def run_dial(self, job: dict) -> None:
         import wide
@@ -343,15 +372,19 @@ def prepare_data(a) -> None:
         return
     tok = load_tokenizer(resolve_model(a.model))
     train_docs, held = heldout_split(load_texts(a.calib))
+    wikitext = ppl_windows(load_texts(a.wikitext), tok, a.ctx, a.max_eval_tokens, a.wikitext)
+    fit = torch.arange(len(wikitext)) % a.fit_every == 0  # the in-domain fit's windows; the rest are evaluated
     data = {"blocks": pack(train_docs, tok, a.seq_len, a.max_blocks, a.calib),
             "fit_windows": heldout_windows(held, tok, a.seq_len, a.fit_tokens or FIT_TOKENS),
-            "wikitext": ppl_windows(load_texts(a.wikitext), tok, a.ctx, a.max_eval_tokens, a.wikitext)}
+            "wikitext": wikitext, "wikitext_fit": wikitext[fit], "wikitext_eval": wikitext[~fit]}
     torch.save(data, path)
     print("data: " + ", ".join(f"{k} {tuple(v.shape)}" for k, v in data.items()), flush=True)
 
 
 def part_of(r: dict) -> str:
     """The part file a record belongs to."""
+    if r.get("fit_on") == "wikitext":
+        return "indomain"
     if r.get("dialed_from") is not None:
         return "dial"
     if str(r.get("key", "")).startswith("zs-"):
@@ -367,7 +400,7 @@ def merge(a, earlier: dict[str, list[dict]]) -> dict[str, list[dict]]:
     every: list[dict] = []
     seen = set()
     for r in [*(r for recs in earlier.values() for r in recs), *new]:
-        i = (r.get("key"), r.get("calibrated"), r.get("steps"), r.get("limit"))
+        i = (r.get("key"), r.get("calibrated"), r.get("fit_on") or "calibration", r.get("steps"), r.get("limit"))
         if i not in seen:
             seen.add(i)
             every.append(r)
@@ -404,7 +437,7 @@ def launcher_main(a, argv: list[str]) -> None:
         f = Path(a.resume_dir) / name if a.resume_dir else None
         earlier[part] = json.loads(f.read_text()) if f and f.is_file() else []
     jobs = plan_jobs(a)
-    todo = [j for j in jobs if not job_done(j, records_of(j, earlier, a.steps, a.limit))]
+    todo = [j for j in jobs if not job_done(j, records_of(j, earlier, a.steps, a.limit), a.parts)]
     if "equal" in a.parts and importlib_missing("lm_eval"):
         print("lm-eval is not installed: the zero-shot jobs of part equal are skipped", flush=True)
         todo = [j for j in todo if j["kind"] != "zs"]
@@ -527,6 +560,8 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--fit-tokens", type=int, default=None, help="held-out tokens of the logit-shift fit (default: "
                    "wide.calibrate.FIT_TOKENS, as wide calibrate)")
     p.add_argument("--ctx", type=int, default=2048, help="WikiText-2 window")
+    p.add_argument("--fit-every", type=int, default=8, help="part indomain: every n-th WikiText-2 window is the "
+                   "logit-shift fit's text, the others are evaluated")
     p.add_argument("--max-eval-tokens", type=int, default=None, help="WikiText-2 tokens evaluated (default: all)")
     p.add_argument("--eval-batch-size", type=int, default=4)
     p.add_argument("--limit", type=int, default=1000, help="zero-shot documents per task")

@@ -4,8 +4,9 @@ GEMV for M <= 4 rows (Appendix B): ``out[m, n] = (x @ w.T)[m, n]`` where ``route
 Backends: ``"cute"`` (:mod:`wide.kernels.sm90`, the warp-specialized CuTe kernel on sm_90a: bf16 / fp16, K a
 multiple of 64, G of 128), ``"triton"`` (every GPU, and the CPU interpreter); ``"auto"`` takes CuTe where it runs,
 the rows go through the reorder (M above ``direct_max_m``) and the GPU's config lists G for the op (``cute_G``: where
-it measured faster than Triton), Triton elsewhere (``WIDE_GEMM_BACKEND=triton`` in the environment: Triton for every
-``"auto"`` call).  :data:`LAST_BACKEND` records what ran per op.
+it measured faster than Triton), Triton elsewhere. ``WIDE_GEMM_BACKEND`` in the environment overrides the table for
+``"auto"`` calls: ``triton`` runs Triton everywhere, ``cute`` takes CuTe at every G it runs.  :data:`LAST_BACKEND`
+records what ran per op.
 
 Tile kernel: a program owns a ``(BM, BN | G)`` tile of the reordered rows of one group, gathered and scattered
 through the reorder index; a tile whose first sorted row is inactive only writes zeros (level 0).  Up to the tuned
@@ -371,7 +372,8 @@ def _gemm_mn(x, w, w2, route, G, reordered, out, backend="auto"):
     if backend not in BACKENDS:
         common.fail(f"backend={backend!r} is not allowed; allowed: {', '.join(map(repr, BACKENDS))}")
     if backend == "cute" or (backend == "auto" and x.is_cuda and uses_reorder(x.shape[0], x.device)
-                             and G in common.tuned_config(x.device)["gemm_mn"]["cute_G"][op]):
+                             and (G in common.tuned_config(x.device)["gemm_mn"]["cute_G"][op]
+                                  or os.environ.get("WIDE_GEMM_BACKEND") == "cute")):
         why = cute_unsupported(x, w, w2, G, out) if x.is_cuda else f"x is on {x.device}, not an sm_90 GPU"
         if not why and backend == "cute":
             LAST_BACKEND[op] = "cute"

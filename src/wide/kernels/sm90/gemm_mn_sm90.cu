@@ -252,12 +252,22 @@ __global__ void __launch_bounds__(kThreads, 1)
       const int m0 = mt * BM, n0 = nt * BN, g = n0 / args.G;
       const int cnt = C::GATHER ? __ldg(args.counts + g) : M;
       if (m0 >= cnt) {  // level 0: the zero epilogue, 16-byte stores to the tile's original rows
+        // piece e = ctid + kConsumerThreads * i: all of a thread's row indices are loaded before its first store,
+        // so the tile costs one index-load latency, not one per piece
         constexpr int kPieces = BN * int(sizeof(T)) / 16;
-        for (int e = ctid; e < BM * kPieces; e += kConsumerThreads) {
-          const int j = m0 + e / kPieces;
-          if (j < M) {
-            const int64_t row = __ldg(args.index + int64_t(j) * NG + g);
-            *reinterpret_cast<uint4*>(out + row * args.ldo + n0 + (e % kPieces) * 8) = make_uint4(0, 0, 0, 0);
+        constexpr int kPer = BM * kPieces / kConsumerThreads;
+        static_assert(BM * kPieces % kConsumerThreads == 0 && kConsumerThreads % kPieces == 0,
+                      "whole pieces per consumer thread, one column piece per thread");
+        int64_t rows[kPer];
+        CUTE_UNROLL
+        for (int i = 0; i < kPer; ++i) {
+          const int j = m0 + (ctid + kConsumerThreads * i) / kPieces;
+          rows[i] = j < M ? int64_t(__ldg(args.index + int64_t(j) * NG + g)) : int64_t(-1);
+        }
+        CUTE_UNROLL
+        for (int i = 0; i < kPer; ++i) {
+          if (rows[i] >= 0) {
+            *reinterpret_cast<uint4*>(out + rows[i] * args.ldo + n0 + (ctid % kPieces) * 8) = make_uint4(0, 0, 0, 0);
           }
         }
         continue;
