@@ -151,7 +151,26 @@ def render(records: list[dict], chance: dict, dims, title: str) -> str:
     return "\n".join(out) + "\n"
 
 
-def render_control(exact: list[dict], dial: list[dict], bound: list[dict], indomain: list[dict] = ()) -> str:
+def _fit_table(recs: list[dict], title: str, what: str) -> list[str]:
+    """Markdown lines of records whose logit shift was fitted on held-out WikiText-2 windows: realized sparsity and
+    perplexity per target and unit on the other windows, and the largest |realized - target|."""
+    units = [u for u in ("groups", "flops") if any(r["unit"] == u for r in recs)]
+    out = [f"### {title}", "",
+           f"The logit shift fitted on held-out WikiText-2 test windows ({recs[0].get('fit_windows', '')}); realized "
+           f"sparsity and token perplexity on {recs[0].get('eval_windows', 'the other windows')}, which the fit never "
+           "read.", "", "| target S | " + " | ".join(f"{u}: realized (ppl)" for u in units) + " |",
+           "|---|" + "---|" * len(units)]
+    by = {(r["unit"], round(r["target"], 6)): r for r in recs}
+    for t in sorted({round(r["target"], 6) for r in recs}):
+        cells = [f"{_f(r and r['realized'], '.3f')} ({_f(r and r['ppl'], '.2f')})"
+                 for r in (by.get((u, t)) for u in units)]
+        out.append(f"| {t:g} | " + " | ".join(cells) + " |")
+    worst = max(abs(r["realized"] - r["target"]) for r in recs)
+    return out + ["", f"Largest |realized - target|: {worst:.4f} over {len(recs)} {what}.", ""]
+
+
+def render_control(exact: list[dict], dial: list[dict], bound: list[dict], indomain: list[dict] = (),
+                   heldout: list[dict] = ()) -> str:
     """Markdown of ``run_control.py``'s records: realized sparsity against the target in both units with and without
     the fitted logit shift (fitted on the calibration text, and on held-out WikiText-2 windows); the dial beside the
     checkpoints trained at each X; the per-module bound."""
@@ -176,19 +195,14 @@ def render_control(exact: list[dict], dial: list[dict], bound: list[dict], indom
             out += ["", f"Largest |realized - target| calibrated: {max(worst):.4f} over {len(worst)} checkpoints."]
         out.append("")
     if indomain:
-        units = [u for u in ("groups", "flops") if any(r["unit"] == u for r in indomain)]
-        out += ["### Exact realized sparsity, the shift fitted on WikiText-2 ([indomain.json](indomain.json))", "",
-                f"The logit shift fitted on held-out WikiText-2 test windows ({indomain[0].get('fit_windows', '')}); "
-                "realized sparsity and token perplexity on the other windows, which the fit never read.", "",
-                "| target S | " + " | ".join(f"{u}: realized (ppl)" for u in units) + " |",
-                "|---|" + "---|" * len(units)]
-        by = {(r["unit"], round(r["target"], 6)): r for r in indomain}
-        for t in sorted({round(r["target"], 6) for r in indomain}):
-            cells = [f"{_f(r and r['realized'], '.3f')} ({_f(r and r['ppl'], '.2f')})"
-                     for r in (by.get((u, t)) for u in units)]
-            out.append(f"| {t:g} | " + " | ".join(cells) + " |")
-        worst = [abs(r["realized"] - r["target"]) for r in indomain]
-        out += ["", f"Largest |realized - target|: {max(worst):.4f} over {len(worst)} checkpoints.", ""]
+        out += _fit_table(indomain, "Exact realized sparsity, the shift fitted on WikiText-2 ([indomain.json]"
+                          "(indomain.json))", "checkpoints trained at each S")
+    if heldout:
+        r0 = heldout[0]
+        out += _fit_table(heldout, "One checkpoint fitted to every target on WikiText-2 ([heldout_fit.json]"
+                          "(heldout_fit.json))", f"targets, one checkpoint ({r0.get('checkpoint', '')}, trained at "
+                          f"S = {r0.get('dialed_from', 0):g} in the {r0.get('trained_unit', 'groups')} unit) "
+                          "with its shift refitted per target")
     if dial:
         sources = sorted({r["dialed_from"] for r in dial})
         out += ["### Serve-time dial (`wide.load(..., sparsity=X)`, groups unit)", "",
@@ -229,14 +243,15 @@ def main() -> None:
     p.add_argument("--model", default="smollm2-135m", help="the records' base model (its dims give the FLOPs unit)")
     p.add_argument("--out", default=None, help="also write the markdown to this file")
     p.add_argument("--control", nargs="*", default=None, metavar="FILE", help="render run_control.py's exact.json, "
-                   "indomain.json, dial.json and bound.json instead (default: those beside this script)")
+                   "indomain.json, dial.json and bound.json and run_heldout_fit.py's heldout_fit.json instead "
+                   "(default: those beside this script)")
     a = p.parse_args()
     if a.control is not None:
         files = [Path(f) for f in a.control] or [HERE / n for n in ("exact.json", "indomain.json", "dial.json",
-                                                                     "bound.json")]
+                                                                     "bound.json", "heldout_fit.json")]
         recs = {f.stem: json.loads(f.read_text()) for f in files if f.is_file()}
         md = render_control(recs.get("exact", []), recs.get("dial", []), recs.get("bound", []),
-                            recs.get("indomain", []))
+                            recs.get("indomain", []), recs.get("heldout_fit", []))
         print(md)
         if a.out:
             Path(a.out).write_text(md)
