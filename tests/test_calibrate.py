@@ -4,6 +4,7 @@ serve-time dial, on a tiny random Llama; every realized value is counted again f
 import json
 import warnings
 
+import numpy as np
 import pytest
 import torch
 
@@ -159,12 +160,21 @@ def test_dial_realizes_the_value_asked(fitted, long_text, tokenizer, x, unit):
     assert dial(wm2, x, tokenizer, unit=unit, text=str(text_file))["module_shifts"] == rec["module_shifts"]
 
 
-@pytest.mark.parametrize("x", [1.0, -0.1, float("nan"), "0.5", True])
+@pytest.mark.parametrize("x", [1.0, -0.1, float("nan")])
 def test_bad_dial_values_are_refused(tmp_path, x):
     with pytest.raises(WideError, match=rf"wide.load: sparsity {x!r} is outside \[0, 1\)"):
         load(tmp_path, device="cpu", sparsity=x)  # before any file is read
     with pytest.raises(WideError, match=r"outside \[0, 1\)"):
         check_target(x)
+
+
+@pytest.mark.parametrize("x,kind", [("0.3", "str"), (True, "bool"), (None, "NoneType"), ([0.3], "list")])
+def test_dial_values_that_are_not_numbers_are_named_so(tmp_path, x, kind):
+    with pytest.raises(WideError) as e:
+        load(tmp_path, device="cpu", sparsity=x) if x is not None else check_target(x, "wide.load: sparsity")
+    assert str(e.value) == (f"wide.load: sparsity {x!r} must be a number (got {kind}): the fraction of the routed "
+                            "groups (or FLOPs) to skip, in [0, 1), e.g. 0.5")
+    assert check_target(np.float32(0.25)) == 0.25 and check_target(0) == 0.0
 
 
 def test_bad_dial_unit_is_refused(tmp_path):

@@ -202,6 +202,20 @@ def test_load_refuses_bad_arguments_in_one_error(tmp_path, model, model_dir):
         load(path, model=tiny_model(), tokenizer=True)
     with pytest.raises(WideError, match="dtype 'bf16' must be torch.bfloat16, torch.float16, torch.float32"):
         load(path, model=str(model_dir), dtype="bf16")
+    for bad in (123, 0.5, ["tiny"]):  # not a model reference: one line, not pathlib's TypeError
+        with pytest.raises(WideError) as e:
+            load(path, model=bad)
+        assert str(e.value) == (f"model {bad!r} (type {type(bad).__name__}) is not a path: give a Hugging Face "
+                                "checkpoint directory or a .gguf file (a str or os.PathLike), or 'smollm2-135m' "
+                                "(wide.load also takes a loaded torch.nn.Module)")
+    assert load(path, model=model_dir).config.target_sparsity == 0.3  # a Path is a model reference
+    with pytest.raises(WideError, match="text is the text a dialed sparsity is fitted on: give sparsity= too"):
+        load(path, model=tiny_model(), text=str(tmp_path / "calib.txt"))
+    with pytest.raises(WideError, match="not found"):  # named before any weight loads
+        load(path, model=str(tmp_path / "no-model"), sparsity=0.4, text=str(tmp_path / "missing.txt"))
+    (tmp_path / "t.csv").write_text("text\nhello\n")
+    with pytest.raises(WideError, match="t.csv"):
+        load(path, model=str(tmp_path / "no-model"), sparsity=0.4, text=str(tmp_path / "t.csv"))
 
 
 def test_load_names_a_recorded_base_model_that_moved(tmp_path, model):

@@ -131,6 +131,35 @@ def test_calibrate_notes_a_text_with_fewer_sequences_than_the_batch(tmp_path, mo
     assert rc == 0 and "note: the text gives" not in stdout, err  # a batch of every sequence repeats none
 
 
+def test_what_the_logit_shift_is_fitted_on_is_said_one_way(tmp_path, model_dir, text_file, capsys):
+    """A one-document text holds nothing out: the note says so after the checks, and the calibration line names
+    the training text, not held-out tokens; a .jsonl of many documents holds a tenth out and says so."""
+    from wide.calibrate import heldout_split
+    from wide.cli.train import ONE_DOCUMENT
+
+    rc, stdout, err = run(calibrate_args(model_dir, text_file, tmp_path / "one"), capsys)
+    assert rc == 0, err
+    lines = stdout.splitlines()
+    assert ONE_DOCUMENT in lines and lines.index(ONE_DOCUMENT) > 0, stdout  # after "calibrating ...", not first
+    fit = [ln for ln in lines if ln.startswith("calibrated routing to S=0.5")]
+    assert len(fit) == 1 and " tokens of the training text (one document: nothing held out)" in fit[0], stdout
+    assert "held-out tokens" not in stdout
+    rec = json.loads((tmp_path / "one" / "calibration.json").read_text())
+    assert rec["heldout"]["held_out"] is False
+    docs = [" ".join(f"w{(7 * i + j) % 120}" for j in range(60)) for i in range(30)]
+    n_held = len(heldout_split(docs)[1])
+    assert 0 < n_held < len(docs)
+    jsonl = tmp_path / "docs.JSONL"  # JSON lines in any case of the suffix
+    jsonl.write_text("".join(json.dumps({"text": d}) + "\n" for d in docs))
+    rc, stdout, err = run(calibrate_args(model_dir, jsonl, tmp_path / "many"), capsys)
+    assert rc == 0, err
+    assert "note: the text is one document" not in stdout
+    rec = json.loads((tmp_path / "many" / "calibration.json").read_text())
+    # the held-out documents, 60 words each, in windows of --seq-len 32
+    assert rec["heldout"]["held_out"] is True and rec["heldout"]["tokens"] == 60 * n_held // 32 * 32
+    assert f"on {rec['heldout']['tokens']:,} held-out tokens" in stdout, stdout
+
+
 def test_memory_suggestion_runs_and_the_check_can_be_skipped(tmp_path, model_dir, text_file, capsys, monkeypatch):
     """The split the memory refusal suggests (test_cli_bad_input) fits; --no-memory-check skips the check."""
     from wide.config import WideConfig
@@ -248,6 +277,18 @@ def test_demo_every_stage_ends_with_its_result(tmp_path, model_dir, text_file, c
     assert "--overwrite" in demo_line  # `make demo` runs again
 
 
+def test_demo_reports_dense_and_wide_flops_at_one_context(tmp_path, model_dir, text_file, capsys):
+    """With the automatic --seq-len (256 on a CPU) and --ctx 64, both summary lines give the FLOPs sparsity at
+    T=256, the calibration length the WIDE checkpoint records."""
+    rc, stdout, err = run(["demo", "--model", model_dir, "--text", text_file, "-o", tmp_path / "d", "--device", "cpu",
+                           "--steps", "1", "--batch-size", "1", "--ctx", "64", "--eval-tokens", "128",
+                           "--ffn-group-size", "32"], capsys)
+    assert rc == 0, err
+    lines = {ln.split()[0]: ln for ln in stdout.splitlines() if re.match(r"(dense|wide) +ppl ", ln)}
+    assert set(lines) == {"dense", "wide"} and all("(T=256)" in ln for ln in lines.values()), stdout
+    assert json.loads((tmp_path / "d" / "wide_config.json").read_text())["seq_len"] == 256
+
+
 def test_make_demo_settings_fit_in_memory():
     """`make demo` (CPU: 4 x 256 tokens on the bundled SmolLM2-135M) passes the memory check on a 24 GB machine:
     its estimate fits in 8 GiB with the headroom."""
@@ -274,6 +315,24 @@ def test_help_for_every_subcommand(capsys):
             main([cmd, "--help"])
         assert e.value.code == 0
         assert "usage: wide " + cmd in capsys.readouterr().out
+
+
+def test_lm_eval_help_without_lm_eval_installed(capsys, monkeypatch):
+    """`wide lm-eval --help` is help (exit 0) without the quality extra; only a run names the extra to install."""
+    import importlib.util
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "lm_eval" else real(name, *a))
+    for flag in ("--help", "-h"):
+        with pytest.raises(SystemExit) as e:
+            main(["lm-eval", "--model", "wide", flag])
+        out, err = capsys.readouterr()
+        assert e.value.code == 0 and out.startswith("usage: wide lm-eval") and err == "", (out, err)
+        assert "--model wide --model_args pretrained=smollm2-135m,wide=CKPT --tasks wide_zeroshot" in " ".join(
+            out.split())
+    rc, _, err = run(["lm-eval", "--model", "wide"], capsys)
+    assert rc == 2 and err.startswith("wide lm-eval: error: wide lm-eval needs the 'lm_eval' package") \
+        and "pip install 'wide[quality]'" in err and len(err.splitlines()) == 1, err
 
 
 @pytest.mark.parametrize("cmd,defaults", [

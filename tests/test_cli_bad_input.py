@@ -219,8 +219,8 @@ CASES = [
                           ("--max-tokens", -5, 2), ("--max-tokens", 1, 2), ("--ctx", 0, 2), ("--ctx", -1, 2))],
     case(NOWHERE_CAL + " --max-blocks 0 --seq-len 64", "--max-blocks 0 must be >= 1"),
     case(NOWHERE_CAL + " --fit-tokens 1", "--fit-tokens 1 must be >= 2"),
-    *[case(NOWHERE_CAL + f" --max-module-sparsity {v}", f"max module sparsity {v} is outside (0, 1] (1.0: no bound)")
-      for v in ("0.0", "1.5", "-0.2", "nan")],
+    *[case(NOWHERE_CAL + f" --max-module-sparsity {v}", f"--max-module-sparsity {v} is outside (0, 1] (1.0: no "
+           "bound)") for v in ("0.0", "1.5", "-0.2", "nan")],
     *[case(f"{cmd} --model {{nowhere}} --wide {{nowhere}} --sparsity {v}", f"--sparsity {v:g} is outside [0, 1)")
       for cmd in ("eval-ppl --text {text} --device cpu", "generate --prompt hi --device cpu")
       for v in (1.0, -0.1, 2.5, float("nan"))],
@@ -242,9 +242,15 @@ CASES = [
 
     # --- the method options -----------------------------------------------------------------------------------
     case(CAL + " --model /does/not/exist", "model '/does/not/exist' not found"),
-    case(CAL + " -S 1.5", "S=1.5 is outside [0, 1)"),
-    case(CAL + " -S -0.1", "S=-0.1 is outside [0, 1)"),
-    case(CAL + " --alpha -1", "alpha=-1.0 must be >= 0"),
+    # named as typed (the flag), not as the WideConfig field; every count option worded "must be >= N"
+    *[case(f"{cmd} {opt} {v}", f"{cmd.split()[0]}: error: {flag} {v!r} {words}") for cmd in (NOWHERE_CAL, DEMO)
+      for opt, flag, v, words in (
+          ("-S", "--sparsity", 1.5, "is outside [0, 1): the target fraction of the routed groups"),
+          ("--sparsity", "--sparsity", -0.1, "is outside [0, 1)"), ("-S", "--sparsity", float("nan"), "is outside"),
+          ("--alpha", "--alpha", -1.0, "must be >= 0 and finite"), ("--rank", "--rank", 0, "must be >= 1"),
+          ("--tau-start", "--tau-start", float("inf"), "is outside [0.001, 1000]"),
+          ("--steps", "--steps", 0, "must be >= 1"), ("--save-every", "--save-every", 0, "must be >= 1"),
+          ("--batch-size", "--batch-size", 0, "must be >= 1"), ("--grad-accum", "--grad-accum", -1, "must be >= 1"))],
     case(CAL + " --ffn-group-size 48", "FFN group size G=48 must be a power of two"),
     case(CAL + " --ffn-group-size 256", "G=256 does not divide the intermediate size 128"),
     case(CAL + " --ffn-group-size 100", "FFN group size G=100", "pass --ffn-group-size with one of [16, 32, 64, 128]",
@@ -299,6 +305,13 @@ CASES = [
     case(CAL + " --text {short}", "short.txt' has 4 tokens (with an end-of-text token after each document), shorter "
          "than one sequence of 32"),
     case(CAL + " --text /no/such/file.txt", "text '/no/such/file.txt' not found"),
+    *[case(cmd + f" --text {{tmp}}/{name}", f"text '{{tmp}}/{name}': {name[4:]} files are not read as text; give a "
+           "plain-text file (one document), a .jsonl file with a 'text' field per line", before="tokenizer",
+           setup=lambda c, n=name: (c["tmp"] / n).write_text('{"text": "w1 w2"}\n'), id=f"{cmd.split()[0]}: {name}")
+      for cmd in (CAL, PPL, DEMO) for name in ("data.json", "data.csv", "data.PARQUET")],
+    case(DEMO + " --text {emptytxt}", "text '{emptytxt}' is empty", before="tokenizer"),
+    case(DEMO + " --text {short}", "text '{short}' has 3 tokens, shorter than one window of --ctx 32",
+         before="weights", id="demo: a too short text, before its first line"),
     *[case(PPL + f" --text {{short}} {w}", "text '{short}' has 3 tokens, shorter than one window of --ctx 32",
            before="weights", id=f"eval-ppl: text shorter than --ctx {w}") for w in ("", "--wide {ckpt}")],
 
@@ -318,7 +331,7 @@ CASES = [
          setup=lambda c: (c["full"] / "adapter").mkdir(), id="calibrate --overwrite over a LoRA adapter"),
     case(LORA + " -o {full}", "'{full}'", "exists and is not empty", "--resume", "--overwrite", needs="peft"),
     case(LORA + " -o {ckpt}", "must differ from the stage-1 checkpoint", needs="peft"),
-    case(LORA + " --max-module-sparsity 1.5", "max module sparsity 1.5 is outside (0, 1]", needs="peft",
+    case(LORA + " --max-module-sparsity 1.5", "--max-module-sparsity 1.5 is outside (0, 1]", needs="peft",
          before="weights"),
     case(DEMO + " -o {full}", "'{full}'", "exists and is not empty", "use --overwrite to write over it: the files "
          "this command writes are replaced, any others are left as they are"),
@@ -363,7 +376,7 @@ CASES = [
          "checkpoint directory is expected", needs="peft"),
 
     # --- prune-static's options ------------------------------------------------------------------------------
-    case(PRUNE + " -S 1.2", "wide prune-static: error: target sparsity S=1.2 is outside [0, 1)"),
+    case(PRUNE + " -S 1.2", "wide prune-static: error: -S 1.2 is outside [0, 1)"),
     case(PRUNE, "give the target sparsity -S (or the two fractions --attn-sparsity and --ffn-sparsity)"),
     case(PRUNE + " -S 0.1 --attn-sparsity 0.5 --ffn-sparsity 0.25", "-S 0.1 conflicts with --attn-sparsity 0.5 "
          "--ffn-sparsity 0.25 (their mean, the overall S, is 0.375): give -S alone, or the two fractions"),
@@ -467,6 +480,7 @@ def test_bad_input(argv, words, setup, loads, before, tmp_path, model_dir, text_
     assert rc == 2 and lines and "Traceback" not in err, err
     line = lines[-1]
     assert line.startswith("wide") and ": error: " in line and (loads or len(lines) == 1), err
+    assert loads or not out, out  # nothing said (a note, a first progress line) before the refusal
     for w in (words[0](c) if words and callable(words[0]) else [c.fmt(w) for w in words]):
         assert w in line, (w, line)
     assert _tree(tmp_path) == files, "something was written"

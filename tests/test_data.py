@@ -51,6 +51,25 @@ def test_text_formats(tmp_path):
         load_texts(str(tmp_path / "missing.txt"))
 
 
+def test_jsonl_suffix_in_any_case_and_structured_files_refused(tmp_path):
+    (tmp_path / "b.JSONL").write_text(json.dumps({"text": "one"}) + "\n" + json.dumps({"text": "two"}) + "\n")
+    assert load_texts(str(tmp_path / "b.JSONL")) == ["one", "two"]  # JSON lines, not one document of JSON
+    (tmp_path / "notes.md").write_text('{"text": "kept as written"}\n')
+    assert load_texts(str(tmp_path / "notes.md")) == ['{"text": "kept as written"}\n']  # any other name: plain text
+    for name in ("data.json", "data.JSON", "data.csv", "data.tsv", "data.parquet", "data.ndjson"):
+        path = tmp_path / name
+        path.write_text('[{"text": "one"}]\n' if "json" in name.lower() else "text\none\n")
+        with pytest.raises(WideError) as e:
+            load_texts(str(path))
+        suffix = name[name.index("."):]
+        assert str(e.value) == (f"text {str(path)!r}: {suffix} files are not read as text; give a plain-text file "
+                                "(one document), a .jsonl file with a 'text' field per line, a datasets saved "
+                                "folder, or 'boolq-passages'")
+    with pytest.raises(WideError, match=r"^text 123 \(type int\) is not a path: give a plain-text file \(one "
+                                        r"document\)"):
+        load_texts(123)
+
+
 def test_saved_dataset_folder(tmp_path):
     datasets = pytest.importorskip("datasets")
     datasets.Dataset.from_dict({"text": ["a b", "c d"]}).save_to_disk(str(tmp_path / "ds"))

@@ -234,7 +234,7 @@ def test_cli_lora_bad_input(tmp_path, model_dir, text_file, capsys, case):
         (s1 / ADAPTER_DIR).mkdir()
         msg = "already holds a LoRA adapter"
     else:
-        extra, msg = ["--lora-r", "0"], "--lora-r 0 must be a positive integer"
+        extra, msg = ["--lora-r", "0"], "--lora-r 0 must be >= 1"
     rc, _, err = run(["lora", "--model", model_dir, "--text", text_file, "--wide", s1, "-o", tmp_path / "out",
                       "--steps", "1", "--seq-len", "32", "--device", "cpu", *extra], capsys)
     assert rc == 2 and msg in err

@@ -143,8 +143,10 @@ def test_lr_schedule_and_micro_batches():
 
 
 def test_bad_args():
-    with pytest.raises(WideError, match="--steps 0"):
+    with pytest.raises(WideError, match="^--steps 0 must be >= 1$"):  # the CLI's wording of every count
         CalibrationArgs(steps=0).validate()
+    with pytest.raises(WideError, match=r"^--grad-accum 2\.0 must be an integer >= 1$"):
+        CalibrationArgs(grad_accum=2.0).validate()
     with pytest.raises(WideError, match="--lr"):
         CalibrationArgs(lr=0.0).validate()
 

@@ -33,8 +33,8 @@ BAD_OPTIONS = [
     (["--lr", "inf"], ["--lr inf", "at most 1"]),
     (["--lr", "1e30"], ["--lr 1e+30", "at most 1"]),
     (["--lr", "nan"], ["--lr nan", "> 0"]),
-    (["--alpha", "inf"], ["alpha=inf", "must be >= 0 and finite"]),
-    (["--tau-start", "inf"], ["tau_start=inf", "finite number > 0", "0.001 to 1000"]),
+    (["--alpha", "inf"], ["--alpha inf", "must be >= 0 and finite"]),
+    (["--tau-start", "inf"], ["--tau-start inf", "is outside [0.001, 1000]"]),
     (["--tau-end", "1e-30"], ["--tau-end 1e-30", "[0.001, 1000]"]),
     (["--tau-start", "1e6"], ["--tau-start 1000000.0", "[0.001, 1000]"]),
     (["--seed", str(10 ** 16)], [f"--seed {10 ** 16}", f"from 0 to {SEED_MAX}"]),
@@ -302,6 +302,77 @@ def test_a_failed_state_write_is_one_line_and_keeps_the_last_good_state(tmp_path
     rc, _, err = run(calibrate_args(model_dir, text_file, out, "--steps", "3", "--save-every", "1", "--resume"),
                      capsys)
     assert rc == 0, err
+
+
+@pytest.mark.parametrize("how", ["SIGINT", "SIGTERM"])
+def test_an_interrupt_inside_the_state_write_is_reported_as_an_interrupt(tmp_path, model_dir, text_file, capsys,
+                                                                          monkeypatch, how):
+    """Ctrl-C or SIGTERM while DCP writes the state: DCP wraps it in a CheckpointException; the CLI still says
+    "interrupted" with its exit code and the --resume hint, not a disk error, and keeps the last good state."""
+    import os
+    import signal
+
+    from torch.distributed.checkpoint.filesystem import FileSystemWriter
+
+    out = tmp_path / "run"
+    real, calls = FileSystemWriter.write_data, []
+
+    def interrupted(self, *a, **k):
+        calls.append(1)
+        if len(calls) == 2:  # the second training-state save (step 2)
+            if how == "SIGTERM":
+                os.kill(os.getpid(), signal.SIGTERM)  # the CLI's handler raises KeyboardInterrupt here
+            raise KeyboardInterrupt
+        return real(self, *a, **k)
+
+    monkeypatch.setattr(FileSystemWriter, "write_data", interrupted)
+    rc, _, err = run(calibrate_args(model_dir, text_file, out, "--steps", "3", "--save-every", "1"), capsys)
+    assert len(calls) == 2 and rc == (143 if how == "SIGTERM" else 130), err
+    last = err.strip().splitlines()[-1]
+    assert last == (f"wide calibrate: interrupted{' (SIGTERM)' if how == 'SIGTERM' else ''}; the last state saved "
+                    f"(every --save-every 1 steps) is in {str(out)!r}: add --resume to continue from it"), err
+    assert "disk full" not in err and "Traceback" not in err
+    assert _state_step(out) == 1 and not [p.name for p in out.iterdir() if p.name.startswith(".")]
+    monkeypatch.undo()
+    rc, _, err = run(calibrate_args(model_dir, text_file, out, "--steps", "3", "--save-every", "1", "--resume"),
+                     capsys)
+    assert rc == 0, err
+
+
+def test_dcp_failures_name_their_cause(tmp_path):
+    """A CheckpointException is reported by its rank's exception (an interrupt of any rank first), not by DCP's
+    "CheckpointException ranks:dict_keys([0])"."""
+    import traceback
+
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    def wrapped(**failures):
+        return CheckpointException("write_data", {int(r[1:]): (e, traceback.StackSummary()) for r, e in
+                                                  failures.items()})
+
+    assert str(T._cause(wrapped(r0=ValueError("bad shard")))) == "bad shard"
+    stop = KeyboardInterrupt()
+    assert T._cause(wrapped(r0=OSError(28, "No space left on device"), r1=stop)) is stop
+    wm = WideModel(tiny_model(), WideConfig(ffn_group_size=32))
+    opt = torch.optim.AdamW(list(wm.router_parameters()))
+
+    def failing(exc):
+        def dcp_op(op, state, path, env):
+            raise wrapped(r0=exc)
+        return dcp_op
+
+    env = T.D.current()
+    for exc, raised, text in [(RuntimeError("size mismatch for attn.0.w1"), WideError,
+                               f"corrupt training state {tmp_path}: size mismatch for attn.0.w1"),
+                              (KeyboardInterrupt(), KeyboardInterrupt, "")]:
+        with pytest.MonkeyPatch.context() as mp:
+            mp.setattr(T, "_dcp", failing(exc))
+            with pytest.raises(raised) as info:
+                T._load_state(wm, opt, {"_path": str(tmp_path)}, env)
+            assert str(info.value) == text
+            with pytest.raises(RuntimeError if raised is WideError else raised) as info:
+                T._save_state(wm, opt, tmp_path, {}, env)
+            assert str(info.value) == ("size mismatch for attn.0.w1" if raised is WideError else "")
 
 
 def test_a_failed_checkpoint_write_before_any_save_leaves_no_folder(tmp_path, model_dir, text_file, capsys,

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import hashlib
 import math
+import numbers
 import os
 import warnings
 
@@ -197,9 +198,10 @@ def _curve(raw: dict) -> dict[str, list[list[float]]]:
 
 def check_target(sparsity, what: str = "sparsity") -> float:
     """``sparsity`` as a float in ``[0, 1)``; WideError naming the value and the range otherwise."""
-    ok = isinstance(sparsity, (int, float)) and not isinstance(sparsity, bool) and math.isfinite(sparsity) \
-        and 0.0 <= sparsity < 1.0
-    if not ok:
+    if isinstance(sparsity, bool) or not isinstance(sparsity, numbers.Real):
+        raise WideError(f"{what} {sparsity!r} must be a number (got {type(sparsity).__name__}): the fraction of "
+                        f"the routed groups (or FLOPs) to skip, in [0, 1), e.g. 0.5")
+    if not (math.isfinite(sparsity) and 0.0 <= sparsity < 1.0):
         raise WideError(f"{what} {sparsity!r} is outside [0, 1): give the fraction of the routed groups (or FLOPs) "
                         f"to skip, e.g. 0.5")
     return float(sparsity)
@@ -213,16 +215,18 @@ def check_unit(unit) -> str:
 
 def fit_shifts(wm: WideModel, windows: torch.Tensor, target: float | None = None, unit: str | None = None,
                tol: float = TOLERANCE, batch_size: int = 1, curve: dict | None = None,
-               max_passes: int = MAX_PASSES) -> dict:
+               max_passes: int = MAX_PASSES, held_out: bool = True) -> dict:
     """Fit and apply the logit shifts (module docstring) that make argmax routing realize ``target`` (default the
     config's ``S``) in ``unit`` (default the config's) over int64 ``windows`` ``[N, W]``; the mode and the bound are
-    the config's. ``curve`` (a stored record's) predicts the first shift without a pass at zero.
+    the config's. ``curve`` (a stored record's) predicts the first shift without a pass at zero. ``held_out``:
+    whether ``windows`` were held out of training (False: a one-document text, fitted on the training text).
 
     Returns the record that :func:`wide.checkpoint.save_calibration` stores: ``unit``, ``mode``, ``target``,
     ``max_module_sparsity``, ``tolerance``, ``converged``, ``passes``, ``realized`` (both units,
     :func:`wide.routing.realized_sparsity`, on the held-out tokens), ``uncalibrated`` (the same at zero shift, when
     measured), ``shifts`` (per class), ``module_shifts`` (``{"attn": [L], "ffn": [L]}``), ``history`` (each pass's
-    class shifts and realized value), ``heldout`` and ``curve`` (each router's unshifted margin quantiles).
+    class shifts and realized value), ``heldout`` (the windows' count, width, tokens and ``held_out``) and
+    ``curve`` (each router's unshifted margin quantiles).
     Warns WideWarning with the value reached when the tolerance is not met."""
     cfg = wm.config
     target = cfg.target_sparsity if target is None else target
@@ -290,14 +294,15 @@ def fit_shifts(wm: WideModel, windows: torch.Tensor, target: float | None = None
            "passes": passes, "history": history, "realized": report(rates),
            **({"uncalibrated": report(uncalibrated)} if uncalibrated is not None else {}),
            "shifts": {c: float(d) for c, d in deltas.items()}, "module_shifts": _as_lists(wm, totals),
-           "heldout": {"windows": int(windows.shape[0]), "ctx": int(windows.shape[1]), "tokens": int(windows.numel())},
+           "heldout": {"windows": int(windows.shape[0]), "ctx": int(windows.shape[1]), "tokens": int(windows.numel()),
+                       "held_out": bool(held_out)},
            "curve": _curve(raw)}
     wm.calibration = rec
     if not converged:
         reached = obj.realized(rates)
         got = ", ".join(f"{c} {v:.4f}" for c, v in reached.items())
         warnings.warn(f"the logit-shift fit reached {got} ({unit}, {cfg.sparsity_mode} mode) for the target "
-                      f"{target:g} after {passes} forward pass(es) over {int(windows.numel()):,} held-out tokens, "
+                      f"{target:g} after {passes} forward pass(es) over {fitted_tokens(rec)}, "
                       f"outside the tolerance {tol:g}" + (f" (max module sparsity {cfg.max_module_sparsity:g} "
                                                           f"caps it)" if cfg.max_module_sparsity < 1 else ""),
                       WideWarning, stacklevel=2)
@@ -318,12 +323,19 @@ def dial(wm: WideModel, sparsity: float, tokenizer, unit: str | None = None, tex
     if text is None:
         stored = (wm.calibration or {}).get("text")
         text = stored if isinstance(stored, str) and os.path.exists(stored) else None
-    held, _ = fit_text(load_texts(text, split="calib"))
+    held, held_out = fit_text(load_texts(text, split="calib"))
     windows = heldout_windows(held, tokenizer, min(wm.config.seq_len or max_tokens, max_tokens), max_tokens)
     curve = (wm.calibration or {}).get("curve")
-    rec = fit_shifts(wm, windows, sparsity, unit, batch_size=batch_size, curve=curve)
+    rec = fit_shifts(wm, windows, sparsity, unit, batch_size=batch_size, curve=curve, held_out=held_out)
     rec.update(dialed=True, text=text or DEFAULT_TEXT)
     return rec
+
+
+def fitted_tokens(rec: dict) -> str:
+    """What a record's shift was fitted on: ``N held-out tokens``, or (a one-document text) the training text's."""
+    h = rec["heldout"]
+    return (f"{h['tokens']:,} held-out tokens" if h.get("held_out", True) else
+            f"{h['tokens']:,} tokens of the training text (one document: nothing held out)")
 
 
 def calibration_line(rec: dict) -> str:
@@ -335,5 +347,5 @@ def calibration_line(rec: dict) -> str:
     bound = (f", max module sparsity {rec['max_module_sparsity']:g}" if rec["max_module_sparsity"] < 1 else "")
     return (f"{'dialed' if rec.get('dialed') else 'calibrated'} routing to S={rec['target']:g} ({rec['unit']}, "
             f"{rec['mode']}{bound}): realized {r['groups']:.4f} groups / {r['flops']:.4f} flops (attn "
-            f"{r['attn']:.3f}, ffn {r['ffn']:.3f}) on {rec['heldout']['tokens']:,} held-out tokens{was}; logit "
+            f"{r['attn']:.3f}, ffn {r['ffn']:.3f}) on {fitted_tokens(rec)}{was}; logit "
             f"shift {shifts}")

@@ -250,7 +250,8 @@ def load(path: str | os.PathLike, model: str | torch.nn.Module | None = None, de
         gives logits ``[B, T, vocab]``; each layer's masks are bool ``[B, T, N_G]``.
 
     Raises:
-        WideError: bad arguments (a ``sparsity`` outside ``[0, 1)``, an unknown unit), a missing or changed file
+        WideError: bad arguments (a ``sparsity`` outside ``[0, 1)``, an unknown unit, ``text`` without
+            ``sparsity`` or a text that cannot be read), a missing or changed file
             (naming it), another base model, or a missing device.
         Warns WideWarning for an intermediate save of an unfinished run.
     """
@@ -268,6 +269,11 @@ def load(path: str | os.PathLike, model: str | torch.nn.Module | None = None, de
         check_target(sparsity, "wide.load: sparsity")
         if sparsity_unit is not None:
             check_unit(sparsity_unit)
+    if text is not None:
+        if sparsity is None:
+            raise WideError("wide.load: text is the text a dialed sparsity is fitted on: give sparsity= too")
+        from wide.data import load_texts
+        load_texts(text, split="calib")  # a missing, empty or structured text is named before any weight loads
     path = Path(path)
     config, info, routers = _read_checked(path, "WIDE checkpoint", "the -o of `wide calibrate` or `wide lora`")
     calibration = read_calibration(path, config, ModelDims(**info["dims"]))

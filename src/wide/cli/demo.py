@@ -59,18 +59,19 @@ def cmd_demo(args) -> int:
     auto = demo_settings(args, gpu)
     ctx, seq_len, steps = auto["ctx"], auto["seq_len"], auto["steps"]
     targs = C.train_args_from(args, steps)
-    cfg = C.config_from(args)
+    cfg = C.config_from(argparse.Namespace(**{**vars(args), "seq_len": seq_len}))  # both reports' flops at seq_len
     out = Path(args.output)
     C.check_output(args)
+    texts = {split: load_texts(args.text, split=split) for split in ("eval", "calib")}
     torch.manual_seed(0)
     t_all = time.time()
-    say(f"[1/5] loading {args.model or 'the bundled SmolLM2-135M-Instruct (GGUF)'} on {'cuda' if gpu else 'cpu'}")
     if not gpu:
         torch.set_num_threads(os.cpu_count() or 1)
     data, source = {}, C.text_name(args.text)
-    def prepare(hf, tok):
-        data["win"] = ppl_windows(load_texts(args.text, split="eval"), tok, ctx, auto["eval_tokens"], source)
-        data["blocks"] = pack(load_texts(args.text, split="calib"), tok, seq_len, args.max_blocks, source)
+    def prepare(hf, tok):  # the texts checked against the tokenizer, then the first line, then the weights
+        data["win"] = ppl_windows(texts["eval"], tok, ctx, auto["eval_tokens"], source)
+        data["blocks"] = pack(texts["calib"], tok, seq_len, args.max_blocks, source)
+        say(f"[1/5] loading {args.model or 'the bundled SmolLM2-135M-Instruct (GGUF)'} on {'cuda' if gpu else 'cpu'}")
     model, tok, src = C.load(args, cfg, pre=[C.fits_context("--ctx", ctx)], hf_check=prepare)
     win, blocks = data["win"], data["blocks"]
     wm = WideModel(model, cfg)

@@ -66,7 +66,10 @@ def add_parsers(sub) -> None:
     ev.set_defaults(func=cmd_eval)
     # for the help: wide.cli.main hands `wide lm-eval ...` to cmd_lm_eval untouched
     sub.add_parser("lm-eval", help="lm-eval's own command line with the `wide` model type and our tasks (e.g. wide "
-                   "lm-eval --model wide --model_args wide=CKPT --tasks wide_zeroshot)")
+                   "lm-eval --model wide --model_args wide=CKPT --tasks wide_zeroshot)",
+                   description="lm-eval's own command line with the `wide` model type and our tasks, e.g. wide lm-eval "
+                   "--model wide --model_args pretrained=smollm2-135m,wide=CKPT --tasks wide_zeroshot; its options "
+                   "are lm-eval's, listed by `wide lm-eval --help` once lm-eval (the quality extra) is installed")
     s = sub.add_parser("prune-static", help="static width baseline: remove the same head groups / FFN groups for "
                                             "every token, scored on calibration text; saves a smaller HF model")
     C.add_model(s)
@@ -295,7 +298,12 @@ def _eval_table(summary: dict, above: dict | None, has_dense: bool) -> list[str]
 
 
 def cmd_lm_eval(args) -> int:
-    """``wide lm-eval ARGS``: lm-eval's own command line with the ``wide`` model type and our tasks."""
+    """``wide lm-eval ARGS``: lm-eval's own command line with the ``wide`` model type and our tasks (without lm-eval
+    installed, ``--help`` is this command's help and exits 0; a run names the extra that installs it)."""
+    import importlib.util
+    if importlib.util.find_spec("lm_eval") is None and {"-h", "--help"} & set(args.argv[1:]):
+        from wide.cli import build_parser
+        build_parser().parse_args(["lm-eval", "--help"])  # prints the help, SystemExit(0)
     C.need_extra("lm_eval", "wide lm-eval")
     from wide.eval.lm_eval import lm_eval_main
     return lm_eval_main(args.argv[1:])
@@ -304,7 +312,7 @@ def cmd_lm_eval(args) -> int:
 def _check_split(args) -> None:
     """prune-static's -S / --attn-sparsity / --ffn-sparsity: both fractions or neither, -S their mean if given."""
     a, f, s = args.attn_sparsity, args.ffn_sparsity, args.sparsity
-    for name, v in (("--attn-sparsity", a), ("--ffn-sparsity", f)):
+    for name, v in (("-S", s), ("--attn-sparsity", a), ("--ffn-sparsity", f)):
         if v is not None and not 0.0 <= v < 1.0:
             raise WideError(f"{name} {v!r} is outside [0, 1)")
     if (a is None) != (f is None):

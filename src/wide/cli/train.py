@@ -14,6 +14,9 @@ from wide.errors import WideError
 
 #: parsed names that are not options of a run: never saved with its state, nor taken from it on --resume
 NOT_RUN_OPTIONS = ("command", "func", "argv", "output", "resume", "overwrite")
+#: said (after the checks) when the logit shift is fitted on the training text
+ONE_DOCUMENT = ("note: the text is one document, so nothing is held out of training: the logit shift is fitted on the "
+                "training text (more documents, e.g. a .jsonl, give a held-out tenth)")
 #: options that, given with --resume and unlike the saved run's, are refused before the model loads
 RESUME_FIXED = ("sparsity", "alpha", "tau_start", "tau_end", "mode", "attn_group_size", "ffn_group_size", "rank",
                 "routed", "method", "skipgpt_rank", "steps", "lr", "warmup_steps", "seed", "seq_len", "lora_r",
@@ -59,7 +62,8 @@ def add_parsers(sub) -> None:
 
 def _prechecks(args, stage: str = "router"):
     """The checks that need no model (options, ``-o``, the text); returns the CalibrationArgs, the training
-    documents and the held-out ones (None with ``--no-fit-bias``)."""
+    documents and the held-out ones (None with ``--no-fit-bias``; empty for a one-document text, whose shift is
+    fitted on the training text, :data:`ONE_DOCUMENT`)."""
     from wide.calibrate import heldout_split
     from wide.data import load_texts
     targs = C.train_args_from(args)
@@ -68,11 +72,7 @@ def _prechecks(args, stage: str = "router"):
     docs = load_texts(args.text, split="calib")
     if args.no_fit_bias:
         return targs, docs, None
-    train, held = heldout_split(docs)
-    if not held and os.environ.get("RANK", "0") == "0":
-        C.say("note: the text is one document, so nothing is held out of training: the logit shift is fitted on "
-              "the training text (more documents, e.g. a .jsonl, give a held-out tenth)")
-    return targs, train, held or train
+    return (targs, *heldout_split(docs))
 
 
 def _launch(args, precheck) -> int | None:
@@ -142,24 +142,25 @@ def take_saved_options(parser, args) -> None:
         C.say(f"resuming with the saved settings: {' '.join(taken)}")
 
 
-def _fit_bias(args, env, wm, held, model_ref: str) -> None:
-    """After training: fit the routers' logit shift on the held-out windows ``held`` and store it in ``-o`` (one
-    process; under torchrun rank 0 loads the saved checkpoint alone), unless ``--no-fit-bias`` or already stored."""
+def _fit_bias(args, env, wm, held, model_ref: str, held_out: bool = True) -> None:
+    """After training: fit the routers' logit shift on the windows ``held`` (``held_out`` False: of the training
+    text) and store it in ``-o`` (one process; under torchrun rank 0 loads the saved checkpoint alone), unless
+    ``--no-fit-bias`` or already stored."""
     from wide.calibrate import calibration_line, fit_shifts
     from wide.checkpoint import CALIBRATION_NAME, load, save_calibration
     if held is None or not env.is_main or (Path(args.output) / CALIBRATION_NAME).is_file():
         return
     if env.active:  # the trained model is sharded over the processes
         wm = load(args.output, model=model_ref, device=env.device, calibrated=False)
-    rec = fit_shifts(wm, held, batch_size=args.batch_size)
+    rec = fit_shifts(wm, held, batch_size=args.batch_size, held_out=held_out)
     rec["text"] = C.text_name(args.text if args.text is None else os.path.abspath(args.text))
     save_calibration(args.output, rec)
     C.say(calibration_line(rec))
 
 
-def _train(env, what: str, blocks, targs, fit, saved: str, after=None) -> int:
-    """Say what is trained (and when the text gives fewer sequences than one global batch), run ``fit()`` and
-    close with its result (rank 0 speaks), then ``after()``."""
+def _train(env, what: str, blocks, targs, fit, saved: str, after=None, held_out: bool = True) -> int:
+    """Say what is trained (and when the text gives fewer sequences than one global batch, or ``held_out`` is
+    False: :data:`ONE_DOCUMENT`), run ``fit()`` and close with its result (rank 0 speaks), then ``after()``."""
     say = C.say if env.is_main else (lambda *_: None)
     n, batch = int(blocks.shape[0]), targs.batch_size * targs.grad_accum * env.world_size
     say(f"{what}: {n} sequences x {blocks.shape[1]} tokens, {targs.steps} steps, {env.world_size} process(es), "
@@ -168,6 +169,8 @@ def _train(env, what: str, blocks, targs, fit, saved: str, after=None) -> int:
         say(f"note: the text gives {n} sequence{'s' if n != 1 else ''} of {int(blocks.shape[1])} tokens, fewer "
             f"than the global batch of {batch}: every step repeats some of them (more text, a smaller --seq-len or "
             f"a smaller --batch-size avoids it)")
+    if not held_out:
+        say(ONE_DOCUMENT)
     t0 = time.time()
     recs = fit()
     if recs:  # none: --resume of a finished run, nothing written
@@ -213,7 +216,7 @@ def cmd_calibrate(args) -> int:
     packed = {}
     def hf_check(hf, tok):  # before any weight is read: the text first, then a batch far too large
         packed["blocks"] = pack(docs, tok, args.seq_len, max_blocks=args.max_blocks, source=C.text_name(args.text))
-        packed["held"] = None if held is None else heldout_windows(held, tok, args.seq_len, args.fit_tokens)
+        packed["held"] = None if held is None else heldout_windows(held or docs, tok, args.seq_len, args.fit_tokens)
         if targs.memory_check:
             from wide.memory import check_train_fits, train_memory_from_config
             device = env.device if env.active else (args.device or default_device())
@@ -230,7 +233,8 @@ def cmd_calibrate(args) -> int:
                   lambda: calibrate(wm, blocks, targs, Path(args.output), src.ref, resume=args.resume,
                                     data_source=data_source(args), options=run_options(args, env)),
                   f"saved WIDE checkpoint to {args.output}",
-                  lambda: _fit_bias(args, env, wm, packed.get("held"), src.ref))
+                  lambda: _fit_bias(args, env, wm, packed.get("held"), src.ref, held_out=held != []),
+                  held_out=held != [])
 
 
 def cmd_lora(args) -> int:
@@ -252,11 +256,13 @@ def cmd_lora(args) -> int:
     info, objective = {}, {}
     def precheck():
         C.need_extra("peft", "wide lora")
+        C.at_least(args, lora_r=1)  # worded as every count option
         settings.validate()
         info.update(check_stage1(args.wide))
         objective.update({k: v for k, v in (("sparsity_unit", args.sparsity_unit),
                                             ("max_module_sparsity", args.max_module_sparsity)) if v is not None})
-        WideConfig(**objective)  # a bad --max-module-sparsity is named before any weight loads
+        C.check_method_flags(args)  # a bad --max-module-sparsity is named before any weight loads
+        WideConfig(**objective)
         settings.check_dims(dims_of(C.hf_config(args.model or info["model"])[1]))
         if Path(args.wide).resolve() == Path(args.output).resolve():
             raise WideError(f"-o {str(args.output)!r} must differ from the stage-1 checkpoint --wide {args.wide!r}")
@@ -278,7 +284,7 @@ def cmd_lora(args) -> int:
                        calibrated=False)
     wm.config = dataclasses.replace(wm.config, **objective)
     blocks = pack(docs, tok, args.seq_len, max_blocks=args.max_blocks, source=C.text_name(args.text))
-    held_windows = None if held is None else heldout_windows(held, tok, args.seq_len, args.fit_tokens)
+    held_windows = None if held is None else heldout_windows(held or docs, tok, args.seq_len, args.fit_tokens)
     return _train(env, f"LoRA recovery on {args.wide} ({info['model']}) with r={settings.r} alpha={settings.alpha} "
                        f"dropout={settings.dropout}, routers {'frozen' if args.freeze_router else 'trained'}",
                   blocks, targs,
@@ -286,4 +292,5 @@ def cmd_lora(args) -> int:
                                   freeze_router=args.freeze_router, stage1=args.wide, resume=args.resume,
                                   data_source=data_source(args), options=run_options(args, env)),
                   f"saved WIDE checkpoint with LoRA adapter to {args.output}",
-                  lambda: _fit_bias(args, env, wm, held_windows, args.model or info["model"]))
+                  lambda: _fit_bias(args, env, wm, held_windows, args.model or info["model"], held_out=held != []),
+                  held_out=held != [])

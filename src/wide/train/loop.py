@@ -59,9 +59,11 @@ class CalibrationArgs:
 
     def validate(self) -> None:
         """Raises WideError naming the first value outside its range."""
-        for name in ("steps", "batch_size", "grad_accum", "save_every"):
-            if not isinstance(getattr(self, name), int) or getattr(self, name) < 1:
-                raise WideError(f"--{name.replace('_', '-')} {getattr(self, name)!r} must be a positive integer")
+        for name in ("steps", "batch_size", "grad_accum", "save_every"):  # worded as the CLI's at_least
+            v = getattr(self, name)
+            if type(v) is not int or v < 1:
+                raise WideError(f"--{name.replace('_', '-')} {v!r} must be "
+                                f"{'' if type(v) is int else 'an integer '}>= 1")
         if not 0 < self.lr <= LR_MAX:
             raise WideError(f"--lr {self.lr!r} must be > 0 and at most {LR_MAX:g} (stage 1 uses about 5e-3, "
                             f"stage 2 2e-4)")
@@ -126,6 +128,15 @@ def _dcp(op: str, state: dict, path, env: D.DistEnv) -> None:
         getattr(dcp, op)(state, checkpoint_id=str(path), no_dist=not (env.active and env.world_size > 1))
 
 
+def _cause(e: CheckpointException) -> BaseException:
+    """The exception behind DCP's CheckpointException (``failures``: rank -> ``(exception, traceback)``): a
+    KeyboardInterrupt or SystemExit of any rank (Ctrl-C; SIGTERM, which the CLI turns into KeyboardInterrupt),
+    else the lowest rank's."""
+    causes = [f[0] if isinstance(f, tuple) else f for _, f in sorted(e.failures.items())]
+    causes = [c for c in causes if isinstance(c, BaseException)] or [e]
+    return next((c for c in causes if isinstance(c, (KeyboardInterrupt, SystemExit))), causes[0])
+
+
 def _save_state(wm: WideModel, opt, output: Path, meta: dict, env: D.DistEnv) -> None:
     """Write the state with DCP into ``.train_state.dcp.tmp``, then swap it into place (every rank)."""
     tmp = output / f".{STATE_NAME}.tmp"
@@ -137,7 +148,9 @@ def _save_state(wm: WideModel, opt, output: Path, meta: dict, env: D.DistEnv) ->
     except BaseException as e:
         shutil.rmtree(tmp, ignore_errors=True)
         if isinstance(e, CheckpointException):
-            raise RuntimeError(first_line(e)) from None
+            cause = _cause(e)  # an interrupt stays one (the CLI's "interrupted" and --resume hint)
+            raise (cause if isinstance(cause, (KeyboardInterrupt, SystemExit, OSError))
+                   else RuntimeError(first_line(cause))) from None
         raise
     if env.is_main:
         (tmp / META_NAME).write_text(json.dumps(meta, indent=2) + "\n")
@@ -150,7 +163,10 @@ def _load_state(wm: WideModel, opt, meta: dict, env: D.DistEnv) -> None:
     try:
         _dcp("load", state, meta["_path"], env)
     except (Exception, CheckpointException) as e:  # noqa: BLE001 - any failure to read is a corrupt state
-        raise WideError(f"corrupt training state {meta['_path']}: {first_line(e)}") from None
+        cause = _cause(e) if isinstance(e, CheckpointException) else e
+        if isinstance(cause, (KeyboardInterrupt, SystemExit)):
+            raise cause from None
+        raise WideError(f"corrupt training state {meta['_path']}: {first_line(cause)}") from None
     set_state_dict(wm, opt, model_state_dict=state["model"], optim_state_dict=state["optim"], options=_OPTIONS)
 
 
