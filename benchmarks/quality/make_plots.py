@@ -45,6 +45,15 @@ def _plt():
     return plt
 
 
+def _save(fig, path: Path, rect=None) -> Path:
+    """Lay out ``fig`` (within ``rect``: room for a note under the panels), write it to ``path``, close it."""
+    fig.tight_layout(**({"rect": rect} if rect else {}))
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path)
+    _plt().close(fig)
+    return path
+
+
 def sweep_plot(records: list[dict], path: Path) -> Path:
     """Figure 6 analogue, two panels against target sparsity S: average zero-shot accuracy (left) and
     WikiText-2 token perplexity (right, log scale), one line per method and stage, dense as a gray line."""
@@ -70,11 +79,7 @@ def sweep_plot(records: list[dict], path: Path) -> Path:
         if field == "ppl":
             ax.set_yscale("log")
     axes[0].legend(fontsize=7)
-    fig.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path)
-    plt.close(fig)
-    return path
+    return _save(fig, path)
 
 
 def group_plot(records: list[dict], path: Path) -> Path:
@@ -126,11 +131,7 @@ def group_plot(records: list[dict], path: Path) -> Path:
     if missing:
         note += "; not run: " + ", ".join(missing)
     fig.text(0.5, 0.01, note, ha="center", fontsize=8)
-    fig.tight_layout(rect=(0, 0.05, 1, 1))
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path)
-    plt.close(fig)
-    return path
+    return _save(fig, path, rect=(0, 0.05, 1, 1))
 
 
 def dial_plot(dial: list[dict], exact: list[dict], path: Path) -> Path:
@@ -178,11 +179,7 @@ def dial_plot(dial: list[dict], exact: list[dict], path: Path) -> Path:
     steps = sorted({r.get("steps") for r in [*dial, *exact] if r.get("steps")})
     fig.text(0.5, 0.01, f"WIDE, router stage, {'/'.join(map(str, steps))} steps per checkpoint; dialed with "
              "wide.load(..., sparsity=X)", ha="center", fontsize=8)
-    fig.tight_layout(rect=(0, 0.05, 1, 1))
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path)
-    plt.close(fig)
-    return path
+    return _save(fig, path, rect=(0, 0.05, 1, 1))
 
 
 def exact_plot(exact: list[dict], path: Path) -> Path:
@@ -206,11 +203,7 @@ def exact_plot(exact: list[dict], path: Path) -> Path:
         ax.set_ylabel(f"realized - target, WikiText-2 ({unit}, pts)")
         ax.grid(alpha=0.3)
         ax.legend(fontsize=7)
-    fig.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path)
-    plt.close(fig)
-    return path
+    return _save(fig, path)
 
 
 def _by(records: list[dict], field: str) -> dict:
