@@ -182,6 +182,9 @@ def test_bad_dial_unit_is_refused(tmp_path):
         load(tmp_path, device="cpu", sparsity=0.5, sparsity_unit="params")
     with pytest.raises(WideError, match="give sparsity= too"):
         load(tmp_path, device="cpu", sparsity_unit="flops")
+    with pytest.raises(WideError) as e:  # a bad unit is named as such, even without sparsity=
+        load(tmp_path, device="cpu", sparsity_unit="bogus")
+    assert str(e.value) == "sparsity unit 'bogus' is not one of groups, flops"
 
 
 def test_heldout_split():
@@ -244,3 +247,106 @@ def test_cli_generate_dials(fitted, capsys):
     assert rc == 0, err
     assert "dialed routing to S=0.35 (groups, global): realized 0.3" in err
     assert "realized sparsity: attn" in out and "groups 0." in out and "flops 0." in out
+
+
+# --- a finished run whose fit was interrupted ------------------------------------------------------------------
+def test_a_fit_interrupted_after_training_is_named_on_load_until_resume_fits_it(tmp_path, model_dir, long_text,
+                                                                              capsys, monkeypatch):
+    """Interrupted after the last step, before calibration.json is written: the checkpoint records the planned fit,
+    so wide.load and eval-ppl warn once (naming --resume) instead of silently using the uncalibrated routers; the
+    --resume fits it and the warning goes away."""
+    import wide.calibrate as K
+    from wide_testutil import calibrate_args, run_cli
+
+    out = tmp_path / "run"
+
+    def interrupted(*a, **k):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(K, "fit_shifts", interrupted)
+    rc, _, err = run_cli(calibrate_args(model_dir, long_text, out), capsys)
+    assert rc == 130, err
+    monkeypatch.undo()
+    assert not (out / CALIBRATION_NAME).exists()
+    extra = json.loads((out / BASE_NAME).read_text())["extra"]
+    assert extra["fit_bias"] is True and extra["step"] == extra["steps"] == 1
+    with pytest.warns(WideWarning) as seen:
+        wm = load(out, device="cpu")
+    assert len(seen) == 1 and len(str(seen[0].message).splitlines()) == 1
+    assert str(seen[0].message) == (
+        f"WIDE checkpoint {str(out)!r} has no {CALIBRATION_NAME}: its wide calibrate run finished training but "
+        f"stopped before the logit-shift fit was saved, so it loads uncalibrated (the routers as trained); to finish "
+        f"the fit, run wide calibrate -o {str(out)!r} --resume")
+    assert wm.calibration is None and wm.router_shifts is None
+    with warnings.catch_warnings():  # asked for: the routers as trained, or a dial that fits anyway
+        warnings.simplefilter("error", WideWarning)
+        load(out, device="cpu", calibrated=False)
+    rc, _, err = run_cli(["eval-ppl", "--wide", out, "--text", long_text, "--ctx", "32", "--max-tokens", "64",
+                          "--device", "cpu"], capsys)
+    assert rc == 0, err
+    warned = [ln for ln in err.splitlines() if "warning" in ln]
+    assert len(warned) == 1 and warned[0].startswith("wide eval-ppl: warning: ") and "--resume" in warned[0], err
+    rc, stdout, err = run_cli(["calibrate", "-o", out, "--resume"], capsys)
+    assert rc == 0, err
+    assert "calibrated routing to S=0.5" in stdout and (out / CALIBRATION_NAME).is_file()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", WideWarning)
+        wm = load(out, device="cpu")
+    assert wm.calibration["target"] == 0.5 and wm.router_shifts is not None
+
+
+def test_no_fit_planned_and_older_checkpoints_load_without_the_fit_warning(tmp_path, model_dir, long_text, capsys):
+    from wide_testutil import calibrate_args, run_cli
+
+    out = tmp_path / "plain"
+    rc, _, err = run_cli(calibrate_args(model_dir, long_text, out, "--no-fit-bias"), capsys)
+    assert rc == 0, err
+    assert json.loads((out / BASE_NAME).read_text())["extra"]["fit_bias"] is False
+    old = tmp_path / "old"  # a finished run saved before the field existed
+    save_wide(load(out, device="cpu"), old, str(model_dir), extra={"stage": "router", "step": 1, "steps": 1})
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", WideWarning)
+        for path in (out, old):
+            assert load(path, device="cpu").calibration is None
+    info = json.loads((old / BASE_NAME).read_text())
+    info["extra"]["fit_bias"] = "yes"
+    (old / BASE_NAME).write_text(json.dumps(info))
+    with pytest.raises(WideError, match=r"field 'extra.fit_bias' is the string 'yes'; it must be true or false"):
+        load(old, device="cpu")
+
+
+def test_a_dial_above_the_module_bound_is_refused_before_loading(tmp_path, tokenizer):
+    wm = routed(max_module_sparsity=0.3, sparsity_unit="flops")
+    save_wide(wm, tmp_path / "ckpt", "tiny")
+    missing = str(tmp_path / "no-model")  # refused before the base model is looked up
+    with pytest.raises(WideError) as e:
+        load(tmp_path / "ckpt", model=missing, sparsity=0.5)
+    assert str(e.value) == (f"wide.load: sparsity 0.5 cannot be reached under the max_module_sparsity of "
+                            f"{str(tmp_path / 'ckpt')!r} 0.3: the routed compute skipped (flops unit) is a weighted "
+                            f"mean of the module rates, so it is at most 0.3; give sparsity 0.3 or less")
+    with pytest.raises(WideError, match="under the max_module_sparsity .* 0.3: the groups sparsity"):
+        load(tmp_path / "ckpt", model=missing, sparsity=0.31, sparsity_unit="groups")
+    with pytest.raises(WideError, match=r"^sparsity 0.5 cannot be reached under the routers' max_module_sparsity 0.3"):
+        dial(wm, 0.5, tokenizer)
+    with pytest.raises(WideError, match="not found"):  # at the bound: past this check, to the missing model
+        load(tmp_path / "ckpt", model=missing, sparsity=0.3)
+
+
+def test_a_dial_replaces_the_fitted_shift_so_calibrated_false_with_a_dial_is_refused(fitted, tokenizer, long_text):
+    """The dial's result does not depend on whether the stored shift was applied first (shifts replace each
+    other; the stored curve starts the fit either way), so calibrated=False cannot change a dialed model:
+    wide.load refuses the pair instead of ignoring calibrated=False."""
+    path = fitted[0]
+    stored = json.loads((path / CALIBRATION_NAME).read_text())
+    on = load(path, device="cpu")
+    off = load(path, device="cpu", calibrated=False)
+    off.calibration = stored  # its curve, as the dial of a calibrated model starts from
+    assert on.router_shifts is not None and off.router_shifts is None
+    a = dial(on, 0.25, tokenizer, text=str(long_text))
+    b = dial(off, 0.25, tokenizer, text=str(long_text))
+    assert a["module_shifts"] == b["module_shifts"] and a["realized"] == b["realized"]
+    with pytest.raises(WideError) as e:
+        load(path, model=str(path / "no-model"), calibrated=False, sparsity=0.25)
+    assert str(e.value) == ("wide.load: calibrated=False and sparsity=0.25 exclude each other: the dial replaces the "
+                            "fitted shift whether or not it was applied; give sparsity= for a dialed model or "
+                            "calibrated=False for the routers as trained")

@@ -218,6 +218,16 @@ def test_load_refuses_bad_arguments_in_one_error(tmp_path, model, model_dir):
         load(path, model=str(tmp_path / "no-model"), sparsity=0.4, text=str(tmp_path / "t.csv"))
 
 
+@pytest.mark.parametrize("name", ["tokenizer", "merge_lora", "calibrated"])
+@pytest.mark.parametrize("value", ["yes", 1, None])
+def test_load_flags_must_be_bools(tmp_path, model, name, value):
+    _, path = _saved(tmp_path, model)
+    with pytest.raises(WideError) as e:
+        load(path, model=str(tmp_path / "no-model"), **{name: value})  # before the model is looked up
+    assert str(e.value) == f"wide.load: {name} must be True or False, got {type(value).__name__} {value!r}"
+    assert load(path, model=tiny_model(), **({name: False} if name == "tokenizer" else {name: True})) is not None
+
+
 def test_load_names_a_recorded_base_model_that_moved(tmp_path, model):
     """model=None loads the base model recorded in base_model.json; when that path is gone, the error says the
     path came from the checkpoint and how to give the model instead."""

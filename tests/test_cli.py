@@ -289,6 +289,50 @@ def test_demo_reports_dense_and_wide_flops_at_one_context(tmp_path, model_dir, t
     assert json.loads((tmp_path / "d" / "wide_config.json").read_text())["seq_len"] == 256
 
 
+DEMO_TINY = ["--device", "cpu", "--batch-size", "1", "--seq-len", "32", "--ctx", "32", "--eval-tokens", "64",
+             "--ffn-group-size", "32"]
+
+
+@pytest.mark.parametrize("omp", ["3", None])
+def test_demo_keeps_the_thread_count_of_omp_num_threads(tmp_path, model_dir, text_file, capsys, monkeypatch, omp):
+    import os
+
+    calls = []
+    monkeypatch.setattr(torch, "set_num_threads", calls.append)  # the test's own thread count stays as it is
+    if omp is None:
+        monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    else:
+        monkeypatch.setenv("OMP_NUM_THREADS", omp)
+    rc, _, err = run(["demo", "--model", model_dir, "--text", text_file, "-o", tmp_path / "d", *DEMO_TINY,
+                      "--steps", "1"], capsys)
+    assert rc == 0, err
+    assert calls == ([] if omp is not None else [os.cpu_count() or 1])
+
+
+def test_demo_saves_a_quarter_of_its_steps_so_an_interrupt_leaves_a_state(tmp_path, model_dir, text_file, capsys,
+                                                                           monkeypatch):
+    from wide.cli.demo import CPU, GPU, demo_settings
+    from wide.train.loop import read_meta
+    from wide_testutil import interrupt_at
+
+    parsed = _subparser("demo").parse_args([])
+    assert parsed.save_every is None
+    assert demo_settings(parsed, gpu=False)["save_every"] == CPU["steps"] // 4 == 20
+    assert demo_settings(parsed, gpu=True)["save_every"] == GPU["steps"] // 4 == 75
+    assert demo_settings(_subparser("demo").parse_args(["--steps", "2"]), gpu=False)["save_every"] == 1
+    assert demo_settings(_subparser("demo").parse_args(["--save-every", "7"]), gpu=False)["save_every"] == 7
+    out = tmp_path / "d"
+    interrupt_at(monkeypatch, 5)  # in step 5 of 8: the state of step 4 (a save every 2 steps) is there
+    rc, _, err = run(["demo", "--model", model_dir, "--text", text_file, "-o", out, *DEMO_TINY, "--steps", "8"],
+                     capsys)
+    assert rc == 130, err
+    assert f"`wide calibrate -o {out} --resume` finishes it" in err.strip().splitlines()[-1], err
+    meta = read_meta(out)
+    assert meta["step"] == 4 and meta["options"]["save_every"] == 2
+    rc, _, err = run(["demo", "-o", out, "--save-every", "0", *DEMO_TINY], capsys)
+    assert rc == 2 and "--save-every 0 must be >= 1" in err, err
+
+
 def test_make_demo_settings_fit_in_memory():
     """`make demo` (CPU: 4 x 256 tokens on the bundled SmolLM2-135M) passes the memory check on a 24 GB machine:
     its estimate fits in 8 GiB with the headroom."""

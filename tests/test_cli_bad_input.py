@@ -119,6 +119,16 @@ class Ctx:
         (self.tmp / "full" / "train_state.dcp" / ".metadata").write_bytes(b"")
         (self.tmp / "full" / "train_state.dcp" / "train_state.json").write_text("{not json")
 
+    def os_error(self, owner, name: str, path, error: OSError):
+        """``owner.name(...)`` raises ``error`` for ``path`` (the first argument, or the object it is called on),
+        as an unreadable file does for a user that is not root."""
+        real = getattr(owner, name)
+        def fails(first, *a, **k):
+            if str(first) == str(path):
+                raise error
+            return real(first, *a, **k)
+        self.mp.setattr(owner, name, fails)
+
     def cut(self, path, keep: int):
         data = path.read_bytes()[:keep]
         path.write_bytes(data)
@@ -229,6 +239,15 @@ CASES = [
     *[case(f"{cmd} --model {{nowhere}} --wide {{nowhere}} --sparsity-unit flops", "--sparsity-unit flops is the "
            "unit of a dialed --sparsity: give --sparsity")
       for cmd in ("eval-ppl --text {text} --device cpu", "generate --prompt hi --device cpu")],
+    case("eval-ppl --model {nowhere} --wide {nowhere} --text {text} --device cpu --sparsity 0.3 --uncalibrated",
+         "--uncalibrated and --sparsity 0.3 exclude each other: --sparsity fits a new logit shift"),
+    case("generate --model {nowhere} --wide {nowhere} --prompt hi --device cpu --dense-ops --sparsity 0.3",
+         "--dense-ops and --sparsity 0.3 exclude each other", "the routers are ignored"),
+    *[case(f"generate --model {{nowhere}} --prompt hi --device cpu {opt}", words) for opt, words in (
+        ("--temperature -1", "--temperature -1.0 must be a finite number >= 0"),
+        ("--temperature 0.7 --top-k -1", "--top-k -1 must be an int >= 0"),
+        ("--temperature 0.7 --top-p 1.5", "--top-p 1.5 must be in (0, 1]"),
+        ("--temperature 0.7 --seed -1", "--seed -1 must be an integer from 0 to"))],
     case("eval-ppl --model {nowhere} --text {text} --device cpu --uncalibrated", "--uncalibrated applies to the "
          "routers of a WIDE checkpoint: give --wide"),
     case(NOWHERE_CAL + " --max-blocks -1", "--max-blocks -1 must be >= 1"),
@@ -262,8 +281,12 @@ CASES = [
     case("info --model {model} --method skipgpt --ffn-group-size 100", "FFN group size G=100",
          "--ffn-group-size with one of [16, 32, 64, 128]", "with --method skipgpt it sets the WIDE layout"),
     case("info --model {model} --attn-group-size 0", "attention group size G=0 must be a positive multiple of "
-         "head_dim"),
-    case("info --model {model} --attn-group-size -64", "attention group size G=-64 must be a positive multiple"),
+         "head_dim=16 that divides the attention width 64", "pass --attn-group-size with one of [16, 32, 64]"),
+    case("info --model {model} --attn-group-size -64", "attention group size G=-64 must be a positive multiple",
+         "one of [16, 32, 64]"),
+    case(CAL + " --attn-group-size 0", "G=0 must be a positive multiple", "one of [16, 32, 64]", before="tokenizer"),
+    *[case(f"{cmd} --method skipgpt --skipgpt-rank {r}", f"--skipgpt-rank {r} must be >= 1")
+      for cmd in ("info --model {model}", NOWHERE_CAL) for r in (0, -2)],
     case("info --model {model} --ffn-group-size 0", "FFN group size G=0 must be a power of two >= 16"),
     case("info --model {model} --ffn-group-size -32", "FFN group size G=-32 must be a power of two >= 16"),
 
@@ -290,6 +313,18 @@ CASES = [
            setup=lambda c, k=keep: c.made.update(cut=c.cut(shutil.copy(c["gguf"], c["tmp"] / "cut.gguf"), k)),
            id=f"info: GGUF cut to {keep} bytes") for keep in (10, 100, -100)],
 
+    *[case(cmd, "the tokenizer of '{model}' has 128 tokens (ids up to 127), but the model's vocab_size is 100",
+           "use the tokenizer made for this model", before="weights",
+           setup=lambda c: c.edit_json(c["model"] / "config.json", vocab_size=100), id=f"{cmd.split()[0]}: vocab")
+      for cmd in (CAL, PPL, "generate --model {model} --prompt hi --device cpu")],
+    case("info --model {tmp}/locked.gguf --ffn-group-size 16", "cannot read GGUF file '{tmp}/locked.gguf': "
+         "Permission denied", setup=lambda c: (shutil.copy(c["gguf"], c["tmp"] / "locked.gguf"), c.os_error(
+             __import__("gguf.gguf_reader").gguf_reader, "GGUFReader", c["tmp"] / "locked.gguf",
+             PermissionError(13, "Permission denied"))), id="info: GGUF file not readable"),
+    case(PPL, "cannot read model weights file '{model}/model.safetensors': Permission denied",
+         setup=lambda c: c.os_error(__import__("safetensors"), "safe_open", c["model"] / "model.safetensors",
+                                    PermissionError(13, "Permission denied")), id="eval-ppl: weights not readable"),
+
     # --- context lengths, refused from the config (the tiny model's context is 256 tokens) -------------------
     case(CAL + " --seq-len 512", "--seq-len 512 is longer than the model's context of 256 tokens",
          "use --seq-len 256 or less", before="tokenizer"),
@@ -314,6 +349,18 @@ CASES = [
          before="weights", id="demo: a too short text, before its first line"),
     *[case(PPL + f" --text {{short}} {w}", "text '{short}' has 3 tokens, shorter than one window of --ctx 32",
            before="weights", id=f"eval-ppl: text shorter than --ctx {w}") for w in ("", "--wide {ckpt}")],
+
+    *[case(cmd + " --text {tmp}/bin.jsonl", "text file '{tmp}/bin.jsonl' is not UTF-8 (byte 0xff at offset 9",
+           setup=lambda c: (c["tmp"] / "bin.jsonl").write_bytes(b'{"text": \xff\xfe\x00\x01}\n'),
+           before="tokenizer", id=f"{cmd.split()[0]}: binary .jsonl") for cmd in (CAL, PPL)],
+    # a text that cannot be read (monkeypatched: the tests may run as root), or that sits in an unreadable folder
+    *[case(CAL + f" --text {path}", f"cannot read text '{path}': {err.strerror}", before="tokenizer",
+           setup=lambda c, m=method, p=path, e=err: c.os_error(type(c["text"]), m, c.fmt(p), e),
+           id=f"calibrate: text {method} fails: {err.strerror}") for method, path, err in (
+        ("read_bytes", "{text}", PermissionError(13, "Permission denied")),
+        ("read_bytes", "{text}", IsADirectoryError(21, "Is a directory")),
+        ("read_bytes", "{text}", OSError(5, "Input/output error")),
+        ("stat", "{tmp}/private/t.txt", PermissionError(13, "Permission denied")))],
 
     # --- output paths -------------------------------------------------------------------------------------------
     case(CAL + " -o {afile}", "-o '{afile}' is a file; give a directory"),
@@ -342,6 +389,30 @@ CASES = [
          "--json '{afile}/r.json': '{afile}' is a file, not a directory"),
     case("eval --model {nowhere} --device cpu --json {tmp}", "--json", "is a directory; give a file path",
          needs="lm_eval"),
+
+    # an output written into what the command reads: --json over the checkpoint's own base_model.json, ...
+    case(PPL + " --wide {ckpt} --json {ckpt}/base_model.json", "--json '{ckpt}/base_model.json' is inside the "
+         "--wide folder '{ckpt}', which this command reads: write the results elsewhere", before="tokenizer"),
+    case(PPL + " --json {model}/r.json", "--json '{model}/r.json' is inside the --model folder '{model}'",
+         before="tokenizer"),
+    case(PPL + " --json {text}", "--json '{text}' is the --text file this command reads", before="tokenizer"),
+    case(PPL + " --json {tmp}/sub/../text.txt", "--json '{tmp}/sub/../text.txt' is the --text file",
+         before="tokenizer", id="eval-ppl: --json the --text file, by another path"),
+    case("eval --model {model} --json {model}/config.json", "--json '{model}/config.json' is inside the --model "
+         "folder", needs="lm_eval"),
+    case(PRUNE.replace("{out}", "{model}") + " -S 0.5 --overwrite", "-o '{model}' is the --model folder this "
+         "command reads", before="tokenizer"),
+    # an empty value: refused by the parser, naming the option as typed
+    *[case(f"{cmd} {opt} {{blank}}", f"wide {cmd.split(' -')[0]}: error: {opt} '' is empty; give {what}",
+           id=f"{cmd.split(' -')[0]} {opt} ''") for cmd, opt, what in (
+        ("eval-ppl", "--wide", "a WIDE checkpoint directory"), ("eval-ppl", "--json", "a file path"),
+        ("eval-ppl", "--text", "a text file"), ("eval-ppl", "--model", "a model folder, a .gguf file"),
+        ("info", "--model", "a model folder"), ("generate --prompt hi", "--wide", "a WIDE checkpoint"),
+        ("calibrate", "--output", "a directory"), ("prune-static -S 0.5", "-o", "a directory"),
+        ("demo", "--text", "a text file"), ("lora -o {out}", "--wide", "a WIDE checkpoint"),
+        ("eval-ppl", "--device", "a value, or leave it out"), ("eval", "--dense-json", "a file path"),
+        ("bench e2e", "--tag", "a value"))],
+    case("eval-ppl --model= --text {text}", "wide eval-ppl: error: --model '' is empty", id="eval-ppl --model="),
 
     # --- --resume ----------------------------------------------------------------------------------------------
     case(CAL + " --resume", "--resume: no train_state.dcp in '{out}'"),
@@ -587,3 +658,61 @@ def test_library_lora_adapter_files(tmp_path):
     assert [str(w.message) for w in seen] == ["another warning"]
     modes = {f.name: stat.S_IMODE(f.stat().st_mode) for f in (tmp_path / "adapter").iterdir()}
     assert "adapter_model.safetensors" in modes and set(modes.values()) == {0o644}, modes
+
+
+def test_library_checks_the_vocabulary():
+    """A tokenizer whose ids (its vocabulary, its end- / start-of-text ids) reach the config's ``vocab_size`` is
+    refused before any weight loads; a vocabulary padded past the tokenizer's is fine."""
+    from types import SimpleNamespace
+
+    from wide.errors import WideError
+    from wide.hub import check_vocab
+
+    tok = SimpleNamespace(vocab_size=128, eos_token_id=1, bos_token_id=None)
+    for vocab in (128, 160):
+        check_vocab(SimpleNamespace(vocab_size=vocab), tok, "m")
+    with pytest.raises(WideError, match=r"^the tokenizer of 'm' has 128 tokens \(ids up to 127\), but the model's "
+                                        r"vocab_size is 127 \(its config\): ids from 127 up have no embedding"):
+        check_vocab(SimpleNamespace(vocab_size=127), tok, "m")
+    with pytest.raises(WideError, match=r"has 128 tokens \(ids up to 200\), but the model's vocab_size is 160"):
+        check_vocab(SimpleNamespace(vocab_size=160), SimpleNamespace(vocab_size=128, eos_token_id=200,
+                                                                     bos_token_id=0), "m")
+
+
+@pytest.mark.parametrize("module,names,said", [("wide.hub", ("check_device",), "wide info: interrupted"),
+                                               ("wide", ("__version__",), "wide: interrupted")])
+def test_interrupt_before_the_command_runs(module, names, said, monkeypatch, capsys):
+    """Ctrl-C while the command line is parsed or torch imports (the first half second): one line, exit 130."""
+    import builtins
+
+    real = builtins.__import__
+
+    def interrupted(name, globals=None, locals=None, fromlist=(), level=0):
+        if name == module and tuple(fromlist or ()) == names:
+            raise KeyboardInterrupt
+        return real(name, globals, locals, fromlist, level)
+
+    with monkeypatch.context() as m:
+        m.setattr(builtins, "__import__", interrupted)
+        rc = main(["info", "--model", "nowhere"])
+    out, err = capsys.readouterr()
+    assert (rc, out, err) == (130, "", said + "\n")
+
+
+def test_info_suggests_a_seq_len_within_the_context(model_dir, monkeypatch, capsys):
+    """``wide info``'s next step for a model with a 128-token context: ``--seq-len 128``, which calibrate accepts
+    (not the CPU run's 256 nor the GPU default 2048, which it refuses)."""
+    from wide.cli import build_parser
+    from wide.cli.common import fits_context
+    from wide.hub import read_hf_config, resolve_model
+
+    config = model_dir / "config.json"
+    config.write_text(json.dumps({**json.loads(config.read_text()), "max_position_embeddings": 128}))
+    hf = read_hf_config(resolve_model(str(model_dir)))
+    for gpu in (False, True):
+        monkeypatch.setattr(torch.cuda, "is_available", lambda g=gpu: g)
+        assert main(["info", "--model", str(model_dir)]) == 0
+        nxt = next(ln for ln in capsys.readouterr().out.splitlines() if ln.startswith("next step"))
+        parsed = build_parser().parse_args(nxt.split("next step", 1)[1].split("(")[0].split()[1:])
+        assert parsed.seq_len == 128 and "--seq-len 128: the model's context" in nxt, nxt
+        fits_context("--seq-len", parsed.seq_len)(hf)

@@ -76,6 +76,50 @@ def test_saved_dataset_folder(tmp_path):
     assert load_texts(str(tmp_path / "ds")) == ["a b", "c d"]
 
 
+def test_saved_dataset_text_must_be_strings(tmp_path):
+    """A text column of numbers or with a missing value is refused (not read as "1" / "None"), naming the row."""
+    datasets = pytest.importorskip("datasets")
+    for name, rows, what in (("ints", [1, 2], "row 0 of column 'text' is a number (1)"),
+                             ("none", ["a b", None], "row 1 of column 'text' is null"),
+                             ("bools", [True], "row 0 of column 'text' is a boolean (True)")):
+        datasets.Dataset.from_dict({"text": rows}).save_to_disk(str(tmp_path / name))
+        with pytest.raises(WideError) as e:
+            load_texts(str(tmp_path / name))
+        assert str(e.value) == f"saved dataset {str(tmp_path / name)!r}: {what}; it must be a string"
+
+
+def test_encodings(tmp_path):
+    """A .jsonl with a UTF-8 byte-order mark is read; text that is not UTF-8 is refused, .jsonl as .txt, naming
+    the first bad byte; line ends are read as Path.read_text reads them (CR LF and CR become LF)."""
+    (tmp_path / "bom.jsonl").write_bytes(b"\xef\xbb\xbf" + json.dumps({"text": "one"}).encode() + b"\r\n"
+                                         + json.dumps({"text": "two"}).encode() + b"\r\n")
+    assert load_texts(str(tmp_path / "bom.jsonl")) == ["one", "two"]
+    for name in ("bin.jsonl", "bin.txt", "bin.JSONL"):
+        (tmp_path / name).write_bytes(b'{"text": "caf\xe9"}\n')
+        with pytest.raises(WideError) as e:
+            load_texts(str(tmp_path / name))
+        assert str(e.value) == (f"text file {str(tmp_path / name)!r} is not UTF-8 (byte 0xe9 at offset 13 cannot "
+                                "be decoded): save it as UTF-8")
+    raw = "a\r\nb\rc\n\u00e9\u4e2d"
+    (tmp_path / "crlf.txt").write_bytes(raw.encode())
+    assert load_texts(str(tmp_path / "crlf.txt")) == [(tmp_path / "crlf.txt").read_text(encoding="utf-8")]
+    assert load_texts(str(tmp_path / "crlf.txt")) == ["a\nb\nc\n\u00e9\u4e2d"]
+
+
+def test_unreadable_text_names_the_os_error(tmp_path, monkeypatch):
+    """A text that cannot be read: one WideError naming the file and the OS reason (monkeypatched: as root a
+    permission bit does not stop a read)."""
+    path = tmp_path / "locked.txt"
+    path.write_text("w1 w2")
+    real = type(path).read_bytes
+    for err in (PermissionError(13, "Permission denied"), IsADirectoryError(21, "Is a directory")):
+        monkeypatch.setattr(type(path), "read_bytes", lambda self, e=err: (_ for _ in ()).throw(e)
+                            if self == path else real(self))
+        with pytest.raises(WideError) as e:
+            load_texts(str(path))
+        assert str(e.value) == f"cannot read text {str(path)!r}: {err.strerror}"
+
+
 @needs_bundled_text
 def test_default_text_split_is_disjoint_and_deterministic():
     calib, evals = load_texts(None, "calib"), load_texts(None, "eval")

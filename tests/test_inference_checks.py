@@ -308,7 +308,7 @@ def test_cli_generate_checks_sizes_before_loading(model_dir, capsys, no_weights,
      "has read it) or fewer new tokens"),
     (["--max-new-tokens", "0"], "--max-new-tokens 0 must be >= 1"), (["--max-cache-len", "0"], "--max-cache-len 0"),
     (["--top-p", "0.9"], "--top-p only applies when sampling: add --temperature T > 0"),
-    (["--temperature", "-0.5"], "temperature -0.5 must be a finite number >= 0"),
+    (["--temperature", "-0.5"], "--temperature -0.5 must be a finite number >= 0"),
 ])
 def test_cli_generate_checks_options_before_reading_the_config(model_dir, capsys, monkeypatch, argv, msg):
     import transformers

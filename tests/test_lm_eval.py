@@ -295,6 +295,16 @@ def test_summarize_average():
     assert s["wikitext_word_ppl"] == 30.0 and s["arc_easy_stderr"] == 0.01
 
 
+def test_bool_model_args_are_parsed():
+    """lm-eval's --model_args strings: "False" is False (not a truthy string), anything but true / false refused."""
+    from wide.eval.lm_eval import _flag
+
+    assert [_flag("merge_lora", v) for v in (True, False, "True", "false", "0", "yes", " No ")] == [
+        True, False, True, False, False, True, False]
+    with pytest.raises(WideError, match="merge_lora='maybe' must be true or false"):
+        _flag("merge_lora", "maybe")
+
+
 def test_bad_dtype(model_dir):
     from wide.eval.lm_eval import WideLM
 

@@ -18,6 +18,8 @@ from wide_testutil import calibrate_args, error_after_loading, interrupt_at, one
 from wide_testutil import run_cli as run
 
 NOWHERE = "no-such-model"  # the refusals below come before any model is looked up
+DEMO = ["--device", "cpu", "--batch-size", "1", "--seq-len", "32", "--ctx", "32", "--eval-tokens", "64",
+        "--ffn-group-size", "32"]
 
 
 def blocks(n=12, t=16):
@@ -48,6 +50,55 @@ def test_bad_training_options_refused_before_loading(tmp_path, text_file, capsys
     rc, _, err = run(calibrate_args(tmp_path / NOWHERE, text_file, out, *extra), capsys)
     one_line_error(rc, err, "calibrate", *words)
     assert not out.exists()  # an early refusal leaves no (empty) output folder
+
+
+UNREACHABLE = [
+    ("groups", "global", "the groups sparsity (Eq. 6 / Eq. 22) is a mean of the module rates, so it is at most 0.3"),
+    ("groups", "uniform", "the groups sparsity (Eq. 6 / Eq. 22) is a mean of the module rates, so it is at most 0.3"),
+    ("flops", "global", "the routed compute skipped (flops unit) is a weighted mean of the module rates, so it is at "
+                        "most 0.3"),
+]
+
+
+@pytest.mark.parametrize("unit,mode,why", UNREACHABLE, ids=[f"{u}-{m}" for u, m, _ in UNREACHABLE])
+def test_a_target_above_the_module_bound_is_refused_before_loading(tmp_path, text_file, capsys, unit, mode, why):
+    out = tmp_path / "run"
+    flags = ["-S", "0.5", "--max-module-sparsity", "0.3", "--sparsity-unit", unit, "--mode", mode]
+    words = ["-S/--sparsity 0.5 cannot be reached under --max-module-sparsity 0.3", why,
+             "give -S/--sparsity 0.3 or less, or --max-module-sparsity 0.5 or more"]
+    rc, _, err = run(calibrate_args(tmp_path / NOWHERE, text_file, out, *flags), capsys)
+    one_line_error(rc, err, "calibrate", *words)
+    rc, _, err = run(["demo", "--model", tmp_path / NOWHERE, "--text", text_file, "-o", out, *DEMO, *flags], capsys)
+    one_line_error(rc, err, "demo", *words)
+    assert not out.exists()
+    # at the bound it is reachable (every module at 0.3): the next refusal is the missing model's
+    rc, _, err = run(calibrate_args(tmp_path / NOWHERE, text_file, out, "-S", "0.3", "--max-module-sparsity", "0.3"),
+                     capsys)
+    assert rc == 2 and NOWHERE in err and "cannot be reached" not in err, err
+    # the Python API: the config's pair, before anything is written
+    wm = WideModel(tiny_model(), WideConfig(ffn_group_size=32, target_sparsity=0.5, max_module_sparsity=0.3,
+                                            sparsity_unit=unit, sparsity_mode=mode))
+    with pytest.raises(WideError) as e:
+        calibrate(wm, blocks(), CalibrationArgs(steps=1), out, "tiny", progress=False)
+    assert str(e.value).startswith("target_sparsity 0.5 cannot be reached under max_module_sparsity 0.3: ")
+    assert why in str(e.value) and not out.exists()
+
+
+def test_lora_bound_below_the_stage1_target_is_refused_before_loading(tmp_path, text_file, capsys):
+    pytest.importorskip("peft")
+    from wide.checkpoint import save_wide
+
+    stage1 = tmp_path / "s1"
+    save_wide(WideModel(tiny_model(), WideConfig(ffn_group_size=32, target_sparsity=0.5)), stage1,
+              str(tmp_path / NOWHERE))
+    out = tmp_path / "s2"
+    lora = ["lora", "--wide", stage1, "--text", text_file, "-o", out, "--device", "cpu"]
+    rc, _, err = run([*lora, "--max-module-sparsity", "0.4"], capsys)
+    one_line_error(rc, err, "lora", "the stage-1 checkpoint's -S 0.5 cannot be reached under --max-module-sparsity "
+                   "0.4", "give --max-module-sparsity 0.5 or more (stage 2 keeps stage 1's -S)")
+    assert not out.exists()
+    rc, _, err = run([*lora, "--max-module-sparsity", "0.5"], capsys)  # reachable: the next refusal is the model's
+    assert rc == 2 and NOWHERE in err and "cannot be reached" not in err, err
 
 
 def test_seed_range_and_stream_rows_at_its_ends():
@@ -133,6 +184,78 @@ def test_overwrite_removes_a_stale_state(tmp_path, model_dir, text_file, capsys)
     assert rc == 0, err
     assert "already complete: step 2 of 2" in stdout
     assert not dcp.exists() and (out / "notes.txt").read_text() == "mine\n" and (out / "mydata").is_dir()
+
+
+@pytest.mark.parametrize("command", ["calibrate", "demo"])
+def test_overwrite_interrupted_before_its_first_save_leaves_no_file_of_the_earlier_run(
+        tmp_path, model_dir, text_file, capsys, monkeypatch, command):
+    """--overwrite over a finished checkpoint removes all of its files when training starts, so an interrupt before
+    the new run's first save leaves a folder that mixes no two runs, and says the earlier checkpoint is gone."""
+    out = tmp_path / "run"
+
+    def args(*extra):
+        if command == "calibrate":
+            return calibrate_args(model_dir, text_file, out, *extra)
+        return ["demo", "--model", model_dir, "--text", text_file, "-o", out, *DEMO, "--steps", "1", *extra]
+
+    rc, _, err = run(args(), capsys)
+    assert rc == 0, err
+    earlier = sorted(p.name for p in out.iterdir())
+    expected = {"calibrate": ["base_model.json", "calibration.json", "routers.safetensors", STATE_NAME,
+                              "train_log.jsonl", "wide_config.json"],
+                "demo": ["base_model.json", "demo_result.json", "routers.safetensors", STATE_NAME,
+                         "train_log.jsonl", "wide_config.json"]}[command]
+    assert earlier == sorted(expected)
+    (out / ".routers.safetensors.x1y2").write_bytes(b"half")  # what a killed atomic write leaves
+    (out / "notes.txt").write_text("mine\n")
+    interrupt_at(monkeypatch, 2)
+    rc, stdout, err = run(args("--overwrite", "--steps", "4", "--save-every", "3"), capsys)
+    assert rc == 130, err
+    assert sorted(p.name for p in out.iterdir()) == ["notes.txt"]  # no file of the earlier run, no log of this one
+    assert (out / "notes.txt").read_text() == "mine\n"
+    removed = ", ".join(sorted([*earlier, ".routers.safetensors.x1y2"]))
+    assert f"removed the earlier run's files from {out}: {removed}" in stdout
+    lines = err.strip().splitlines()
+    assert lines[-2] == (f"wide {command}: --overwrite removed the earlier checkpoint in {str(out)!r} ({removed}) "
+                         f"when training started; the new run was interrupted before its first save"), err
+    assert lines[-1].startswith(f"wide {command}: interrupted"), err
+    if command == "calibrate":
+        assert lines[-1].endswith("nothing was saved yet (the first save is at step 3), so there is nothing to "
+                                  "resume"), err
+
+
+def test_an_interrupt_before_the_overwrite_keeps_the_earlier_checkpoint(tmp_path, model_dir, text_file, capsys,
+                                                                        monkeypatch):
+    """An interrupt while the model loads, before training starts, removes nothing and says nothing of it."""
+    import wide.cli.common as C
+
+    out = tmp_path / "run"
+    rc, _, err = run(calibrate_args(model_dir, text_file, out), capsys)
+    assert rc == 0, err
+    before = {p.name: p.read_bytes() for p in out.iterdir() if p.is_file()}
+
+    def interrupted(*a, **k):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(C, "load", interrupted)
+    rc, _, err = run(calibrate_args(model_dir, text_file, out, "--overwrite"), capsys)
+    assert rc == 130 and "--overwrite removed" not in err, err
+    assert {p.name: p.read_bytes() for p in out.iterdir() if p.is_file()} == before
+
+
+def test_clear_run_removes_only_the_files_a_run_writes(tmp_path):
+    for name in ["routers.safetensors", "wide_config.json", "base_model.json", "calibration.json", "train_log.jsonl",
+                 "demo_result.json", ".wide_config.json.abc", "notes.txt", "routers.safetensors.bak"]:
+        (tmp_path / name).write_text("x")
+    for d in ["adapter", STATE_NAME, f".{STATE_NAME}.old", ".adapter.tmp", "mydata"]:
+        (tmp_path / d).mkdir()
+        (tmp_path / d / "f").write_text("x")
+    assert T.clear_run(tmp_path) == sorted([".adapter.tmp", f".{STATE_NAME}.old", ".wide_config.json.abc", "adapter",
+                                            "base_model.json", "calibration.json", "demo_result.json",
+                                            "routers.safetensors", STATE_NAME, "train_log.jsonl",
+                                            "wide_config.json"])
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["mydata", "notes.txt", "routers.safetensors.bak"]
+    assert T.clear_run(tmp_path) == [] and T.clear_run(tmp_path / "missing") == []
 
 
 # --- an interrupted run: the hint, and a truncated last log line on --resume --------------------------

@@ -207,6 +207,20 @@ def check_target(sparsity, what: str = "sparsity") -> float:
     return float(sparsity)
 
 
+def check_reachable(target: float, bound: float, unit: str = "groups", target_name: str = "target_sparsity",
+                    bound_name: str = "max_module_sparsity", fix: str | None = None) -> None:
+    """Raises WideError (one line naming ``target_name`` and ``bound_name``, then ``fix``, default: lower the one or
+    raise the other) when the target sparsity cannot be reached with every module's skip rate at most ``bound``: in
+    either unit (Eq. 6's mean of the group rates, Eq. 22's per class, or the routed compute skipped) the sparsity is
+    a weighted mean of the module rates, so it is at most ``bound``."""
+    if target > bound:
+        what = ("the routed compute skipped (flops unit) is a weighted mean of the module rates" if unit == "flops"
+                else "the groups sparsity (Eq. 6 / Eq. 22) is a mean of the module rates")
+        fix = fix or f"give {target_name} {bound:g} or less, or {bound_name} {target:g} or more"
+        raise WideError(f"{target_name} {target:g} cannot be reached under {bound_name} {bound:g}: {what}, so it "
+                        f"is at most {bound:g}; {fix}")
+
+
 def check_unit(unit) -> str:
     if unit not in SPARSITY_UNITS:
         raise WideError(f"sparsity unit {unit!r} is not one of {', '.join(SPARSITY_UNITS)}")
@@ -315,11 +329,14 @@ def dial(wm: WideModel, sparsity: float, tokenizer, unit: str | None = None, tex
     without training: on the held-out part of ``text`` (a ``--text`` spec; default the text of the stored fit when
     it is still there, else the bundled calibration text), its first ``max_tokens`` tokens, starting from the stored
     curve of ``wm.calibration`` when there is one.
-    Returns :func:`fit_shifts`'s record with ``dialed`` True. Raises WideError for a value out of range."""
+    Returns :func:`fit_shifts`'s record with ``dialed`` True. Raises WideError for a value out of range or above the
+    config's ``max_module_sparsity`` (:func:`check_reachable`)."""
     from wide.data import DEFAULT_TEXT, load_texts
 
     sparsity = check_target(sparsity)
     unit = check_unit(unit or wm.config.sparsity_unit)
+    check_reachable(sparsity, wm.config.max_module_sparsity, unit, "sparsity", "the routers' max_module_sparsity",
+                    f"give sparsity {wm.config.max_module_sparsity:g} or less")
     if text is None:
         stored = (wm.calibration or {}).get("text")
         text = stored if isinstance(stored, str) and os.path.exists(stored) else None

@@ -45,6 +45,8 @@ _FIELDS = {
     "extra.step": (False, _is_count, "an integer >= 0"),
     "extra.steps": (False, _is_count, "an integer >= 0"),
     "extra.stage": (False, lambda v: isinstance(v, str), "a string"),
+    "extra.fit_bias": (False, lambda v: isinstance(v, bool), "true or false (whether the logit shift is fitted "
+                                                            "after training)"),
 }
 _TOP = [k for k in _FIELDS if "." not in k]
 
@@ -239,7 +241,7 @@ def load(path: str | os.PathLike, model: str | torch.nn.Module | None = None, de
         tokenizer: also return the tokenizer. merge_lora: fold a stage-2 adapter into the base weights.
         check, config_check: :func:`wide.hub.load_base_model`'s hooks, run before the weights load.
         calibrated: apply the fitted logit shifts of ``calibration.json`` (when there); False: the routers as
-            trained (the paper's routing).
+            trained (the paper's routing), which a dial (``sparsity``) would replace, so the two exclude each other.
         sparsity: dial the routers to realize this sparsity in ``[0, 1)`` without training
             (:func:`wide.calibrate.dial`, a few forward passes over the held-out part of ``text``, default the
             bundled calibration text), in ``sparsity_unit`` (``"groups"`` or ``"flops"``; default the config's).
@@ -250,10 +252,13 @@ def load(path: str | os.PathLike, model: str | torch.nn.Module | None = None, de
         gives logits ``[B, T, vocab]``; each layer's masks are bool ``[B, T, N_G]``.
 
     Raises:
-        WideError: bad arguments (a ``sparsity`` outside ``[0, 1)``, an unknown unit, ``text`` without
-            ``sparsity`` or a text that cannot be read), a missing or changed file
+        WideError: bad arguments (``tokenizer`` / ``merge_lora`` / ``calibrated`` not a bool, a ``sparsity``
+            outside ``[0, 1)`` or above the checkpoint's ``max_module_sparsity``, ``sparsity`` with
+            ``calibrated=False``, an unknown unit, ``text`` without ``sparsity`` or a text that cannot be read),
+            a missing or changed file
             (naming it), another base model, or a missing device.
-        Warns WideWarning for an intermediate save of an unfinished run.
+        Warns WideWarning for an intermediate save of an unfinished run, or for a finished run whose planned
+        logit-shift fit was not saved (``extra.fit_bias`` true, no ``calibration.json``) when it loads calibrated.
     """
     check_device(device)
     if not isinstance(path, (str, os.PathLike)):
@@ -262,13 +267,20 @@ def load(path: str | os.PathLike, model: str | torch.nn.Module | None = None, de
     if tokenizer and isinstance(model, torch.nn.Module):
         raise WideError("wide.load: tokenizer=True loads the tokenizer with the base model, so model must be None or "
                         "a --model string, not an already loaded module (load its tokenizer with transformers)")
+    for name, value in (("tokenizer", tokenizer), ("merge_lora", merge_lora), ("calibrated", calibrated)):
+        if not isinstance(value, bool):
+            raise WideError(f"wide.load: {name} must be True or False, got {type(value).__name__} {value!r}")
     if sparsity is not None or sparsity_unit is not None:
         from wide.calibrate import check_target, check_unit
+        if sparsity_unit is not None:
+            check_unit(sparsity_unit)
         if sparsity is None:
             raise WideError("wide.load: sparsity_unit is the unit of a dialed sparsity: give sparsity= too")
         check_target(sparsity, "wide.load: sparsity")
-        if sparsity_unit is not None:
-            check_unit(sparsity_unit)
+        if not calibrated:
+            raise WideError(f"wide.load: calibrated=False and sparsity={sparsity!r} exclude each other: the dial "
+                            f"replaces the fitted shift whether or not it was applied; give sparsity= for a dialed "
+                            f"model or calibrated=False for the routers as trained")
     if text is not None:
         if sparsity is None:
             raise WideError("wide.load: text is the text a dialed sparsity is fitted on: give sparsity= too")
@@ -277,12 +289,22 @@ def load(path: str | os.PathLike, model: str | torch.nn.Module | None = None, de
     path = Path(path)
     config, info, routers = _read_checked(path, "WIDE checkpoint", "the -o of `wide calibrate` or `wide lora`")
     calibration = read_calibration(path, config, ModelDims(**info["dims"]))
+    if sparsity is not None:
+        from wide.calibrate import check_reachable
+        check_reachable(sparsity, config.max_module_sparsity, sparsity_unit or config.sparsity_unit,
+                        "wide.load: sparsity", f"the max_module_sparsity of {str(path)!r}",
+                        f"give sparsity {config.max_module_sparsity:g} or less")
     extra = info.get("extra", {})
+    command = {"router": "wide calibrate", "lora": "wide lora"}.get(extra.get("stage"), "the training command")
     if "step" in extra and "steps" in extra and extra["step"] < extra["steps"]:
-        command = {"router": "wide calibrate", "lora": "wide lora"}.get(extra.get("stage"), "the training command")
         warnings.warn(f"WIDE checkpoint {str(path)!r} is an intermediate save (step {extra['step']} of "
                       f"{extra['steps']}) of an interrupted {command} run; to finish it, run {command} again with "
                       f"the same options, -o {str(path)!r} and --resume", WideWarning, stacklevel=2)
+    elif extra.get("fit_bias") is True and calibration is None and calibrated and sparsity is None:
+        warnings.warn(f"WIDE checkpoint {str(path)!r} has no {CALIBRATION_NAME}: its {command} run finished "
+                      f"training but stopped before the logit-shift fit was saved, so it loads uncalibrated (the "
+                      f"routers as trained); to finish the fit, run {command} -o {str(path)!r} --resume",
+                      WideWarning, stacklevel=2)
     recorded = info["model"]
     if model is None and recorded != DEFAULT_MODEL and not Path(recorded).expanduser().exists():
         raise WideError(f"checkpoint {str(path)!r} records base model {recorded!r} ({BASE_NAME}), which is not "
@@ -313,12 +335,10 @@ def load(path: str | os.PathLike, model: str | torch.nn.Module | None = None, de
     wm.eval()
     if calibration is not None and calibrated:
         wm.set_router_shifts(calibration["module_shifts"])
-        wm.calibration = calibration
+        wm.calibration = calibration  # with a dial: its curve starts the fit
     if sparsity is not None:
         from wide.calibrate import dial
         from wide.hub import load_tokenizer, resolve_model
-        if calibration is not None and not calibrated:
-            wm.calibration = calibration  # its curve starts the fit
         dial(wm, sparsity, tok if tok is not None else load_tokenizer(resolve_model(recorded if model is None
                                                                                      or not isinstance(model, str)
                                                                                      else model)),

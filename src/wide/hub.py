@@ -81,6 +81,8 @@ def _parse_gguf(path: str, size: int, mtime_ns: int):
 
     try:
         return GGUFReader(path)
+    except OSError as e:  # the file cannot be opened or read: permissions, a device error, ...
+        raise WideError(f"cannot read GGUF file {path!r}: {e.strerror or first_line(e)}") from None
     except Exception as e:  # noqa: BLE001 - a damaged file raises ValueError, struct.error, IndexError, ...
         raise WideError(f"GGUF file {path!r} is truncated or corrupt ({size:,} bytes; the GGUF reader fails with: "
                         f"{first_line(e)}): copy or download it again") from None
@@ -188,6 +190,18 @@ def load_tokenizer(src: ModelSource):
         raise WideError(f"cannot load the tokenizer of {src.ref!r}: {' '.join(str(e).split())}") from None
 
 
+def check_vocab(hf_config, tokenizer, ref: str) -> None:
+    """Raises WideError when ``tokenizer`` makes ids the model has no embedding for: a vocabulary (or an
+    end- / start-of-text id, which the texts get) at or past the config's ``vocab_size``."""
+    vocab = getattr(hf_config, "vocab_size", None)
+    ids = [tokenizer.vocab_size - 1] + [i for i in (tokenizer.eos_token_id, tokenizer.bos_token_id)
+                                        if isinstance(i, int)]
+    if isinstance(vocab, int) and max(ids) >= vocab:
+        raise WideError(f"the tokenizer of {ref!r} has {tokenizer.vocab_size:,} tokens (ids up to {max(ids):,}), "
+                        f"but the model's vocab_size is {vocab:,} (its config): ids from {vocab:,} up have no "
+                        f"embedding; use the tokenizer made for this model")
+
+
 def _check_safetensors_files(directory: Path) -> None:
     """Each safetensors weight file of ``directory`` (or each shard its index lists) must be whole."""
     from safetensors import safe_open
@@ -204,7 +218,9 @@ def _check_safetensors_files(directory: Path) -> None:
             if f.is_file():
                 with safe_open(str(f), framework="pt"):
                     pass
-        except Exception as e:  # noqa: BLE001 - SafetensorError, OSError, ...
+        except OSError as e:  # the file cannot be opened or read: permissions, a device error, ...
+            raise WideError(f"cannot read model weights file {str(f)!r}: {e.strerror or first_line(e)}") from None
+        except Exception as e:  # noqa: BLE001 - SafetensorError, ...
             raise WideError(f"model weights file {str(f)!r} is truncated or corrupt ({f.stat().st_size:,} bytes; "
                             f"safetensors: {first_line(e)}): copy or save it again") from None
 
@@ -238,7 +254,8 @@ def load_base_model(spec: str | None = None, device: str | torch.device | None =
     ``weights=False`` builds the model on the ``meta`` device (FSDP's other ranks).
 
     Raises:
-        WideError: a bad path, device or dtype, an unsupported architecture, or files that cannot be read.
+        WideError: a bad path, device or dtype, an unsupported architecture, files that cannot be read, or a
+            tokenizer whose ids exceed the config's ``vocab_size``.
     """
     from safetensors import SafetensorError
     from transformers import AutoModelForCausalLM
@@ -255,6 +272,7 @@ def load_base_model(spec: str | None = None, device: str | torch.device | None =
     if config_check is not None:
         config_check(hf_config)
     tok = load_tokenizer(src)
+    check_vocab(hf_config, tok, src.ref)
     if check is not None:
         check(hf_config, tok)
     if not weights:

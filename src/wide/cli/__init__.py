@@ -82,14 +82,20 @@ def main(argv: list[str] | None = None) -> int:
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     raw = list(sys.argv[1:] if argv is None else argv)
-    parser = build_parser()
-    if raw[:1] == ["lm-eval"]:  # lm-eval parses its own options
-        args = argparse.Namespace(command="lm-eval", func=evaluate.cmd_lm_eval)
-    else:
-        args = parser.parse_args(raw)
-    args.argv = raw
-    from wide.hub import check_device
-    from wide.train.fsdp import launched_by_torchrun
+    name = "wide"
+    try:  # Ctrl-C while the command line is parsed or torch imports (about half a second): the same one line
+        parser = build_parser()
+        if raw[:1] == ["lm-eval"]:  # lm-eval parses its own options
+            args = argparse.Namespace(command="lm-eval", func=evaluate.cmd_lm_eval)
+        else:
+            args = parser.parse_args(raw)
+        args.argv = raw
+        name = f"wide {args.command}"
+        from wide.hub import check_device
+        from wide.train.fsdp import launched_by_torchrun
+    except KeyboardInterrupt:
+        print(f"{name}: interrupted", file=sys.stderr)
+        return 130
     def run():
         train.take_saved_options(parser, args)  # --resume: options not given are the saved run's (device too)
         check_device(getattr(args, "device", None), "--device")  # every command with --device, before any work

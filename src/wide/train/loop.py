@@ -27,8 +27,9 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_
 
 import wide.lora as L
 import wide.train.fsdp as D
-from wide.checkpoint import BASE_NAME, CALIBRATION_NAME, read_base_info, save_wide
-from wide.config import SEED_MAX, replace_dir
+from wide.calibrate import check_reachable
+from wide.checkpoint import BASE_NAME, CALIBRATION_NAME, ROUTERS_NAME, read_base_info, save_wide
+from wide.config import CONFIG_NAME, SEED_MAX, replace_dir
 from wide.errors import WideError, WideWarning, first_line
 from wide.memory import check_train_memory
 from wide.model import WideModel, fingerprint
@@ -37,6 +38,11 @@ from wide.routing import mix, module_weights, sample_keyed, sparsity_loss
 STATE_NAME = "train_state.dcp"
 META_NAME = "train_state.json"
 LOG_NAME = "train_log.jsonl"
+DEMO_RESULT_NAME = "demo_result.json"  #: ``wide demo``'s results, beside its checkpoint
+#: every file and folder a run writes into its output folder; a new run there removes an earlier run's
+#: (:func:`clear_run`), with the temporary ``.<name>.*`` copies of an interrupted write
+RUN_FILES = (ROUTERS_NAME, CONFIG_NAME, BASE_NAME, CALIBRATION_NAME, LOG_NAME, DEMO_RESULT_NAME, L.ADAPTER_DIR,
+             STATE_NAME)
 LR_MAX = 1.0  #: above it one AdamW step moves the routers (initialized near 0.02) far beyond their scale
 
 
@@ -104,6 +110,26 @@ def read_meta(output: str | os.PathLike) -> dict | None:
 
 def has_train_state(output: str | os.PathLike) -> bool:
     return read_meta(output) is not None
+
+
+def clear_run(output: str | os.PathLike) -> list[str]:
+    """Remove the files of an earlier run (:data:`RUN_FILES` and their ``.<name>.*`` temporaries) from ``output``,
+    leaving any other file; returns the names removed, sorted."""
+    output, removed = Path(output), []
+    if not output.is_dir():
+        return removed
+    for p in sorted(output.iterdir()):
+        if p.name in RUN_FILES or any(p.name.startswith(f".{n}.") for n in RUN_FILES):
+            try:
+                if p.is_dir() and not p.is_symlink():
+                    shutil.rmtree(p)
+                else:
+                    p.unlink()
+            except OSError as e:
+                raise WideError(f"could not remove {p}, a file of the earlier run in {str(output)!r} "
+                                f"({e.strerror or e})") from None
+            removed.append(p.name)
+    return removed
 
 
 def saved_options(output: str | os.PathLike) -> dict | None:
@@ -258,11 +284,14 @@ def _check_resume(output: Path, wm: WideModel, fp: str | None, key: dict, env: D
 def train(wm: WideModel, blocks: torch.Tensor, args: CalibrationArgs, output: str | os.PathLike, model_ref: str, *,
           stage: str = "router", resume: bool = False, progress: bool = True, on_step=None,
           extra_key: dict | None = None, extra_info: dict | None = None, data_source: str | None = None,
-          options: dict | None = None) -> list[dict]:
+          options: dict | None = None, on_clear=None) -> list[dict]:
     """Train the parameters of ``wm`` with ``requires_grad`` (paper §3.2, Eq. 6 / Eq. 22) on int64 ``blocks``
     ``[N, seq_len]``, in one process or under torchrun, into ``output`` (checkpoint, ``train_state.dcp``,
     ``train_log.jsonl``). ``resume`` continues the saved run (same settings, base model, data and ``extra_key``);
     ``extra_info`` goes into ``base_model.json``, ``data_source`` and ``options`` into the state for ``--resume``.
+    A run that is not resumed starts by removing an earlier run's files from ``output`` (:func:`clear_run`, once
+    every check has passed), so that a folder never mixes two runs; ``on_clear(names)`` is then called (rank 0)
+    with the names removed, if any.
     A config without ``seq_len`` gets the blocks' (the context of the flops unit). Returns one record a step
     (``step``, ``lm_loss``, ``sparsity_loss``, ``attn_sparsity``, ``ffn_sparsity``, ``groups_sparsity`` (Eq. 6),
     ``flops_sparsity`` (the routed compute skipped), ``tau``, ``lr``, ``grad_norm``, ``tokens_per_s``,
@@ -272,6 +301,7 @@ def train(wm: WideModel, blocks: torch.Tensor, args: CalibrationArgs, output: st
 
     args.validate()
     wm.config.check_training()
+    check_reachable(wm.config.target_sparsity, wm.config.max_module_sparsity, wm.config.sparsity_unit)
     if wm.config.seq_len is None:
         wm.config = dataclasses.replace(wm.config, seq_len=int(blocks.shape[1]))
     env, output = D.current(), Path(output)
@@ -307,11 +337,12 @@ def train(wm: WideModel, blocks: torch.Tensor, args: CalibrationArgs, output: st
         output.mkdir(parents=True, exist_ok=True)
         if resume:
             _truncate_log(log_path, start)
-        else:  # an earlier run's state and log must not be resumed
-            log_path.unlink(missing_ok=True)
-            (output / CALIBRATION_NAME).unlink(missing_ok=True)  # an earlier run's fitted shifts
-            for d in (STATE_NAME, f".{STATE_NAME}.old", f".{STATE_NAME}.tmp"):
-                shutil.rmtree(output / d, ignore_errors=True)
+        else:  # an earlier run's files must not be resumed, nor mixed with this run's
+            removed = clear_run(output)
+            if removed and progress:
+                print(f"removed the earlier run's files from {output}: {', '.join(removed)}", flush=True)
+            if removed and on_clear is not None:
+                on_clear(removed)
     D.barrier(env)
     saved_step, cfg, records = start, wm.config, []
     wm.stochastic = True
@@ -383,9 +414,9 @@ def train(wm: WideModel, blocks: torch.Tensor, args: CalibrationArgs, output: st
                                                    **(extra_info or {})}, fp, env, saved_step, meta)
                 saved_step = step + 1
     except BaseException:
-        if created and saved_step == 0:  # leave no folder that holds nothing to resume from
+        if saved_step == 0 and env.is_main:  # nothing to resume from: no log of unsaved steps, no new empty folder
             log_path.unlink(missing_ok=True)
-            if output.is_dir() and not any(output.iterdir()):
+            if created and output.is_dir() and not any(output.iterdir()):
                 output.rmdir()
         raise
     finally:
@@ -423,10 +454,10 @@ def calibrate(wm: WideModel, blocks: torch.Tensor, args: CalibrationArgs, output
 
 def recover(wm: WideModel, blocks: torch.Tensor, args: CalibrationArgs, output: str | os.PathLike, model_ref: str, *,
             settings: L.LoraSettings | None = None, freeze_router: bool = False, stage1: str | None = None,
-            **kw) -> list[dict]:
+            extra_info: dict | None = None, **kw) -> list[dict]:
     """Stage 2 (paper §3.2): LoRA on all seven projections (``lora_A`` drawn after ``torch.manual_seed(seed)``, the
     same on every rank), the routers trained unless ``freeze_router``; arguments as :func:`train`, ``stage1`` the
-    stage-1 directory recorded in ``base_model.json``."""
+    stage-1 directory recorded in ``base_model.json`` with ``extra_info``."""
     settings = settings or L.LoraSettings()
     settings.validate()
     if L.peft_model(wm) is None:
@@ -438,5 +469,6 @@ def recover(wm: WideModel, blocks: torch.Tensor, args: CalibrationArgs, output: 
     for p in wm.router_parameters():
         p.requires_grad_(not freeze_router)
     key = {"lora": settings.to_dict(), "freeze_router": bool(freeze_router)}
-    info = {"adapter": L.ADAPTER_DIR, **key, **({"stage1": str(stage1)} if stage1 is not None else {})}
+    info = {"adapter": L.ADAPTER_DIR, **key, **({"stage1": str(stage1)} if stage1 is not None else {}),
+            **(extra_info or {})}
     return train(wm, blocks, args, output, model_ref, stage="lora", extra_key=key, extra_info=info, **kw)
