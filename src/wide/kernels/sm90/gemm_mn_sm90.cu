@@ -3,8 +3,7 @@
 // rows of the (row tile, group) through the reorder index with cp.async (inactive rows zero-filled, not read) and
 // arrives on the stage's barrier when they land; one thread loads the weight tile(s) by TMA.  Warpgroups 1 and 2
 // consume: wgmma on half the tile's rows each, the epilogue scatters the rows back to their original positions and
-// writes zeros for rows past the group's active count.  A row tile wholly past it (level-0 skip) gets no main loop:
-// the consumers write its zeros a piece per thread and K step while the wgmma of the active tiles run.
+// writes zeros for rows past the group's active count; a row tile wholly past it only writes zeros (level-0 skip).
 // Tiles: 128 x 256 (G a multiple of 256) or 256 x 128 for gemm_mn, 128 x 128 with the gate and up weights for the
 // SwiGLU.  The dense fused SwiGLU (the baseline of the routed one) is the same kernel with the token tile loaded by
 // TMA.
@@ -247,46 +246,32 @@ __global__ void __launch_bounds__(kThreads, 1)
     T* out = static_cast<T*>(args.out);
     int stage = 0;
     uint32_t phase = 0;
-    // The zero cursor: the row tiles of this CTA's sequence that no row of the group executes (level 0) are written
-    // as zeros a 16-byte piece per thread and K step, while the wgmma of the active tiles run, and the rest after the
-    // last active tile.  Piece e of a thread is piece ctid + kConsumerThreads * e of the tile: column piece
-    // ctid % kPieces of row m0 + (ctid + kConsumerThreads * e) / kPieces, at that row's original place.
-    constexpr int kPieces = BN * int(sizeof(T)) / 16;
-    constexpr int kPer = BM * kPieces / kConsumerThreads;
-    static_assert(BM * kPieces % kConsumerThreads == 0 && kConsumerThreads % kPieces == 0,
-                  "whole pieces per consumer thread, one column piece per thread");
-    const int zcol = (ctid % kPieces) * 8;
-    int zt = tiles, ze = 0, zm0 = 0, zg = 0, zn0 = 0;  // current zero tile (tiles: none left), next piece, coords
-    int64_t zrow = -1;                                  // original row of piece ze (-1: past M)
-    auto next_zero = [&](int t) {                      // first zero tile of the sequence at or after t
-      for (; t < tiles; t += int(gridDim.x)) {
-        int mt, nt;
-        tile_coords(t, MT, NT, args.group_m, mt, nt);
-        const int g = nt * BN / args.G;
-        if (mt * BM >= __ldg(args.counts + g)) {
-          zm0 = mt * BM, zg = g, zn0 = nt * BN;
-          return t;
-        }
-      }
-      return tiles;
-    };
-    auto zero_row = [&](int e) {
-      const int j = zm0 + (ctid + kConsumerThreads * e) / kPieces;
-      return j < M ? int64_t(__ldg(args.index + int64_t(j) * NG + zg)) : int64_t(-1);
-    };
-    auto zero_store = [&](int64_t row) {
-      if (row >= 0) *reinterpret_cast<uint4*>(out + row * args.ldo + zn0 + zcol) = make_uint4(0, 0, 0, 0);
-    };
-    if constexpr (C::GATHER) {
-      zt = next_zero(int(blockIdx.x));
-      if (zt < tiles) zrow = zero_row(0);
-    }
     for (int t = int(blockIdx.x); t < tiles; t += int(gridDim.x)) {
       int mt, nt;
       tile_coords(t, MT, NT, args.group_m, mt, nt);
       const int m0 = mt * BM, n0 = nt * BN, g = n0 / args.G;
       const int cnt = C::GATHER ? __ldg(args.counts + g) : M;
-      if (m0 >= cnt) continue;  // level 0: written by the zero cursor below
+      if (m0 >= cnt) {  // level 0: the zero epilogue, 16-byte stores to the tile's original rows
+        // piece e = ctid + kConsumerThreads * i: all of a thread's row indices are loaded before its first store,
+        // so the tile costs one index-load latency, not one per piece
+        constexpr int kPieces = BN * int(sizeof(T)) / 16;
+        constexpr int kPer = BM * kPieces / kConsumerThreads;
+        static_assert(BM * kPieces % kConsumerThreads == 0 && kConsumerThreads % kPieces == 0,
+                      "whole pieces per consumer thread, one column piece per thread");
+        int64_t rows[kPer];
+        CUTE_UNROLL
+        for (int i = 0; i < kPer; ++i) {
+          const int j = m0 + (ctid + kConsumerThreads * i) / kPieces;
+          rows[i] = j < M ? int64_t(__ldg(args.index + int64_t(j) * NG + g)) : int64_t(-1);
+        }
+        CUTE_UNROLL
+        for (int i = 0; i < kPer; ++i) {
+          if (rows[i] >= 0) {
+            *reinterpret_cast<uint4*>(out + rows[i] * args.ldo + n0 + (ctid % kPieces) * 8) = make_uint4(0, 0, 0, 0);
+          }
+        }
+        continue;
+      }
       clear(acc);
       if constexpr (C::NB == 2) clear(acc2);
       int prev = 0;
@@ -303,16 +288,6 @@ __global__ void __launch_bounds__(kThreads, 1)
           if constexpr (C::NB == 2) gemm(mma, tCrA(_, _, kb, stage), tCrB2(_, _, kb, stage), acc2);
         }
         warpgroup_commit_batch();
-        if constexpr (C::GATHER) {  // one zero piece while the wgmma run; the next piece's row index loads meanwhile
-          if (zt < tiles) {
-            zero_store(zrow);
-            if (++ze == kPer) {
-              ze = 0;
-              zt = next_zero(zt + int(gridDim.x));
-            }
-            if (zt < tiles) zrow = zero_row(ze);
-          }
-        }
         warpgroup_wait<1>();  // the previous step's wgmma retired: its stage may be refilled
         warpgroup_fence_operand(acc);
         if constexpr (C::NB == 2) warpgroup_fence_operand(acc2);
@@ -350,19 +325,6 @@ __global__ void __launch_bounds__(kThreads, 1)
             }
           }
         }
-      }
-    }
-    if constexpr (C::GATHER) {  // the zero pieces left: the current tile's, then whole tiles, all row indices first
-      if (zt < tiles) {
-        for (; ze < kPer; ++ze) zero_store(zero_row(ze));
-        zt = next_zero(zt + int(gridDim.x));
-      }
-      for (; zt < tiles; zt = next_zero(zt + int(gridDim.x))) {
-        int64_t rows[kPer];
-        CUTE_UNROLL
-        for (int i = 0; i < kPer; ++i) rows[i] = zero_row(i);
-        CUTE_UNROLL
-        for (int i = 0; i < kPer; ++i) zero_store(rows[i]);
       }
     }
   }
