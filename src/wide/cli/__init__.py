@@ -86,7 +86,7 @@ def main(argv: list[str] | None = None) -> int:
     try:  # Ctrl-C while the command line is parsed or torch imports (about half a second): the same one line
         parser = build_parser()
         if raw[:1] == ["lm-eval"]:  # lm-eval parses its own options
-            args = argparse.Namespace(command="lm-eval", func=evaluate.cmd_lm_eval)
+            args = argparse.Namespace(command="lm-eval", func=evaluate.cmd_lm_eval, parser=parser)
         else:
             args = parser.parse_args(raw)
         args.argv = raw

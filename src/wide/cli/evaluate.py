@@ -308,11 +308,11 @@ def _eval_table(summary: dict, above: dict | None, has_dense: bool) -> list[str]
 
 def cmd_lm_eval(args) -> int:
     """``wide lm-eval ARGS``: lm-eval's own command line with the ``wide`` model type and our tasks (without lm-eval
-    installed, ``--help`` is this command's help and exits 0; a run names the extra that installs it)."""
+    installed, ``--help`` is this command's help from ``args.parser``, wide's parser, and exits 0; a run names the
+    extra that installs it)."""
     import importlib.util
     if importlib.util.find_spec("lm_eval") is None and {"-h", "--help"} & set(args.argv[1:]):
-        from wide.cli import build_parser
-        build_parser().parse_args(["lm-eval", "--help"])  # prints the help, SystemExit(0)
+        args.parser.parse_args(["lm-eval", "--help"])  # wide's parser prints the help, SystemExit(0)
     C.need_extra("lm_eval", "wide lm-eval")
     from wide.eval.lm_eval import lm_eval_main
     return lm_eval_main(args.argv[1:])
