@@ -1,4 +1,4 @@
-"""The CuTe sm_90a kernels (``wide/kernels/sm90/gemm_mn_sm90.cu``) compile with nvcc on this GPU-less machine, with
+"""The CuTe sm_90a kernels (``wide/kernels/sm90/*.cu``) compile with nvcc on this GPU-less machine, with
 the flags the runtime build uses, into every kernel the launcher instantiates, with no register spills and with
 the warp specialization's register split applied; and the build module's pure parts (headers, cache name)."""
 
@@ -10,8 +10,9 @@ import pytest
 
 from wide.kernels import sm90
 
-# routed GEMM 128 x 128 and 128 x 256 tiles, routed SwiGLU, dense SwiGLU; bf16 and fp16 each
-KERNELS = 8
+# entry functions per source: routed GEMM 128 x 128 and 128 x 256 tiles, routed SwiGLU, dense SwiGLU; attention
+# causal and not; bf16 and fp16 each
+KERNELS = {"gemm_mn_sm90.cu": 8, "attention_sm90.cu": 4}
 
 
 def _toolchain():
@@ -23,21 +24,27 @@ def _toolchain():
     return include, nvcc
 
 
-def test_kernels_compile_for_sm90a(tmp_path):
+@pytest.mark.parametrize("source", sorted(KERNELS))
+def test_kernels_compile_for_sm90a(source, tmp_path):
     include, nvcc = _toolchain()
     from torch.utils.cpp_extension import COMMON_NVCC_FLAGS  # what torch's extension build adds
 
-    cmd = [nvcc, "-c", *sm90.nvcc_flags(include), *COMMON_NVCC_FLAGS, "-Xptxas", "-v", "-o",
-           str(tmp_path / "gemm_mn_sm90.o"), os.path.join(sm90.HERE, "gemm_mn_sm90.cu")]
+    obj = tmp_path / source.replace(".cu", ".o")
+    cmd = [nvcc, "-c", *sm90.nvcc_flags(include), *COMMON_NVCC_FLAGS, "-Xptxas", "-v", "-o", str(obj),
+           os.path.join(sm90.HERE, source)]
     r = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
     log = r.stdout + r.stderr
     assert r.returncode == 0, log[-4000:]
     entries = re.findall(r"Compiling entry function '(\w+)' for 'sm_90a'", log)
-    assert len(entries) == KERNELS, entries
+    assert len(entries) == KERNELS[source], entries
     spills = re.findall(r"(\d+) bytes spill stores, (\d+) bytes spill loads", log)
-    assert len(spills) == KERNELS and all(s == ("0", "0") for s in spills), spills
+    assert len(spills) == KERNELS[source] and all(s == ("0", "0") for s in spills), spills
     assert "C7508" not in log, "ptxas ignored setmaxnreg: " + log[-2000:]
-    assert os.path.getsize(tmp_path / "gemm_mn_sm90.o") > 0
+    assert os.path.getsize(obj) > 0
+
+
+def test_every_source_is_compiled_here():
+    assert sorted(KERNELS) == sorted(s for s in sm90.SOURCES if s.endswith(".cu"))
 
 
 def test_build_name_tracks_sources_and_flags(monkeypatch, tmp_path):

@@ -282,6 +282,7 @@ def bench_attention(run: _Run, T: int, s: float, decode: bool = False) -> None:
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
     from wide.kernels import reorder, routed_attention
+    from wide.kernels.attention import LAST_BACKEND
     from wide.kernels.reference import attention_ref
 
     Hq, Hk, d = LLAMA["hq"], LLAMA["hk"], LLAMA["d"]
@@ -313,7 +314,8 @@ def bench_attention(run: _Run, T: int, s: float, decode: bool = False) -> None:
     rec = dict(op="attention_decode" if decode else "attention_prefill", M=B * Tq, N=Hq * d, K=d, G=Hq // Hk * d, B=B,
                T=T, Tq=Tq, Tk=T, sparsity=s, dense_ms=cands[best], wide_ms=kernel_ms + reorder_ms / 3.0,
                baseline=f"SDPA {best}, the fastest SDPA backend timed here", baseline_candidates_ms=cands,
-               kernel_ms=kernel_ms, reorder_ms=reorder_ms, reorder_share=1.0 / 3.0, active=float(route.float().mean()))
+               kernel_ms=kernel_ms, reorder_ms=reorder_ms, reorder_share=1.0 / 3.0, active=float(route.float().mean()),
+               backend="decode" if decode else LAST_BACKEND.get("attention_prefill"))
     if decode or B * Hq * Tq * T <= 2**29:
         routed_attention(q, k, v, route, not decode, reordered=r, out=out)
         rec["rel_err"] = _rel(out, attention_ref(q.float(), k.float(), v.float(), route, not decode))

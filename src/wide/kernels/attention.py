@@ -4,12 +4,19 @@ Every (b, head group) column of the route is reordered (Algorithm 1); a program 
 (b, query head): an inactive tile only writes zeros, an active one gathers its Q rows, streams K / V (online
 softmax) and scatters the rows back.  The last active row of a tile is its largest query position, so causal
 attention streams no later key.  ``Tq == 1`` runs :mod:`wide.kernels.decode_attn`.
+
+On an sm_90 GPU the CuTe kernel ``sm90/attention_sm90.cu`` (producer / consumer warpgroups, K / V by TMA, wgmma) runs
+the same computation for d = 128 where ``backend="cute"``, where ``WIDE_ATTN_BACKEND=cute`` is set, or where the GPU's
+tuned config names it (``"attention": {"backend": "cute"}``); ``WIDE_ATTN_BACKEND=triton`` keeps Triton.
+:data:`LAST_BACKEND` names what the last prefill call ran.
 """
+
+import os
 
 import torch
 
 from wide.kernels import _common as common
-from wide.kernels import reference
+from wide.kernels import reference, sm90
 from wide.kernels.decode_attn import _decode_attention
 from wide.kernels.reorder import reorder
 
@@ -128,24 +135,61 @@ if common.HAS_TRITON:
             tl.store(o_ptrs, res, mask=valid[:, None])
 
 
+BACKENDS = ("auto", "triton", "cute")
+LAST_BACKEND: dict[str, str] = {}  # "attention_prefill" -> what ran last: "cute", "triton" or "reference"
+
+
+def cute_unsupported(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor | None) -> str:
+    """Why the CuTe kernel cannot run these checked arguments ("" when it can)."""
+    if q.dtype not in (torch.bfloat16, torch.float16) or q.shape[-1] != 128:
+        return f"dtype {common._dt(q.dtype)}, d={q.shape[-1]}: it takes bfloat16 / float16 with d = 128"
+    if not (q.is_cuda and torch.cuda.get_device_capability(q.device) == (9, 0)):
+        return f"no sm_90 GPU ({q.device})"
+    ts = (q, k, v) if out is None else (q, k, v, out)
+    if not all(t.stride(-1) == 1 and t.data_ptr() % 16 == 0 and all(st % 8 == 0 for st in t.stride()[:-1])
+               for t in ts):
+        return "q, k, v and out need unit stride on d, 16-byte aligned data and strides that are multiples of 8"
+    if not sm90.available(q.device):
+        return "the CuTe kernels did not build here (see the warning)"
+    return ""
+
+
+def _wants_cute(backend: str, q: torch.Tensor) -> bool:
+    env = os.environ.get("WIDE_ATTN_BACKEND", "auto")
+    if backend == "cute":
+        return True
+    if backend == "triton" or env == "triton" or not q.is_cuda:
+        return False
+    return env == "cute" or common.tuned_config(q.device)["attention"].get("backend", "triton") == "cute"
+
+
 def routed_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, route: torch.Tensor,
                      causal: bool = False, *, left_pad: torch.Tensor | None = None, scale: float | None = None,
-                     reordered: common.Reordered | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
+                     reordered: common.Reordered | None = None, out: torch.Tensor | None = None,
+                     backend: str = "auto") -> torch.Tensor:
     """Routed FlashAttention (Eq. 2, Algorithm 4) in SDPA's layout: q ``[B, Hq, Tq, d]`` (d a power of 2 in [16, 256]),
     k / v ``[B, Hk, Tk, d]`` of q's dtype with ``Hq % Hk == 0`` and ``Tk >= Tq`` (query i at key position
     ``i + Tk - Tq``), route bool ``[B, Tq, N_G]`` (group g: query heads ``[g*Hq/N_G, (g+1)*Hq/N_G)``), optional int
     ``left_pad [B]`` (keys ``j < left_pad[b]`` masked), scale (default ``1/sqrt(d)``), reordered (a
     :func:`~wide.kernels.reorder` of route) and contiguous out.  Returns ``[B, Hq, Tq, d]`` (without out: a view of a
     contiguous ``[B, Tq, Hq, d]``, as SDPA's flash backend); 0 for an inactive (token, group) or a row with no visible
-    key.  Raises KernelArgumentError: bad shapes, dtypes, devices, left_pad, reordered, out, scale or causal.
+    key.  backend (prefill, ``Tq > 1``): ``"auto"`` (see the module), ``"triton"`` or ``"cute"`` (the sm_90a kernel).
+    Raises KernelArgumentError: bad shapes, dtypes, devices, left_pad, reordered, out, scale, causal or backend, or
+    ``backend="cute"`` where that kernel cannot run.
     """
     B, Hq, Tq, D, Hk, Tk, NG = common.check_attention(q, k, v, route, left_pad)
     common.check_flag("causal", causal)
+    if backend not in BACKENDS:
+        common.fail(f"backend={backend!r} is not allowed; allowed: {', '.join(map(repr, BACKENDS))}")
     common.check_out(out, (B, Hq, Tq, D), q.dtype, q.device, q=q, k=k, v=v, route=route, left_pad=left_pad)
     if reordered is not None:
         reordered = common.check_reordered(reordered, (B, Tq, NG), route.device)
     scale = common.softmax_scale(scale, D)
+    if backend == "cute" and (Tq == 1 or cute_unsupported(q, k, v, out)):
+        common.fail("backend='cute' cannot run this attention: "
+                    + ("Tq = 1 is decode attention" if Tq == 1 else cute_unsupported(q, k, v, out)))
     if not common.use_triton(q):
+        LAST_BACKEND["attention_prefill"] = "reference"
         res = reference.attention_ref(q, k, v, route, causal, left_pad, scale)
         return out.copy_(res) if out is not None else res
     if out is None:  # [B, Tq, Hq, d] in memory, like SDPA's flash output: the O projection reads a free view
@@ -156,6 +200,13 @@ def routed_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, route: t
         return _decode_attention(q, k, v, route, left_pad, scale, out)
     if reordered is None:
         reordered = reorder(route)
+    if _wants_cute(backend, q) and not cute_unsupported(q, k, v, out):
+        lp32 = None if left_pad is None else left_pad.clamp(0, Tk).to(torch.int32).contiguous()
+        sm90.module(q.device).attention(q, k, v, reordered.index.contiguous(), reordered.counts.contiguous(), lp32,
+                                        out, bool(causal), float(scale))
+        LAST_BACKEND["attention_prefill"] = "cute"
+        return out
+    LAST_BACKEND["attention_prefill"] = "triton"
     if left_pad is not None:
         left_pad = left_pad.contiguous()  # the kernel reads left_pad[b] at offset b
     cfg = _config(D, q.device)

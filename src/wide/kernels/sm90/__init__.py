@@ -1,7 +1,8 @@
-"""CuTe backend of :func:`wide.kernels.gemm_mn` and :func:`wide.kernels.swiglu` on sm_90a (H100 / H200), Algorithm 2.
+"""CuTe backend on sm_90a (H100 / H200) of :func:`wide.kernels.gemm_mn` and :func:`wide.kernels.swiglu` (Algorithm 2)
+and of :func:`wide.kernels.routed_attention` for prefill (Algorithm 4).
 
-``gemm_mn_sm90.cu`` (CUTLASS 4 / CuTe headers from the ``nvidia-cutlass`` package, no torch headers) and the thin
-torch binding ``binding.cpp`` are built with nvcc through ``torch.utils.cpp_extension`` (ninja) once per source hash,
+``gemm_mn_sm90.cu`` and ``attention_sm90.cu`` (CUTLASS 4 / CuTe headers from the ``nvidia-cutlass`` package, no torch
+headers) and the thin torch binding ``binding.cpp`` are built with nvcc through ``torch.utils.cpp_extension`` (ninja) once per source hash,
 architecture and torch version into ``<cache_dir()>/sm90/<name>/<name>.so`` (:func:`build_name`), then loaded; a
 ``.so`` already at that path (built on another machine with the same sources, torch and CUDA) is loaded as it is.
 Where nvcc, the headers or an sm_90 GPU are missing, or the build fails, :func:`module` returns None after one
@@ -20,8 +21,8 @@ import torch
 from wide.kernels._common import cache_dir, fail, tma_aligned
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-SOURCES = ("gemm_mn_sm90.cu", "binding.cpp")
-HEADERS = ("gemm_mn_sm90.h",)
+SOURCES = ("gemm_mn_sm90.cu", "attention_sm90.cu", "binding.cpp")
+HEADERS = ("gemm_mn_sm90.h", "attention_sm90.h", "io_sm90.cuh")
 ARCH_FLAG = "-gencode=arch=compute_90a,code=sm_90a"
 OPS = {"gemm_mn": 0, "swiglu": 1, "dense_swiglu": 2}
 _WARNED: list = []
@@ -128,7 +129,7 @@ def _build():
 
 
 def module(device: torch.device | None = None):
-    """The built extension (``run``, ``smem_bytes``) when ``device`` is an sm_90 GPU and the build works, else None
+    """The built extension (``run``, ``smem_bytes``, ``attention``, ``attention_smem_bytes``) when ``device`` is an sm_90 GPU and the build works, else None
     (with one warning line per process naming why)."""
     if device is None or device.type != "cuda" or not torch.cuda.is_available():
         return None

@@ -1,8 +1,10 @@
-// Torch binding of the sm_90a routed GEMM-MN kernels: tensors in, one launch on the current stream.
+// Torch binding of the sm_90a kernels (routed GEMM-MN / SwiGLU, routed prefill attention): tensors in, one launch
+// on the current stream.
 #include <c10/cuda/CUDAGuard.h>
 #include <c10/cuda/CUDAStream.h>
 #include <torch/extension.h>
 
+#include "attention_sm90.h"
 #include "gemm_mn_sm90.h"
 
 namespace {
@@ -29,9 +31,47 @@ void run(int64_t op, const at::Tensor& x, const at::Tensor& w, const c10::option
   TORCH_CHECK(rc == 0, "wide sm90 kernel launch failed: ", cudaGetErrorString(cudaError_t(rc)));
 }
 
+// q [B, Hq, Tq, d], k / v [B, Hk, Tk, d] (unit stride on d), index int32 [B, Tq, N_G] and counts int32 [B, N_G]
+// (contiguous), left_pad int32 [B] (contiguous) or none, out [B, Hq, Tq, d]; the caller checked shapes, dtypes and
+// devices.
+void attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& index,
+               const at::Tensor& counts, const c10::optional<at::Tensor>& left_pad, at::Tensor& out, bool causal,
+               double scale) {
+  TORCH_CHECK(q.is_cuda() && q.dim() == 4 && k.dim() == 4 && v.dim() == 4 && out.dim() == 4 && index.dim() == 3,
+              "wide sm90: 4-D CUDA q, k, v, out and a 3-D index expected");
+  TORCH_CHECK(q.stride(3) == 1 && k.stride(3) == 1 && v.stride(3) == 1 && out.stride(3) == 1,
+              "wide sm90: unit stride on the head dimension expected");
+  TORCH_CHECK(index.is_contiguous() && counts.is_contiguous() && (!left_pad.has_value() || left_pad->is_contiguous()),
+              "wide sm90: contiguous index, counts and left_pad expected");
+  const auto st = q.scalar_type();
+  TORCH_CHECK(st == at::kBFloat16 || st == at::kHalf, "wide sm90: bfloat16 or float16 expected");
+  const c10::cuda::CUDAGuard guard(q.device());
+  wide_sm90::AttentionArgs a{};
+  a.q = q.data_ptr();
+  a.k = k.data_ptr();
+  a.v = v.data_ptr();
+  a.out = out.data_ptr();
+  a.sqb = q.stride(0), a.sqh = q.stride(1), a.sqt = q.stride(2);
+  a.skb = k.stride(0), a.skh = k.stride(1), a.skt = k.stride(2);
+  a.svb = v.stride(0), a.svh = v.stride(1), a.svt = v.stride(2);
+  a.sob = out.stride(0), a.soh = out.stride(1), a.sot = out.stride(2);
+  a.index = index.data_ptr<int32_t>();
+  a.counts = counts.data_ptr<int32_t>();
+  a.left_pad = left_pad.has_value() ? left_pad->data_ptr<int32_t>() : nullptr;
+  a.B = int(q.size(0)), a.Hq = int(q.size(1)), a.Tq = int(q.size(2)), a.D = int(q.size(3));
+  a.Hk = int(k.size(1)), a.Tk = int(k.size(2)), a.NG = int(index.size(2));
+  a.scale = float(scale);
+  a.causal = causal ? 1 : 0;
+  const int rc = wide_sm90::launch_attention(st == at::kBFloat16 ? wide_sm90::kBF16 : wide_sm90::kFP16, a,
+                                             c10::cuda::getCurrentCUDAStream(q.device().index()).stream());
+  TORCH_CHECK(rc == 0, "wide sm90 attention launch failed: ", cudaGetErrorString(cudaError_t(rc)));
+}
+
 }  // namespace
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("run", &run, "routed GEMM-MN / SwiGLU / dense SwiGLU on sm_90a");
   m.def("smem_bytes", &wide_sm90::smem_bytes, "dynamic shared memory of one CTA (op, G)");
+  m.def("attention", &attention, "routed prefill attention on sm_90a (d = 128)");
+  m.def("attention_smem_bytes", &wide_sm90::attention_smem_bytes, "dynamic shared memory of one attention CTA");
 }

@@ -9,9 +9,7 @@
 // TMA.
 
 #include "gemm_mn_sm90.h"
-
-#include <cuda_bf16.h>
-#include <cuda_fp16.h>
+#include "io_sm90.cuh"
 
 #include <cute/tensor.hpp>  // first: the atoms below need the whole of cute
 
@@ -30,23 +28,6 @@ constexpr int kBK = 64;                // K step: one 128-byte swizzle atom of 1
 constexpr int kProducerThreads = 128;  // warpgroup 0
 constexpr int kConsumerThreads = 256;  // warpgroups 1 and 2
 constexpr int kThreads = kProducerThreads + kConsumerThreads;
-
-template <class T>
-struct Io;
-
-template <>
-struct Io<cutlass::bfloat16_t> {
-  using Pair = __nv_bfloat162;
-  static __device__ __forceinline__ float round(float v) { return __bfloat162float(__float2bfloat16_rn(v)); }
-  static __device__ __forceinline__ Pair pack(float a, float b) { return __floats2bfloat162_rn(a, b); }
-};
-
-template <>
-struct Io<cutlass::half_t> {
-  using Pair = __half2;
-  static __device__ __forceinline__ float round(float v) { return __half2float(__float2half_rn(v)); }
-  static __device__ __forceinline__ Pair pack(float a, float b) { return __floats2half2_rn(a, b); }
-};
 
 // T: element type; BM x BN: the tile (BM / 2 rows per consumer warpgroup); NB: weights (2: the SwiGLU's gate and
 // up); GATHER: rows through the reorder index (false: the dense kernel, every row active); STAGES: pipeline depth.

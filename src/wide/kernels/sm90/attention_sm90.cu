@@ -1,0 +1,431 @@
+// Routed prefill attention (paper Eq. 2, Algorithm 4) for sm_90a with CuTe, head dim 128.
+//
+// One CTA owns 128 sorted query rows of one (b, query head): the rows of the head's group g taken from the reorder
+// index, active rows first and, within them, in ascending original position.  A tile wholly past the group's active
+// count only writes zeros.  Otherwise warpgroup 0 produces: its 128 threads gather the tile's Q rows with cp.async
+// (inactive rows zero-filled, not read) into a 128-byte-swizzled tile, and one thread streams the K and V blocks of
+// the tile's key range by TMA into a two-stage ring (K and V with their own barriers).  Warpgroups 1 and 2 consume, 64
+// query rows each: S = Q K^T (wgmma, both operands in shared memory), the online softmax in registers, O += P V
+// (wgmma with P from registers).  S of block n is issued with P V of block n + 1, so the softmax of one block runs
+// while the tensor cores multiply the other.  Key blocks are visited from the last to the first: with causal masking
+// the diagonal band (masked element-wise) comes first, then unmasked blocks, and a left-padding boundary last.  The
+// last active row of a tile has its largest position, so no key after it is read.  The epilogue divides by the
+// softmax sum and scatters the rows to their original positions; inactive rows and rows with no visible key get 0.
+
+#include "attention_sm90.h"
+#include "io_sm90.cuh"
+
+#include <cute/tensor.hpp>  // first: the atoms below need the whole of cute
+
+#include <cute/arch/copy_sm80.hpp>
+#include <cute/atom/copy_traits_sm90_tma.hpp>
+#include <cute/atom/mma_traits_sm90_gmma.hpp>
+#include <cutlass/arch/barrier.h>
+#include <cutlass/arch/reg_reconfig.h>
+#include <cutlass/numeric_types.h>
+
+#include <cmath>
+
+namespace wide_sm90 {
+
+namespace attn {
+
+using namespace cute;
+
+constexpr int kD = 128;       // head dim
+constexpr int kBM = 128;      // query rows per CTA (64 per consumer warpgroup)
+constexpr int kBN = 128;      // keys per block
+constexpr int kStages = 2;    // K / V ring depth
+constexpr int kProducerThreads = 128;
+constexpr int kConsumerThreads = 256;
+constexpr int kThreads = kProducerThreads + kConsumerThreads;
+constexpr int kProducerRegs = 56;  // setmaxnreg split of the 64K registers
+constexpr int kConsumerRegs = 224;
+static_assert(kProducerThreads * kProducerRegs + kConsumerThreads * kConsumerRegs <= 65536, "register file");
+
+template <class T>
+struct Config {
+  using SmemLayoutQ = decltype(tile_to_shape(GMMA::Layout_K_SW128_Atom<T>{}, Shape<Int<kBM>, Int<kD>>{}));
+  using SmemLayoutK =
+      decltype(tile_to_shape(GMMA::Layout_K_SW128_Atom<T>{}, Shape<Int<kBN>, Int<kD>, Int<kStages>>{}));
+  // V as the (d, key) B operand of P V, d contiguous: the same bytes as a K-major (key, d) tile
+  using SmemLayoutVt = decltype(tile_to_shape(GMMA::Layout_MN_SW128_Atom<T>{},
+                                              Shape<Int<kD>, Int<kBN>, Int<kStages>>{}, Step<_2, _1, _3>{}));
+  using MmaQK = decltype(make_tiled_mma(GMMA::ss_op_selector<T, T, float, Shape<_64, Int<kBN>, Int<kD>>>(),
+                                        Layout<Shape<_2, _1, _1>>{}));
+  using MmaPV = decltype(make_tiled_mma(
+      GMMA::rs_op_selector<T, T, float, Shape<_64, Int<kD>, Int<kBN>>, GMMA::Major::K, GMMA::Major::MN>(),
+      Layout<Shape<_2, _1, _1>>{}));
+  struct Smem {
+    alignas(1024) T q[cosize_v<SmemLayoutQ>];
+    alignas(1024) T k[cosize_v<SmemLayoutK>];
+    alignas(1024) T v[cosize_v<SmemLayoutVt>];
+    alignas(8) uint64_t q_full;
+    alignas(8) uint64_t k_full[kStages];
+    alignas(8) uint64_t v_full[kStages];
+    alignas(8) uint64_t k_empty[kStages];
+    alignas(8) uint64_t v_empty[kStages];
+  };
+  static constexpr int kSmem = int(sizeof(Smem));
+  static constexpr uint32_t kBlockBytes = uint32_t(kBN * kD * sizeof(T));
+  static_assert(kSmem <= 227 * 1024, "shared memory of one CTA");
+};
+
+__device__ __forceinline__ float ex2(float x) {  // 2^x; ex2.approx(-inf) = +0
+  float y;
+  asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
+  return y;
+}
+
+template <class T, bool CAUSAL, class TmaK, class TmaV>
+__global__ void __launch_bounds__(kThreads, 1)
+    attention_kernel(const __grid_constant__ TmaK tma_k, const __grid_constant__ TmaV tma_v,
+                     const AttentionArgs a) {
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+  using C = Config<T>;
+  using FullBarrier = cutlass::arch::ClusterTransactionBarrier;
+  using EmptyBarrier = cutlass::arch::ClusterBarrier;
+  constexpr float kInf = INFINITY;
+
+  const int tid = int(threadIdx.x);
+  const int b = int(blockIdx.x) / a.Hq, h = int(blockIdx.x) % a.Hq;
+  const int mt = int(gridDim.y) - 1 - int(blockIdx.y);  // late (heavy, under causal masking) row tiles first
+  const int g = h / (a.Hq / a.NG), hk = h / (a.Hq / a.Hk);
+  const int m0 = mt * kBM;
+  const int cnt = __ldg(a.counts + b * a.NG + g);
+  const int32_t* col = a.index + int64_t(b) * a.Tq * a.NG + g;  // sorted row j of the group: col[j * NG]
+  T* out = static_cast<T*>(a.out) + b * a.sob + h * a.soh;
+
+  if (m0 >= cnt) {  // no row of the tile is active: 16-byte zeros to its original rows, indices loaded first
+    constexpr int kPieces = kD * int(sizeof(T)) / 16;  // per row
+    constexpr int kStep = kThreads / kPieces;          // rows per pass
+    constexpr int kPer = (kBM + kStep - 1) / kStep;
+    static_assert(kThreads % kPieces == 0, "one column piece per thread");
+    int64_t rows[kPer];
+    CUTE_UNROLL
+    for (int i = 0; i < kPer; ++i) {
+      const int r = tid / kPieces + kStep * i, j = m0 + r;
+      rows[i] = (r < kBM && j < a.Tq) ? int64_t(__ldg(col + int64_t(j) * a.NG)) : int64_t(-1);
+    }
+    CUTE_UNROLL
+    for (int i = 0; i < kPer; ++i) {
+      if (rows[i] >= 0) {
+        *reinterpret_cast<uint4*>(out + rows[i] * a.sot + (tid % kPieces) * 8) = make_uint4(0, 0, 0, 0);
+      }
+    }
+    return;
+  }
+
+  extern __shared__ __align__(1024) uint8_t smem_raw[];
+  auto& sm = *reinterpret_cast<typename C::Smem*>(smem_raw);
+  Tensor sQ = make_tensor(make_smem_ptr(sm.q), typename C::SmemLayoutQ{});    // (BM, D)
+  Tensor sK = make_tensor(make_smem_ptr(sm.k), typename C::SmemLayoutK{});    // (BN, D, STAGES)
+  Tensor sVt = make_tensor(make_smem_ptr(sm.v), typename C::SmemLayoutVt{});  // (D, BN, STAGES)
+
+  if (tid == 0) {
+    FullBarrier::init(&sm.q_full, kProducerThreads);  // one arrival per gathering thread, when its pieces land
+    CUTE_UNROLL
+    for (int s = 0; s < kStages; ++s) {
+      FullBarrier::init(&sm.k_full[s], 1);
+      FullBarrier::init(&sm.v_full[s], 1);
+      EmptyBarrier::init(&sm.k_empty[s], 2);  // one arrival per consumer warpgroup
+      EmptyBarrier::init(&sm.v_empty[s], 2);
+    }
+    cutlass::arch::fence_barrier_init();
+  }
+  __syncthreads();
+
+  // the tile's key blocks [n_min, n_max): from the left padding to the last active row's position
+  const int delta = a.Tk - a.Tq;
+  const int lo = a.left_pad ? min(max(__ldg(a.left_pad + b), 0), a.Tk) : 0;
+  const int first_pos = __ldg(col + int64_t(m0) * a.NG) + delta;
+  const int last_pos = __ldg(col + int64_t(min(m0 + kBM, cnt) - 1) * a.NG) + delta;
+  const int hi = CAUSAL ? min(a.Tk, last_pos + 1) : a.Tk;
+  const int n_min = lo / kBN;
+  const int n_max = (hi + kBN - 1) / kBN;
+
+  if (cutlass::canonical_warp_group_idx() == 0) {  // producer
+    cutlass::arch::warpgroup_reg_dealloc<kProducerRegs>();
+    // Q: thread tid gathers column piece tid % 16 of rows tid / 16 + 8 i, at their swizzled places
+    constexpr int kPieces = kD * int(sizeof(T)) / 16;
+    constexpr int kRows = kBM * kPieces / kProducerThreads;
+    static_assert(kProducerThreads % kPieces == 0, "one column piece per thread");
+    const int piece = tid % kPieces;
+    const T* q = static_cast<const T*>(a.q) + b * a.sqb + h * a.sqh + piece * 8;
+    int64_t rows[kRows];
+    CUTE_UNROLL
+    for (int i = 0; i < kRows; ++i) {
+      const int j = m0 + tid / kPieces + (kProducerThreads / kPieces) * i;
+      rows[i] = j < cnt ? int64_t(__ldg(col + int64_t(j) * a.NG)) : int64_t(-1);
+    }
+    CUTE_UNROLL
+    for (int i = 0; i < kRows; ++i) {
+      const int r = tid / kPieces + (kProducerThreads / kPieces) * i;
+      SM80_CP_ASYNC_CACHEGLOBAL_ZFILL<uint128_t>::copy(
+          *reinterpret_cast<const uint128_t*>(q + (rows[i] >= 0 ? rows[i] : 0) * a.sqt),
+          *reinterpret_cast<uint128_t*>(&sQ(r, piece * 8)), rows[i] >= 0);
+    }
+    cutlass::arch::cpasync_barrier_arrive_noinc(&sm.q_full);
+    if (tid == 0) {
+      prefetch_tma_descriptor(tma_k.get_tma_descriptor());
+      prefetch_tma_descriptor(tma_v.get_tma_descriptor());
+      Tensor mK = tma_k.get_tma_tensor(make_shape(a.Tk, int(kD), a.Hk, a.B));
+      Tensor gK = local_tile(mK(_, _, hk, b), Shape<Int<kBN>, Int<kD>>{}, make_coord(_, 0));  // (BN, D, blocks)
+      auto [tKgK, tKsK] = tma_partition(tma_k, Int<0>{}, Layout<_1>{}, group_modes<0, 2>(sK), group_modes<0, 2>(gK));
+      Tensor mV = tma_v.get_tma_tensor(make_shape(int(kD), a.Tk, a.Hk, a.B));
+      Tensor gV = local_tile(mV(_, _, hk, b), Shape<Int<kD>, Int<kBN>>{}, make_coord(0, _));  // (D, BN, blocks)
+      auto [tVgV, tVsV] =
+          tma_partition(tma_v, Int<0>{}, Layout<_1>{}, group_modes<0, 2>(sVt), group_modes<0, 2>(gV));
+      int stage = 0;
+      uint32_t phase = 0;
+      for (int n = n_max - 1; n >= n_min; --n) {
+        EmptyBarrier::wait(&sm.k_empty[stage], phase ^ 1);
+        FullBarrier::arrive_and_expect_tx(&sm.k_full[stage], C::kBlockBytes);
+        copy(tma_k.with(sm.k_full[stage]), tKgK(_, n), tKsK(_, stage));
+        EmptyBarrier::wait(&sm.v_empty[stage], phase ^ 1);
+        FullBarrier::arrive_and_expect_tx(&sm.v_full[stage], C::kBlockBytes);
+        copy(tma_v.with(sm.v_full[stage]), tVgV(_, n), tVsV(_, stage));
+        if (++stage == kStages) {
+          stage = 0;
+          phase ^= 1;
+        }
+      }
+    }
+    cp_async_wait<0>();
+  } else {  // consumers
+    cutlass::arch::warpgroup_reg_alloc<kConsumerRegs>();
+    const int ctid = tid - kProducerThreads;
+    typename C::MmaQK mma_qk;
+    typename C::MmaPV mma_pv;
+    auto thr_qk = mma_qk.get_thread_slice(ctid);
+    auto thr_pv = mma_pv.get_thread_slice(ctid);
+    Tensor tSrQ = thr_qk.make_fragment_A(thr_qk.partition_A(sQ));   // (MMA, 1, D / 16) descriptors
+    Tensor tSrK = thr_qk.make_fragment_B(thr_qk.partition_B(sK));   // (MMA, 1, D / 16, STAGES)
+    Tensor tOrV = thr_pv.make_fragment_B(thr_pv.partition_B(sVt));  // (MMA, 1, BN / 16, STAGES)
+    Tensor tScS = thr_qk.partition_C(make_identity_tensor(Shape<Int<kBM>, Int<kBN>>{}));  // (row, key) per value
+    Tensor tOcO = thr_pv.partition_C(make_identity_tensor(Shape<Int<kBM>, Int<kD>>{}));   // (row, d) per value
+    Tensor acc_s = partition_fragment_C(mma_qk, Shape<Int<kBM>, Int<kBN>>{});  // ((2 cols, 2 rows, BN / 8), 1, 1)
+    Tensor acc_o = partition_fragment_C(mma_pv, Shape<Int<kBM>, Int<kD>>{});   // ((2 cols, 2 rows, D / 8), 1, 1)
+    static_assert(decltype(size<1>(acc_s))::value == 1 && decltype(size<2>(acc_s))::value == 1 &&
+                      decltype(size<0>(acc_s))::value == kBN / 2 && decltype(size<0>(acc_o))::value == kD / 2,
+                  "one 64-row wgmma atom per consumer warpgroup");
+    // P in the A-operand registers of P V: the accumulator's (col pair, row, 8-col block) values regrouped as
+    // (col pair, row, k half) x (16-key blocks); the same registers in the same order per thread
+    auto ls = acc_s.layout();
+    auto nb_stride = stride<0, 2>(ls);
+    auto lp = make_layout(make_layout(layout<0, 0>(ls), layout<0, 1>(ls), make_layout(_2{}, nb_stride)), layout<1>(ls),
+                          make_layout(Int<kBN / 16>{}, nb_stride * _2{}));
+    Tensor tSrP = make_tensor(acc_s.data(), lp);  // view of acc_s as P
+    Tensor tOrP = make_tensor_like<T>(tSrP);
+    static_assert(decltype(size(tOrP))::value == decltype(size(acc_s))::value, "P holds every value of S");
+
+    // this thread's two rows (r, r + 8 of its warp's 16): original position, whether active
+    int qpos[2];
+    int64_t orow[2];
+    bool on[2];
+    CUTE_UNROLL
+    for (int r = 0; r < 2; ++r) {
+      const int j = m0 + int(get<0>(tScS(make_coord(0, r, 0), 0, 0)));
+      on[r] = j < cnt;
+      orow[r] = j < a.Tq ? int64_t(__ldg(col + int64_t(j) * a.NG)) : int64_t(-1);
+      qpos[r] = on[r] ? int(orow[r]) + delta : a.Tk;  // an inactive row: no causal limit (its output is 0)
+    }
+    const float scale_log2 = a.scale * float(M_LOG2E);
+    float row_max[2] = {-kInf, -kInf}, row_sum[2] = {0.0f, 0.0f};
+    clear(acc_o);
+
+    // masks S of key block n (MASK), updates the running max and sum, turns S into P; returns the rescale of O
+    auto softmax = [&](int n, auto mask_tag, float (&alpha)[2]) {
+      constexpr bool MASK = decltype(mask_tag)::value;
+      const int k0 = n * kBN;
+      CUTE_UNROLL
+      for (int r = 0; r < 2; ++r) {
+        float mx = row_max[r];
+        CUTE_UNROLL
+        for (int nb = 0; nb < kBN / 8; ++nb) {
+          CUTE_UNROLL
+          for (int c = 0; c < 2; ++c) {
+            float& s = acc_s(make_coord(c, r, nb), 0, 0);
+            if constexpr (MASK) {
+              const int key = k0 + int(get<1>(tScS(make_coord(c, r, nb), 0, 0)));
+              const bool vis = key >= lo && key < a.Tk && (!CAUSAL || key <= qpos[r]);
+              s = vis ? s : -kInf;
+            }
+            mx = fmaxf(mx, s);
+          }
+        }
+        mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));  // the 4 threads of a row
+        mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
+        const float base = mx == -kInf ? 0.0f : mx * scale_log2;  // a row with no visible key yet: P = 0
+        alpha[r] = ex2(row_max[r] * scale_log2 - base);
+        row_max[r] = mx;
+        float sum = 0.0f;
+        CUTE_UNROLL
+        for (int nb = 0; nb < kBN / 8; ++nb) {
+          CUTE_UNROLL
+          for (int c = 0; c < 2; ++c) {
+            float& s = acc_s(make_coord(c, r, nb), 0, 0);
+            s = ex2(fmaf(s, scale_log2, -base));
+            sum += s;
+          }
+        }
+        row_sum[r] = row_sum[r] * alpha[r] + sum;  // this thread's columns; the 4 threads add up at the end
+      }
+    };
+    auto need_mask = [&](int n) {
+      const int k0 = n * kBN;
+      return k0 < lo || k0 + kBN > a.Tk || (CAUSAL && k0 + kBN - 1 > first_pos);
+    };
+    auto issue_qk = [&](int stage) {
+      warpgroup_fence_operand(acc_s);
+      warpgroup_arrive();
+      mma_qk.accumulate_ = GMMA::ScaleOut::Zero;
+      CUTE_UNROLL
+      for (int kb = 0; kb < size<2>(tSrQ); ++kb) {
+        gemm(mma_qk, tSrQ(_, _, kb), tSrK(_, _, kb, stage), acc_s);
+        mma_qk.accumulate_ = GMMA::ScaleOut::One;
+      }
+      warpgroup_commit_batch();
+      warpgroup_fence_operand(acc_s);
+    };
+    auto issue_pv = [&](int stage) {
+      warpgroup_fence_operand(acc_o);
+      warpgroup_fence_operand(tOrP);
+      warpgroup_arrive();
+      CUTE_UNROLL
+      for (int kb = 0; kb < size<2>(tOrP); ++kb) gemm(mma_pv, tOrP(_, _, kb), tOrV(_, _, kb, stage), acc_o);
+      warpgroup_commit_batch();
+      warpgroup_fence_operand(acc_o);
+      warpgroup_fence_operand(tOrP);
+    };
+    auto to_p = [&]() {
+      CUTE_UNROLL
+      for (int i = 0; i < size(tSrP); ++i) tOrP(i) = static_cast<T>(tSrP(i));
+    };
+    auto rescale_o = [&](const float (&alpha)[2]) {
+      CUTE_UNROLL
+      for (int r = 0; r < 2; ++r) {
+        CUTE_UNROLL
+        for (int nb = 0; nb < kD / 8; ++nb) {
+          acc_o(make_coord(0, r, nb), 0, 0) *= alpha[r];
+          acc_o(make_coord(1, r, nb), 0, 0) *= alpha[r];
+        }
+      }
+    };
+    const bool lead = ctid % 128 == 0;  // arrives on the empty barriers for its warpgroup
+
+    FullBarrier::wait(&sm.q_full, 0);
+    cutlass::arch::fence_view_async_shared();  // Q was written by cp.async (generic proxy); wgmma reads it async
+    if (n_max > n_min) {
+      int stage = 0;
+      uint32_t phase = 0;
+      float alpha[2];
+      int n = n_max - 1;
+      FullBarrier::wait(&sm.k_full[stage], phase);
+      issue_qk(stage);
+      warpgroup_wait<0>();
+      warpgroup_fence_operand(acc_s);
+      if (lead) EmptyBarrier::arrive(&sm.k_empty[stage]);
+      if (need_mask(n)) {
+        softmax(n, cute::true_type{}, alpha);
+      } else {
+        softmax(n, cute::false_type{}, alpha);
+      }
+      to_p();
+      for (--n; n >= n_min; --n) {
+        const int v_stage = stage;  // P V of block n + 1 with S of block n
+        const uint32_t v_phase = phase;
+        if (++stage == kStages) {
+          stage = 0;
+          phase ^= 1;
+        }
+        FullBarrier::wait(&sm.k_full[stage], phase);
+        issue_qk(stage);
+        FullBarrier::wait(&sm.v_full[v_stage], v_phase);
+        issue_pv(v_stage);
+        warpgroup_wait<1>();  // S done; P V may still run
+        warpgroup_fence_operand(acc_s);
+        if (lead) EmptyBarrier::arrive(&sm.k_empty[stage]);
+        if (need_mask(n)) {
+          softmax(n, cute::true_type{}, alpha);
+        } else {
+          softmax(n, cute::false_type{}, alpha);
+        }
+        warpgroup_wait<0>();
+        warpgroup_fence_operand(acc_o);
+        if (lead) EmptyBarrier::arrive(&sm.v_empty[v_stage]);
+        to_p();
+        rescale_o(alpha);
+      }
+      FullBarrier::wait(&sm.v_full[stage], phase);
+      issue_pv(stage);
+      warpgroup_wait<0>();
+      warpgroup_fence_operand(acc_o);
+      if (lead) EmptyBarrier::arrive(&sm.v_empty[stage]);
+    }
+
+    // epilogue: O / sum to the original rows; 0 for inactive rows and rows with no visible key
+    using Pair = typename Io<T>::Pair;
+    CUTE_UNROLL
+    for (int r = 0; r < 2; ++r) {
+      float sum = row_sum[r];
+      sum += __shfl_xor_sync(0xffffffffu, sum, 1);
+      sum += __shfl_xor_sync(0xffffffffu, sum, 2);
+      const float inv = (on[r] && sum > 0.0f) ? 1.0f / sum : 0.0f;
+      if (orow[r] >= 0) {
+        T* o = out + orow[r] * a.sot;
+        CUTE_UNROLL
+        for (int nb = 0; nb < kD / 8; ++nb) {
+          *reinterpret_cast<Pair*>(o + int(get<1>(tOcO(make_coord(0, r, nb), 0, 0)))) =
+              Io<T>::pack(acc_o(make_coord(0, r, nb), 0, 0) * inv, acc_o(make_coord(1, r, nb), 0, 0) * inv);
+        }
+      }
+    }
+  }
+#endif
+}
+
+template <class T, bool CAUSAL>
+int run(const AttentionArgs& a, cudaStream_t stream) {
+  using C = Config<T>;
+  auto mK = make_tensor(make_gmem_ptr(static_cast<const T*>(a.k)), make_shape(a.Tk, int(kD), a.Hk, a.B),
+                        make_stride(a.skt, _1{}, a.skh, a.skb));
+  auto mV = make_tensor(make_gmem_ptr(static_cast<const T*>(a.v)), make_shape(int(kD), a.Tk, a.Hk, a.B),
+                        make_stride(_1{}, a.svt, a.svh, a.svb));
+  auto tma_k = make_tma_atom(SM90_TMA_LOAD{}, mK, typename C::SmemLayoutK{}(_, _, 0), Shape<Int<kBN>, Int<kD>>{});
+  auto tma_v = make_tma_atom(SM90_TMA_LOAD{}, mV, typename C::SmemLayoutVt{}(_, _, 0), Shape<Int<kD>, Int<kBN>>{});
+  auto kernel = attention_kernel<T, CAUSAL, decltype(tma_k), decltype(tma_v)>;
+  static bool raised[64] = {};  // the dynamic shared memory limit, raised once per device
+  int dev = 0;
+  cudaError_t err = cudaGetDevice(&dev);
+  if (err == cudaSuccess && (dev >= 64 || !raised[dev])) {
+    err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, C::kSmem);
+    if (err == cudaSuccess && dev < 64) raised[dev] = true;
+  }
+  if (err != cudaSuccess) return int(err);
+  const dim3 grid(unsigned(a.B * a.Hq), unsigned((a.Tq + kBM - 1) / kBM));
+  kernel<<<grid, kThreads, C::kSmem, stream>>>(tma_k, tma_v, a);
+  return int(cudaGetLastError());
+}
+
+}  // namespace attn
+
+int attention_smem_bytes() { return attn::Config<cutlass::bfloat16_t>::kSmem; }
+
+int launch_attention(int dtype, const AttentionArgs& a, cudaStream_t stream) {
+  const auto aligned = [](const void* p, int bytes) { return reinterpret_cast<uintptr_t>(p) % bytes == 0; };
+  const bool ok = (dtype == kBF16 || dtype == kFP16) && a.D == attn::kD && a.B >= 1 && a.Hk >= 1 &&
+                  a.Hq % a.Hk == 0 && a.NG >= 1 && a.Hq % a.NG == 0 && a.Tq >= 1 && a.Tk >= a.Tq &&
+                  a.B * int64_t(a.Hq) <= 0x7fffffff && (a.Tq + attn::kBM - 1) / attn::kBM <= 65535 &&
+                  aligned(a.q, 16) && aligned(a.k, 16) && aligned(a.v, 16) && aligned(a.out, 16) && a.sqt % 8 == 0 &&
+                  a.sqh % 8 == 0 && a.sqb % 8 == 0 && a.skt % 8 == 0 && a.skh % 8 == 0 && a.skb % 8 == 0 &&
+                  a.svt % 8 == 0 && a.svh % 8 == 0 && a.svb % 8 == 0 && a.sot % 8 == 0 && a.soh % 8 == 0 &&
+                  a.sob % 8 == 0 && a.index != nullptr && a.counts != nullptr;
+  if (!ok) return int(cudaErrorInvalidValue);
+  if (dtype == kBF16) {
+    return a.causal ? attn::run<cutlass::bfloat16_t, true>(a, stream) : attn::run<cutlass::bfloat16_t, false>(a, stream);
+  }
+  return a.causal ? attn::run<cutlass::half_t, true>(a, stream) : attn::run<cutlass::half_t, false>(a, stream);
+}
+
+}  // namespace wide_sm90

@@ -1,0 +1,114 @@
+"""The CuTe sm_90a routed prefill attention (Eq. 2, Algorithm 4) against the float64 reference on an H100 / H200:
+causal and not, chunked prefill (Tq < Tk), left padding, T not a multiple of the 128-row tile, every mask kind, GQA,
+fp16, K / V as cache views; and its refusals (those also on the CPU)."""
+
+import importlib
+
+import pytest
+import torch
+from kernel_testutil import DEVICE, KINDS, check_close, gpu, make_mask, poisoned, randn, seed_for
+
+from wide.kernels import KernelArgumentError, reorder, routed_attention, sm90
+from wide.kernels.reference import attention_ref, head_route
+
+mod = importlib.import_module("wide.kernels.attention")
+HOPPER = torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0)
+hopper = pytest.mark.skipif(not HOPPER, reason="needs an sm_90 GPU (H100 / H200)")
+
+
+@pytest.fixture(scope="module")
+def built():
+    """The extension, built once (minutes on a fresh cache); a failed build fails the GPU tests."""
+    assert sm90.available(torch.device("cuda")), "the CuTe sm_90a kernels did not build (see the warning)"
+
+
+def run(B, Hq, Hk, Tq, Tk, NG, causal, dtype=torch.bfloat16, kind="random", left_pad=None, p=0.5, kv_rows=0):
+    """``kv_rows``: K / V are the first Tk rows of a longer cache."""
+    gen = seed_for("attn_sm90", B, Hq, Hk, Tq, Tk, NG, causal, dtype, kind, left_pad, p, kv_rows)
+    q = randn((B, Hq, Tq, 128), dtype, gen)
+    k, v = (randn((B, Hk, Tk + kv_rows, 128), dtype, gen)[:, :, :Tk] for _ in range(2))
+    route = make_mask(kind, (B, Tq, NG), gen, p)
+    lp = None if left_pad is None else torch.tensor(left_pad, dtype=torch.int64, device=DEVICE)
+    out = poisoned((B, Hq, Tq, 128), dtype)
+    res = routed_attention(q, k, v, route, causal, left_pad=lp, out=out, backend="cute")
+    assert res is out and mod.LAST_BACKEND["attention_prefill"] == "cute"
+    check_close(out, attention_ref(q.double(), k.double(), v.double(), route, causal, lp))
+    assert (out[~head_route(route, Hq)] == 0).all(), "an inactive (token, group) output must be exactly 0"
+
+
+@gpu
+@hopper
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("Tq,Tk", [(300, 300), (130, 517), (1024, 1024)])
+def test_prefill(causal, Tq, Tk, built):
+    # Tq = 300, 130: not multiples of the tile; Tk = 517: chunked prefill, a ragged last key block
+    run(1, 8, 2, Tq, Tk, 2, causal)
+
+
+@gpu
+@hopper
+@pytest.mark.parametrize("kind", KINDS)
+def test_mask_kinds(kind, built):
+    run(2, 8, 2, 257, 257, 2, True, kind=kind)  # all on, all off, one active row
+
+
+@gpu
+@hopper
+@pytest.mark.parametrize("causal", [False, True])
+def test_left_padding(causal, built):
+    # pads inside the first key block, past it, past the whole sequence (those rows are 0)
+    run(3, 4, 1, 200, 260, 1, causal, left_pad=[5, 140, 10**6])
+
+
+@gpu
+@hopper
+@pytest.mark.parametrize("Hq,Hk,NG", [(32, 8, 8), (8, 8, 4), (8, 1, 1)])
+def test_gqa_and_groups(Hq, Hk, NG, built):
+    run(1, Hq, Hk, 384, 384, NG, True, p=0.3)
+
+
+@gpu
+@hopper
+def test_fp16_cache_view(built):
+    run(2, 4, 2, 96, 200, 2, True, torch.float16, kv_rows=56)
+
+
+@gpu
+@hopper
+def test_engine_layout(built):
+    # q and out as views of [B, T, Hq, d] (the projections' layout), a shared reorder
+    gen = seed_for("attn_sm90_layout")
+    B, T, Hq, Hk = 2, 333, 8, 2
+    q = randn((B, T, Hq, 128), torch.bfloat16, gen).transpose(1, 2)
+    k, v = (randn((B, T, Hk, 128), torch.bfloat16, gen).transpose(1, 2) for _ in range(2))
+    route = make_mask("random", (B, T, 2), gen, 0.6)
+    out = routed_attention(q, k, v, route, True, reordered=reorder(route), backend="cute")
+    check_close(out, attention_ref(q.double(), k.double(), v.double(), route, True))
+
+
+def test_cute_refusals():
+    q = torch.zeros(1, 4, 8, 64, dtype=torch.bfloat16, device=DEVICE)
+    k = torch.zeros(1, 2, 8, 64, dtype=torch.bfloat16, device=DEVICE)
+    r = torch.ones(1, 8, 2, dtype=torch.bool, device=DEVICE)
+    with pytest.raises(KernelArgumentError, match="d=64: it takes bfloat16 / float16 with d = 128"):
+        routed_attention(q, k, k, r, backend="cute")
+    with pytest.raises(KernelArgumentError, match="backend='flash' is not allowed"):
+        routed_attention(q, k, k, r, backend="flash")
+    q1 = torch.zeros(1, 4, 1, 128, dtype=torch.bfloat16, device=DEVICE)
+    k1 = torch.zeros(1, 2, 8, 128, dtype=torch.bfloat16, device=DEVICE)
+    with pytest.raises(KernelArgumentError, match="Tq = 1 is decode attention"):
+        routed_attention(q1, k1, k1, torch.ones(1, 1, 2, dtype=torch.bool, device=DEVICE), backend="cute")
+    if not HOPPER:
+        q2 = torch.zeros(1, 4, 8, 128, dtype=torch.bfloat16, device=DEVICE)
+        with pytest.raises(KernelArgumentError, match="no sm_90 GPU"):
+            routed_attention(q2, k1, k1, r, backend="cute")
+
+
+def test_triton_backend_runs_the_reference_semantics():
+    # backend="triton" (and "auto") compute the same result as the reference on any device
+    gen = seed_for("attn_sm90_triton")
+    q, k, v = (randn((1, 4, 9, 16), torch.float32, gen) for _ in range(3))
+    route = make_mask("random", (1, 9, 2), gen)
+    ref = attention_ref(q.double(), k.double(), v.double(), route, True)
+    for backend in ("triton", "auto"):
+        check_close(routed_attention(q, k, v, route, True, backend=backend), ref)
