@@ -2,9 +2,10 @@
 and of :func:`wide.kernels.routed_attention` for prefill (Algorithm 4).
 
 ``gemm_mn_sm90.cu`` and ``attention_sm90.cu`` (CUTLASS 4 / CuTe headers from the ``nvidia-cutlass`` package, no torch
-headers) and the thin torch binding ``binding.cpp`` are built with nvcc through ``torch.utils.cpp_extension`` (ninja) once per source hash,
-architecture and torch version into ``<cache_dir()>/sm90/<name>/<name>.so`` (:func:`build_name`), then loaded; a
-``.so`` already at that path (built on another machine with the same sources, torch and CUDA) is loaded as it is.
+headers) and the thin torch binding ``binding.cpp`` are built with nvcc through ``torch.utils.cpp_extension`` (ninja)
+once per source hash, architecture and torch version into ``<cache_dir()>/sm90/<name>/<name>.so``
+(:func:`build_name`), then loaded; a ``.so`` already at that path (built on another machine with the same sources,
+torch and CUDA) is loaded as it is.
 Where nvcc, the headers or an sm_90 GPU are missing, or the build fails, :func:`module` returns None after one
 warning line per process and the Triton kernels run.
 """
@@ -129,8 +130,8 @@ def _build():
 
 
 def module(device: torch.device | None = None):
-    """The built extension (``run``, ``smem_bytes``, ``attention``, ``attention_smem_bytes``) when ``device`` is an sm_90 GPU and the build works, else None
-    (with one warning line per process naming why)."""
+    """The built extension (``run``, ``smem_bytes``, ``attention``, ``attention_smem_bytes``) when ``device`` is an
+    sm_90 GPU and the build works, else None (with one warning line per process naming why)."""
     if device is None or device.type != "cuda" or not torch.cuda.is_available():
         return None
     if torch.cuda.get_device_capability(device) != (9, 0):
