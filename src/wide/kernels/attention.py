@@ -202,8 +202,9 @@ def routed_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, route: t
         reordered = reorder(route)
     if _wants_cute(backend, q) and not cute_unsupported(q, k, v, out):
         lp32 = None if left_pad is None else left_pad.clamp(0, Tk).to(torch.int32).contiguous()
+        pingpong = bool(common.tuned_config(q.device)["attention"].get("cute_pingpong", True))
         sm90.module(q.device).attention(q, k, v, reordered.index.contiguous(), reordered.counts.contiguous(), lp32,
-                                        out, bool(causal), float(scale))
+                                        out, bool(causal), float(scale), pingpong)
         LAST_BACKEND["attention_prefill"] = "cute"
         return out
     LAST_BACKEND["attention_prefill"] = "triton"

@@ -77,7 +77,9 @@ __device__ __forceinline__ float ex2(float x) {  // 2^x; ex2.approx(-inf) = +0
   return y;
 }
 
-template <class T, bool CAUSAL, class TmaK, class TmaV>
+// PINGPONG: the two consumer warpgroups take turns issuing their wgmma (a named barrier each), so the softmax of one
+// runs while the other's matrix products occupy the tensor cores.
+template <class T, bool CAUSAL, bool PINGPONG, class TmaK, class TmaV>
 __global__ void __launch_bounds__(kThreads, 1)
     attention_kernel(const __grid_constant__ TmaK tma_k, const __grid_constant__ TmaV tma_v,
                      const AttentionArgs a) {
@@ -313,6 +315,8 @@ __global__ void __launch_bounds__(kThreads, 1)
       }
     };
     const bool lead = ctid % 128 == 0;  // arrives on the empty barriers for its warpgroup
+    const int cw = ctid / 128;           // consumer warpgroup 0 or 1
+    if (PINGPONG && cw == 0) cutlass::arch::NamedBarrier::arrive(kConsumerThreads, 0);  // warpgroup 0 goes first
 
     FullBarrier::wait(&sm.q_full, 0);
     cutlass::arch::fence_view_async_shared();  // Q was written by cp.async (generic proxy); wgmma reads it async
@@ -340,9 +344,11 @@ __global__ void __launch_bounds__(kThreads, 1)
           phase ^= 1;
         }
         FullBarrier::wait(&sm.k_full[stage], phase);
+        if constexpr (PINGPONG) cutlass::arch::NamedBarrier::sync(kConsumerThreads, cw);  // this warpgroup's turn
         issue_qk(stage);
         FullBarrier::wait(&sm.v_full[v_stage], v_phase);
         issue_pv(v_stage);
+        if constexpr (PINGPONG) cutlass::arch::NamedBarrier::arrive(kConsumerThreads, 1 - cw);  // the other's turn
         warpgroup_wait<1>();  // S done; P V may still run
         warpgroup_fence_operand(acc_s);
         if (lead) EmptyBarrier::arrive(&sm.k_empty[stage]);
@@ -385,7 +391,7 @@ __global__ void __launch_bounds__(kThreads, 1)
 #endif
 }
 
-template <class T, bool CAUSAL>
+template <class T, bool CAUSAL, bool PINGPONG>
 int run(const AttentionArgs& a, cudaStream_t stream) {
   using C = Config<T>;
   auto mK = make_tensor(make_gmem_ptr(static_cast<const T*>(a.k)), make_shape(a.Tk, int(kD), a.Hk, a.B),
@@ -394,7 +400,7 @@ int run(const AttentionArgs& a, cudaStream_t stream) {
                         make_stride(_1{}, a.svt, a.svh, a.svb));
   auto tma_k = make_tma_atom(SM90_TMA_LOAD{}, mK, typename C::SmemLayoutK{}(_, _, 0), Shape<Int<kBN>, Int<kD>>{});
   auto tma_v = make_tma_atom(SM90_TMA_LOAD{}, mV, typename C::SmemLayoutVt{}(_, _, 0), Shape<Int<kD>, Int<kBN>>{});
-  auto kernel = attention_kernel<T, CAUSAL, decltype(tma_k), decltype(tma_v)>;
+  auto kernel = attention_kernel<T, CAUSAL, PINGPONG, decltype(tma_k), decltype(tma_v)>;
   static bool raised[64] = {};  // the dynamic shared memory limit, raised once per device
   int dev = 0;
   cudaError_t err = cudaGetDevice(&dev);
@@ -406,6 +412,12 @@ int run(const AttentionArgs& a, cudaStream_t stream) {
   const dim3 grid(unsigned(a.B * a.Hq), unsigned((a.Tq + kBM - 1) / kBM));
   kernel<<<grid, kThreads, C::kSmem, stream>>>(tma_k, tma_v, a);
   return int(cudaGetLastError());
+}
+
+template <class T>
+int dispatch(const AttentionArgs& a, cudaStream_t stream) {
+  if (a.causal) return a.pingpong ? run<T, true, true>(a, stream) : run<T, true, false>(a, stream);
+  return a.pingpong ? run<T, false, true>(a, stream) : run<T, false, false>(a, stream);
 }
 
 }  // namespace attn
@@ -422,10 +434,7 @@ int launch_attention(int dtype, const AttentionArgs& a, cudaStream_t stream) {
                   a.svt % 8 == 0 && a.svh % 8 == 0 && a.svb % 8 == 0 && a.sot % 8 == 0 && a.soh % 8 == 0 &&
                   a.sob % 8 == 0 && a.index != nullptr && a.counts != nullptr;
   if (!ok) return int(cudaErrorInvalidValue);
-  if (dtype == kBF16) {
-    return a.causal ? attn::run<cutlass::bfloat16_t, true>(a, stream) : attn::run<cutlass::bfloat16_t, false>(a, stream);
-  }
-  return a.causal ? attn::run<cutlass::half_t, true>(a, stream) : attn::run<cutlass::half_t, false>(a, stream);
+  return dtype == kBF16 ? attn::dispatch<cutlass::bfloat16_t>(a, stream) : attn::dispatch<cutlass::half_t>(a, stream);
 }
 
 }  // namespace wide_sm90

@@ -36,7 +36,7 @@ void run(int64_t op, const at::Tensor& x, const at::Tensor& w, const c10::option
 // devices.
 void attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& index,
                const at::Tensor& counts, const c10::optional<at::Tensor>& left_pad, at::Tensor& out, bool causal,
-               double scale) {
+               double scale, bool pingpong) {
   TORCH_CHECK(q.is_cuda() && q.dim() == 4 && k.dim() == 4 && v.dim() == 4 && out.dim() == 4 && index.dim() == 3,
               "wide sm90: 4-D CUDA q, k, v, out and a 3-D index expected");
   TORCH_CHECK(q.stride(3) == 1 && k.stride(3) == 1 && v.stride(3) == 1 && out.stride(3) == 1,
@@ -62,6 +62,7 @@ void attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, co
   a.Hk = int(k.size(1)), a.Tk = int(k.size(2)), a.NG = int(index.size(2));
   a.scale = float(scale);
   a.causal = causal ? 1 : 0;
+  a.pingpong = pingpong ? 1 : 0;
   const int rc = wide_sm90::launch_attention(st == at::kBFloat16 ? wide_sm90::kBF16 : wide_sm90::kFP16, a,
                                              c10::cuda::getCurrentCUDAStream(q.device().index()).stream());
   TORCH_CHECK(rc == 0, "wide sm90 attention launch failed: ", cudaGetErrorString(cudaError_t(rc)));
