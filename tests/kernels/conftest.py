@@ -25,6 +25,14 @@ if not torch.cuda.is_available():
 import pytest  # noqa: E402
 
 
+@pytest.fixture(scope="module")
+def built():
+    """The CuTe sm_90a extension, built once (minutes on a fresh cache); a failed build fails the GPU tests."""
+    from wide.kernels import sm90
+
+    assert sm90.available(torch.device("cuda")), "the CuTe sm_90a kernels did not build (see the warning)"
+
+
 def pytest_collection_modifyitems(config, items):
     if torch.cuda.is_available():
         return

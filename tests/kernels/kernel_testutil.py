@@ -11,6 +11,8 @@ DTYPES = [torch.bfloat16, torch.float16]
 TOL = {torch.bfloat16: 1e-2, torch.float16: 1e-2, torch.float32: 1e-5}
 KINDS = ["random", "all", "none", "one_row"]  # every mask kind (all on, all off, one active row)
 gpu = pytest.mark.gpu
+HOPPER = torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0)
+hopper = pytest.mark.skipif(not HOPPER, reason="needs an sm_90 GPU (H100 / H200)")
 
 
 def seed_for(*parts) -> torch.Generator:

@@ -5,20 +5,12 @@ import importlib
 
 import pytest
 import torch
-from kernel_testutil import DEVICE, KINDS, check_close, gpu, make_mask, poisoned, randn, seed_for
+from kernel_testutil import DEVICE, KINDS, check_close, gpu, hopper, make_mask, poisoned, randn, seed_for
 
 from wide.kernels import KernelArgumentError, gemm_mn, reorder, sm90, swiglu, tuned_config
 from wide.kernels.reference import expand_route, gemm_mn_ref, swiglu_ref
 
 mod = importlib.import_module("wide.kernels.gemm_mn")
-HOPPER = torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0)
-hopper = pytest.mark.skipif(not HOPPER, reason="needs an sm_90 GPU (H100 / H200)")
-
-
-@pytest.fixture(scope="module")
-def built():
-    """The extension, built once (minutes on a fresh cache); a failed build fails the GPU tests."""
-    assert sm90.available(torch.device("cuda")), "the CuTe sm_90a kernels did not build (see the warning)"
 
 
 def run(op, M, N, K, G, dtype, kind, shared=True, p=0.5):

@@ -13,7 +13,7 @@
 // softmax sum and scatters the rows to their original positions; inactive rows and rows with no visible key get 0.
 
 #include "attention_sm90.h"
-#include "io_sm90.cuh"
+#include "common_sm90.cuh"
 
 #include <cute/tensor.hpp>  // first: the atoms below need the whole of cute
 
@@ -274,9 +274,14 @@ __global__ void __launch_bounds__(kThreads, 1)
         row_sum[r] = row_sum[r] * alpha[r] + sum;  // this thread's columns; the 4 threads add up at the end
       }
     };
-    auto need_mask = [&](int n) {
+    // the element-wise mask only where block n holds a key some active row must not see
+    auto softmax_block = [&](int n, float (&alpha)[2]) {
       const int k0 = n * kBN;
-      return k0 < lo || k0 + kBN > a.Tk || (CAUSAL && k0 + kBN - 1 > first_pos);
+      if (k0 < lo || k0 + kBN > a.Tk || (CAUSAL && k0 + kBN - 1 > first_pos)) {
+        softmax(n, cute::true_type{}, alpha);
+      } else {
+        softmax(n, cute::false_type{}, alpha);
+      }
     };
     auto issue_qk = [&](int stage) {
       warpgroup_fence_operand(acc_s);
@@ -330,11 +335,7 @@ __global__ void __launch_bounds__(kThreads, 1)
       warpgroup_wait<0>();
       warpgroup_fence_operand(acc_s);
       if (lead) EmptyBarrier::arrive(&sm.k_empty[stage]);
-      if (need_mask(n)) {
-        softmax(n, cute::true_type{}, alpha);
-      } else {
-        softmax(n, cute::false_type{}, alpha);
-      }
+      softmax_block(n, alpha);
       to_p();
       for (--n; n >= n_min; --n) {
         const int v_stage = stage;  // P V of block n + 1 with S of block n
@@ -352,11 +353,7 @@ __global__ void __launch_bounds__(kThreads, 1)
         warpgroup_wait<1>();  // S done; P V may still run
         warpgroup_fence_operand(acc_s);
         if (lead) EmptyBarrier::arrive(&sm.k_empty[stage]);
-        if (need_mask(n)) {
-          softmax(n, cute::true_type{}, alpha);
-        } else {
-          softmax(n, cute::false_type{}, alpha);
-        }
+        softmax_block(n, alpha);
         warpgroup_wait<0>();
         warpgroup_fence_operand(acc_o);
         if (lead) EmptyBarrier::arrive(&sm.v_empty[v_stage]);
@@ -400,15 +397,8 @@ int run(const AttentionArgs& a, cudaStream_t stream) {
                         make_stride(_1{}, a.svt, a.svh, a.svb));
   auto tma_k = make_tma_atom(SM90_TMA_LOAD{}, mK, typename C::SmemLayoutK{}(_, _, 0), Shape<Int<kBN>, Int<kD>>{});
   auto tma_v = make_tma_atom(SM90_TMA_LOAD{}, mV, typename C::SmemLayoutVt{}(_, _, 0), Shape<Int<kD>, Int<kBN>>{});
-  auto kernel = attention_kernel<T, CAUSAL, PINGPONG, decltype(tma_k), decltype(tma_v)>;
-  static bool raised[64] = {};  // the dynamic shared memory limit, raised once per device
-  int dev = 0;
-  cudaError_t err = cudaGetDevice(&dev);
-  if (err == cudaSuccess && (dev >= 64 || !raised[dev])) {
-    err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, C::kSmem);
-    if (err == cudaSuccess && dev < 64) raised[dev] = true;
-  }
-  if (err != cudaSuccess) return int(err);
+  constexpr auto kernel = &attention_kernel<T, CAUSAL, PINGPONG, decltype(tma_k), decltype(tma_v)>;
+  if (const int err = raise_smem_limit<kernel>(C::kSmem)) return err;
   const dim3 grid(unsigned(a.B * a.Hq), unsigned((a.Tq + kBM - 1) / kBM));
   kernel<<<grid, kThreads, C::kSmem, stream>>>(tma_k, tma_v, a);
   return int(cudaGetLastError());

@@ -9,7 +9,7 @@
 // TMA.
 
 #include "gemm_mn_sm90.h"
-#include "io_sm90.cuh"
+#include "common_sm90.cuh"
 
 #include <cute/tensor.hpp>  // first: the atoms below need the whole of cute
 
@@ -325,15 +325,8 @@ int run(const Args& args, const void* w, const void* w2, int64_t ldw, int grid_c
   auto tma_b2 = make_tma_atom(SM90_TMA_LOAD{}, weight(C::NB == 2 ? w2 : w), slice_b, Shape<Int<C::BN>, Int<kBK>>{});
   const dim3 grid(unsigned(tiles < grid_ctas ? tiles : grid_ctas));
   auto go = [&](auto tma_a) {
-    auto kernel = routed_kernel<C, decltype(tma_a), decltype(tma_b)>;
-    static bool raised[64] = {};  // the dynamic shared memory limit, raised once per device
-    int dev = 0;
-    cudaError_t err = cudaGetDevice(&dev);
-    if (err == cudaSuccess && (dev >= 64 || !raised[dev])) {
-      err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, C::kSmem);
-      if (err == cudaSuccess && dev < 64) raised[dev] = true;
-    }
-    if (err != cudaSuccess) return int(err);
+    constexpr auto kernel = &routed_kernel<C, decltype(tma_a), decltype(tma_b)>;
+    if (const int err = raise_smem_limit<kernel>(C::kSmem)) return err;
     kernel<<<grid, kThreads, C::kSmem, stream>>>(tma_a, tma_b, tma_b2, args);
     return int(cudaGetLastError());
   };

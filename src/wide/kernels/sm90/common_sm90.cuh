@@ -1,8 +1,10 @@
-// Element helpers shared by the sm_90a kernels: bf16 / fp16 rounding and packed pairs for 4-byte stores.
+// Helpers shared by the sm_90a kernels: bf16 / fp16 rounding, packed pairs for 4-byte stores, the launch's shared
+// memory limit.
 #pragma once
 
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
+#include <cuda_runtime.h>
 
 #include <cutlass/numeric_types.h>
 
@@ -24,5 +26,18 @@ struct Io<cutlass::half_t> {
   static __device__ __forceinline__ float round(float v) { return __half2float(__float2half_rn(v)); }
   static __device__ __forceinline__ Pair pack(float a, float b) { return __floats2half2_rn(a, b); }
 };
+
+// Raises Kernel's dynamic shared memory limit to bytes, once per device; returns a cudaError_t (0: done).
+template <auto Kernel>
+int raise_smem_limit(int bytes) {
+  static bool raised[64] = {};
+  int dev = 0;
+  cudaError_t err = cudaGetDevice(&dev);
+  if (err == cudaSuccess && (dev >= 64 || !raised[dev])) {
+    err = cudaFuncSetAttribute(Kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, bytes);
+    if (err == cudaSuccess && dev < 64) raised[dev] = true;
+  }
+  return int(err);
+}
 
 }  // namespace wide_sm90
