@@ -181,8 +181,10 @@ BENCH_LISTS = [("--sparsity", "0.5,1.5", "sparsity 1.5 is outside [0, 1)"), ("--
                ("--sparsity", "0.5,x", "'x' is not a number"), ("--G", "1.5", "'1.5' is not an integer"),
                ("--G", "8", "8 is below 16"), ("--G", "128,100", "group size 100 is not a power of two"),
                ("--sparsity", ",", "empty list"), ("--G", "64,,128", "'64,,128' has an empty item"),
-               ("--sparsity", "0.5,", "'0.5,' has an empty item"),
-               ("--time-budget", "-5", "-5 must be a finite number > 0")]
+               ("--sparsity", "0.5,", "'0.5,' has an empty item; give comma-separated sparsities in [0, 1), "
+                "e.g. 0,0.5"),
+               ("--G", ",", "integers >= 16, e.g. 16,32"), ("--time-budget", "-5", "-5 must be a finite number > 0"),
+               ("--tag", "../x", "'../x' is not a file stem; use letters, digits"), ("--tag", "..", "not a file stem")]
 
 CASES = [
     # --- usage errors (argparse): one line naming the command's --help -----------------------------------------
@@ -217,7 +219,8 @@ CASES = [
     *[case(f"bench e2e --trace-points {bad}", "argument --trace-points") for bad in
       ("prefill:1", "train:1:2048", "decode:0:2048", "decode:x:2048")],
     *[case(f"bench kernels {opt} {bad}", msg) for opt, bad, msg in (
-        ("--tokens", "-1", "-1 is below 1"), ("--decode-batch", "0", "0 is below 1"), ("--M", "1,2,", "empty item"))],
+        ("--tokens", "-1", "-1 is below 1"), ("--decode-batch", "0", "0 is below 1"), ("--M", "1,2,", "empty item"),
+        ("--ops", "gemm_mn,,swiglu", "e.g. gemm_mn,gemm_k"))],
 
     # --- --device, checked first by every command that takes it -----------------------------------------------
     *[case(f"{cmd} --model {{nowhere}} --device {dev} {extra}", *words, setup=lambda c, n=n: c.cuda(n),

@@ -90,10 +90,25 @@ def test_cute_refusals():
     k1 = torch.zeros(1, 2, 8, 128, dtype=torch.bfloat16, device=DEVICE)
     with pytest.raises(KernelArgumentError, match="Tq = 1 is decode attention"):
         routed_attention(q1, k1, k1, torch.ones(1, 1, 2, dtype=torch.bool, device=DEVICE), backend="cute")
+    q2 = torch.zeros(1, 4, 8, 128, dtype=torch.bfloat16, device=DEVICE)
+    with pytest.raises(KernelArgumentError, match="route must be \\[B=1, Tq=8, N_G\\] .*got \\(1, 5, 2\\)"):
+        routed_attention(q2, k1, k1, r[:, :5])
     if not HOPPER:
-        q2 = torch.zeros(1, 4, 8, 128, dtype=torch.bfloat16, device=DEVICE)
         with pytest.raises(KernelArgumentError, match="no sm_90 GPU"):
             routed_attention(q2, k1, k1, r, backend="cute")
+
+
+@pytest.mark.parametrize("value", ["bogus", "CUTE", "flash"])
+def test_backend_variable_is_checked(value, monkeypatch):
+    q = torch.zeros(1, 4, 8, 16, dtype=torch.float32, device=DEVICE)
+    r = torch.ones(1, 8, 2, dtype=torch.bool, device=DEVICE)
+    monkeypatch.setenv("WIDE_ATTN_BACKEND", value)
+    with pytest.raises(KernelArgumentError, match=f"WIDE_ATTN_BACKEND='{value}' is not allowed; allowed: 'triton', "
+                                                  "'cute', or unset / 'auto'"):
+        routed_attention(q, q, q, r)
+    for ok in ("", "auto", "triton", " triton "):
+        monkeypatch.setenv("WIDE_ATTN_BACKEND", ok)
+        assert routed_attention(q, q, q, r).shape == q.shape
 
 
 def test_triton_backend_runs_the_reference_semantics():

@@ -22,11 +22,13 @@ def _args(tmp_path, tag):
         ["--report-only", "--out-dir", str(tmp_path), "--tag", tag])
 
 
-def test_report_only(tmp_path):
+def test_report_only(tmp_path, capsys):
     recs = [_rec("gemm_mn", M, s, 1.0 + s) for M in (1, 64, 4096) for s in (0.0, 0.5)]
     recs.append(_rec("attention_prefill", 16384, 0.5, 1.9, T=4096))
     (tmp_path / "kernels_t.json").write_text(json.dumps(recs))
     assert bench.run(_args(tmp_path, "t")) == 0
+    assert capsys.readouterr().out.splitlines() == [
+        f"rebuilt the table and plot of 't' in {tmp_path} from {tmp_path / 'kernels_t.json'}"]
     md = (tmp_path / "kernels_t.md").read_text()
     assert md.count("| gemm_mn |") == 6 and "| attention_prefill | 16384 | 4 x 4096 |" in md
     pytest.importorskip("matplotlib")

@@ -96,6 +96,19 @@ def test_auto_takes_cute_above_direct_rows_and_graph_replay(built):
     check_close(out, gemm_mn_ref(x.double(), w.double(), route, G))
 
 
+@pytest.mark.parametrize("op", ["gemm_mn", "swiglu"])
+def test_backend_variable_is_checked(op, monkeypatch):
+    x = torch.zeros(8, 64, dtype=torch.float32, device=DEVICE)
+    w = torch.zeros(128, 64, dtype=torch.float32, device=DEVICE)
+    r = torch.ones(8, 2, dtype=torch.bool, device=DEVICE)
+    call = (lambda: gemm_mn(x, w, r, 64)) if op == "gemm_mn" else (lambda: swiglu(x, w, w, r, 64))
+    monkeypatch.setenv("WIDE_GEMM_BACKEND", "cutlass")
+    with pytest.raises(KernelArgumentError, match="WIDE_GEMM_BACKEND='cutlass' is not allowed"):
+        call()
+    monkeypatch.setenv("WIDE_GEMM_BACKEND", "triton")
+    assert call().shape == (8, 128)
+
+
 def test_backend_refusals():
     x = torch.zeros(8, 64, dtype=torch.bfloat16, device=DEVICE)
     w = torch.zeros(128, 64, dtype=torch.bfloat16, device=DEVICE)

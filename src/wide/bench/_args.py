@@ -7,12 +7,12 @@ import argparse
 import math
 
 
-def _items(s: str, what: str) -> list[str]:
+def _items(s: str, what: str, example: str) -> list[str]:
     items = [v.strip() for v in str(s).split(",")]
     if not any(items):
-        raise argparse.ArgumentTypeError(f"empty list; give one or more comma-separated {what}, e.g. 1,2")
+        raise argparse.ArgumentTypeError(f"empty list; give one or more comma-separated {what}, e.g. {example}")
     if not all(items):
-        raise argparse.ArgumentTypeError(f"{s!r} has an empty item; give comma-separated {what}, e.g. 1,2")
+        raise argparse.ArgumentTypeError(f"{s!r} has an empty item; give comma-separated {what}, e.g. {example}")
     return items
 
 
@@ -26,7 +26,8 @@ def _number(v: str, conv, what: str):
 def int_list(lo: int = 1):
     """Comma-separated integers >= ``lo``."""
     def parse(s):
-        out = [_number(v, int, f"an integer (comma-separated integers >= {lo})") for v in _items(s, "integers")]
+        out = [_number(v, int, f"an integer (comma-separated integers >= {lo})")
+               for v in _items(s, f"integers >= {lo}", f"{lo},{lo * 2}")]
         low = [x for x in out if x < lo]
         if low:
             raise argparse.ArgumentTypeError(f"{low[0]} is below {lo} (comma-separated integers >= {lo})")
@@ -46,7 +47,7 @@ def group_list(s):
 def sparsity_list(s):
     """Comma-separated sparsities in [0, 1)."""
     what = "a number (comma-separated sparsities in [0, 1))"
-    out = [_number(v, float, what) for v in _items(s, "sparsities in [0, 1)")]
+    out = [_number(v, float, what) for v in _items(s, "sparsities in [0, 1)", "0,0.5")]
     for x in out:
         if not (math.isfinite(x) and 0.0 <= x < 1.0):
             raise argparse.ArgumentTypeError(f"sparsity {x} is outside [0, 1)")
@@ -56,7 +57,7 @@ def sparsity_list(s):
 def choice_list(*choices: str):
     """Comma-separated names from ``choices``."""
     def parse(s):
-        out = _items(s, "names from " + ", ".join(choices))
+        out = _items(s, "names from " + ", ".join(choices), ",".join(choices[:2]))
         bad = [v for v in out if v not in choices]
         if bad:
             raise argparse.ArgumentTypeError(f"{', '.join(map(repr, bad))} not allowed; choose from "
@@ -107,4 +108,15 @@ def report_only(path: str, write_report, out_dir: str, tag: str) -> int:
     except KeyError as e:
         raise WideError(f"--report-only: a record of {path} lacks the field {e}; the file is not this "
                         "benchmark's output") from None
+    print(f"rebuilt the table and plot of {tag!r} in {out_dir} from {path}", flush=True)
     return 0
+
+
+def file_stem(s: str) -> str:
+    """A result file stem: letters, digits, ``.``, ``_`` and ``-`` (no path); an empty one is left to the command
+    line's empty-value check."""
+    import re
+
+    if s and not re.fullmatch(r"[A-Za-z0-9_.-]+", s) or s in (".", ".."):
+        raise argparse.ArgumentTypeError(f"{s!r} is not a file stem; use letters, digits, '.', '_' and '-'")
+    return s

@@ -19,7 +19,16 @@ import os
 import subprocess
 import time
 
-from wide.bench._args import choice_list, float_above, group_list, int_at_least, int_list, report_only, sparsity_list
+from wide.bench._args import (
+    choice_list,
+    file_stem,
+    float_above,
+    group_list,
+    int_at_least,
+    int_list,
+    report_only,
+    sparsity_list,
+)
 
 PAPER_SPLIT = (0.66, 0.285)  # attention / FFN sparsity at overall 0.4725 (§4.4)
 LLAMA8B = dict(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
@@ -89,7 +98,7 @@ def add_arguments(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
     p.add_argument("--smollm2-text", default=None, help="text the auto engine measures SmolLM2's per-layer activity "
                    "on (a --text spec of wide calibrate, e.g. a .jsonl/.txt file; default: the bundled text)")
     p.add_argument("--out-dir", default="benchmarks/e2e", help="where results go (default: benchmarks/e2e)")
-    p.add_argument("--tag", default="h200", help="result file stem e2e_<tag> (default: h200)")
+    p.add_argument("--tag", default="h200", type=file_stem, help="result file stem e2e_<tag> (default: h200)")
     p.add_argument("--time-budget", default=1e9, type=float_above(0), help="seconds; no new point past this")
     p.add_argument("--report-only", action="store_true", help="rebuild table and plot from the JSON")
     return p

@@ -26,7 +26,16 @@ import sys
 import time
 import zlib
 
-from wide.bench._args import choice_list, float_above, group_list, int_at_least, int_list, report_only, sparsity_list
+from wide.bench._args import (
+    choice_list,
+    file_stem,
+    float_above,
+    group_list,
+    int_at_least,
+    int_list,
+    report_only,
+    sparsity_list,
+)
 
 OPS = ("gemm_mn", "gemm_k", "swiglu", "attention_prefill", "attention_decode", "o_proj", "down_proj")
 LLAMA = dict(hidden=4096, ffn=14336, hq=32, hk=8, d=128)
@@ -54,7 +63,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     parser.add_argument("--tokens", default=16384, type=int_at_least(1),
                         help="B*T of the prefill-attention points: B = tokens / T sequences of T (default: 16384)")
     parser.add_argument("--out-dir", default="benchmarks/kernels", help="results folder (default: benchmarks/kernels)")
-    parser.add_argument("--tag", default="h200", help="result file stem kernels_<tag> (default: h200)")
+    parser.add_argument("--tag", default="h200", type=file_stem, help="result file stem kernels_<tag> (default: h200)")
     parser.add_argument("--time-budget", default=520.0, type=float_above(0),
                         help="seconds; the sweep stops (keeping what it measured) past this")
     parser.add_argument("--report-only", action="store_true", help="only rebuild table and plot from the JSON")

@@ -98,6 +98,18 @@ def fail(msg: str):
     raise KernelArgumentError(msg)
 
 
+BACKEND_CHOICES = ("auto", "triton", "cute")
+
+
+def env_backend(var: str) -> str:
+    """The kernel backend the environment variable ``var`` asks for: ``"auto"`` when unset or empty, else
+    ``"triton"`` or ``"cute"``.  Raises KernelArgumentError for any other value."""
+    value = os.environ.get(var, "").strip() or "auto"
+    if value not in BACKEND_CHOICES:
+        fail(f"{var}={value!r} is not allowed; allowed: 'triton', 'cute', or unset / 'auto'")
+    return value
+
+
 def _dt(d: torch.dtype) -> str:
     return str(d).replace("torch.", "")
 
@@ -236,8 +248,11 @@ def check_attention(q, k, v, route, left_pad) -> tuple:
         fail(f"head_dim d={D} must be a power of two in [16, 256]")
     check_tensor("route", route, 3, (torch.bool,))
     NG = route.shape[2]
-    if route.shape[:2] != (B, Tq) or NG == 0 or Hq % NG:
-        fail(f"route must be [B={B}, Tq={Tq}, N_G] with N_G dividing Hq={Hq}, got N_G={NG} in {tuple(route.shape)}")
+    if route.shape[:2] != (B, Tq):
+        fail(f"route must be [B={B}, Tq={Tq}, N_G] (q's batch and query length), got {tuple(route.shape)}")
+    if NG == 0 or Hq % NG:
+        fail(f"route's N_G={NG} must divide Hq={Hq} (each head group holds Hq / N_G query heads), got "
+             f"{tuple(route.shape)}")
     if left_pad is not None:
         check_tensor("left_pad", left_pad, 1, (torch.int32, torch.int64))
         if left_pad.shape[0] != B:

@@ -11,8 +11,6 @@ tuned config names it (``"attention": {"backend": "cute"}``); ``WIDE_ATTN_BACKEN
 :data:`LAST_BACKEND` names what the last prefill call ran.
 """
 
-import os
-
 import torch
 
 from wide.kernels import _common as common
@@ -135,7 +133,7 @@ if common.HAS_TRITON:
             tl.store(o_ptrs, res, mask=valid[:, None])
 
 
-BACKENDS = ("auto", "triton", "cute")
+BACKENDS = common.BACKEND_CHOICES
 LAST_BACKEND: dict[str, str] = {}  # "attention_prefill" -> what ran last: "cute", "triton" or "reference"
 
 
@@ -155,7 +153,7 @@ def cute_unsupported(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: tor
 
 
 def _wants_cute(backend: str, q: torch.Tensor) -> bool:
-    env = os.environ.get("WIDE_ATTN_BACKEND", "auto")
+    env = common.env_backend("WIDE_ATTN_BACKEND")
     if backend == "cute":
         return True
     if backend == "triton" or env == "triton" or not q.is_cuda:
@@ -181,6 +179,7 @@ def routed_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, route: t
     common.check_flag("causal", causal)
     if backend not in BACKENDS:
         common.fail(f"backend={backend!r} is not allowed; allowed: {', '.join(map(repr, BACKENDS))}")
+    common.env_backend("WIDE_ATTN_BACKEND")
     common.check_out(out, (B, Hq, Tq, D), q.dtype, q.device, q=q, k=k, v=v, route=route, left_pad=left_pad)
     if reordered is not None:
         reordered = common.check_reordered(reordered, (B, Tq, NG), route.device)

@@ -14,7 +14,6 @@ through the reorder index; a tile whose first sorted row is inactive only writes
 (N tile, K split) work of the groups some row executes; a tile's fp32 partials are summed in split order.
 """
 
-import os
 import warnings
 
 import torch
@@ -23,7 +22,7 @@ from wide.kernels import _common as common
 from wide.kernels import gemm_mn_ws, reference, sm90
 from wide.kernels.reorder import reorder
 
-BACKENDS = ("auto", "triton", "cute")
+BACKENDS = common.BACKEND_CHOICES
 LAST_BACKEND: dict[str, str] = {}  # op ("gemm_mn", "swiglu") -> what ran last: "cute", "triton" or "reference"
 _CUTE_FAILED: list = []  # a failed CuTe launch of an "auto" call: the process stays on Triton
 
@@ -367,13 +366,13 @@ def _cute(x, w, w2, route, G, reordered, out):
 
 def _gemm_mn(x, w, w2, route, G, reordered, out, backend="auto"):
     op = "gemm_mn" if w2 is None else "swiglu"
-    if backend == "auto" and os.environ.get("WIDE_GEMM_BACKEND") == "triton":
-        backend = "triton"
     if backend not in BACKENDS:
         common.fail(f"backend={backend!r} is not allowed; allowed: {', '.join(map(repr, BACKENDS))}")
+    env = common.env_backend("WIDE_GEMM_BACKEND")
+    if backend == "auto" and env == "triton":
+        backend = "triton"
     if backend == "cute" or (backend == "auto" and x.is_cuda and uses_reorder(x.shape[0], x.device)
-                             and (G in common.tuned_config(x.device)["gemm_mn"]["cute_G"][op]
-                                  or os.environ.get("WIDE_GEMM_BACKEND") == "cute")):
+                             and (G in common.tuned_config(x.device)["gemm_mn"]["cute_G"][op] or env == "cute")):
         why = cute_unsupported(x, w, w2, G, out) if x.is_cuda else f"x is on {x.device}, not an sm_90 GPU"
         if not why and backend == "cute":
             LAST_BACKEND[op] = "cute"
