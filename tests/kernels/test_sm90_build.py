@@ -43,6 +43,20 @@ def test_kernels_compile_for_sm90a(source, tmp_path):
     assert os.path.getsize(obj) > 0
 
 
+def test_attention_layouts_on_the_host(tmp_path):
+    # the S / O accumulator rows and the P registers as the A operand of P V, for every consumer thread (CuTe's
+    # layouts evaluated by a host program built from the kernel's own header)
+    include, nvcc = _toolchain()
+    exe = tmp_path / "layout"
+    src = os.path.join(os.path.dirname(os.path.abspath(__file__)), "sm90_attention_layout.cu")
+    r = subprocess.run([nvcc, "-std=c++17", "--expt-relaxed-constexpr", f"-I{include}", f"-I{sm90.HERE}", "-o",
+                        str(exe), src], capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, (r.stdout + r.stderr)[-4000:]
+    run = subprocess.run([str(exe)], capture_output=True, text=True, timeout=60)
+    # bf16 and fp16: 256 threads x (64 P values + 2 rows x (1 O row + 32 S values))
+    assert run.returncode == 0 and run.stdout.split() == ["ok", "33280", "ok", "33280"], run.stdout + run.stderr
+
+
 def test_every_source_is_compiled_here():
     assert sorted(KERNELS) == sorted(s for s in sm90.SOURCES if s.endswith(".cu"))
 

@@ -13,6 +13,7 @@
 // softmax sum and scatters the rows to their original positions; inactive rows and rows with no visible key get 0.
 
 #include "attention_sm90.h"
+#include "attention_sm90_config.cuh"
 #include "common_sm90.cuh"
 
 #include <cute/tensor.hpp>  // first: the atoms below need the whole of cute
@@ -31,45 +32,6 @@ namespace wide_sm90 {
 namespace attn {
 
 using namespace cute;
-
-constexpr int kD = 128;       // head dim
-constexpr int kBM = 128;      // query rows per CTA (64 per consumer warpgroup)
-constexpr int kBN = 128;      // keys per block
-constexpr int kStages = 2;    // K / V ring depth
-constexpr int kProducerThreads = 128;
-constexpr int kConsumerThreads = 256;
-constexpr int kThreads = kProducerThreads + kConsumerThreads;
-constexpr int kProducerRegs = 56;  // setmaxnreg split of the 64K registers
-constexpr int kConsumerRegs = 224;
-static_assert(kProducerThreads * kProducerRegs + kConsumerThreads * kConsumerRegs <= 65536, "register file");
-
-template <class T>
-struct Config {
-  using SmemLayoutQ = decltype(tile_to_shape(GMMA::Layout_K_SW128_Atom<T>{}, Shape<Int<kBM>, Int<kD>>{}));
-  using SmemLayoutK =
-      decltype(tile_to_shape(GMMA::Layout_K_SW128_Atom<T>{}, Shape<Int<kBN>, Int<kD>, Int<kStages>>{}));
-  // V as the (d, key) B operand of P V, d contiguous: the same bytes as a K-major (key, d) tile
-  using SmemLayoutVt = decltype(tile_to_shape(GMMA::Layout_MN_SW128_Atom<T>{},
-                                              Shape<Int<kD>, Int<kBN>, Int<kStages>>{}, Step<_2, _1, _3>{}));
-  using MmaQK = decltype(make_tiled_mma(GMMA::ss_op_selector<T, T, float, Shape<_64, Int<kBN>, Int<kD>>>(),
-                                        Layout<Shape<_2, _1, _1>>{}));
-  using MmaPV = decltype(make_tiled_mma(
-      GMMA::rs_op_selector<T, T, float, Shape<_64, Int<kD>, Int<kBN>>, GMMA::Major::K, GMMA::Major::MN>(),
-      Layout<Shape<_2, _1, _1>>{}));
-  struct Smem {
-    alignas(1024) T q[cosize_v<SmemLayoutQ>];
-    alignas(1024) T k[cosize_v<SmemLayoutK>];
-    alignas(1024) T v[cosize_v<SmemLayoutVt>];
-    alignas(8) uint64_t q_full;
-    alignas(8) uint64_t k_full[kStages];
-    alignas(8) uint64_t v_full[kStages];
-    alignas(8) uint64_t k_empty[kStages];
-    alignas(8) uint64_t v_empty[kStages];
-  };
-  static constexpr int kSmem = int(sizeof(Smem));
-  static constexpr uint32_t kBlockBytes = uint32_t(kBN * kD * sizeof(T));
-  static_assert(kSmem <= 227 * 1024, "shared memory of one CTA");
-};
 
 __device__ __forceinline__ float ex2(float x) {  // 2^x; ex2.approx(-inf) = +0
   float y;
@@ -211,13 +173,7 @@ __global__ void __launch_bounds__(kThreads, 1)
     static_assert(decltype(size<1>(acc_s))::value == 1 && decltype(size<2>(acc_s))::value == 1 &&
                       decltype(size<0>(acc_s))::value == kBN / 2 && decltype(size<0>(acc_o))::value == kD / 2,
                   "one 64-row wgmma atom per consumer warpgroup");
-    // P in the A-operand registers of P V: the accumulator's (col pair, row, 8-col block) values regrouped as
-    // (col pair, row, k half) x (16-key blocks); the same registers in the same order per thread
-    auto ls = acc_s.layout();
-    auto nb_stride = stride<0, 2>(ls);
-    auto lp = make_layout(make_layout(layout<0, 0>(ls), layout<0, 1>(ls), make_layout(_2{}, nb_stride)), layout<1>(ls),
-                          make_layout(Int<kBN / 16>{}, nb_stride * _2{}));
-    Tensor tSrP = make_tensor(acc_s.data(), lp);  // view of acc_s as P
+    Tensor tSrP = make_tensor(acc_s.data(), p_layout(acc_s.layout()));  // view of S as P (A operand of P V)
     Tensor tOrP = make_tensor_like<T>(tSrP);
     static_assert(decltype(size(tOrP))::value == decltype(size(acc_s))::value, "P holds every value of S");
 
