@@ -30,7 +30,9 @@ int check() {
     }
     for (int j = 0; j < size(tSrP); ++j, ++checked) {
       const float want = float(get<0>(tOcP(j)) * 1000 + get<1>(tOcP(j)));
-      if (tSrP(j) != want && bad++ < 5) std::printf("thread %d, P value %d: (row, key) code %g, want %g\n", tid, j, tSrP(j), want);
+      if (tSrP(j) != want && bad++ < 5) {
+        std::printf("thread %d, P value %d: (row, key) code %g, want %g\n", tid, j, tSrP(j), want);
+      }
     }
     const int lane = tid % 32, warp = tid / 32;
     for (int r = 0; r < 2; ++r) {

@@ -8,7 +8,7 @@ import pytest
 import torch
 from kernel_testutil import DEVICE, HOPPER, KINDS, check_close, gpu, hopper, make_mask, poisoned, randn, seed_for
 
-from wide.kernels import KernelArgumentError, reorder, routed_attention
+from wide.kernels import KernelArgumentError, reorder, routed_attention, sm90
 from wide.kernels.reference import attention_ref, head_route
 
 mod = importlib.import_module("wide.kernels.attention")
@@ -75,6 +75,25 @@ def test_engine_layout(built):
     k, v = (randn((B, T, Hk, 128), torch.bfloat16, gen).transpose(1, 2) for _ in range(2))
     route = make_mask("random", (B, T, 2), gen, 0.6)
     out = routed_attention(q, k, v, route, True, reordered=reorder(route), backend="cute")
+    check_close(out, attention_ref(q.double(), k.double(), v.double(), route, True))
+
+
+@gpu
+@hopper
+@pytest.mark.parametrize("pingpong", [False, True])
+@pytest.mark.parametrize("grid", [0, 3, 132])  # one CTA per tile; a persistent grid, 3 CTAs taking every 3rd tile
+def test_launch_variants(pingpong, grid, built):
+    # the ping-pong of the consumers and the persistent tile loop (the K / V ring and Q's barriers carried from tile
+    # to tile, tiles without an active row in between)
+    gen = seed_for("attn_sm90_variants", pingpong, grid)
+    B, Hq, Hk, T = 2, 8, 2, 700
+    q = randn((B, Hq, T, 128), torch.bfloat16, gen)
+    k, v = (randn((B, Hk, T, 128), torch.bfloat16, gen) for _ in range(2))
+    route = make_mask("random", (B, T, 4), gen, 0.4)
+    route[1, :, 3] = False  # a group with no active row: only zero tiles
+    r = reorder(route)
+    out = poisoned((B, Hq, T, 128), torch.bfloat16)
+    sm90.module(q.device).attention(q, k, v, r.index, r.counts, None, out, True, 128 ** -0.5, pingpong, grid)
     check_close(out, attention_ref(q.double(), k.double(), v.double(), route, True))
 
 

@@ -7,7 +7,8 @@ attention streams no later key.  ``Tq == 1`` runs :mod:`wide.kernels.decode_attn
 
 On an sm_90 GPU the CuTe kernel ``sm90/attention_sm90.cu`` (producer / consumer warpgroups, K / V by TMA, wgmma) runs
 the same computation for d = 128 where ``backend="cute"``, where ``WIDE_ATTN_BACKEND=cute`` is set, or where the GPU's
-tuned config names it (``"attention": {"backend": "cute"}``); ``WIDE_ATTN_BACKEND=triton`` keeps Triton.
+tuned config names it (``"attention": {"backend": "cute"}``, with ``cute_pingpong`` and ``cute_persistent`` choosing
+its launch); ``WIDE_ATTN_BACKEND=triton`` keeps Triton.
 :data:`LAST_BACKEND` names what the last prefill call ran.
 """
 
@@ -201,9 +202,10 @@ def routed_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, route: t
         reordered = reorder(route)
     if _wants_cute(backend, q) and not cute_unsupported(q, k, v, out):
         lp32 = None if left_pad is None else left_pad.clamp(0, Tk).to(torch.int32).contiguous()
-        pingpong = bool(common.tuned_config(q.device)["attention"].get("cute_pingpong", True))
+        tuned = common.tuned_config(q.device)["attention"]
+        grid = torch.cuda.get_device_properties(q.device).multi_processor_count if tuned.get("cute_persistent") else 0
         sm90.module(q.device).attention(q, k, v, reordered.index.contiguous(), reordered.counts.contiguous(), lp32,
-                                        out, bool(causal), float(scale), pingpong)
+                                        out, bool(causal), float(scale), bool(tuned.get("cute_pingpong", True)), grid)
         LAST_BACKEND["attention_prefill"] = "cute"
         return out
     LAST_BACKEND["attention_prefill"] = "triton"

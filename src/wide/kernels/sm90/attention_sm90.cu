@@ -52,33 +52,8 @@ __global__ void __launch_bounds__(kThreads, 1)
   constexpr float kInf = INFINITY;
 
   const int tid = int(threadIdx.x);
-  const int b = int(blockIdx.x) / a.Hq, h = int(blockIdx.x) % a.Hq;
-  const int mt = int(gridDim.y) - 1 - int(blockIdx.y);  // late (heavy, under causal masking) row tiles first
-  const int g = h / (a.Hq / a.NG), hk = h / (a.Hq / a.Hk);
-  const int m0 = mt * kBM;
-  const int cnt = __ldg(a.counts + b * a.NG + g);
-  const int32_t* col = a.index + int64_t(b) * a.Tq * a.NG + g;  // sorted row j of the group: col[j * NG]
-  T* out = static_cast<T*>(a.out) + b * a.sob + h * a.soh;
-
-  if (m0 >= cnt) {  // no row of the tile is active: 16-byte zeros to its original rows, indices loaded first
-    constexpr int kPieces = kD * int(sizeof(T)) / 16;  // per row
-    constexpr int kStep = kThreads / kPieces;          // rows per pass
-    constexpr int kPer = (kBM + kStep - 1) / kStep;
-    static_assert(kThreads % kPieces == 0, "one column piece per thread");
-    int64_t rows[kPer];
-    CUTE_UNROLL
-    for (int i = 0; i < kPer; ++i) {
-      const int r = tid / kPieces + kStep * i, j = m0 + r;
-      rows[i] = (r < kBM && j < a.Tq) ? int64_t(__ldg(col + int64_t(j) * a.NG)) : int64_t(-1);
-    }
-    CUTE_UNROLL
-    for (int i = 0; i < kPer; ++i) {
-      if (rows[i] >= 0) {
-        *reinterpret_cast<uint4*>(out + rows[i] * a.sot + (tid % kPieces) * 8) = make_uint4(0, 0, 0, 0);
-      }
-    }
-    return;
-  }
+  const int MT = (a.Tq + kBM - 1) / kBM, BH = a.B * a.Hq;
+  const int tiles = MT * BH;
 
   extern __shared__ __align__(1024) uint8_t smem_raw[];
   auto& sm = *reinterpret_cast<typename C::Smem*>(smem_raw);
@@ -87,75 +62,106 @@ __global__ void __launch_bounds__(kThreads, 1)
   Tensor sVt = make_tensor(make_smem_ptr(sm.v), typename C::SmemLayoutVt{});  // (D, BN, STAGES)
 
   if (tid == 0) {
-    FullBarrier::init(&sm.q_full, kProducerThreads);  // one arrival per gathering thread, when its pieces land
+    FullBarrier::init(&sm.q_full, kGatherThreads);  // one arrival per gathering thread, when its pieces land
+    EmptyBarrier::init(&sm.q_empty, 2);               // one arrival per consumer warpgroup
     CUTE_UNROLL
     for (int s = 0; s < kStages; ++s) {
       FullBarrier::init(&sm.k_full[s], 1);
       FullBarrier::init(&sm.v_full[s], 1);
-      EmptyBarrier::init(&sm.k_empty[s], 2);  // one arrival per consumer warpgroup
+      EmptyBarrier::init(&sm.k_empty[s], 2);
       EmptyBarrier::init(&sm.v_empty[s], 2);
     }
     cutlass::arch::fence_barrier_init();
   }
   __syncthreads();
 
-  // the tile's key blocks [n_min, n_max): from the left padding to the last active row's position
+  // Tile t: row tile MT - 1 - t / BH (late, heavy under causal masking, first) of (b, h) = t % BH.  The tile's key
+  // blocks [n_min, n_max) run from the left padding to the last active row's position; a tile with m0 >= cnt has no
+  // active row.
+  struct Tile {
+    int b, h, g, hk, m0, cnt, first_pos, lo, n_min, n_max;
+    const int32_t* col;  // sorted row j of the group: col[j * NG]
+  };
   const int delta = a.Tk - a.Tq;
-  const int lo = a.left_pad ? min(max(__ldg(a.left_pad + b), 0), a.Tk) : 0;
-  const int first_pos = __ldg(col + int64_t(m0) * a.NG) + delta;
-  const int last_pos = __ldg(col + int64_t(min(m0 + kBM, cnt) - 1) * a.NG) + delta;
-  const int hi = CAUSAL ? min(a.Tk, last_pos + 1) : a.Tk;
-  const int n_min = lo / kBN;
-  const int n_max = (hi + kBN - 1) / kBN;
+  auto tile_of = [&](int t) {
+    Tile x;
+    const int bh = t % BH;
+    x.b = bh / a.Hq;
+    x.h = bh % a.Hq;
+    x.g = x.h / (a.Hq / a.NG);
+    x.hk = x.h / (a.Hq / a.Hk);
+    x.m0 = (MT - 1 - t / BH) * kBM;
+    x.cnt = __ldg(a.counts + x.b * a.NG + x.g);
+    x.col = a.index + int64_t(x.b) * a.Tq * a.NG + x.g;
+    if (x.m0 < x.cnt) {
+      x.lo = a.left_pad ? min(max(__ldg(a.left_pad + x.b), 0), a.Tk) : 0;
+      x.first_pos = __ldg(x.col + int64_t(x.m0) * a.NG) + delta;
+      const int last_pos = __ldg(x.col + int64_t(min(x.m0 + kBM, x.cnt) - 1) * a.NG) + delta;
+      const int hi = CAUSAL ? min(a.Tk, last_pos + 1) : a.Tk;
+      x.n_min = x.lo / kBN;
+      x.n_max = (hi + kBN - 1) / kBN;
+    }
+    return x;
+  };
 
   if (cutlass::canonical_warp_group_idx() == 0) {  // producer
     cutlass::arch::warpgroup_reg_dealloc<kProducerRegs>();
-    // Q: thread tid gathers column piece tid % 16 of rows tid / 16 + 8 i, at their swizzled places
-    constexpr int kPieces = kD * int(sizeof(T)) / 16;
-    constexpr int kRows = kBM * kPieces / kProducerThreads;
-    static_assert(kProducerThreads % kPieces == 0, "one column piece per thread");
-    const int piece = tid % kPieces;
-    const T* q = static_cast<const T*>(a.q) + b * a.sqb + h * a.sqh + piece * 8;
-    int64_t rows[kRows];
-    CUTE_UNROLL
-    for (int i = 0; i < kRows; ++i) {
-      const int j = m0 + tid / kPieces + (kProducerThreads / kPieces) * i;
-      rows[i] = j < cnt ? int64_t(__ldg(col + int64_t(j) * a.NG)) : int64_t(-1);
-    }
-    CUTE_UNROLL
-    for (int i = 0; i < kRows; ++i) {
-      const int r = tid / kPieces + (kProducerThreads / kPieces) * i;
-      SM80_CP_ASYNC_CACHEGLOBAL_ZFILL<uint128_t>::copy(
-          *reinterpret_cast<const uint128_t*>(q + (rows[i] >= 0 ? rows[i] : 0) * a.sqt),
-          *reinterpret_cast<uint128_t*>(&sQ(r, piece * 8)), rows[i] >= 0);
-    }
-    cutlass::arch::cpasync_barrier_arrive_noinc(&sm.q_full);
-    if (tid == 0) {
+    if (tid == 0) {  // K / V of every block of every tile, by TMA
       prefetch_tma_descriptor(tma_k.get_tma_descriptor());
       prefetch_tma_descriptor(tma_v.get_tma_descriptor());
       Tensor mK = tma_k.get_tma_tensor(make_shape(a.Tk, int(kD), a.Hk, a.B));
-      Tensor gK = local_tile(mK(_, _, hk, b), Shape<Int<kBN>, Int<kD>>{}, make_coord(_, 0));  // (BN, D, blocks)
-      auto [tKgK, tKsK] = tma_partition(tma_k, Int<0>{}, Layout<_1>{}, group_modes<0, 2>(sK), group_modes<0, 2>(gK));
       Tensor mV = tma_v.get_tma_tensor(make_shape(int(kD), a.Tk, a.Hk, a.B));
-      Tensor gV = local_tile(mV(_, _, hk, b), Shape<Int<kD>, Int<kBN>>{}, make_coord(0, _));  // (D, BN, blocks)
-      auto [tVgV, tVsV] =
-          tma_partition(tma_v, Int<0>{}, Layout<_1>{}, group_modes<0, 2>(sVt), group_modes<0, 2>(gV));
       int stage = 0;
       uint32_t phase = 0;
-      for (int n = n_max - 1; n >= n_min; --n) {
-        EmptyBarrier::wait(&sm.k_empty[stage], phase ^ 1);
-        FullBarrier::arrive_and_expect_tx(&sm.k_full[stage], C::kBlockBytes);
-        copy(tma_k.with(sm.k_full[stage]), tKgK(_, n), tKsK(_, stage));
-        EmptyBarrier::wait(&sm.v_empty[stage], phase ^ 1);
-        FullBarrier::arrive_and_expect_tx(&sm.v_full[stage], C::kBlockBytes);
-        copy(tma_v.with(sm.v_full[stage]), tVgV(_, n), tVsV(_, stage));
-        if (++stage == kStages) {
-          stage = 0;
-          phase ^= 1;
+      for (int t = int(blockIdx.x); t < tiles; t += int(gridDim.x)) {
+        const Tile x = tile_of(t);
+        if (x.m0 >= x.cnt) continue;  // the consumers write its zeros
+        Tensor gK = local_tile(mK(_, _, x.hk, x.b), Shape<Int<kBN>, Int<kD>>{}, make_coord(_, 0));  // (BN, D, n)
+        auto [tKgK, tKsK] =
+            tma_partition(tma_k, Int<0>{}, Layout<_1>{}, group_modes<0, 2>(sK), group_modes<0, 2>(gK));
+        Tensor gV = local_tile(mV(_, _, x.hk, x.b), Shape<Int<kD>, Int<kBN>>{}, make_coord(0, _));  // (D, BN, n)
+        auto [tVgV, tVsV] =
+            tma_partition(tma_v, Int<0>{}, Layout<_1>{}, group_modes<0, 2>(sVt), group_modes<0, 2>(gV));
+        for (int n = x.n_max - 1; n >= x.n_min; --n) {
+          EmptyBarrier::wait(&sm.k_empty[stage], phase ^ 1);
+          FullBarrier::arrive_and_expect_tx(&sm.k_full[stage], C::kBlockBytes);
+          copy(tma_k.with(sm.k_full[stage]), tKgK(_, n), tKsK(_, stage));
+          EmptyBarrier::wait(&sm.v_empty[stage], phase ^ 1);
+          FullBarrier::arrive_and_expect_tx(&sm.v_full[stage], C::kBlockBytes);
+          copy(tma_v.with(sm.v_full[stage]), tVgV(_, n), tVsV(_, stage));
+          if (++stage == kStages) {
+            stage = 0;
+            phase ^= 1;
+          }
         }
       }
+    } else if (tid >= 32) {  // Q: the tile's row indices staged in shared memory, then 16-byte pieces by cp.async
+      constexpr int kPieces = kD * int(sizeof(T)) / 16;  // per row
+      const int gtid = tid - 32;
+      uint32_t q_phase = 0;
+      int buf = 0;
+      for (int t = int(blockIdx.x); t < tiles; t += int(gridDim.x)) {
+        const Tile x = tile_of(t);
+        if (x.m0 >= x.cnt) continue;
+        for (int r = gtid; r < kBM; r += kGatherThreads) {
+          const int j = x.m0 + r;
+          sm.rows[buf][r] = j < x.cnt ? __ldg(x.col + int64_t(j) * a.NG) : -1;
+        }
+        cutlass::arch::NamedBarrier::sync(kGatherThreads, 2);  // ids 0 and 1: the consumers' ping-pong
+        EmptyBarrier::wait(&sm.q_empty, q_phase ^ 1);            // the previous tile's last S has read Q
+        q_phase ^= 1;
+        const T* q = static_cast<const T*>(a.q) + x.b * a.sqb + x.h * a.sqh;
+        for (int e = gtid; e < kBM * kPieces; e += kGatherThreads) {  // consecutive threads: one row's pieces
+          const int r = e / kPieces, piece = e % kPieces, row = sm.rows[buf][r];
+          SM80_CP_ASYNC_CACHEGLOBAL_ZFILL<uint128_t>::copy(
+              *reinterpret_cast<const uint128_t*>(q + int64_t(row >= 0 ? row : 0) * a.sqt + piece * 8),
+              *reinterpret_cast<uint128_t*>(&sQ(r, piece * 8)), row >= 0);
+        }
+        cutlass::arch::cpasync_barrier_arrive_noinc(&sm.q_full);
+        buf ^= 1;
+      }
+      cp_async_wait<0>();
     }
-    cp_async_wait<0>();
   } else {  // consumers
     cutlass::arch::warpgroup_reg_alloc<kConsumerRegs>();
     const int ctid = tid - kProducerThreads;
@@ -177,20 +183,11 @@ __global__ void __launch_bounds__(kThreads, 1)
     Tensor tOrP = make_tensor_like<T>(tSrP);
     static_assert(decltype(size(tOrP))::value == decltype(size(acc_s))::value, "P holds every value of S");
 
-    // this thread's two rows (r, r + 8 of its warp's 16): original position, whether active
-    int qpos[2];
-    int64_t orow[2];
-    bool on[2];
-    CUTE_UNROLL
-    for (int r = 0; r < 2; ++r) {
-      const int j = m0 + int(get<0>(tScS(make_coord(0, r, 0), 0, 0)));
-      on[r] = j < cnt;
-      orow[r] = j < a.Tq ? int64_t(__ldg(col + int64_t(j) * a.NG)) : int64_t(-1);
-      qpos[r] = on[r] ? int(orow[r]) + delta : a.Tk;  // an inactive row: no causal limit (its output is 0)
-    }
     const float scale_log2 = a.scale * float(M_LOG2E);
-    float row_max[2] = {-kInf, -kInf}, row_sum[2] = {0.0f, 0.0f};
-    clear(acc_o);
+    // the tile's state: this thread's two rows (r, r + 8 of its warp's 16), their original row, position, whether
+    // active, running max and sum; the tile's left padding and first active position
+    int qpos[2], orow[2], lo = 0, first_pos = 0;
+    float row_max[2], row_sum[2];
 
     // masks S of key block n (MASK), updates the running max and sum, turns S into P; returns the rescale of O
     auto softmax = [&](int n, auto mask_tag, float (&alpha)[2]) {
@@ -278,65 +275,113 @@ __global__ void __launch_bounds__(kThreads, 1)
     const bool lead = ctid % 128 == 0;  // arrives on the empty barriers for its warpgroup
     const int cw = ctid / 128;           // consumer warpgroup 0 or 1
     if (PINGPONG && cw == 0) cutlass::arch::NamedBarrier::arrive(kConsumerThreads, 0);  // warpgroup 0 goes first
+    using Pair = typename Io<T>::Pair;
+    int stage = 0;
+    uint32_t phase = 0, q_phase = 0;
 
-    FullBarrier::wait(&sm.q_full, 0);
-    cutlass::arch::fence_view_async_shared();  // Q was written by cp.async (generic proxy); wgmma reads it async
-    if (n_max > n_min) {
-      int stage = 0;
-      uint32_t phase = 0;
-      float alpha[2];
-      int n = n_max - 1;
-      FullBarrier::wait(&sm.k_full[stage], phase);
-      issue_qk(stage);
-      warpgroup_wait<0>();
-      warpgroup_fence_operand(acc_s);
-      if (lead) EmptyBarrier::arrive(&sm.k_empty[stage]);
-      softmax_block(n, alpha);
-      to_p();
-      for (--n; n >= n_min; --n) {
-        const int v_stage = stage;  // P V of block n + 1 with S of block n
-        const uint32_t v_phase = phase;
-        if (++stage == kStages) {
+    for (int t = int(blockIdx.x); t < tiles; t += int(gridDim.x)) {
+      const Tile x = tile_of(t);
+      if (x.m0 >= x.cnt) {  // no row of the tile is active: 16-byte zeros to its original rows, indices loaded first
+        T* out = static_cast<T*>(a.out) + x.b * a.sob + x.h * a.soh;
+        constexpr int kPieces = kD * int(sizeof(T)) / 16;   // per row
+        constexpr int kStep = kConsumerThreads / kPieces;   // rows per pass
+        constexpr int kPer = kBM / kStep;
+        static_assert(kConsumerThreads % kPieces == 0 && kBM % kStep == 0, "whole rows, one column piece per thread");
+        int64_t rows[kPer];
+        CUTE_UNROLL
+        for (int i = 0; i < kPer; ++i) {
+          const int j = x.m0 + ctid / kPieces + kStep * i;
+          rows[i] = j < a.Tq ? int64_t(__ldg(x.col + int64_t(j) * a.NG)) : int64_t(-1);
+        }
+        CUTE_UNROLL
+        for (int i = 0; i < kPer; ++i) {
+          if (rows[i] >= 0) {
+            *reinterpret_cast<uint4*>(out + rows[i] * a.sot + (ctid % kPieces) * 8) = make_uint4(0, 0, 0, 0);
+          }
+        }
+        continue;
+      }
+      lo = x.lo;
+      first_pos = x.first_pos;
+      CUTE_UNROLL
+      for (int r = 0; r < 2; ++r) {
+        const int j = x.m0 + int(get<0>(tScS(make_coord(0, r, 0), 0, 0)));
+        orow[r] = j < a.Tq ? __ldg(x.col + int64_t(j) * a.NG) : -1;
+        qpos[r] = j < x.cnt ? orow[r] + delta : a.Tk;  // a.Tk: inactive, no causal limit (its output is 0)
+        row_max[r] = -kInf;
+        row_sum[r] = 0.0f;
+      }
+      clear(acc_o);
+      FullBarrier::wait(&sm.q_full, q_phase);
+      q_phase ^= 1;
+      cutlass::arch::fence_view_async_shared();  // Q was written by cp.async (generic proxy); wgmma reads it async
+      const int n_min = x.n_min;
+      if (x.n_max <= n_min && lead) EmptyBarrier::arrive(&sm.q_empty);  // no key block: Q is not read
+      if (x.n_max > n_min) {
+        float alpha[2];
+        int n = x.n_max - 1;
+        FullBarrier::wait(&sm.k_full[stage], phase);
+        issue_qk(stage);
+        warpgroup_wait<0>();
+        warpgroup_fence_operand(acc_s);
+        if (lead) {
+          EmptyBarrier::arrive(&sm.k_empty[stage]);
+          if (n == n_min) EmptyBarrier::arrive(&sm.q_empty);  // the tile's last S has read Q
+        }
+        softmax_block(n, alpha);
+        to_p();
+        for (--n; n >= n_min; --n) {
+          const int v_stage = stage;  // P V of block n + 1 with S of block n
+          const uint32_t v_phase = phase;
+          if (++stage == kStages) {
+            stage = 0;
+            phase ^= 1;
+          }
+          FullBarrier::wait(&sm.k_full[stage], phase);
+          if constexpr (PINGPONG) cutlass::arch::NamedBarrier::sync(kConsumerThreads, cw);  // this warpgroup's turn
+          issue_qk(stage);
+          FullBarrier::wait(&sm.v_full[v_stage], v_phase);
+          issue_pv(v_stage);
+          if constexpr (PINGPONG) cutlass::arch::NamedBarrier::arrive(kConsumerThreads, 1 - cw);  // the other's turn
+          warpgroup_wait<1>();  // S done; P V may still run
+          warpgroup_fence_operand(acc_s);
+          if (lead) {
+            EmptyBarrier::arrive(&sm.k_empty[stage]);
+            if (n == n_min) EmptyBarrier::arrive(&sm.q_empty);
+          }
+          softmax_block(n, alpha);
+          warpgroup_wait<0>();
+          warpgroup_fence_operand(acc_o);
+          if (lead) EmptyBarrier::arrive(&sm.v_empty[v_stage]);
+          to_p();
+          rescale_o(alpha);
+        }
+        FullBarrier::wait(&sm.v_full[stage], phase);
+        issue_pv(stage);
+        warpgroup_wait<0>();
+        warpgroup_fence_operand(acc_o);
+        if (lead) EmptyBarrier::arrive(&sm.v_empty[stage]);
+        if (++stage == kStages) {  // the next tile's first block
           stage = 0;
           phase ^= 1;
         }
-        FullBarrier::wait(&sm.k_full[stage], phase);
-        if constexpr (PINGPONG) cutlass::arch::NamedBarrier::sync(kConsumerThreads, cw);  // this warpgroup's turn
-        issue_qk(stage);
-        FullBarrier::wait(&sm.v_full[v_stage], v_phase);
-        issue_pv(v_stage);
-        if constexpr (PINGPONG) cutlass::arch::NamedBarrier::arrive(kConsumerThreads, 1 - cw);  // the other's turn
-        warpgroup_wait<1>();  // S done; P V may still run
-        warpgroup_fence_operand(acc_s);
-        if (lead) EmptyBarrier::arrive(&sm.k_empty[stage]);
-        softmax_block(n, alpha);
-        warpgroup_wait<0>();
-        warpgroup_fence_operand(acc_o);
-        if (lead) EmptyBarrier::arrive(&sm.v_empty[v_stage]);
-        to_p();
-        rescale_o(alpha);
       }
-      FullBarrier::wait(&sm.v_full[stage], phase);
-      issue_pv(stage);
-      warpgroup_wait<0>();
-      warpgroup_fence_operand(acc_o);
-      if (lead) EmptyBarrier::arrive(&sm.v_empty[stage]);
-    }
 
-    // epilogue: O / sum to the original rows; 0 for inactive rows and rows with no visible key
-    using Pair = typename Io<T>::Pair;
-    CUTE_UNROLL
-    for (int r = 0; r < 2; ++r) {
-      float sum = row_sum[r];
-      sum += __shfl_xor_sync(0xffffffffu, sum, 1);
-      sum += __shfl_xor_sync(0xffffffffu, sum, 2);
-      const float inv = (on[r] && sum > 0.0f) ? 1.0f / sum : 0.0f;
-      if (orow[r] >= 0) {
-        T* o = out + orow[r] * a.sot;
-        CUTE_UNROLL
-        for (int nb = 0; nb < kD / 8; ++nb) {
-          *reinterpret_cast<Pair*>(o + int(get<1>(tOcO(make_coord(0, r, nb), 0, 0)))) =
-              Io<T>::pack(acc_o(make_coord(0, r, nb), 0, 0) * inv, acc_o(make_coord(1, r, nb), 0, 0) * inv);
+      // epilogue: O / sum to the original rows; 0 for inactive rows and rows with no visible key
+      CUTE_UNROLL
+      for (int r = 0; r < 2; ++r) {
+        float sum = row_sum[r];
+        sum += __shfl_xor_sync(0xffffffffu, sum, 1);
+        sum += __shfl_xor_sync(0xffffffffu, sum, 2);
+        const float inv = (qpos[r] < a.Tk && sum > 0.0f) ? 1.0f / sum : 0.0f;
+        if (orow[r] >= 0) {
+          const int bh = t % BH;  // recomputed here: no register holds the output pointer through the tile
+          T* o = static_cast<T*>(a.out) + bh / a.Hq * a.sob + bh % a.Hq * a.soh + int64_t(orow[r]) * a.sot;
+          CUTE_UNROLL
+          for (int nb = 0; nb < kD / 8; ++nb) {
+            *reinterpret_cast<Pair*>(o + int(get<1>(tOcO(make_coord(0, r, nb), 0, 0)))) =
+                Io<T>::pack(acc_o(make_coord(0, r, nb), 0, 0) * inv, acc_o(make_coord(1, r, nb), 0, 0) * inv);
+          }
         }
       }
     }
@@ -355,7 +400,8 @@ int run(const AttentionArgs& a, cudaStream_t stream) {
   auto tma_v = make_tma_atom(SM90_TMA_LOAD{}, mV, typename C::SmemLayoutVt{}(_, _, 0), Shape<Int<kD>, Int<kBN>>{});
   constexpr auto kernel = &attention_kernel<T, CAUSAL, PINGPONG, decltype(tma_k), decltype(tma_v)>;
   if (const int err = raise_smem_limit<kernel>(C::kSmem)) return err;
-  const dim3 grid(unsigned(a.B * a.Hq), unsigned((a.Tq + kBM - 1) / kBM));
+  const int64_t tiles = int64_t(a.B) * a.Hq * ((a.Tq + kBM - 1) / kBM);
+  const dim3 grid(unsigned(a.grid_ctas > 0 && a.grid_ctas < tiles ? a.grid_ctas : tiles));
   kernel<<<grid, kThreads, C::kSmem, stream>>>(tma_k, tma_v, a);
   return int(cudaGetLastError());
 }
@@ -374,7 +420,7 @@ int launch_attention(int dtype, const AttentionArgs& a, cudaStream_t stream) {
   const auto aligned = [](const void* p, int bytes) { return reinterpret_cast<uintptr_t>(p) % bytes == 0; };
   const bool ok = (dtype == kBF16 || dtype == kFP16) && a.D == attn::kD && a.B >= 1 && a.Hk >= 1 &&
                   a.Hq % a.Hk == 0 && a.NG >= 1 && a.Hq % a.NG == 0 && a.Tq >= 1 && a.Tk >= a.Tq &&
-                  a.B * int64_t(a.Hq) <= 0x7fffffff && (a.Tq + attn::kBM - 1) / attn::kBM <= 65535 &&
+                  int64_t(a.B) * a.Hq * ((a.Tq + attn::kBM - 1) / attn::kBM) <= 0x7fffffff && a.grid_ctas >= 0 &&
                   aligned(a.q, 16) && aligned(a.k, 16) && aligned(a.v, 16) && aligned(a.out, 16) && a.sqt % 8 == 0 &&
                   a.sqh % 8 == 0 && a.sqb % 8 == 0 && a.skt % 8 == 0 && a.skh % 8 == 0 && a.skb % 8 == 0 &&
                   a.svt % 8 == 0 && a.svh % 8 == 0 && a.svb % 8 == 0 && a.sot % 8 == 0 && a.soh % 8 == 0 &&

@@ -22,8 +22,9 @@ struct AttentionArgs {
   const int32_t* left_pad;  // [B] or null: keys j < left_pad[b] masked (clamped to [0, Tk])
   int B, Hq, Hk, Tq, Tk, NG, D;
   float scale;  // softmax scale (multiplies q . k)
-  int causal;    // query i sits at key position i + Tk - Tq and sees keys j <= that position
-  int pingpong;  // the two consumer warpgroups take turns issuing their matrix products
+  int causal;     // query i sits at key position i + Tk - Tq and sees keys j <= that position
+  int pingpong;   // the two consumer warpgroups take turns issuing their matrix products
+  int grid_ctas;  // CTAs of the launch, each taking every grid_ctas-th tile (persistent); 0: one CTA per tile
 };
 
 // Launches on stream.  Requires d == 128, bf16 (dtype kBF16) or fp16 (kFP16), Hq % Hk == 0, Hq % N_G == 0,

@@ -17,11 +17,12 @@ constexpr int kD = 128;       // head dim
 constexpr int kBM = 128;      // query rows per CTA (64 per consumer warpgroup)
 constexpr int kBN = 128;      // keys per block
 constexpr int kStages = 2;    // K / V ring depth
-constexpr int kProducerThreads = 128;
+constexpr int kProducerThreads = 128;  // warp 0 streams K / V, warps 1-3 gather Q
+constexpr int kGatherThreads = 96;
 constexpr int kConsumerThreads = 256;
 constexpr int kThreads = kProducerThreads + kConsumerThreads;
-constexpr int kProducerRegs = 56;  // setmaxnreg split of the 64K registers
-constexpr int kConsumerRegs = 224;
+constexpr int kProducerRegs = 40;  // setmaxnreg split of the 64K registers
+constexpr int kConsumerRegs = 232;
 static_assert(kProducerThreads * kProducerRegs + kConsumerThreads * kConsumerRegs <= 65536, "register file");
 
 template <class T>
@@ -41,7 +42,9 @@ struct Config {
     alignas(1024) T q[cosize_v<SmemLayoutQ>];
     alignas(1024) T k[cosize_v<SmemLayoutK>];
     alignas(1024) T v[cosize_v<SmemLayoutVt>];
+    int32_t rows[2][kBM];  // the original rows of a tile's sorted rows (-1: inactive), two tiles in turn
     alignas(8) uint64_t q_full;
+    alignas(8) uint64_t q_empty;
     alignas(8) uint64_t k_full[kStages];
     alignas(8) uint64_t v_full[kStages];
     alignas(8) uint64_t k_empty[kStages];

@@ -33,10 +33,10 @@ void run(int64_t op, const at::Tensor& x, const at::Tensor& w, const c10::option
 
 // q [B, Hq, Tq, d], k / v [B, Hk, Tk, d] (unit stride on d), index int32 [B, Tq, N_G] and counts int32 [B, N_G]
 // (contiguous), left_pad int32 [B] (contiguous) or none, out [B, Hq, Tq, d]; the caller checked shapes, dtypes and
-// devices.
+// devices.  grid_ctas: a persistent grid of that many CTAs, or 0 for one CTA per 128-row tile.
 void attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& index,
                const at::Tensor& counts, const c10::optional<at::Tensor>& left_pad, at::Tensor& out, bool causal,
-               double scale, bool pingpong) {
+               double scale, bool pingpong, int64_t grid_ctas) {
   TORCH_CHECK(q.is_cuda() && q.dim() == 4 && k.dim() == 4 && v.dim() == 4 && out.dim() == 4 && index.dim() == 3,
               "wide sm90: 4-D CUDA q, k, v, out and a 3-D index expected");
   TORCH_CHECK(q.stride(3) == 1 && k.stride(3) == 1 && v.stride(3) == 1 && out.stride(3) == 1,
@@ -63,6 +63,7 @@ void attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, co
   a.scale = float(scale);
   a.causal = causal ? 1 : 0;
   a.pingpong = pingpong ? 1 : 0;
+  a.grid_ctas = int(grid_ctas);
   const int rc = wide_sm90::launch_attention(st == at::kBFloat16 ? wide_sm90::kBF16 : wide_sm90::kFP16, a,
                                              c10::cuda::getCurrentCUDAStream(q.device().index()).stream());
   TORCH_CHECK(rc == 0, "wide sm90 attention launch failed: ", cudaGetErrorString(cudaError_t(rc)));
