@@ -1,16 +1,19 @@
 // Routed prefill attention (paper Eq. 2, Algorithm 4) for sm_90a with CuTe, head dim 128.
 //
-// One CTA owns 128 sorted query rows of one (b, query head): the rows of the head's group g taken from the reorder
-// index, active rows first and, within them, in ascending original position.  A tile wholly past the group's active
-// count only writes zeros.  Otherwise warpgroup 0 produces: its 128 threads gather the tile's Q rows with cp.async
-// (inactive rows zero-filled, not read) into a 128-byte-swizzled tile, and one thread streams the K and V blocks of
-// the tile's key range by TMA into a two-stage ring (K and V with their own barriers).  Warpgroups 1 and 2 consume, 64
-// query rows each: S = Q K^T (wgmma, both operands in shared memory), the online softmax in registers, O += P V
-// (wgmma with P from registers).  S of block n is issued with P V of block n + 1, so the softmax of one block runs
-// while the tensor cores multiply the other.  Key blocks are visited from the last to the first: with causal masking
-// the diagonal band (masked element-wise) comes first, then unmasked blocks, and a left-padding boundary last.  The
-// last active row of a tile has its largest position, so no key after it is read.  The epilogue divides by the
-// softmax sum and scatters the rows to their original positions; inactive rows and rows with no visible key get 0.
+// A tile is 128 sorted query rows of one (b, query head): the rows of the head's group g taken from the reorder index,
+// active rows first and, within them, in ascending original position.  A CTA takes one tile, or every gridDim-th tile
+// of the list (persistent), late row tiles (the heavy ones under causal masking) first.  A tile wholly past the
+// group's active count only writes zeros.  Otherwise warpgroup 0 produces: warps 1-3 stage the tile's row indices in
+// shared memory and gather its Q rows with cp.async (inactive rows zero-filled, not read) into a 128-byte-swizzled
+// tile once the previous tile's last S has read Q; one thread of warp 0 streams the K and V blocks of the tile's key
+// range by TMA into a two-stage ring (K and V with their own barriers).  Warpgroups 1 and 2 consume, 64 query rows
+// each: S = Q K^T (wgmma, both operands in shared memory), the online softmax in registers, O += P V (wgmma with P
+// from registers).  S of block n is issued with P V of block n + 1, so the softmax of one block runs while the tensor
+// cores multiply the other; optionally the two warpgroups take turns issuing (ping-pong).  Key blocks are visited
+// from the last to the first: with causal masking the diagonal band (masked element-wise) comes first, then unmasked
+// blocks, and a left-padding boundary last.  The last active row of a tile has its largest position, so no key after
+// it is read.  The epilogue divides by the softmax sum and scatters the rows to their original positions; inactive
+// rows and rows with no visible key get 0.
 
 #include "attention_sm90.h"
 #include "attention_sm90_config.cuh"
