@@ -110,6 +110,9 @@ def test_cute_refusals():
     with pytest.raises(KernelArgumentError, match="Tq = 1 is decode attention"):
         routed_attention(q1, k1, k1, torch.ones(1, 1, 2, dtype=torch.bool, device=DEVICE), backend="cute")
     q2 = torch.zeros(1, 4, 8, 128, dtype=torch.bfloat16, device=DEVICE)
+    for scale in (0.0, -0.1):  # the kernel's softmax takes the row max of unscaled scores
+        with pytest.raises(KernelArgumentError, match=f"scale={scale}: it takes a positive softmax scale"):
+            routed_attention(q2, k1, k1, r, scale=scale, backend="cute")
     with pytest.raises(KernelArgumentError, match="route must be \\[B=1, Tq=8, N_G\\] .*got \\(1, 5, 2\\)"):
         routed_attention(q2, k1, k1, r[:, :5])
     if not HOPPER:

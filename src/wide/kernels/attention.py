@@ -138,16 +138,21 @@ BACKENDS = common.BACKEND_CHOICES
 LAST_BACKEND: dict[str, str] = {}  # "attention_prefill" -> what ran last: "cute", "triton" or "reference"
 
 
-def cute_unsupported(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor | None) -> str:
+def cute_unsupported(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor | None,
+                     scale: float | None = None) -> str:
     """Why the CuTe kernel cannot run these checked arguments ("" when it can)."""
     if q.dtype not in (torch.bfloat16, torch.float16) or q.shape[-1] != 128:
         return f"dtype {common._dt(q.dtype)}, d={q.shape[-1]}: it takes bfloat16 / float16 with d = 128"
+    if scale is not None and not scale > 0:
+        return f"scale={scale}: it takes a positive softmax scale"
     if not (q.is_cuda and torch.cuda.get_device_capability(q.device) == (9, 0)):
         return f"no sm_90 GPU ({q.device})"
     ts = (q, k, v) if out is None else (q, k, v, out)
-    if not all(t.stride(-1) == 1 and t.data_ptr() % 16 == 0 and all(st % 8 == 0 for st in t.stride()[:-1])
+    if not all(t.stride(-1) == 1 and t.data_ptr() % 16 == 0
+               and all(st % 8 == 0 and (st > 0 or n == 1) for st, n in zip(t.stride()[:-1], t.shape[:-1]))
                for t in ts):
-        return "q, k, v and out need unit stride on d, 16-byte aligned data and strides that are multiples of 8"
+        return ("q, k, v and out need unit stride on d, 16-byte aligned data and positive strides that are multiples "
+                "of 8")
     if not sm90.available(q.device):
         return "the CuTe kernels did not build here (see the warning)"
     return ""
@@ -185,9 +190,9 @@ def routed_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, route: t
     if reordered is not None:
         reordered = common.check_reordered(reordered, (B, Tq, NG), route.device)
     scale = common.softmax_scale(scale, D)
-    if backend == "cute" and (Tq == 1 or cute_unsupported(q, k, v, out)):
+    if backend == "cute" and (Tq == 1 or cute_unsupported(q, k, v, out, scale)):
         common.fail("backend='cute' cannot run this attention: "
-                    + ("Tq = 1 is decode attention" if Tq == 1 else cute_unsupported(q, k, v, out)))
+                    + ("Tq = 1 is decode attention" if Tq == 1 else cute_unsupported(q, k, v, out, scale)))
     if not common.use_triton(q):
         LAST_BACKEND["attention_prefill"] = "reference"
         res = reference.attention_ref(q, k, v, route, causal, left_pad, scale)
@@ -200,7 +205,7 @@ def routed_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, route: t
         return _decode_attention(q, k, v, route, left_pad, scale, out)
     if reordered is None:
         reordered = reorder(route)
-    if _wants_cute(backend, q) and not cute_unsupported(q, k, v, out):
+    if _wants_cute(backend, q) and not cute_unsupported(q, k, v, out, scale):
         lp32 = None if left_pad is None else left_pad.clamp(0, Tk).to(torch.int32).contiguous()
         tuned = common.tuned_config(q.device)["attention"]
         grid = torch.cuda.get_device_properties(q.device).multi_processor_count if tuned.get("cute_persistent") else 0

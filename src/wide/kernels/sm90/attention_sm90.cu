@@ -376,14 +376,17 @@ __global__ void __launch_bounds__(kThreads, 1)
         float sum = row_sum[r];
         sum += __shfl_xor_sync(0xffffffffu, sum, 1);
         sum += __shfl_xor_sync(0xffffffffu, sum, 2);
-        const float inv = (qpos[r] < a.Tk && sum > 0.0f) ? 1.0f / sum : 0.0f;
+        const bool keep = qpos[r] < a.Tk && sum > 0.0f;  // active, with a visible key
+        const float inv = keep ? 1.0f / sum : 0.0f;
         if (orow[r] >= 0) {
           const int bh = t % BH;  // recomputed here: no register holds the output pointer through the tile
           T* o = static_cast<T*>(a.out) + bh / a.Hq * a.sob + bh % a.Hq * a.soh + int64_t(orow[r]) * a.sot;
           CUTE_UNROLL
           for (int nb = 0; nb < kD / 8; ++nb) {
+            // selected, not multiplied: a non-finite value under an inactive row still gives exactly 0
             *reinterpret_cast<Pair*>(o + int(get<1>(tOcO(make_coord(0, r, nb), 0, 0)))) =
-                Io<T>::pack(acc_o(make_coord(0, r, nb), 0, 0) * inv, acc_o(make_coord(1, r, nb), 0, 0) * inv);
+                keep ? Io<T>::pack(acc_o(make_coord(0, r, nb), 0, 0) * inv, acc_o(make_coord(1, r, nb), 0, 0) * inv)
+                     : Io<T>::pack(0.0f, 0.0f);
           }
         }
       }
@@ -404,6 +407,7 @@ int run(const AttentionArgs& a, cudaStream_t stream) {
   constexpr auto kernel = &attention_kernel<T, CAUSAL, PINGPONG, decltype(tma_k), decltype(tma_v)>;
   if (const int err = raise_smem_limit<kernel>(C::kSmem)) return err;
   const int64_t tiles = int64_t(a.B) * a.Hq * ((a.Tq + kBM - 1) / kBM);
+  if (tiles == 0) return 0;
   const dim3 grid(unsigned(a.grid_ctas > 0 && a.grid_ctas < tiles ? a.grid_ctas : tiles));
   kernel<<<grid, kThreads, C::kSmem, stream>>>(tma_k, tma_v, a);
   return int(cudaGetLastError());
@@ -421,7 +425,9 @@ int attention_smem_bytes() { return attn::Config<cutlass::bfloat16_t>::kSmem; }
 
 int launch_attention(int dtype, const AttentionArgs& a, cudaStream_t stream) {
   const auto aligned = [](const void* p, int bytes) { return reinterpret_cast<uintptr_t>(p) % bytes == 0; };
-  const bool ok = (dtype == kBF16 || dtype == kFP16) && a.D == attn::kD && a.B >= 1 && a.Hk >= 1 &&
+  // the softmax takes the row max of the unscaled scores: a positive scale only
+  const bool ok = (dtype == kBF16 || dtype == kFP16) && a.D == attn::kD && a.B >= 1 && a.Hq >= 1 && a.Hk >= 1 &&
+                  a.scale > 0.0f &&
                   a.Hq % a.Hk == 0 && a.NG >= 1 && a.Hq % a.NG == 0 && a.Tq >= 1 && a.Tk >= a.Tq &&
                   int64_t(a.B) * a.Hq * ((a.Tq + attn::kBM - 1) / attn::kBM) <= 0x7fffffff && a.grid_ctas >= 0 &&
                   aligned(a.q, 16) && aligned(a.k, 16) && aligned(a.v, 16) && aligned(a.out, 16) && a.sqt % 8 == 0 &&

@@ -27,9 +27,9 @@ struct AttentionArgs {
   int grid_ctas;  // CTAs of the launch, each taking every grid_ctas-th tile (persistent); 0: one CTA per tile
 };
 
-// Launches on stream.  Requires d == 128, bf16 (dtype kBF16) or fp16 (kFP16), Hq % Hk == 0, Hq % N_G == 0,
-// 1 <= Tq <= Tk, 16-byte aligned q / k / v / out pointers and strides that are multiples of 8 elements.  Returns a
-// cudaError_t (cudaErrorInvalidValue: arguments it does not take).
+// Launches on stream.  Requires d == 128, bf16 (dtype kBF16) or fp16 (kFP16), scale > 0, Hq % Hk == 0,
+// Hq % N_G == 0, 1 <= Tq <= Tk, 16-byte aligned q / k / v / out pointers and strides that are multiples of 8
+// elements.  Returns a cudaError_t (cudaErrorInvalidValue: arguments it does not take).
 int launch_attention(int dtype, const AttentionArgs& args, cudaStream_t stream);
 
 // Dynamic shared memory (bytes) of one CTA of the attention kernel.
