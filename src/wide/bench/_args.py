@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import math
+import re
 
 
 def _items(s: str, what: str, example: str) -> list[str]:
@@ -115,8 +116,6 @@ def report_only(path: str, write_report, out_dir: str, tag: str) -> int:
 def file_stem(s: str) -> str:
     """A result file stem: letters, digits, ``.``, ``_`` and ``-`` (no path); an empty one is left to the command
     line's empty-value check."""
-    import re
-
     if s and not re.fullmatch(r"[A-Za-z0-9_.-]+", s) or s in (".", ".."):
         raise argparse.ArgumentTypeError(f"{s!r} is not a file stem; use letters, digits, '.', '_' and '-'")
     return s

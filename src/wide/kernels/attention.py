@@ -158,8 +158,9 @@ def cute_unsupported(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: tor
     return ""
 
 
-def _wants_cute(backend: str, q: torch.Tensor) -> bool:
-    env = common.env_backend("WIDE_ATTN_BACKEND")
+def _wants_cute(backend: str, env: str, q: torch.Tensor) -> bool:
+    """Whether a prefill call asks for the CuTe kernel: ``backend``, then ``env`` (``WIDE_ATTN_BACKEND``), then the
+    GPU's tuned config."""
     if backend == "cute":
         return True
     if backend == "triton" or env == "triton" or not q.is_cuda:
@@ -185,14 +186,15 @@ def routed_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, route: t
     common.check_flag("causal", causal)
     if backend not in BACKENDS:
         common.fail(f"backend={backend!r} is not allowed; allowed: {', '.join(map(repr, BACKENDS))}")
-    common.env_backend("WIDE_ATTN_BACKEND")
+    env = common.env_backend("WIDE_ATTN_BACKEND")
     common.check_out(out, (B, Hq, Tq, D), q.dtype, q.device, q=q, k=k, v=v, route=route, left_pad=left_pad)
     if reordered is not None:
         reordered = common.check_reordered(reordered, (B, Tq, NG), route.device)
     scale = common.softmax_scale(scale, D)
-    if backend == "cute" and (Tq == 1 or cute_unsupported(q, k, v, out, scale)):
-        common.fail("backend='cute' cannot run this attention: "
-                    + ("Tq = 1 is decode attention" if Tq == 1 else cute_unsupported(q, k, v, out, scale)))
+    cute = _wants_cute(backend, env, q)
+    why = ("Tq = 1 is decode attention" if Tq == 1 else cute_unsupported(q, k, v, out, scale)) if cute else ""
+    if backend == "cute" and why:
+        common.fail(f"backend='cute' cannot run this attention: {why}")
     if not common.use_triton(q):
         LAST_BACKEND["attention_prefill"] = "reference"
         res = reference.attention_ref(q, k, v, route, causal, left_pad, scale)
@@ -205,7 +207,7 @@ def routed_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, route: t
         return _decode_attention(q, k, v, route, left_pad, scale, out)
     if reordered is None:
         reordered = reorder(route)
-    if _wants_cute(backend, q) and not cute_unsupported(q, k, v, out, scale):
+    if cute and not why:
         lp32 = None if left_pad is None else left_pad.clamp(0, Tk).to(torch.int32).contiguous()
         tuned = common.tuned_config(q.device)["attention"]
         grid = torch.cuda.get_device_properties(q.device).multi_processor_count if tuned.get("cute_persistent") else 0

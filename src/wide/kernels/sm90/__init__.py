@@ -130,8 +130,8 @@ def _build():
 
 
 def module(device: torch.device | None = None):
-    """The built extension (``run``, ``smem_bytes``, ``attention``, ``attention_smem_bytes``) when ``device`` is an
-    sm_90 GPU and the build works, else None (with one warning line per process naming why)."""
+    """The built extension (``run``, ``smem_bytes``, ``attention``) when ``device`` is an sm_90 GPU and the build
+    works, else None (with one warning line per process naming why)."""
     if device is None or device.type != "cuda" or not torch.cuda.is_available():
         return None
     if torch.cuda.get_device_capability(device) != (9, 0):

@@ -421,8 +421,6 @@ int dispatch(const AttentionArgs& a, cudaStream_t stream) {
 
 }  // namespace attn
 
-int attention_smem_bytes() { return attn::Config<cutlass::bfloat16_t>::kSmem; }
-
 int launch_attention(int dtype, const AttentionArgs& a, cudaStream_t stream) {
   const auto aligned = [](const void* p, int bytes) { return reinterpret_cast<uintptr_t>(p) % bytes == 0; };
   // the softmax takes the row max of the unscaled scores: a positive scale only

@@ -32,7 +32,4 @@ struct AttentionArgs {
 // elements.  Returns a cudaError_t (cudaErrorInvalidValue: arguments it does not take).
 int launch_attention(int dtype, const AttentionArgs& args, cudaStream_t stream);
 
-// Dynamic shared memory (bytes) of one CTA of the attention kernel.
-int attention_smem_bytes();
-
 }  // namespace wide_sm90

@@ -75,5 +75,4 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("run", &run, "routed GEMM-MN / SwiGLU / dense SwiGLU on sm_90a");
   m.def("smem_bytes", &wide_sm90::smem_bytes, "dynamic shared memory of one CTA (op, G)");
   m.def("attention", &attention, "routed prefill attention on sm_90a (d = 128)");
-  m.def("attention_smem_bytes", &wide_sm90::attention_smem_bytes, "dynamic shared memory of one attention CTA");
 }
