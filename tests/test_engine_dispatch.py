@@ -7,7 +7,7 @@ import pytest
 
 from wide.inference.engine import naxis_dense_above
 
-TUNED = {"beside_skip_min": 0.15, "attn_dense_above": 0.69,
+TUNED = {"beside_skip_min": 0.15, "attn_crossover": {"4096": 0.7, "16384": 0.9},
          "naxis_crossover": {"swiglu": {"1024": {"32": 0.4, "128": 0.8}, "4096": {"32": 0.5, "128": 0.9}},
                              "gemm_mn": {"1024": {"128": 0.6, "512": 0.7}, "4096": {"128": 0.65, "512": 0.85}}}}
 
@@ -43,6 +43,25 @@ def test_the_shipped_tables_load():
         for op in ("gemm_mn", "swiglu"):
             for M in (1024, 3000, 16384, 1 << 20):
                 assert 0.0 <= naxis_dense_above(tuned, op, 128, M) <= 1.0
+
+
+@pytest.mark.parametrize("T,want", [
+    (4096, 0.7), (16384, 0.9), (8192, 0.8), (1, 0.7), (1 << 20, 0.9),  # halfway in log2 T; held beyond the ends
+    (5793, 0.7 + 0.2 * (math.log2(5793) - 12) / 2),
+])
+def test_attention_threshold(T, want):
+    from wide.inference.engine import attn_dense_above
+
+    assert attn_dense_above(TUNED, T) == pytest.approx(want)
+
+
+def test_the_shipped_attention_tables_load():
+    from wide.inference.engine import attn_dense_above
+    from wide.kernels import tuned_config
+
+    for device in ("cpu", None):
+        tuned = tuned_config(device)["engine"]
+        assert all(0.0 <= attn_dense_above(tuned, T) <= 1.0 for T in (1, 4096, 10000, 1 << 20))
 
 
 KAXIS = {"kaxis": {"o_proj": {"64": [[1.0, "dense"]], "4096": [[0.3, "gemm_k"], [0.5, "shared"]],

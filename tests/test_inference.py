@@ -163,7 +163,7 @@ def test_measured_activity_sets_the_auto_dispatch(reference_path):
 
     wm, ids, am = _wide(seed=13), *_padded(2, 70, 6, seed=13)
     auto = Engine(wm)
-    assert not any(auto.naxis_dense(k, 0, 140) for k in ("attn", "ffn")) and not auto.attn_dense(0)  # nothing measured
+    assert not any(auto.naxis_dense(k, 0, 140) for k in ("attn", "ffn")) and not auto.attn_dense(0, 70)  # nothing measured
     wm.record_masks = True
     wm(ids, attention_mask=am, position_ids=_positions(am))
     act = auto.measure_activity(ids, am)
@@ -173,11 +173,11 @@ def test_measured_activity_sets_the_auto_dispatch(reference_path):
         assert v == pytest.approx(float((wm.record.masks[k].double().mean(-1) * w).sum() / w.sum()), abs=1e-12)
     assert auto.expected_active == act and auto.masks == {} and not auto.record_masks
     auto.expected_active = {k: 1.0 for k in act}  # above every threshold: cuBLAS / SDPA from 5 rows
-    assert all(auto.naxis_dense(k, i, 140) for k, i in act) and auto.attn_dense(0)
+    assert all(auto.naxis_dense(k, i, 140) for k, i in act) and auto.attn_dense(0, 70)
     assert auto.naxis_dense("attn", 0, 16) and not auto.naxis_dense("ffn", 0, 16)  # 5-64 rows: Q dense, SwiGLU routed
     assert not auto.naxis_dense("ffn", 0, 4) and not auto.naxis_dense("attn", 0, 4)  # the decode GEMVs
     plain = Engine(wm.base)  # no routers: every group executes, no measurement needed
-    assert plain.naxis_dense("ffn", 0, 140) and plain.attn_dense(0) and not plain.naxis_dense("ffn", 0, 4)
+    assert plain.naxis_dense("ffn", 0, 140) and plain.attn_dense(0, 70) and not plain.naxis_dense("ffn", 0, 4)
     assert Engine(wm, ops="dense").measure_activity(ids, am) == {}
     eng = Engine(wm)
     eng.reset_stats()

@@ -40,3 +40,32 @@ def test_report_only_refuses_other_files(tmp_path, content, msg):
     (tmp_path / "kernels_u.json").write_text(json.dumps(content))
     with pytest.raises(WideError, match=msg):
         bench.run(_args(tmp_path, "u"))
+
+
+def _swept(op, wide_by_p, M=4096, G=128, T=None, commit="abc1234"):
+    """Records of one sweep with dense_ms 1 and the routed op's ms per executed fraction p = 1 - s."""
+    return [dict(_rec(op, M, round(1.0 - p, 6), 1.0 / w, T), G=G, commit=commit) for p, w in wide_by_p.items()]
+
+
+def test_crossovers_from_records():
+    """The executed fraction where the routed op's time meets the baseline's, by hand: interpolated between the two
+    fractions around it, extrapolated past the measured ones and clipped to [0, 1], one sweep per shape."""
+    recs = (_swept("attention_prefill", {0.3: 0.6, 0.5: 0.8, 1.0: 1.3}, T=4096)  # 0.5 + 0.5 * 0.2 / 0.5
+            + _swept("attention_prefill", {0.5: 0.9}, T=16384)  # one fraction: no crossover
+            + _swept("gemm_mn", {0.5: 0.5, 1.0: 0.9})  # wins at 1: 0.5 + 0.5 * 0.5 / 0.4 = 1.125, clipped
+            + _swept("gemm_mn", {0.5: 0.5, 1.0: 1.5}, M=1024, G=512, commit="old")
+            + _swept("gemm_mn", {0.5: 1.2, 1.0: 2.0}, M=1024, G=512)  # the later sweep: 0.5 - 0.2 * 0.5 / 0.8
+            + _swept("swiglu", {0.5: 0.9, 1.0: 0.7}) + _swept("swiglu", {0.5: 1.3, 1.0: 1.1}, G=512)  # not rising
+            + [dict(_rec("o_proj", 4096, s, 1.5), G=0) for s in (0.0, 0.5)])  # K-axis paths: a table of its own
+    got = bench.crossovers(recs)
+    assert got == {"attention_prefill": {"4096": pytest.approx(0.7)},
+                   "gemm_mn": {"1024": {"512": pytest.approx(0.375)}, "4096": {"128": 1.0}},
+                   "swiglu": {"4096": {"128": 1.0, "512": 0.0}}}
+    assert list(got["gemm_mn"]) == ["1024", "4096"]  # sizes in numeric order, as the tuned config lists them
+
+
+def test_report_lists_the_crossovers(tmp_path):
+    recs = _swept("attention_prefill", {0.5: 0.8, 1.0: 1.3}, T=4096)
+    bench.write_report(recs, str(tmp_path), "c")
+    md = (tmp_path / "kernels_c.md").read_text()
+    assert "## Crossovers" in md and '{"attention_prefill": {"4096": 0.7}}' in md

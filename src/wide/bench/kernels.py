@@ -332,6 +332,45 @@ def bench_attention(run: _Run, T: int, s: float, decode: bool = False) -> None:
     torch.cuda.empty_cache()
 
 
+def crossovers(records) -> dict:
+    """The engine's dispatch tables from benchmark records: per shape, the executed fraction ``p = 1 - s`` above which
+    the routed op is slower than its dense baseline.  ``{"attention_prefill": {T: p}, "gemm_mn": {M: {G: p}},
+    "swiglu": {M: {G: p}}}`` with string keys, the layout of the tuned config's ``attn_crossover`` and
+    ``naxis_crossover``; only shapes with records at two or more sparsities from one sweep (commit and backend; of
+    several sweeps of a shape, the last in ``records``).  Per shape the margin
+    ``wide_ms - dense_ms`` is interpolated linearly in ``p`` between neighbouring measured fractions (extrapolated
+    from the end segments) and ``p`` is its first rise through zero, clipped to [0, 1]: 1 where the routed op wins with
+    every group executed, 0 where it loses at every fraction."""
+    groups: dict = {}  # per shape and sweep (commit, backend), in file order
+    for r in records:
+        if r["op"] in ("attention_prefill", "gemm_mn", "swiglu"):
+            size, g = (r["T"], None) if r["op"] == "attention_prefill" else (r["M"], str(r["G"]))
+            key = (r["op"], str(size), g, r.get("commit"), r.get("backend"))
+            groups.setdefault(key, {})[1.0 - r["sparsity"]] = r["wide_ms"] - r["dense_ms"]
+    out: dict = {}
+    for (op, size, g, *_), margin in groups.items():
+        pts = sorted(margin.items())
+        if len(pts) < 2:
+            continue
+        # the first segment that ends above zero (else the last): interpolated inside it, extrapolated past the ends
+        (p0, m0), (p1, m1) = next((sg for sg in zip(pts, pts[1:]) if sg[1][1] > 0), (pts[-2], pts[-1]))
+        if m1 > m0:
+            cross = p0 - m0 * (p1 - p0) / (m1 - m0)
+        else:  # not rising: the routed op wins up to that segment's end if it wins there, else nowhere
+            cross = 1.0 if m1 <= 0 else 0.0
+        p = round(min(1.0, max(0.0, cross)), 3)
+        if g is None:
+            out.setdefault(op, {})[size] = p
+        else:
+            out.setdefault(op, {}).setdefault(size, {})[g] = p
+
+    def by_size(table: dict) -> dict:
+        return {k: by_size(v) if isinstance(v, dict) else v
+                for k, v in sorted(table.items(), key=lambda kv: int(kv[0]))}
+
+    return {op: by_size(table) for op, table in sorted(out.items())}
+
+
 def write_report(records, out_dir: str, tag: str) -> None:
     """``kernels_<tag>.md`` (one row per record) and ``kernels_<tag>.png`` (speedup per sparsity, ideal dashed)."""
     md = [f"# Routed kernels against their dense baselines ({tag})", "",
@@ -342,6 +381,13 @@ def write_report(records, out_dir: str, tag: str) -> None:
         md.append(f"| {r['op']} | {r['M']} | {bt} | {r['N']} | {r['K']} | {r['G']} | {r['sparsity']:.2f} | "
                   f"{r['dense_ms']:.4f} | {r['wide_ms']:.4f} | {r['speedup']:.3f} | {r['ideal']:.2f} | "
                   f"{r['baseline']} |")
+    cross = crossovers(records)
+    if cross:
+        md += ["", "## Crossovers", "",
+               "Executed fraction above which the dense baseline is faster (`wide.bench.kernels.crossovers`), the "
+               "tuned config's `engine.attn_crossover` (attention_prefill, per T) and `engine.naxis_crossover` "
+               "(per M, then G):", "",
+               "```json", json.dumps(cross), "```"]
     with open(os.path.join(out_dir, f"kernels_{tag}.md"), "w") as f:
         f.write("\n".join(md) + "\n")
     try:

@@ -73,13 +73,25 @@ def naxis_dense_above(tuned: dict, op: str, G: int, M: int, router_beside: bool 
     if M < 1024:
         return 0.93 if op == "swiglu" else (0.92 if G >= 256 else 0.80)
     table = {int(m): {int(g): p for g, p in by_g.items()} for m, by_g in tuned["naxis_crossover"][op].items()}
-    ms = sorted(table)
-    g = min(table[ms[0]], key=lambda c: (abs(math.log2(c) - math.log2(G)), c))
-    if M >= ms[-1]:
-        return table[ms[-1]][g]
-    lo, hi = max(m for m in ms if m <= M), min(m for m in ms if m > M)
-    w = (math.log2(M) - math.log2(lo)) / (math.log2(hi) - math.log2(lo))
-    return (1 - w) * table[lo][g] + w * table[hi][g]
+    g = min(table[min(table)], key=lambda c: (abs(math.log2(c) - math.log2(G)), c))
+    return _log2_interp({m: by_g[g] for m, by_g in table.items()}, M)
+
+
+def attn_dense_above(tuned: dict, T: int) -> float:
+    """Executed fraction of head groups above which prefill attention over a ``T``-token prompt runs as SDPA
+    (``tuned``: the tuned config's ``"engine"`` section): its measured ``attn_crossover`` (``{T: p}``, from
+    ``wide.bench.kernels.crossovers``) linear in ``log2 T``, held beyond its ends."""
+    return _log2_interp({int(t): p for t, p in tuned["attn_crossover"].items()}, T)
+
+
+def _log2_interp(points: dict[int, float], x: int) -> float:
+    """``points`` ``{size: value}`` at ``x``: linear in ``log2 size`` between neighbours, held beyond the ends."""
+    xs = sorted(points)
+    if x <= xs[0] or x >= xs[-1]:
+        return points[xs[0] if x <= xs[0] else xs[-1]]
+    lo, hi = max(k for k in xs if k <= x), min(k for k in xs if k > x)
+    w = (math.log2(x) - math.log2(lo)) / (math.log2(hi) - math.log2(lo))
+    return (1 - w) * points[lo] + w * points[hi]
 
 
 def sliding_window(hf_config) -> int | None:
@@ -181,7 +193,7 @@ class Layer(nn.Module):
         M, decode = B * T, f.phase == "decode"
         one = decode and e.qkv_one_launch(M, i)
         q_dense = not one and (e.ops == "dense" or e.naxis_dense("attn", i, M))
-        sdpa = not e.fast or (f.phase == "prefill" and (e.ops == "dense" or e.attn_dense(i)))
+        sdpa = not e.fast or (f.phase == "prefill" and (e.ops == "dense" or e.attn_dense(i, T)))
         beside = e.streams and self.attn_router is not None
         path = "dense" if e.ops == "dense" else e.kaxis_path("attn", i, M)  # O's
         if decode:  # the router reads h + add beside the norm, K / V and a cuBLAS Q
@@ -468,10 +480,10 @@ class Engine(nn.Module):
         return p > naxis_dense_above(self.tuned, "gemm_mn" if kind == "attn" else "swiglu",
                                      self.g_attn if kind == "attn" else self.g_ffn, M, beside)
 
-    def attn_dense(self, i: int) -> bool:
-        """Whether layer ``i``'s prefill attention runs as SDPA with the skipped head groups zeroed."""
+    def attn_dense(self, i: int, T: int) -> bool:
+        """Whether layer ``i``'s prefill attention over ``T`` tokens runs as SDPA with the skipped head groups zeroed."""
         p = self.expected_active.get(("attn", i))
-        return self.attn == "dense" or (self.attn == "auto" and p is not None and p > self.tuned["attn_dense_above"])
+        return self.attn == "dense" or (self.attn == "auto" and p is not None and p > attn_dense_above(self.tuned, T))
 
     def qkv_one_launch(self, M: int, i: int = 0) -> bool:
         """Whether a decode step of ``M`` rows runs Q, K and V as one GEMV launch (``gemv_mn`` with K and V as its
