@@ -163,7 +163,7 @@ def test_measured_activity_sets_the_auto_dispatch(reference_path):
 
     wm, ids, am = _wide(seed=13), *_padded(2, 70, 6, seed=13)
     auto = Engine(wm)
-    assert not any(auto.naxis_dense(k, 0, 140) for k in ("attn", "ffn")) and not auto.attn_dense(0, 70)  # nothing measured
+    assert not any(auto.naxis_dense(k, 0, 140) for k in ("attn", "ffn")) and not auto.attn_dense(0, 70)  # unmeasured
     wm.record_masks = True
     wm(ids, attention_mask=am, position_ids=_positions(am))
     act = auto.measure_activity(ids, am)

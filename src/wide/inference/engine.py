@@ -481,7 +481,7 @@ class Engine(nn.Module):
                                      self.g_attn if kind == "attn" else self.g_ffn, M, beside)
 
     def attn_dense(self, i: int, T: int) -> bool:
-        """Whether layer ``i``'s prefill attention over ``T`` tokens runs as SDPA with the skipped head groups zeroed."""
+        """Whether layer ``i``'s prefill attention over ``T`` tokens runs as SDPA, its skipped head groups zeroed."""
         p = self.expected_active.get(("attn", i))
         return self.attn == "dense" or (self.attn == "auto" and p is not None and p > attn_dense_above(self.tuned, T))
 
