@@ -52,6 +52,29 @@ def test_edges(op, G, M, dtype, shared, built):
 
 @gpu
 @hopper
+@pytest.mark.parametrize("op", ["gemm_mn", "swiglu"])
+@pytest.mark.parametrize("G", [128, 512])
+def test_runs_of_consecutive_rows(op, G, built):
+    """Tiles whose rows are consecutive token rows take TMA, the others the gather: group g executes the tokens from
+    50 g on (runs that start off a tile boundary), group 3 with a hole at token 400 (its tiles around it gather)."""
+    M, N, K = 600, 4 * G, 256
+    gen = seed_for("sm90_runs", op, G)
+    x = randn((M, K), torch.bfloat16, gen)
+    w, w2 = randn((N, K), torch.bfloat16, gen, 0.05), randn((N, K), torch.bfloat16, gen, 0.05)
+    route = torch.arange(M, device=DEVICE)[:, None] >= 50 * torch.arange(4, device=DEVICE)[None, :]
+    route[400, 3] = False
+    out = poisoned((M, N), torch.bfloat16)
+    if op == "gemm_mn":
+        gemm_mn(x, w, route, G, out=out, backend="cute")
+        check_close(out, gemm_mn_ref(x.double(), w.double(), route, G))
+    else:
+        swiglu(x, w, w2, route, G, out=out, backend="cute")
+        check_close(out, swiglu_ref(x.double(), w.double(), w2.double(), route, G))
+    assert (out[~expand_route(route, G)] == 0).all()
+
+
+@gpu
+@hopper
 @pytest.mark.parametrize("M", [1, 300, 1000])
 @pytest.mark.parametrize("K", [64, 4096])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])

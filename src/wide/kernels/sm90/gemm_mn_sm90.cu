@@ -1,7 +1,8 @@
 // Routed GEMM-MN (paper Algorithm 2) and the fused SwiGLU (Eq. 3) for sm_90a with CuTe: a persistent,
 // warp-specialized kernel.  Warpgroup 0 produces: each of its 128 threads gathers BM / 16 16-byte pieces of the token
 // rows of the (row tile, group) through the reorder index with cp.async (inactive rows zero-filled, not read) and
-// arrives on the stage's barrier when they land; one thread loads the weight tile(s) by TMA.  Warpgroups 1 and 2
+// arrives on the stage's barrier when they land; one thread loads the weight tile(s) by TMA, and the token tile too
+// where its rows are consecutive token rows (a run: every token of the span executes the group).  Warpgroups 1 and 2
 // consume: wgmma on half the tile's rows each, the epilogue scatters the rows back to their original positions and
 // writes zeros for rows past the group's active count; a row tile wholly past it only writes zeros (level-0 skip).
 // Tiles: 128 x 256 (G a multiple of 256) or 256 x 128 for gemm_mn, 128 x 128 with the gate and up weights for the
@@ -52,7 +53,8 @@ struct Config {
     alignas(8) uint64_t empty[STAGES];  // both consumer warpgroups have read the stage
   };
   static constexpr int kSmem = int(sizeof(Smem));
-  static constexpr uint32_t kTxBytes = uint32_t((NB * BN + (GATHER ? 0 : BM)) * kBK * sizeof(T));
+  static constexpr uint32_t kTxBytesA = uint32_t(BM * kBK * sizeof(T));  // a stage of A by TMA
+  static constexpr uint32_t kTxBytes = uint32_t(NB * BN * kBK * sizeof(T)) + (GATHER ? 0u : kTxBytesA);
   // 16-byte pieces of A per producer thread and stage: column piece tid % 8 of rows tid / 8 + 16 i
   static constexpr int kGatherRows = BM * kBK * int(sizeof(T)) / 16 / kProducerThreads;
   static_assert(cosize_v<SmemLayoutA> == BM * kBK * STAGES, "one stage of A is BM * kBK elements");
@@ -139,7 +141,7 @@ __global__ void __launch_bounds__(kThreads, 1)
     if (tid == 0) {
       prefetch_tma_descriptor(tma_b.get_tma_descriptor());
       if constexpr (C::NB == 2) prefetch_tma_descriptor(tma_b2.get_tma_descriptor());
-      if constexpr (!C::GATHER) prefetch_tma_descriptor(tma_a.get_tma_descriptor());
+      prefetch_tma_descriptor(tma_a.get_tma_descriptor());
     }
     // this thread's 16-byte pieces of a stage: column piece tid % 8 of rows tid / 8 + 16 i, at their swizzled
     // places (sA's pointer applies the 128-byte swizzle to the address, as TMA and the wgmma descriptors do); 16
@@ -157,12 +159,20 @@ __global__ void __launch_bounds__(kThreads, 1)
       const int cnt = C::GATHER ? __ldg(args.counts + g) : M;
       if (m0 >= cnt) continue;  // level 0: no row of the tile executes group g
       if constexpr (C::GATHER) {
+        // a run: the tile's BM rows are BM consecutive token rows (the active list of a group is increasing, so its
+        // ends tell), loaded by TMA as the dense kernel loads its tiles; the other producer threads only arrive
+        const int first = __ldg(args.index + int64_t(m0) * NG + g);
+        const bool run = m0 + BM <= cnt && __ldg(args.index + int64_t(m0 + BM - 1) * NG + g) - first == BM - 1;
+        Tensor gA = local_tile(domain_offset(make_coord(first, 0), tma_a.get_tma_tensor(make_shape(M, K))),
+                               Shape<Int<BM>, Int<kBK>>{}, make_coord(0, _));  // (BM, BK, KT)
+        auto [tAgA, tAsA] =
+            tma_partition(tma_a, Int<0>{}, Layout<_1>{}, group_modes<0, 2>(sA), group_modes<0, 2>(gA));
         const T* src[kRows];  // this thread's pieces of the gathered rows, advanced by one K step per stage
         uint32_t live = 0;    // bit i: row tid / 8 + 16 i is active (others zero-filled, not read)
         CUTE_UNROLL
         for (int i = 0; i < kRows; ++i) {
           const int j = m0 + tid / 8 + 16 * i;
-          const bool on = j < cnt;
+          const bool on = j < cnt && !run;
           const int64_t row = on ? int64_t(__ldg(args.index + int64_t(j) * NG + g)) : 0;
           src[i] = x + row * args.ldx + piece * 8;
           live |= uint32_t(on) << i;
@@ -170,17 +180,20 @@ __global__ void __launch_bounds__(kThreads, 1)
         for (int kt = 0; kt < KT; ++kt) {
           EmptyBarrier::wait(&sm.empty[stage], phase ^ 1);
           if (tid == 0) {
-            FullBarrier::arrive_and_expect_tx(&sm.full[stage], C::kTxBytes);
+            FullBarrier::arrive_and_expect_tx(&sm.full[stage], C::kTxBytes + (run ? C::kTxBytesA : 0u));
+            if (run) copy(tma_a.with(sm.full[stage]), tAgA(_, kt), tAsA(_, stage));
             copy(tma_b.with(sm.full[stage]), tBgB(_, nt, kt), tBsB(_, stage));
             if constexpr (C::NB == 2) copy(tma_b2.with(sm.full[stage]), tBgB2(_, nt, kt), tBsB2(_, stage));
           }
-          T* base = sm.a + stage * (BM * kBK) + soff;
-          CUTE_UNROLL
-          for (int i = 0; i < kRows; ++i) {
-            SM80_CP_ASYNC_CACHEGLOBAL_ZFILL<uint128_t>::copy(*reinterpret_cast<const uint128_t*>(src[i]),
-                                                             *reinterpret_cast<uint128_t*>(base + i * 16 * kBK),
-                                                             (live >> i) & 1u);
-            src[i] += kBK;
+          if (!run) {
+            T* base = sm.a + stage * (BM * kBK) + soff;
+            CUTE_UNROLL
+            for (int i = 0; i < kRows; ++i) {
+              SM80_CP_ASYNC_CACHEGLOBAL_ZFILL<uint128_t>::copy(*reinterpret_cast<const uint128_t*>(src[i]),
+                                                               *reinterpret_cast<uint128_t*>(base + i * 16 * kBK),
+                                                               (live >> i) & 1u);
+              src[i] += kBK;
+            }
           }
           cutlass::arch::cpasync_barrier_arrive_noinc(&sm.full[stage]);
           if (++stage == STAGES) {
@@ -330,13 +343,10 @@ int run(const Args& args, const void* w, const void* w2, int64_t ldw, int grid_c
     kernel<<<grid, kThreads, C::kSmem, stream>>>(tma_a, tma_b, tma_b2, args);
     return int(cudaGetLastError());
   };
-  if constexpr (C::GATHER) {
-    return go(tma_b);  // unused by the gathering kernel
-  } else {
-    auto x = make_tensor(make_gmem_ptr(static_cast<const T*>(args.x)), make_shape(args.M, args.K),
-                         make_stride(args.ldx, _1{}));
-    return go(make_tma_atom(SM90_TMA_LOAD{}, x, typename C::SmemLayoutA{}(_, _, 0), Shape<Int<C::BM>, Int<kBK>>{}));
-  }
+  // the token tile by TMA: every tile of the dense kernel, the runs of consecutive rows of the gathering one
+  auto x = make_tensor(make_gmem_ptr(static_cast<const T*>(args.x)), make_shape(args.M, args.K),
+                       make_stride(args.ldx, _1{}));
+  return go(make_tma_atom(SM90_TMA_LOAD{}, x, typename C::SmemLayoutA{}(_, _, 0), Shape<Int<C::BM>, Int<kBK>>{}));
 }
 
 template <class T>
