@@ -520,6 +520,9 @@ CASES = [
     *[case(f"bench {b} --report-only --out-dir {{out}} --tag x", "no results at", "--tag") for b in ("kernels", "e2e")],
     *[case(f"bench {b} --report-only --out-dir {{full}} --tag y", "is not a readable JSON file",
            setup=lambda c, b=b: (c["full"] / f"{b}_y.json").write_text("{not json")) for b in ("kernels", "e2e")],
+    *[case(f"{cmd} --model {{model}}", f"{var}='{value}' is not allowed", "'triton', 'cute'", before="weights",
+           setup=lambda c, var=var, value=value: c.mp.setenv(var, value))
+      for cmd, var, value in (("info", "WIDE_ATTN_BACKEND", "foo"), ("eval-ppl", "WIDE_GEMM_BACKEND", "cutlass"))],
 ]
 
 

@@ -25,6 +25,16 @@ def test_threshold(op, G, M, want):
     assert naxis_dense_above(TUNED, op, G, M) == pytest.approx(want)
 
 
+def test_a_table_without_every_g_at_every_m():
+    """The nearest G is taken per row count: 512 at 1024 rows, 128 (the only one) at 4096."""
+    tuned = {"naxis_crossover": {"gemm_mn": {"1024": {"128": 0.6, "512": 0.8}, "4096": {"128": 0.7}}}}
+    assert naxis_dense_above(tuned, "gemm_mn", 512, 1024) == pytest.approx(0.8)
+    assert naxis_dense_above(tuned, "gemm_mn", 512, 2048) == pytest.approx(0.75)
+    tuned["naxis_crossover"]["gemm_mn"]["1024"] = {"128": 0.6}
+    tuned["naxis_crossover"]["gemm_mn"]["4096"] = {"128": 0.7, "512": 0.9}
+    assert naxis_dense_above(tuned, "gemm_mn", 512, 4096) == pytest.approx(0.9)
+
+
 @pytest.mark.parametrize("M", [5, 8, 16, 32, 64])
 def test_few_row_swiglu_with_the_router_beside(M):
     """5-64 rows with the router beside cuBLAS's gate / up: routed only while the groups no row executes, (1 - p)^M,

@@ -42,26 +42,32 @@ def test_report_only_refuses_other_files(tmp_path, content, msg):
         bench.run(_args(tmp_path, "u"))
 
 
-def _swept(op, wide_by_p, M=4096, G=128, T=None, commit="abc1234"):
+def _swept(op, wide_by_p, M=4096, G=128, T=None, run_date="2026-01-01T10:00:00+00:00"):
     """Records of one sweep with dense_ms 1 and the routed op's ms per executed fraction p = 1 - s."""
-    return [dict(_rec(op, M, round(1.0 - p, 6), 1.0 / w, T), G=G, commit=commit) for p, w in wide_by_p.items()]
+    return [dict(_rec(op, M, round(1.0 - p, 6), 1.0 / w, T), G=G, run_date=run_date) for p, w in wide_by_p.items()]
 
 
 def test_crossovers_from_records():
     """The executed fraction where the routed op's time meets the baseline's, by hand: interpolated between the two
-    fractions around it, extrapolated past the measured ones and clipped to [0, 1], one sweep per shape."""
+    fractions around it, extrapolated past the measured ones and clipped to [0, 1]; per shape the latest sweep."""
+    later = "2026-01-02T09:00:00+00:00"
     recs = (_swept("attention_prefill", {0.3: 0.6, 0.5: 0.8, 1.0: 1.3}, T=4096)  # 0.5 + 0.5 * 0.2 / 0.5
             + _swept("attention_prefill", {0.5: 0.9}, T=16384)  # one fraction: no crossover
             + _swept("gemm_mn", {0.5: 0.5, 1.0: 0.9})  # wins at 1: 0.5 + 0.5 * 0.5 / 0.4 = 1.125, clipped
-            + _swept("gemm_mn", {0.5: 0.5, 1.0: 1.5}, M=1024, G=512, commit="old")
-            + _swept("gemm_mn", {0.5: 1.2, 1.0: 2.0}, M=1024, G=512)  # the later sweep: 0.5 - 0.2 * 0.5 / 0.8
+            + _swept("gemm_mn", {0.5: 1.2, 1.0: 2.0}, M=1024, G=512, run_date=later)  # 0.5 - 0.2 * 0.5 / 0.8
+            + _swept("gemm_mn", {0.5: 0.5, 1.0: 1.5}, M=1024, G=512)  # an earlier sweep, listed after it
+            + _swept("gemm_mn", {0.5: 0.5}, M=1024, G=512, run_date="2026-01-03T00:00:00+00:00")  # one point
             + _swept("swiglu", {0.5: 0.9, 1.0: 0.7}) + _swept("swiglu", {0.5: 1.3, 1.0: 1.1}, G=512)  # not rising
+            + _swept("swiglu", {0.5: 0.5, 1.0: 2.0}, M=64)  # below 1024 rows the engine reads no table
             + [dict(_rec("o_proj", 4096, s, 1.5), G=0) for s in (0.0, 0.5)])  # K-axis paths: a table of its own
     got = bench.crossovers(recs)
     assert got == {"attention_prefill": {"4096": pytest.approx(0.7)},
                    "gemm_mn": {"1024": {"512": pytest.approx(0.375)}, "4096": {"128": 1.0}},
                    "swiglu": {"4096": {"128": 1.0, "512": 0.0}}}
     assert list(got["gemm_mn"]) == ["1024", "4096"]  # sizes in numeric order, as the tuned config lists them
+    # two records at p = 0.5 (margins -0.3, -0.1: mean -0.2) and 0.2 at p = 1: 0.5 + 0.5 * 0.2 / 0.4
+    twice = _swept("attention_prefill", {0.5: 0.7, 1.0: 1.2}, T=4096) + _swept("attention_prefill", {0.5: 0.9}, T=4096)
+    assert bench.crossovers(twice) == {"attention_prefill": {"4096": pytest.approx(0.75)}}
 
 
 def test_report_lists_the_crossovers(tmp_path):
@@ -69,3 +75,23 @@ def test_report_lists_the_crossovers(tmp_path):
     bench.write_report(recs, str(tmp_path), "c")
     md = (tmp_path / "kernels_c.md").read_text()
     assert "## Crossovers" in md and '{"attention_prefill": {"4096": 0.7}}' in md
+
+
+@pytest.mark.parametrize("field,value", [("wide_ms", None), ("sparsity", "0.5"), ("sparsity", 1.0), ("G", None),
+                                         ("T", "drop")])
+def test_report_only_writes_nothing_from_a_bad_record(tmp_path, field, value):
+    recs = _swept("attention_prefill", {0.5: 0.8, 1.0: 1.3}, T=4096) + _swept("gemm_mn", {0.5: 0.5, 1.0: 0.9})
+    if value == "drop":
+        del recs[0][field]
+    else:
+        recs[0 if field != "G" else 2][field] = value
+    (tmp_path / "kernels_v.json").write_text(json.dumps(recs))
+    with pytest.raises(WideError, match="lacks the field|wrong type or out of range"):
+        bench.run(_args(tmp_path, "v"))
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["kernels_v.json"]
+
+
+def test_report_only_refuses_no_records(tmp_path):
+    (tmp_path / "kernels_e.json").write_text("[]")
+    with pytest.raises(WideError, match="holds no records"):
+        bench.run(_args(tmp_path, "e"))

@@ -89,9 +89,12 @@ def float_above(lo: float):
 
 def report_only(path: str, write_report, out_dir: str, tag: str) -> int:
     """``--report-only``: rebuild the table and plot of ``tag`` in ``out_dir`` from the records at ``path``; raises
-    WideError for a missing or unreadable file, or one that is not this benchmark's list of records."""
+    WideError for a missing or unreadable file, or one that is not this benchmark's list of records (then nothing in
+    ``out_dir`` is written: the report is built in a temporary folder and moved in whole)."""
     import json
     import os
+    import shutil
+    import tempfile
 
     from wide.errors import WideError
 
@@ -104,11 +107,19 @@ def report_only(path: str, write_report, out_dir: str, tag: str) -> int:
         raise WideError(f"--report-only: {path} is not a readable JSON file ({e})") from None
     if not isinstance(recs, list) or not all(isinstance(r, dict) for r in recs):
         raise WideError(f"--report-only: {path} holds a {type(recs).__name__}, not a list of JSON records")
-    try:
-        write_report(recs, out_dir, tag)
-    except KeyError as e:
-        raise WideError(f"--report-only: a record of {path} lacks the field {e}; the file is not this "
-                        "benchmark's output") from None
+    if not recs:
+        raise WideError(f"--report-only: {path} holds no records")
+    with tempfile.TemporaryDirectory(dir=out_dir or ".") as tmp:
+        try:
+            write_report(recs, tmp, tag)
+        except KeyError as e:
+            raise WideError(f"--report-only: a record of {path} lacks the field {e}; the file is not this "
+                            "benchmark's output") from None
+        except (TypeError, ValueError, ZeroDivisionError) as e:
+            raise WideError(f"--report-only: a record of {path} holds a value of the wrong type or out of range "
+                            f"({type(e).__name__}: {e}); the file is not this benchmark's output") from None
+        for name in os.listdir(tmp):
+            shutil.move(os.path.join(tmp, name), os.path.join(out_dir, name))
     print(f"rebuilt the table and plot of {tag!r} in {out_dir} from {path}", flush=True)
     return 0
 

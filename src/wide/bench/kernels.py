@@ -336,22 +336,29 @@ def crossovers(records) -> dict:
     """The engine's dispatch tables from benchmark records: per shape, the executed fraction ``p = 1 - s`` above which
     the routed op is slower than its dense baseline.  ``{"attention_prefill": {T: p}, "gemm_mn": {M: {G: p}},
     "swiglu": {M: {G: p}}}`` with string keys, the layout of the tuned config's ``attn_crossover`` and
-    ``naxis_crossover``; only shapes with records at two or more sparsities from one sweep (commit and backend; of
-    several sweeps of a shape, the last in ``records``).  Per shape the margin
-    ``wide_ms - dense_ms`` is interpolated linearly in ``p`` between neighbouring measured fractions (extrapolated
-    from the end segments) and ``p`` is its first rise through zero, clipped to [0, 1]: 1 where the routed op wins with
-    every group executed, 0 where it loses at every fraction."""
-    groups: dict = {}  # per shape and sweep (commit, backend), in file order
+    ``naxis_crossover`` (M from 1024 rows, as the engine reads it).  A sweep is the records of one run (commit,
+    backend, run date) of one shape (op, M or T, G, N, K, B); per shape the sweep with the latest run date and two or
+    more sparsities counts (several records at one sparsity: their mean margin).  Its margin ``wide_ms - dense_ms`` is
+    interpolated linearly in ``p`` between neighbouring measured fractions (extrapolated from the end segments) and
+    ``p`` is its first rise through zero, clipped to [0, 1]: 1 where the routed op wins with every group executed, 0
+    where it loses at every fraction."""
+    sweeps: dict = {}  # shape -> run -> p -> margins
     for r in records:
-        if r["op"] in ("attention_prefill", "gemm_mn", "swiglu"):
-            size, g = (r["T"], None) if r["op"] == "attention_prefill" else (r["M"], str(r["G"]))
-            key = (r["op"], str(size), g, r.get("commit"), r.get("backend"))
-            groups.setdefault(key, {})[1.0 - r["sparsity"]] = r["wide_ms"] - r["dense_ms"]
-    out: dict = {}
-    for (op, size, g, *_), margin in groups.items():
-        pts = sorted(margin.items())
-        if len(pts) < 2:
+        attn = r["op"] == "attention_prefill"
+        if not attn and (r["op"] not in ("gemm_mn", "swiglu") or r["M"] < 1024):
             continue
+        shape = (r["op"], str(r["T"] if attn else r["M"]), None if attn else str(r["G"]), r["N"], r["K"], r.get("B"))
+        run = (r.get("run_date") or r.get("date") or "", r.get("commit"), r.get("backend"))
+        margin = r["wide_ms"] - r["dense_ms"]
+        if math.isfinite(margin):
+            sweeps.setdefault(shape, {}).setdefault(run, {}).setdefault(1.0 - r["sparsity"], []).append(margin)
+    out: dict = {}
+    for (op, size, g, *_), runs in sweeps.items():
+        full = [run for run, by_p in runs.items() if len(by_p) >= 2]
+        if not full:
+            continue
+        by_p = runs[max(full, key=lambda run: run[0])]  # the latest run date (ties: the first listed)
+        pts = sorted((p, sum(ms) / len(ms)) for p, ms in by_p.items())
         # the first segment that ends above zero (else the last): interpolated inside it, extrapolated past the ends
         (p0, m0), (p1, m1) = next((sg for sg in zip(pts, pts[1:]) if sg[1][1] > 0), (pts[-2], pts[-1]))
         if m1 > m0:
@@ -384,9 +391,10 @@ def write_report(records, out_dir: str, tag: str) -> None:
     cross = crossovers(records)
     if cross:
         md += ["", "## Crossovers", "",
-               "Executed fraction above which the dense baseline is faster (`wide.bench.kernels.crossovers`), the "
-               "tuned config's `engine.attn_crossover` (attention_prefill, per T) and `engine.naxis_crossover` "
-               "(per M, then G):", "",
+               "Executed fraction above which the dense baseline is faster, from these records "
+               "(`wide.bench.kernels.crossovers`: per shape the latest sweep, with the backend it ran), in the layout "
+               "of the tuned config's `engine.attn_crossover` (attention_prefill, per T) and "
+               "`engine.naxis_crossover` (per M, then G):", "",
                "```json", json.dumps(cross), "```"]
     with open(os.path.join(out_dir, f"kernels_{tag}.md"), "w") as f:
         f.write("\n".join(md) + "\n")

@@ -92,6 +92,7 @@ def main(argv: list[str] | None = None) -> int:
         args.argv = raw
         name = f"wide {args.command}"
         from wide.hub import check_device
+        from wide.kernels._common import env_backend
         from wide.train.fsdp import launched_by_torchrun
     except KeyboardInterrupt:
         print(f"{name}: interrupted", file=sys.stderr)
@@ -99,6 +100,8 @@ def main(argv: list[str] | None = None) -> int:
     def run():
         train.take_saved_options(parser, args)  # --resume: options not given are the saved run's (device too)
         check_device(getattr(args, "device", None), "--device")  # every command with --device, before any work
+        for var in ("WIDE_GEMM_BACKEND", "WIDE_ATTN_BACKEND"):  # read by the kernels, checked before any work
+            env_backend(var)
         with _one_line_warnings(args.command):
             return args.func(args)
     if launched_by_torchrun():  # a torchrun worker: any rank's error ends the job with one line, no hang

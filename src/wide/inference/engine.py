@@ -65,16 +65,19 @@ def naxis_dense_above(tuned: dict, op: str, G: int, M: int, router_beside: bool 
     """Executed fraction above which the N-axis ``op`` ("gemm_mn": Q, "swiglu": gate + up) of ``M`` rows and group
     size ``G`` runs as cuBLAS (``tuned``: the tuned config's ``"engine"`` section).  From 1024 rows the measured
     ``naxis_crossover``, linear in ``log2 M`` at the nearest G in ``log2``; 65-1023 rows a fixed rule; up to 64 rows Q
-    dense, the SwiGLU routed, or with its router beside gate / up routed while ``(1 - p)^M > beside_skip_min``."""
+    dense, the SwiGLU routed, or with its router beside gate / up routed while ``(1 - p)^M > beside_skip_min``.  The
+    nearest G is taken per row count (ties: the lower), so a table need not list every G at every M."""
     if M <= 64:
         if op != "swiglu":
             return 0.0
         return 1.0 - tuned["beside_skip_min"] ** (1.0 / M) if router_beside and M > 4 else 1.0
     if M < 1024:
         return 0.93 if op == "swiglu" else (0.92 if G >= 256 else 0.80)
-    table = {int(m): {int(g): p for g, p in by_g.items()} for m, by_g in tuned["naxis_crossover"][op].items()}
-    g = min(table[min(table)], key=lambda c: (abs(math.log2(c) - math.log2(G)), c))
-    return _log2_interp({m: by_g[g] for m, by_g in table.items()}, M)
+
+    def nearest_g(by_g: dict) -> float:
+        return by_g[min(by_g, key=lambda c: (abs(math.log2(int(c)) - math.log2(G)), int(c)))]
+
+    return _log2_interp({int(m): nearest_g(by_g) for m, by_g in tuned["naxis_crossover"][op].items()}, M)
 
 
 def attn_dense_above(tuned: dict, T: int) -> float:
