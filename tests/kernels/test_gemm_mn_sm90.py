@@ -75,6 +75,30 @@ def test_runs_of_consecutive_rows(op, G, built):
 
 @gpu
 @hopper
+@pytest.mark.parametrize("op", ["gemm_mn", "swiglu"])
+@pytest.mark.parametrize("grid_ctas", [1, 2])
+def test_runs_and_gathers_share_the_stage_ring(op, grid_ctas, built):
+    """One or two CTAs take every tile, K = 512 (8 steps over 4 stages): TMA and gathered tiles follow each other
+    through the same stages, their phases and byte counts alternating."""
+    M, G, K = 600, 128, 512
+    N = 4 * G
+    gen = seed_for("sm90_ring", op, grid_ctas)
+    x = randn((M, K), torch.bfloat16, gen)
+    w, w2 = randn((N, K), torch.bfloat16, gen, 0.05), randn((N, K), torch.bfloat16, gen, 0.05)
+    route = torch.arange(M, device=DEVICE)[:, None] >= 50 * torch.arange(4, device=DEVICE)[None, :]
+    route[400, 3] = False
+    route[::7, 2] = False  # group 2 gathers throughout
+    r = reorder(route)
+    out = poisoned((M, N), torch.bfloat16)
+    sm90.module(x.device).run(sm90.OPS[op], x, w, w2 if op == "swiglu" else None, r.index, r.counts, out, G, 8,
+                              grid_ctas)
+    ref = (gemm_mn_ref(x.double(), w.double(), route, G) if op == "gemm_mn" else
+           swiglu_ref(x.double(), w.double(), w2.double(), route, G))
+    check_close(out, ref)
+
+
+@gpu
+@hopper
 @pytest.mark.parametrize("M", [1, 300, 1000])
 @pytest.mark.parametrize("K", [64, 4096])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])

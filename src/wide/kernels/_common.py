@@ -33,7 +33,9 @@ class KernelArgumentError(ValueError):
 
 class Reordered(NamedTuple):
     """Result of :func:`wide.kernels.reorder` (Eq. 7, Algorithm 1): ``index`` int32 ``[..., M, N_G]`` (original row of
-    each sorted row, active rows first), ``mask`` the sorted bool mask, ``counts`` int32 ``[..., N_G]`` active rows."""
+    each sorted row, active rows first, each column's active rows in ascending order: the sort is stable, and the CuTe
+    GEMM reads a column's ends to find runs of consecutive rows), ``mask`` the sorted bool mask, ``counts`` int32
+    ``[..., N_G]`` active rows."""
 
     index: torch.Tensor
     mask: torch.Tensor

@@ -172,10 +172,10 @@ __global__ void __launch_bounds__(kThreads, 1)
         CUTE_UNROLL
         for (int i = 0; i < kRows; ++i) {
           const int j = m0 + tid / 8 + 16 * i;
-          const bool on = j < cnt && !run;
+          const bool on = j < cnt;  // loaded beside the run check, not after it
           const int64_t row = on ? int64_t(__ldg(args.index + int64_t(j) * NG + g)) : 0;
           src[i] = x + row * args.ldx + piece * 8;
-          live |= uint32_t(on) << i;
+          live |= uint32_t(on && !run) << i;
         }
         for (int kt = 0; kt < KT; ++kt) {
           EmptyBarrier::wait(&sm.empty[stage], phase ^ 1);
