@@ -495,6 +495,28 @@ def test_cuda_engine_matches_the_masking_path_and_graphs_replay_eager():
 
 
 @cuda
+@pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability() != (9, 0),
+                    reason="needs an sm_90 GPU (H100 / H200)")
+@pytest.mark.parametrize("ops", ["dense", "routed"])
+def test_cuda_fused_dense_swiglu_matches_cublas(ops):
+    """bf16 on an sm_90 GPU: the dense gate / up as the fused CuTe SwiGLU (from one row here) gives the logits of two
+    cuBLAS GEMMs and the activation pass, the skipped groups zeroed in the routed engine's dense path."""
+    from wide.inference import Engine
+
+    wm = _cuda_wide(10)
+    ids = torch.randint(2, 128, (2, 40), device="cuda", generator=torch.Generator("cuda").manual_seed(10))
+    am = torch.ones_like(ids)
+    am[1, :7] = 0
+    out = []
+    for rows in (None, 1):
+        eng = Engine(wm, ops=ops, naxis="dense")
+        eng.fused_swiglu_min_rows = rows
+        out.append(eng.prefill(ids, am, eng.new_cache(2, 40), all_logits=True).float())
+    v = am.bool()
+    assert ((out[1] - out[0])[v].abs().max() / out[0][v].abs().max()).item() < 1e-2
+
+
+@cuda
 @pytest.mark.parametrize("naxis", ["auto", "dense"])
 @pytest.mark.parametrize("B", [1, 3, 6])
 def test_cuda_second_stream_changes_nothing(naxis, B):

@@ -40,8 +40,9 @@ ROUTED_OPS = ("q_proj", "qkv_gemv", "attend", "o_proj", "gate_up_dense", "gate_u
 ROUTING_OPS = ("attn_router", "attn_reorder", "ffn_router", "ffn_reorder")
 UNIT = "Eq. 6 group rate: mean of the attention and FFN skipped-group fractions"
 DEVICE = "cuda"  # the CPU dry run of the tests swaps it, with gpu_ms
-BASELINE = ("dense engine in the same process (cuBLAS projections, SDPA prefill attention, split-KV decode attention, "
-            "CUDA graphs); speedup = every routed op as its kernel, speedup_auto = the default dispatch")
+BASELINE = ("dense engine in the same process (cuBLAS projections, gate / up as the fused CuTe SwiGLU on sm_90 from "
+            "the tuned config's fused_swiglu_min_rows, SDPA prefill attention, split-KV decode attention, CUDA graphs);"
+            " speedup = every routed op as its kernel, speedup_auto = the default dispatch")
 
 
 def _trace_points(s):

@@ -32,6 +32,7 @@ from wide.kernels import (
     reorder,
     routed_attention,
     router_mask,
+    sm90,
     swiglu,
     tuned_config,
     zero_skipped_heads_,
@@ -242,11 +243,12 @@ class Layer(nn.Module):
         else:
             h, x = _norm(self.ln2, h, o)
             if n_dense and k_dense:  # only the activation reads the mask: the router beside gate / up
-                m, (g, u) = e.beside(lambda: self.route("ffn", h, f), lambda: self.gate_up_dense(x.view(M, D)), beside)
+                m, (g, u) = e.beside(lambda: self.route("ffn", h, f),
+                                     lambda: self.gate_up_dense(x.view(M, D), e.fused_swiglu(M)), beside)
             else:
                 m, flat, _ = self.route_reorder("ffn", h, f, not n_dense, False)
         route = m.view(M, -1) if m is not None else None
-        act = self.gate_up(x.view(M, D), route, flat, g, u, n_dense, e.g_ffn)
+        act = self.gate_up(x.view(M, D), route, flat, g, u, n_dense, e.g_ffn, e.fused_swiglu(M))
         order = self.token_order("ffn", m, path)
         return h, self.down_proj(act, route, "dense" if route is None else path, order, e.g_ffn).view(B, T, D)
 
@@ -366,16 +368,23 @@ class Layer(nn.Module):
         return o + self.bo if self.bo is not None else o
 
     @_op
-    def gate_up_dense(self, x):
+    def gate_up_dense(self, x, fused: bool):
+        """Dense gate / up of ``x [M, D]``: ``(gate, up)`` by cuBLAS, or with ``fused`` ``(silu(gate) * up, None)`` by
+        the fused CuTe SwiGLU."""
+        if fused:
+            return sm90.dense_swiglu(x, self.wg, self.wu), None
         return F.linear(x, self.wg), F.linear(x, self.wu)
 
     @_op
-    def gate_up(self, x, route, flat, g, u, n_dense: bool, G: int):
-        """``silu(gate(x)) * up(x)`` with the skipped groups zero (``g``, ``u``: gate / up already computed)."""
+    def gate_up(self, x, route, flat, g, u, n_dense: bool, G: int, fused: bool):
+        """``silu(gate(x)) * up(x)`` with the skipped groups zero (``g``, ``u``: :meth:`gate_up_dense`'s output, if
+        already computed; ``fused``: the dense path as the fused SwiGLU)."""
         if not n_dense:
             return swiglu(x, self.wg, self.wu, route, G, reordered=flat)
         if g is None:
-            g, u = F.linear(x, self.wg), F.linear(x, self.wu)
+            g, u = self.gate_up_dense(x, fused)
+        if u is None:  # the fused SwiGLU's activation: only the skipped groups to zero
+            return g if route is None else g.view(g.shape[0], -1, G).mul_(route.unsqueeze(-1)).view(g.shape)
         return F.silu(g) * u if route is None else masked_swiglu_act(g, u, route, G)
 
     @_op
@@ -450,6 +459,12 @@ class Engine(nn.Module):
         self.qkv_group = self.g_attn if kv % self.g_attn == 0 else (gcd if ops == "dense" and gcd % 16 == 0 else None)
         self.fast = use_triton(p)
         self.streams = self.fast and self.device.type == "cuda" and ops == "routed"
+        # dense gate / up from this many rows as the fused CuTe SwiGLU (sm_90), where it beats two cuBLAS GEMMs and
+        # the activation pass: the dense engine's baseline and the routed engine's dense path (None: never)
+        rows = self.tuned.get("fused_swiglu_min_rows")
+        self.fused_swiglu_min_rows = rows if (
+            rows is not None and self.fast and self.dtype in (torch.bfloat16, torch.float16)
+            and d.hidden_size % 64 == 0 and d.intermediate_size % 128 == 0 and sm90.available(self.device)) else None
         self.expected_active = {(kind, i): 1.0 for kind, r in (("attn", attn_r[0]), ("ffn", ffn_r[0])) if r is None
                                 for i in range(L)}  # an unrouted kind executes every group
         self.record_masks, self.masks, self._ones, self._side = False, {}, {}, None
@@ -482,6 +497,10 @@ class Engine(nn.Module):
         beside = kind == "ffn" and self.streams and self.layers[i].ffn_router is not None
         return p > naxis_dense_above(self.tuned, "gemm_mn" if kind == "attn" else "swiglu",
                                      self.g_attn if kind == "attn" else self.g_ffn, M, beside)
+
+    def fused_swiglu(self, M: int) -> bool:
+        """Whether a dense gate / up of ``M`` rows runs as the fused CuTe SwiGLU (:meth:`Layer.gate_up_dense`)."""
+        return self.fused_swiglu_min_rows is not None and M >= self.fused_swiglu_min_rows
 
     def attn_dense(self, i: int, T: int) -> bool:
         """Whether layer ``i``'s prefill attention over ``T`` tokens runs as SDPA, its skipped head groups zeroed."""
