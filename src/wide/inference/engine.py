@@ -37,7 +37,7 @@ from wide.kernels import (
     tuned_config,
     zero_skipped_heads_,
 )
-from wide.kernels._common import use_triton
+from wide.kernels._common import env_backend, use_triton
 from wide.kernels.gemm_mn import uses_reorder
 from wide.kernels.o_proj import o_proj as shared_order_gemm_k
 from wide.kernels.rmsnorm import add_rmsnorm
@@ -462,8 +462,9 @@ class Engine(nn.Module):
         # dense gate / up from this many rows as the fused CuTe SwiGLU (sm_90), where it beats two cuBLAS GEMMs and
         # the activation pass: the dense engine's baseline and the routed engine's dense path (None: never)
         rows = self.tuned.get("fused_swiglu_min_rows")
-        self.fused_swiglu_min_rows = rows if (
+        self.fused_swiglu_min_rows = rows if (  # WIDE_GEMM_BACKEND=triton: no CuTe kernel at all
             rows is not None and self.fast and self.dtype in (torch.bfloat16, torch.float16)
+            and env_backend("WIDE_GEMM_BACKEND") != "triton"
             and d.hidden_size % 64 == 0 and d.intermediate_size % 128 == 0 and sm90.available(self.device)) else None
         self.expected_active = {(kind, i): 1.0 for kind, r in (("attn", attn_r[0]), ("ffn", ffn_r[0])) if r is None
                                 for i in range(L)}  # an unrouted kind executes every group
