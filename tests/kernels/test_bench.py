@@ -95,3 +95,14 @@ def test_report_only_refuses_no_records(tmp_path):
     (tmp_path / "kernels_e.json").write_text("[]")
     with pytest.raises(WideError, match="holds no records"):
         bench.run(_args(tmp_path, "e"))
+
+
+def test_records_name_the_backend_variables_in_their_command(monkeypatch):
+    from wide.bench._args import command_line
+
+    args = argparse.Namespace(argv=["bench", "kernels", "--ops", "attention_prefill"])
+    monkeypatch.delenv("WIDE_GEMM_BACKEND", raising=False)
+    monkeypatch.setenv("WIDE_ATTN_BACKEND", "cute")
+    assert command_line("kernels", args) == "WIDE_ATTN_BACKEND=cute wide bench kernels --ops attention_prefill"
+    monkeypatch.delenv("WIDE_ATTN_BACKEND")
+    assert command_line("e2e", argparse.Namespace(argv=["bench", "e2e"])) == "wide bench e2e"

@@ -130,3 +130,12 @@ def file_stem(s: str) -> str:
     if s and not re.fullmatch(r"[A-Za-z0-9_.-]+", s) or s in (".", ".."):
         raise argparse.ArgumentTypeError(f"{s!r} is not a file stem; use letters, digits, '.', '_' and '-'")
     return s
+
+
+def command_line(name: str, args) -> str:
+    """The benchmark's command as run, for its records: the kernel backend variables that were set, then
+    ``wide bench <name>`` and its options."""
+    import os
+
+    env = [f"{v}={os.environ[v]}" for v in ("WIDE_GEMM_BACKEND", "WIDE_ATTN_BACKEND") if os.environ.get(v)]
+    return " ".join([*env, "wide", "bench", name, *getattr(args, "argv", [])[2:]])

@@ -21,6 +21,7 @@ import time
 
 from wide.bench._args import (
     choice_list,
+    command_line,
     file_stem,
     float_above,
     group_list,
@@ -211,7 +212,7 @@ class Run:
                          commit=git("rev-parse", "--short", "HEAD") or "unknown",
                          date=git("show", "-s", "--format=%cs", "HEAD") or datetime.date.today().isoformat(),
                          run_date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-                         command="wide bench e2e " + " ".join(getattr(args, "argv", [])[2:]),
+                         command=command_line("e2e", args),
                          backend=f"triton {triton.__version__}, torch {torch.__version__}, CUDA {torch.version.cuda}, "
                                  f"transformers {transformers.__version__}")
 

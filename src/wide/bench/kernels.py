@@ -28,6 +28,7 @@ import zlib
 
 from wide.bench._args import (
     choice_list,
+    command_line,
     file_stem,
     float_above,
     group_list,
@@ -102,7 +103,7 @@ class _Run:
                          commit=git("rev-parse", "--short", "HEAD") or "unknown",
                          date=git("show", "-s", "--format=%cs", "HEAD") or datetime.date.today().isoformat(),
                          run_date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-                         command="wide bench kernels " + " ".join(getattr(args, "argv", [])[2:]),
+                         command=command_line("kernels", args),
                          backend=f"triton {triton.__version__}, torch {torch.__version__}, CUDA {torch.version.cuda}")
 
     def over_budget(self) -> bool:
