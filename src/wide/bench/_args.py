@@ -139,3 +139,19 @@ def command_line(name: str, args) -> str:
 
     env = [f"{v}={os.environ[v]}" for v in ("WIDE_GEMM_BACKEND", "WIDE_ATTN_BACKEND") if os.environ.get(v)]
     return " ".join([*env, "wide", "bench", name, *getattr(args, "argv", [])[2:]])
+
+
+def provenance(name: str, args) -> dict:
+    """What every record of ``wide bench <name>`` carries about its run: ``commit`` (short hash, "unknown" outside a
+    git checkout), ``date`` (the commit's, else today), ``run_date`` (UTC, seconds) and ``command``
+    (:func:`command_line`)."""
+    import datetime
+    import subprocess
+
+    def git(*a: str) -> str:
+        return subprocess.run(["git", *a], capture_output=True, text=True).stdout.strip()
+
+    return dict(commit=git("rev-parse", "--short", "HEAD") or "unknown",
+                date=git("show", "-s", "--format=%cs", "HEAD") or datetime.date.today().isoformat(),
+                run_date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+                command=command_line(name, args))

@@ -13,20 +13,18 @@ each ``--sparsity`` (:func:`wide.calibrate.dial`).  Every record's ``realized_sp
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
 import os
-import subprocess
 import time
 
 from wide.bench._args import (
     choice_list,
-    command_line,
     file_stem,
     float_above,
     group_list,
     int_at_least,
     int_list,
+    provenance,
     report_only,
     sparsity_list,
 )
@@ -207,12 +205,7 @@ class Run:
 
         self.args, self.t0, self.records = args, time.time(), []
         self.out_json = os.path.join(args.out_dir, f"e2e_{args.tag}.json")
-        git = lambda *a: subprocess.run(["git", *a], capture_output=True, text=True).stdout.strip()  # noqa: E731
-        self.meta = dict(baseline=BASELINE, unit=UNIT, gpu=torch.cuda.get_device_name(),
-                         commit=git("rev-parse", "--short", "HEAD") or "unknown",
-                         date=git("show", "-s", "--format=%cs", "HEAD") or datetime.date.today().isoformat(),
-                         run_date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-                         command=command_line("e2e", args),
+        self.meta = dict(baseline=BASELINE, unit=UNIT, gpu=torch.cuda.get_device_name(), **provenance("e2e", args),
                          backend=f"triton {triton.__version__}, torch {torch.__version__}, CUDA {torch.version.cuda}, "
                                  f"transformers {transformers.__version__}")
 

@@ -17,23 +17,21 @@ Run: ``wide bench kernels [--quick] [--out-dir benchmarks/kernels]``; writes ``k
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
 import math
 import os
-import subprocess
 import sys
 import time
 import zlib
 
 from wide.bench._args import (
     choice_list,
-    command_line,
     file_stem,
     float_above,
     group_list,
     int_at_least,
     int_list,
+    provenance,
     report_only,
     sparsity_list,
 )
@@ -95,15 +93,10 @@ class _Run:
         import torch
         import triton
 
-        git = lambda *a: subprocess.run(["git", *a], capture_output=True, text=True).stdout.strip()  # noqa: E731
         self.args, self.t0, self.records, self.dense, self.reorders = args, time.time(), [], {}, {}
         self.l2 = getattr(torch.cuda.get_device_properties(0), "L2_cache_size", 0) or 50 * 2**20
         self.out_json = os.path.join(args.out_dir, f"kernels_{args.tag}.json")
-        self.meta = dict(unit=UNIT, gpu=torch.cuda.get_device_name(),
-                         commit=git("rev-parse", "--short", "HEAD") or "unknown",
-                         date=git("show", "-s", "--format=%cs", "HEAD") or datetime.date.today().isoformat(),
-                         run_date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-                         command=command_line("kernels", args),
+        self.meta = dict(unit=UNIT, gpu=torch.cuda.get_device_name(), **provenance("kernels", args),
                          backend=f"triton {triton.__version__}, torch {torch.__version__}, CUDA {torch.version.cuda}")
 
     def over_budget(self) -> bool:
