@@ -91,10 +91,66 @@ def test_runs_and_gathers_share_the_stage_ring(op, grid_ctas, built):
     r = reorder(route)
     out = poisoned((M, N), torch.bfloat16)
     sm90.module(x.device).run(sm90.OPS[op], x, w, w2 if op == "swiglu" else None, r.index, r.counts, out, G, 8,
-                              grid_ctas)
+                              grid_ctas, 1)
     ref = (gemm_mn_ref(x.double(), w.double(), route, G) if op == "gemm_mn" else
            swiglu_ref(x.double(), w.double(), w2.double(), route, G))
     check_close(out, ref)
+
+
+def cluster_route(pattern: str, M: int) -> torch.Tensor:
+    """Masks [M, 4] for the cluster test: "mixed" has group 0 on for tokens < 100 only (its count ends inside the
+    first row tile), group 1 from token 50 on, group 2 off at every 7th token (gathers), group 3 on but at token 400;
+    "off", "on" and "one" (token 299 alone)."""
+    t = torch.arange(M, device=DEVICE)[:, None]
+    if pattern == "mixed":
+        route = torch.cat([t < 100, t >= 50, t % 7 != 0, t != 400], dim=1)
+    elif pattern == "one":
+        route = (t == 299).expand(M, 4)
+    else:
+        route = torch.full((M, 4), pattern == "on", device=DEVICE)
+    return route.contiguous()
+
+
+@gpu
+@hopper
+@pytest.mark.parametrize("op", ["gemm_mn", "swiglu", "dense_swiglu"])
+@pytest.mark.parametrize("G", [128, 512])
+@pytest.mark.parametrize("grid_ctas", [2, 6, 0])
+@pytest.mark.parametrize("pattern", ["mixed", "off", "on", "one"])
+def test_clusters_of_two_share_the_weights(op, G, grid_ctas, pattern, built):
+    """Pairs of CTAs along M, each loading half of every weight stage and multicasting it to both: M = 600 gives an
+    odd number of row tiles (the last pair's second CTA has no rows), and counts that end inside a pair's first tile
+    leave one CTA of the pair computing while the other only passes its half on.  One pair takes every tile
+    (grid_ctas 2: K = 512 wraps the 4-stage ring many times), three pairs, or as many as fit (0: the SM count)."""
+    if op == "dense_swiglu" and (G != 128 or pattern != "mixed"):
+        pytest.skip("the dense kernel has no groups or masks")
+    M, K = 600, 512
+    N = 4 * G
+    gen = seed_for("sm90_cluster", op, G, grid_ctas, pattern)
+    x = randn((M, K), torch.bfloat16, gen)
+    w, w2 = randn((N, K), torch.bfloat16, gen, 0.05), randn((N, K), torch.bfloat16, gen, 0.05)
+    route = cluster_route(pattern, M) if op != "dense_swiglu" else torch.ones((M, 4), dtype=torch.bool,
+                                                                                    device=DEVICE)
+    r = reorder(route)
+    out = poisoned((M, N), torch.bfloat16)
+    ctas = grid_ctas or torch.cuda.get_device_properties(x.device).multi_processor_count
+    gated = op != "gemm_mn"
+    sm90.module(x.device).run(sm90.OPS[op], x, w, w2 if gated else None, None if op == "dense_swiglu" else r.index,
+                              None if op == "dense_swiglu" else r.counts, out, G, 8, ctas, 2)
+    ref = (swiglu_ref(x.double(), w.double(), w2.double(), route, G) if gated else
+           gemm_mn_ref(x.double(), w.double(), route, G))
+    check_close(out, ref)
+    assert (out[~expand_route(route, G)] == 0).all(), "an inactive (row, group) output must be exactly 0"
+
+
+@gpu
+@hopper
+def test_cluster_size_is_checked(built):
+    x = torch.zeros(256, 64, dtype=torch.bfloat16, device=DEVICE)
+    w = torch.zeros(256, 64, dtype=torch.bfloat16, device=DEVICE)
+    out = torch.empty(256, 256, dtype=torch.bfloat16, device=DEVICE)
+    with pytest.raises(RuntimeError, match="invalid argument"):
+        sm90.module(x.device).run(sm90.OPS["dense_swiglu"], x, w, w, None, None, out, 256, 8, 132, 3)
 
 
 @gpu

@@ -19,7 +19,7 @@ import warnings
 
 import torch
 
-from wide.kernels._common import cache_dir, fail, tma_aligned
+from wide.kernels._common import cache_dir, fail, tma_aligned, tuned_config
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 SOURCES = ("gemm_mn_sm90.cu", "attention_sm90.cu", "binding.cpp")
@@ -147,11 +147,19 @@ def available(device: torch.device | None) -> bool:
     return module(device) is not None
 
 
-def run(op: str, x: torch.Tensor, w: torch.Tensor, w2, index, counts, out: torch.Tensor, G: int, group_m: int) -> None:
+def cluster_m(device: torch.device) -> int:
+    """CTAs per cluster along M of the GEMM kernels on ``device``: the tuned ``gemm_mn.cute_cluster_m`` (1, or 2 for
+    pairs of CTAs that share each weight tile by TMA multicast)."""
+    return int(tuned_config(device)["gemm_mn"]["cute_cluster_m"])
+
+
+def run(op: str, x: torch.Tensor, w: torch.Tensor, w2, index, counts, out: torch.Tensor, G: int, group_m: int,
+        cluster: int | None = None) -> None:
     """Launch ``op`` (``gemm_mn``, ``swiglu``, ``dense_swiglu``) on checked, supported arguments (see
-    ``gemm_mn_sm90.h``) on the current stream."""
+    ``gemm_mn_sm90.h``) on the current stream; ``cluster`` CTAs along M per cluster (None: :func:`cluster_m`)."""
     props = torch.cuda.get_device_properties(x.device)
-    module(x.device).run(OPS[op], x, w, w2, index, counts, out, G, group_m, props.multi_processor_count)
+    module(x.device).run(OPS[op], x, w, w2, index, counts, out, G, group_m, props.multi_processor_count,
+                         cluster_m(x.device) if cluster is None else cluster)
 
 
 def dense_swiglu(x: torch.Tensor, w_gate: torch.Tensor, w_up: torch.Tensor,

@@ -13,9 +13,10 @@ const void* ptr(const c10::optional<at::Tensor>& t) { return t.has_value() ? t->
 
 // op: 0 gemm_mn, 1 routed SwiGLU, 2 dense SwiGLU.  x [M, K], w (w2) [N, K] with one row stride, out [M, N], index
 // int32 [M, N / G] and counts int32 [N / G] (unused by op 2); the caller checked shapes, dtypes and devices.
+// cluster_m: 1, or 2 (pairs of CTAs along M sharing the weight tiles by TMA multicast).
 void run(int64_t op, const at::Tensor& x, const at::Tensor& w, const c10::optional<at::Tensor>& w2,
          const c10::optional<at::Tensor>& index, const c10::optional<at::Tensor>& counts, at::Tensor& out, int64_t G,
-         int64_t group_m, int64_t grid_ctas) {
+         int64_t group_m, int64_t grid_ctas, int64_t cluster_m) {
   TORCH_CHECK(x.is_cuda() && x.dim() == 2 && w.dim() == 2 && out.dim() == 2, "wide sm90: 2-D CUDA tensors expected");
   TORCH_CHECK(x.stride(1) == 1 && w.stride(1) == 1 && out.stride(1) == 1, "wide sm90: unit column strides expected");
   TORCH_CHECK(!w2.has_value() || w2->stride(0) == w.stride(0), "wide sm90: w2 must have w's row stride");
@@ -27,7 +28,8 @@ void run(int64_t op, const at::Tensor& x, const at::Tensor& w, const c10::option
   const int rc = wide_sm90::launch(int(op), st == at::kBFloat16 ? wide_sm90::kBF16 : wide_sm90::kFP16, x.data_ptr(),
                                    x.stride(0), w.data_ptr(), ptr(w2), w.stride(0), out.data_ptr(), out.stride(0), idx,
                                    cnt, int(x.size(0)), int(w.size(0)), int(x.size(1)), int(G), int(group_m),
-                                   int(grid_ctas), c10::cuda::getCurrentCUDAStream(x.device().index()).stream());
+                                   int(grid_ctas), int(cluster_m),
+                                   c10::cuda::getCurrentCUDAStream(x.device().index()).stream());
   TORCH_CHECK(rc == 0, "wide sm90 kernel launch failed: ", cudaGetErrorString(cudaError_t(rc)));
 }
 

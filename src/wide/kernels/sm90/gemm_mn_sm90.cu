@@ -6,7 +6,9 @@
 // consume: wgmma on half the tile's rows each, the epilogue scatters the rows back to their original positions and
 // writes zeros for rows past the group's active count; a row tile wholly past it only writes zeros (level-0 skip).
 // Tiles: 128 x 256 (G a multiple of 256) or 256 x 128 for gemm_mn, 128 x 128 with the gate and up weights for the
-// SwiGLU.  The dense fused SwiGLU (the baseline of the routed one) is the same kernel with the token tile loaded by
+// SwiGLU.  With clusters of 2 CTAs along M, the two run adjacent row tiles of one N tile in step and each loads half of
+// every weight stage, multicast by TMA to both, which halves the weight traffic from L2; a CTA whose rows all skip
+// the group while its partner's run still passes its half on.  The dense fused SwiGLU (the baseline of the routed one) is the same kernel with the token tile loaded by
 // TMA.
 
 #include "gemm_mn_sm90.h"
@@ -31,8 +33,10 @@ constexpr int kConsumerThreads = 256;  // warpgroups 1 and 2
 constexpr int kThreads = kProducerThreads + kConsumerThreads;
 
 // T: element type; BM x BN: the tile (BM / 2 rows per consumer warpgroup); NB: weights (2: the SwiGLU's gate and
-// up); GATHER: rows through the reorder index (false: the dense kernel, every row active); STAGES: pipeline depth.
-template <class T, int BM_, int BN_, int NB_, bool GATHER_, int STAGES_>
+// up); GATHER: rows through the reorder index (false: the dense kernel, every row active); STAGES: pipeline depth;
+// CM: CTAs of a cluster along M, which run CM consecutive row tiles of one N tile together and share its weight tiles:
+// each CTA loads 1 / CM of a stage's weights by TMA and multicasts it to all CM.
+template <class T, int BM_, int BN_, int NB_, bool GATHER_, int STAGES_, int CM_>
 struct Config {
   using Element = T;
   static constexpr int BM = BM_;
@@ -40,6 +44,7 @@ struct Config {
   static constexpr int NB = NB_;
   static constexpr bool GATHER = GATHER_;
   static constexpr int STAGES = STAGES_;
+  static constexpr int CM = CM_;
   using SmemLayoutA =
       decltype(tile_to_shape(GMMA::Layout_K_SW128_Atom<T>{}, Shape<Int<BM>, Int<kBK>, Int<STAGES>>{}));
   using SmemLayoutB =
@@ -59,11 +64,13 @@ struct Config {
   static constexpr int kGatherRows = BM * kBK * int(sizeof(T)) / 16 / kProducerThreads;
   static_assert(cosize_v<SmemLayoutA> == BM * kBK * STAGES, "one stage of A is BM * kBK elements");
   // setmaxnreg split of the 64K registers: the gathering producer holds a pointer per piece
-  static constexpr int kProducerRegs = BM == 256 ? 88 : 56;
+  static constexpr int kProducerRegs = BM == 256 ? 96 : 56;
   static constexpr int kConsumerRegs = BM == 256 ? 208 : 224;
   static_assert(kProducerThreads * kProducerRegs + kConsumerThreads * kConsumerRegs <= 65536, "register file");
   static_assert(BM % 128 == 0 && kBK * sizeof(T) == 128, "tiles of whole 128-row blocks, K steps of 128 bytes");
   static_assert(kSmem <= 227 * 1024, "shared memory of one CTA");
+  static_assert(CM == 1 || CM == 2 || CM == 4, "clusters of 1, 2 or 4 CTAs along M");
+  using TmaLoadB = std::conditional_t<CM == 1, SM90_TMA_LOAD, SM90_TMA_LOAD_MULTICAST>;
 };
 
 struct Args {
@@ -95,6 +102,28 @@ __device__ __forceinline__ float swiglu(float gate, float up) {
   return Io<T>::round(g / (1.0f + __expf(-g))) * u;
 }
 
+// Loads the weight tile (k step kt of N tile nt) into a stage: by one TMA where the cluster is one CTA, else this CTA's
+// 1 / CM slice of it, multicast to every CTA of the cluster.
+template <int CM, class Tma, class Src, class Dst>
+__device__ __forceinline__ void load_weights(const Tma& tma, uint64_t& full, const Src& src, Dst&& dst) {
+  if constexpr (CM == 1) {
+    copy(tma.with(full), src, dst);
+  } else {
+    copy(tma.with(full, uint16_t((1u << CM) - 1)), src, dst);
+  }
+}
+
+// A consumer warpgroup's release of a stage: one arrival on the stage's empty barrier of every CTA of the cluster
+// (all of them read the weights its producer multicast into the stage).
+template <int CM>
+__device__ __forceinline__ void release(uint64_t* empty, int ctid) {
+  if constexpr (CM == 1) {
+    if (ctid % 128 == 0) cutlass::arch::ClusterBarrier::arrive(empty);
+  } else {
+    if (ctid % 128 < CM) cutlass::arch::ClusterBarrier::arrive(empty, uint32_t(ctid % 128), 1u);
+  }
+}
+
 template <class C, class TmaA, class TmaB>
 __global__ void __launch_bounds__(kThreads, 1)
     routed_kernel(const __grid_constant__ TmaA tma_a, const __grid_constant__ TmaB tma_b,
@@ -105,6 +134,7 @@ __global__ void __launch_bounds__(kThreads, 1)
   using EmptyBarrier = cutlass::arch::ClusterBarrier;
   constexpr int BN = C::BN;
   constexpr int STAGES = C::STAGES;
+  constexpr int CM = C::CM;
 
   extern __shared__ __align__(1024) uint8_t smem_raw[];
   auto& sm = *reinterpret_cast<typename C::Smem*>(smem_raw);
@@ -114,112 +144,130 @@ __global__ void __launch_bounds__(kThreads, 1)
 
   const int tid = int(threadIdx.x);
   const int warp_group = cutlass::canonical_warp_group_idx();
+  const int rank = CM == 1 ? 0 : int(cute::block_rank_in_cluster());  // this CTA's row tile among the cluster's CM
   if (tid == 0) {
     CUTE_UNROLL
     for (int s = 0; s < STAGES; ++s) {
       // gather: one arrival per producer thread (its cp.async pieces landed) plus the TMA thread's expect-tx
       FullBarrier::init(&sm.full[s], C::GATHER ? kProducerThreads + 1 : 1);
-      EmptyBarrier::init(&sm.empty[s], 2);
+      EmptyBarrier::init(&sm.empty[s], 2 * CM);  // both consumer warpgroups of every CTA of the cluster
     }
     cutlass::arch::fence_barrier_init();
   }
-  __syncthreads();
+  if constexpr (CM == 1) {
+    __syncthreads();
+  } else {
+    cute::cluster_sync();  // every CTA's barriers initialized before the first multicast or remote arrival
+  }
 
   const int M = args.M, N = args.N, K = args.K, NG = args.NG;
   constexpr int BM = C::BM;
   const int MT = (M + BM - 1) / BM, NT = N / BN, KT = K / kBK;
-  const int tiles = MT * NT;
+  // the persistent order runs cluster tiles: CM consecutive row tiles of one N tile, row tile mc * CM + rank here
+  const int MC = (MT + CM - 1) / CM;
+  const int tiles = MC * NT;
+  const int group_c = args.group_m / CM > 1 ? args.group_m / CM : 1;
+  const int first_tile = int(blockIdx.x) / CM, tile_step = int(gridDim.x) / CM;
 
   if (warp_group == 0) {  // producer
     cutlass::arch::warpgroup_reg_dealloc<C::kProducerRegs>();
-    if (!C::GATHER && tid != 0) return;
-    Tensor gB = local_tile(tma_b.get_tma_tensor(make_shape(N, K)), Shape<Int<BN>, Int<kBK>>{}, make_coord(_, _));
-    Tensor gB2 = local_tile(tma_b2.get_tma_tensor(make_shape(N, K)), Shape<Int<BN>, Int<kBK>>{}, make_coord(_, _));
-    auto [tBgB, tBsB] = tma_partition(tma_b, Int<0>{}, Layout<_1>{}, group_modes<0, 2>(sB), group_modes<0, 2>(gB));
-    auto [tBgB2, tBsB2] =
-        tma_partition(tma_b2, Int<0>{}, Layout<_1>{}, group_modes<0, 2>(sB2), group_modes<0, 2>(gB2));
-    if (tid == 0) {
-      prefetch_tma_descriptor(tma_b.get_tma_descriptor());
-      if constexpr (C::NB == 2) prefetch_tma_descriptor(tma_b2.get_tma_descriptor());
-      prefetch_tma_descriptor(tma_a.get_tma_descriptor());
-    }
-    // this thread's 16-byte pieces of a stage: column piece tid % 8 of rows tid / 8 + 16 i, at their swizzled
-    // places (sA's pointer applies the 128-byte swizzle to the address, as TMA and the wgmma descriptors do); 16
-    // rows further is 2 KB further, the swizzle (address bits 4-9) unchanged
-    constexpr int kRows = C::kGatherRows;
-    const int piece = tid % 8;
-    const uint32_t soff = uint32_t(&sA(tid / 8, piece * 8, 0) - sm.a);
-    const T* x = static_cast<const T*>(args.x);
-    int stage = 0;
-    uint32_t phase = 0;
-    for (int t = int(blockIdx.x); t < tiles; t += int(gridDim.x)) {
-      int mt, nt;
-      tile_coords(t, MT, NT, args.group_m, mt, nt);
-      const int m0 = mt * BM, g = nt * BN / args.G;
-      const int cnt = C::GATHER ? __ldg(args.counts + g) : M;
-      if (m0 >= cnt) continue;  // level 0: no row of the tile executes group g
-      if constexpr (C::GATHER) {
-        // a run: the tile's BM rows are BM consecutive token rows (the active list of a group is increasing, so its
-        // ends tell), loaded by TMA as the dense kernel loads its tiles; the other producer threads only arrive
-        const int first = __ldg(args.index + int64_t(m0) * NG + g);
-        const bool run = m0 + BM <= cnt && __ldg(args.index + int64_t(m0 + BM - 1) * NG + g) - first == BM - 1;
-        Tensor gA = local_tile(domain_offset(make_coord(first, 0), tma_a.get_tma_tensor(make_shape(M, K))),
-                               Shape<Int<BM>, Int<kBK>>{}, make_coord(0, _));  // (BM, BK, KT)
-        auto [tAgA, tAsA] =
-            tma_partition(tma_a, Int<0>{}, Layout<_1>{}, group_modes<0, 2>(sA), group_modes<0, 2>(gA));
-        const T* src[kRows];  // this thread's pieces of the gathered rows, advanced by one K step per stage
-        uint32_t live = 0;    // bit i: row tid / 8 + 16 i is active (others zero-filled, not read)
-        CUTE_UNROLL
-        for (int i = 0; i < kRows; ++i) {
-          const int j = m0 + tid / 8 + 16 * i;
-          const bool on = j < cnt;  // loaded beside the run check, not after it
-          const int64_t row = on ? int64_t(__ldg(args.index + int64_t(j) * NG + g)) : 0;
-          src[i] = x + row * args.ldx + piece * 8;
-          live |= uint32_t(on && !run) << i;
-        }
-        for (int kt = 0; kt < KT; ++kt) {
-          EmptyBarrier::wait(&sm.empty[stage], phase ^ 1);
-          if (tid == 0) {
-            FullBarrier::arrive_and_expect_tx(&sm.full[stage], C::kTxBytes + (run ? C::kTxBytesA : 0u));
-            if (run) copy(tma_a.with(sm.full[stage]), tAgA(_, kt), tAsA(_, stage));
-            copy(tma_b.with(sm.full[stage]), tBgB(_, nt, kt), tBsB(_, stage));
-            if constexpr (C::NB == 2) copy(tma_b2.with(sm.full[stage]), tBgB2(_, nt, kt), tBsB2(_, stage));
+    if (C::GATHER || tid == 0) {
+      Tensor gB =
+          local_tile(tma_b.get_tma_tensor(make_shape(N, K)), Shape<Int<BN>, Int<kBK>>{}, make_coord(_, _));
+      Tensor gB2 =
+          local_tile(tma_b2.get_tma_tensor(make_shape(N, K)), Shape<Int<BN>, Int<kBK>>{}, make_coord(_, _));
+      auto [tBgB, tBsB] =
+          tma_partition(tma_b, rank, Layout<Int<CM>>{}, group_modes<0, 2>(sB), group_modes<0, 2>(gB));
+      auto [tBgB2, tBsB2] =
+          tma_partition(tma_b2, rank, Layout<Int<CM>>{}, group_modes<0, 2>(sB2), group_modes<0, 2>(gB2));
+      if (tid == 0) {
+        prefetch_tma_descriptor(tma_b.get_tma_descriptor());
+        if constexpr (C::NB == 2) prefetch_tma_descriptor(tma_b2.get_tma_descriptor());
+        prefetch_tma_descriptor(tma_a.get_tma_descriptor());
+      }
+      // this thread's 16-byte pieces of a stage: column piece tid % 8 of rows tid / 8 + 16 i, at their swizzled
+      // places (sA's pointer applies the 128-byte swizzle to the address, as TMA and the wgmma descriptors do); 16
+      // rows further is 2 KB further, the swizzle (address bits 4-9) unchanged
+      constexpr int kRows = C::kGatherRows;
+      const int piece = tid % 8;
+      const uint32_t soff = uint32_t(&sA(tid / 8, piece * 8, 0) - sm.a);
+      const T* x = static_cast<const T*>(args.x);
+      int stage = 0;
+      uint32_t phase = 0;
+      for (int t = first_tile; t < tiles; t += tile_step) {
+        int mc, nt;
+        tile_coords(t, MC, NT, group_c, mc, nt);
+        const int mt = mc * CM + rank, m0 = mt * BM, g = nt * BN / args.G;
+        const int cnt = C::GATHER ? __ldg(args.counts + g) : M;
+        if (mc * CM * BM >= cnt) continue;  // level 0: no row of the cluster's tiles executes group g
+        // busy: some row of this CTA's tile executes group g; an idle CTA of a busy cluster still loads and
+        // multicasts its slice of the weights
+        const bool busy = CM == 1 || m0 < cnt;
+        if constexpr (C::GATHER) {
+          // a run: the tile's BM rows are BM consecutive token rows (the active list of a group is increasing, so
+          // its ends tell), loaded by TMA as the dense kernel loads its tiles; the other producer threads only arrive
+          const int first = __ldg(args.index + int64_t(busy ? m0 : 0) * NG + g);
+          const bool run =
+              m0 + BM <= cnt && __ldg(args.index + int64_t(m0 + BM - 1) * NG + g) - first == BM - 1;
+          Tensor gA = local_tile(domain_offset(make_coord(first, 0), tma_a.get_tma_tensor(make_shape(M, K))),
+                                 Shape<Int<BM>, Int<kBK>>{}, make_coord(0, _));  // (BM, BK, KT)
+          auto [tAgA, tAsA] =
+              tma_partition(tma_a, Int<0>{}, Layout<_1>{}, group_modes<0, 2>(sA), group_modes<0, 2>(gA));
+          const T* src[kRows];  // this thread's pieces of the gathered rows, advanced by one K step per stage
+          uint32_t live = 0;    // bit i: row tid / 8 + 16 i is active (others zero-filled, not read)
+          CUTE_UNROLL
+          for (int i = 0; i < kRows; ++i) {
+            const int j = m0 + tid / 8 + 16 * i;
+            const bool on = j < cnt;  // loaded beside the run check, not after it
+            const int64_t row = on ? int64_t(__ldg(args.index + int64_t(j) * NG + g)) : 0;
+            src[i] = x + row * args.ldx + piece * 8;
+            live |= uint32_t(on && !run) << i;
           }
-          if (!run) {
-            T* base = sm.a + stage * (BM * kBK) + soff;
-            CUTE_UNROLL
-            for (int i = 0; i < kRows; ++i) {
-              SM80_CP_ASYNC_CACHEGLOBAL_ZFILL<uint128_t>::copy(*reinterpret_cast<const uint128_t*>(src[i]),
-                                                               *reinterpret_cast<uint128_t*>(base + i * 16 * kBK),
-                                                               (live >> i) & 1u);
-              src[i] += kBK;
+          const bool gather = busy && !run;
+          for (int kt = 0; kt < KT; ++kt) {
+            EmptyBarrier::wait(&sm.empty[stage], phase ^ 1);
+            if (tid == 0) {
+              FullBarrier::arrive_and_expect_tx(&sm.full[stage], C::kTxBytes + (run ? C::kTxBytesA : 0u));
+              if (run) copy(tma_a.with(sm.full[stage]), tAgA(_, kt), tAsA(_, stage));
+              load_weights<CM>(tma_b, sm.full[stage], tBgB(_, nt, kt), tBsB(_, stage));
+              if constexpr (C::NB == 2) load_weights<CM>(tma_b2, sm.full[stage], tBgB2(_, nt, kt), tBsB2(_, stage));
+            }
+            if (gather) {
+              T* base = sm.a + stage * (BM * kBK) + soff;
+              CUTE_UNROLL
+              for (int i = 0; i < kRows; ++i) {
+                SM80_CP_ASYNC_CACHEGLOBAL_ZFILL<uint128_t>::copy(*reinterpret_cast<const uint128_t*>(src[i]),
+                                                                 *reinterpret_cast<uint128_t*>(base + i * 16 * kBK),
+                                                                 (live >> i) & 1u);
+                src[i] += kBK;
+              }
+            }
+            cutlass::arch::cpasync_barrier_arrive_noinc(&sm.full[stage]);
+            if (++stage == STAGES) {
+              stage = 0;
+              phase ^= 1;
             }
           }
-          cutlass::arch::cpasync_barrier_arrive_noinc(&sm.full[stage]);
-          if (++stage == STAGES) {
-            stage = 0;
-            phase ^= 1;
-          }
-        }
-      } else {
-        Tensor gA = local_tile(tma_a.get_tma_tensor(make_shape(M, K)), Shape<Int<BM>, Int<kBK>>{},
-                               make_coord(_, _));
-        auto [tAgA, tAsA] =
-            tma_partition(tma_a, Int<0>{}, Layout<_1>{}, group_modes<0, 2>(sA), group_modes<0, 2>(gA));
-        for (int kt = 0; kt < KT; ++kt) {
-          EmptyBarrier::wait(&sm.empty[stage], phase ^ 1);
-          FullBarrier::arrive_and_expect_tx(&sm.full[stage], C::kTxBytes);
-          copy(tma_a.with(sm.full[stage]), tAgA(_, mt, kt), tAsA(_, stage));
-          copy(tma_b.with(sm.full[stage]), tBgB(_, nt, kt), tBsB(_, stage));
-          if constexpr (C::NB == 2) copy(tma_b2.with(sm.full[stage]), tBgB2(_, nt, kt), tBsB2(_, stage));
-          if (++stage == STAGES) {
-            stage = 0;
-            phase ^= 1;
+        } else {
+          Tensor gA = local_tile(tma_a.get_tma_tensor(make_shape(M, K)), Shape<Int<BM>, Int<kBK>>{},
+                                 make_coord(_, _));
+          auto [tAgA, tAsA] =
+              tma_partition(tma_a, Int<0>{}, Layout<_1>{}, group_modes<0, 2>(sA), group_modes<0, 2>(gA));
+          for (int kt = 0; kt < KT; ++kt) {
+            EmptyBarrier::wait(&sm.empty[stage], phase ^ 1);
+            FullBarrier::arrive_and_expect_tx(&sm.full[stage], busy ? C::kTxBytes : C::kTxBytes - C::kTxBytesA);
+            if (busy) copy(tma_a.with(sm.full[stage]), tAgA(_, mt, kt), tAsA(_, stage));
+            load_weights<CM>(tma_b, sm.full[stage], tBgB(_, nt, kt), tBsB(_, stage));
+            if constexpr (C::NB == 2) load_weights<CM>(tma_b2, sm.full[stage], tBgB2(_, nt, kt), tBsB2(_, stage));
+            if (++stage == STAGES) {
+              stage = 0;
+              phase ^= 1;
+            }
           }
         }
       }
+      if constexpr (C::GATHER) cp_async_wait<0>();
     }
-    if constexpr (C::GATHER) cp_async_wait<0>();
   } else {  // consumers
     cutlass::arch::warpgroup_reg_alloc<C::kConsumerRegs>();
     const int ctid = tid - kProducerThreads;
@@ -240,14 +288,25 @@ __global__ void __launch_bounds__(kThreads, 1)
     T* out = static_cast<T*>(args.out);
     int stage = 0;
     uint32_t phase = 0;
-    for (int t = int(blockIdx.x); t < tiles; t += int(gridDim.x)) {
-      int mt, nt;
-      tile_coords(t, MT, NT, args.group_m, mt, nt);
-      const int m0 = mt * BM, n0 = nt * BN, g = n0 / args.G;
+    for (int t = first_tile; t < tiles; t += tile_step) {
+      int mc, nt;
+      tile_coords(t, MC, NT, group_c, mc, nt);
+      const int m0 = (mc * CM + rank) * BM, n0 = nt * BN, g = n0 / args.G;
       const int cnt = C::GATHER ? __ldg(args.counts + g) : M;
-      if (m0 >= cnt) {  // level 0: the zero epilogue, 16-byte stores to the tile's original rows
-        // piece e = ctid + kConsumerThreads * i: all of a thread's row indices are loaded before its first store,
-        // so the tile costs one index-load latency, not one per piece
+      if (m0 >= cnt) {
+        if (CM > 1 && mc * CM * BM < cnt) {  // an idle CTA of a busy cluster: the stages pass through unread
+          for (int kt = 0; kt < KT; ++kt) {
+            FullBarrier::wait(&sm.full[stage], phase);
+            release<CM>(&sm.empty[stage], ctid);
+            if (++stage == STAGES) {
+              stage = 0;
+              phase ^= 1;
+            }
+          }
+        }
+        // level 0: the zero epilogue, 16-byte stores to the tile's original rows; piece e = ctid +
+        // kConsumerThreads * i: all of a thread's row indices are loaded before its first store, so the tile costs
+        // one index-load latency, not one per piece
         constexpr int kPieces = BN * int(sizeof(T)) / 16;
         constexpr int kPer = BM * kPieces / kConsumerThreads;
         static_assert(BM * kPieces % kConsumerThreads == 0 && kConsumerThreads % kPieces == 0,
@@ -285,7 +344,7 @@ __global__ void __launch_bounds__(kThreads, 1)
         warpgroup_wait<1>();  // the previous step's wgmma retired: its stage may be refilled
         warpgroup_fence_operand(acc);
         if constexpr (C::NB == 2) warpgroup_fence_operand(acc2);
-        if (kt > 0 && ctid % 128 == 0) EmptyBarrier::arrive(&sm.empty[prev]);
+        if (kt > 0) release<CM>(&sm.empty[prev], ctid);
         prev = stage;
         if (++stage == STAGES) {
           stage = 0;
@@ -295,7 +354,7 @@ __global__ void __launch_bounds__(kThreads, 1)
       warpgroup_wait<0>();
       warpgroup_fence_operand(acc);
       if constexpr (C::NB == 2) warpgroup_fence_operand(acc2);
-      if (ctid % 128 == 0) EmptyBarrier::arrive(&sm.empty[prev]);
+      release<CM>(&sm.empty[prev], ctid);
       // epilogue: rows r and r + 8 of each atom of this thread, scattered to their original rows; zeros past the
       // active count
       CUTE_UNROLL
@@ -322,26 +381,61 @@ __global__ void __launch_bounds__(kThreads, 1)
       }
     }
   }
+  if constexpr (CM > 1) {
+    cute::cluster_sync();  // no CTA leaves while the others may still multicast into it or arrive on its barriers
+  }
 #endif
+}
+
+// Clusters of the kernel's launch configuration that fit on the device at once (cached per device).
+template <auto Kernel>
+int max_active_clusters(const cudaLaunchConfig_t& cfg) {
+  static int cached[64] = {};
+  int dev = 0;
+  if (cudaGetDevice(&dev) != cudaSuccess) return 0;
+  if (dev < 64 && cached[dev] > 0) return cached[dev];
+  int n = 0;
+  if (cudaOccupancyMaxActiveClusters(&n, reinterpret_cast<const void*>(Kernel), &cfg) != cudaSuccess) return 0;
+  if (dev < 64) cached[dev] = n;
+  return n;
 }
 
 template <class C>
 int run(const Args& args, const void* w, const void* w2, int64_t ldw, int grid_ctas, cudaStream_t stream) {
   using T = typename C::Element;
-  const int tiles = ((args.M + C::BM - 1) / C::BM) * (args.N / C::BN);
+  const int tiles = ((args.M + C::BM * C::CM - 1) / (C::BM * C::CM)) * (args.N / C::BN);  // cluster tiles
   if (tiles == 0) return 0;
   auto weight = [&](const void* p) {
     return make_tensor(make_gmem_ptr(static_cast<const T*>(p)), make_shape(args.N, args.K), make_stride(ldw, _1{}));
   };
   auto slice_b = typename C::SmemLayoutB{}(_, _, 0);
-  auto tma_b = make_tma_atom(SM90_TMA_LOAD{}, weight(w), slice_b, Shape<Int<C::BN>, Int<kBK>>{});
-  auto tma_b2 = make_tma_atom(SM90_TMA_LOAD{}, weight(C::NB == 2 ? w2 : w), slice_b, Shape<Int<C::BN>, Int<kBK>>{});
-  const dim3 grid(unsigned(tiles < grid_ctas ? tiles : grid_ctas));
+  using TmaB = typename C::TmaLoadB;
+  auto tma_b = make_tma_atom(TmaB{}, weight(w), slice_b, Shape<Int<C::BN>, Int<kBK>>{}, Int<C::CM>{});
+  auto tma_b2 = make_tma_atom(TmaB{}, weight(C::NB == 2 ? w2 : w), slice_b, Shape<Int<C::BN>, Int<kBK>>{},
+                              Int<C::CM>{});
   auto go = [&](auto tma_a) {
     constexpr auto kernel = &routed_kernel<C, decltype(tma_a), decltype(tma_b)>;
     if (const int err = raise_smem_limit<kernel>(C::kSmem)) return err;
-    kernel<<<grid, kThreads, C::kSmem, stream>>>(tma_a, tma_b, tma_b2, args);
-    return int(cudaGetLastError());
+    cudaLaunchAttribute attr[1] = {};
+    attr[0].id = cudaLaunchAttributeClusterDimension;
+    attr[0].val.clusterDim.x = unsigned(C::CM);
+    attr[0].val.clusterDim.y = 1;
+    attr[0].val.clusterDim.z = 1;
+    cudaLaunchConfig_t cfg = {};
+    cfg.blockDim = dim3(kThreads);
+    cfg.dynamicSmemBytes = size_t(C::kSmem);
+    cfg.stream = stream;
+    cfg.attrs = attr;
+    cfg.numAttrs = C::CM > 1 ? 1 : 0;
+    int clusters = grid_ctas / C::CM;
+    if constexpr (C::CM > 1) {
+      cfg.gridDim = dim3(unsigned(C::CM * (clusters > 0 ? clusters : 1)));
+      const int fit = max_active_clusters<kernel>(cfg);
+      if (fit > 0 && fit < clusters) clusters = fit;
+    }
+    clusters = clusters < tiles ? clusters : tiles;
+    cfg.gridDim = dim3(unsigned(C::CM * (clusters > 0 ? clusters : 1)));
+    return int(cudaLaunchKernelEx(&cfg, kernel, tma_a, tma_b, tma_b2, args));
   };
   // the token tile by TMA: every tile of the dense kernel, the runs of consecutive rows of the gathering one
   auto x = make_tensor(make_gmem_ptr(static_cast<const T*>(args.x)), make_shape(args.M, args.K),
@@ -349,43 +443,53 @@ int run(const Args& args, const void* w, const void* w2, int64_t ldw, int grid_c
   return go(make_tma_atom(SM90_TMA_LOAD{}, x, typename C::SmemLayoutA{}(_, _, 0), Shape<Int<C::BM>, Int<kBK>>{}));
 }
 
-template <class T>
-using GemmN128 = Config<T, 256, 128, 1, true, 4>;  // 256 x 128: G a multiple of 128 only
-template <class T>
-using GemmN256 = Config<T, 128, 256, 1, true, 4>;
-template <class T>
-using Swiglu = Config<T, 128, 128, 2, true, 4>;  // gate and up: 128 x 256 of MMA per K step
-template <class T>
-using DenseSwiglu = Config<T, 128, 128, 2, false, 4>;
+template <class T, int CM>
+using GemmN128 = Config<T, 256, 128, 1, true, 4, CM>;  // 256 x 128: G a multiple of 128 only
+template <class T, int CM>
+using GemmN256 = Config<T, 128, 256, 1, true, 4, CM>;
+template <class T, int CM>
+using Swiglu = Config<T, 128, 128, 2, true, 4, CM>;  // gate and up: 128 x 256 of MMA per K step
+template <class T, int CM>
+using DenseSwiglu = Config<T, 128, 128, 2, false, 4, CM>;
 
-template <class T>
+template <class T, int CM>
 int dispatch(int op, const Args& a, const void* w, const void* w2, int64_t ldw, int grid_ctas, cudaStream_t s) {
   if (op == kGemmMn) {
-    return a.G % 256 == 0 ? run<GemmN256<T>>(a, w, w2, ldw, grid_ctas, s) : run<GemmN128<T>>(a, w, w2, ldw, grid_ctas, s);
+    return a.G % 256 == 0 ? run<GemmN256<T, CM>>(a, w, w2, ldw, grid_ctas, s)
+                          : run<GemmN128<T, CM>>(a, w, w2, ldw, grid_ctas, s);
   }
-  if (op == kSwiglu) return run<Swiglu<T>>(a, w, w2, ldw, grid_ctas, s);
-  return run<DenseSwiglu<T>>(a, w, w2, ldw, grid_ctas, s);
+  if (op == kSwiglu) return run<Swiglu<T, CM>>(a, w, w2, ldw, grid_ctas, s);
+  return run<DenseSwiglu<T, CM>>(a, w, w2, ldw, grid_ctas, s);
+}
+
+template <class T>
+int dispatch(int op, const Args& a, const void* w, const void* w2, int64_t ldw, int grid_ctas, int cluster_m,
+             cudaStream_t s) {
+  return cluster_m == 2 ? dispatch<T, 2>(op, a, w, w2, ldw, grid_ctas, s)
+                        : dispatch<T, 1>(op, a, w, w2, ldw, grid_ctas, s);
 }
 
 int smem_bytes(int op, int G) {
-  if (op == kGemmMn) return G % 256 == 0 ? GemmN256<cutlass::bfloat16_t>::kSmem : GemmN128<cutlass::bfloat16_t>::kSmem;
-  return op == kSwiglu ? Swiglu<cutlass::bfloat16_t>::kSmem : DenseSwiglu<cutlass::bfloat16_t>::kSmem;
+  using bf16 = cutlass::bfloat16_t;
+  if (op == kGemmMn) return G % 256 == 0 ? GemmN256<bf16, 1>::kSmem : GemmN128<bf16, 1>::kSmem;
+  return op == kSwiglu ? Swiglu<bf16, 1>::kSmem : DenseSwiglu<bf16, 1>::kSmem;
 }
 
 int launch(int op, int dtype, const void* x, int64_t ldx, const void* w, const void* w2, int64_t ldw, void* out,
            int64_t ldo, const int32_t* index, const int32_t* counts, int M, int N, int K, int G, int group_m,
-           int grid_ctas, cudaStream_t stream) {
+           int grid_ctas, int cluster_m, cudaStream_t stream) {
   const bool gather = op != kDenseSwiglu;
   const auto aligned = [](const void* p) { return reinterpret_cast<uintptr_t>(p) % 16 == 0; };
   if (op < kGemmMn || op > kDenseSwiglu || (dtype != kBF16 && dtype != kFP16) || M < 0 || K <= 0 || K % kBK ||
-      G <= 0 || G % 128 || N % G || N <= 0 || group_m < 1 || grid_ctas < 1 || ldx % 8 || ldw % 8 || ldo % 8 ||
+      G <= 0 || G % 128 || N % G || N <= 0 || group_m < 1 || grid_ctas < 1 || (cluster_m != 1 && cluster_m != 2) ||
+      ldx % 8 || ldw % 8 || ldo % 8 ||
       !aligned(x) || !aligned(w) || !aligned(out) || (op != kGemmMn && (w2 == nullptr || !aligned(w2))) ||
       (gather && (index == nullptr || counts == nullptr))) {
     return int(cudaErrorInvalidValue);
   }
   const Args args{x, ldx, out, ldo, index, counts, M, N, K, gather ? G : N, gather ? N / G : 1, group_m};
-  return dtype == kBF16 ? dispatch<cutlass::bfloat16_t>(op, args, w, w2, ldw, grid_ctas, stream)
-                        : dispatch<cutlass::half_t>(op, args, w, w2, ldw, grid_ctas, stream);
+  return dtype == kBF16 ? dispatch<cutlass::bfloat16_t>(op, args, w, w2, ldw, grid_ctas, cluster_m, stream)
+                        : dispatch<cutlass::half_t>(op, args, w, w2, ldw, grid_ctas, cluster_m, stream);
 }
 
 }  // namespace wide_sm90

@@ -19,11 +19,12 @@ enum DType : int { kBF16 = 0, kFP16 = 1 };
 // x [M, K] (row stride ldx), w / w2 [N, K] (row stride ldw), out [M, N] (row stride ldo), index int32 [M, N / G]
 // (reordered rows of each group, active first), counts int32 [N / G] (active rows per group); all on the current
 // device.  Requires K % 64 == 0, G % 128 == 0 (G % 256 == 0 for the 128 x 256 tile), N % G == 0, 16-byte aligned
-// pointers and row strides.  grid_ctas: the persistent grid (the GPU's SM count).  Returns a cudaError_t (0: ok,
+// pointers and row strides.  grid_ctas: the persistent grid (the GPU's SM count); cluster_m: 1, or 2 for clusters of
+// two CTAs along M that share the weight tiles by TMA multicast.  Returns a cudaError_t (0: ok,
 // cudaErrorInvalidValue: a shape it does not take).
 int launch(int op, int dtype, const void* x, int64_t ldx, const void* w, const void* w2, int64_t ldw, void* out,
            int64_t ldo, const int32_t* index, const int32_t* counts, int M, int N, int K, int G, int group_m,
-           int grid_ctas, cudaStream_t stream);
+           int grid_ctas, int cluster_m, cudaStream_t stream);
 
 // Dynamic shared memory (bytes) one CTA of this op and G uses.
 int smem_bytes(int op, int G);
