@@ -23,7 +23,10 @@ constexpr int kConsumerThreads = 256;
 constexpr int kThreads = kProducerThreads + kConsumerThreads;
 constexpr int kProducerRegs = 40;  // setmaxnreg split of the 64K registers
 constexpr int kConsumerRegs = 232;
-static_assert(kProducerThreads * kProducerRegs + kConsumerThreads * kConsumerRegs <= 65536, "register file");
+// setmaxnreg only moves registers between the warpgroups: the split fits the launch's 168 per thread
+static_assert(kProducerThreads * kProducerRegs + kConsumerThreads * kConsumerRegs <=
+                  (kProducerThreads + kConsumerThreads) * (65536 / (kProducerThreads + kConsumerThreads) / 8 * 8),
+              "register split within the launch's registers");
 
 template <class T>
 struct Config {

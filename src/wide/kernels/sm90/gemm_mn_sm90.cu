@@ -64,9 +64,13 @@ struct Config {
   static constexpr int kGatherRows = BM * kBK * int(sizeof(T)) / 16 / kProducerThreads;
   static_assert(cosize_v<SmemLayoutA> == BM * kBK * STAGES, "one stage of A is BM * kBK elements");
   // setmaxnreg split of the 64K registers: the gathering producer holds a pointer per piece
-  static constexpr int kProducerRegs = BM == 256 ? 96 : 56;
+  static constexpr int kProducerRegs = BM == 256 ? 88 : 56;
   static constexpr int kConsumerRegs = BM == 256 ? 208 : 224;
-  static_assert(kProducerThreads * kProducerRegs + kConsumerThreads * kConsumerRegs <= 65536, "register file");
+  // setmaxnreg only moves registers between the warpgroups: the split must fit what the launch gives the CTA (168 per
+  // thread under __launch_bounds__(384, 1)), or the consumers' increase waits forever
+  static constexpr int kLaunchRegs = 65536 / kThreads / 8 * 8;
+  static_assert(kProducerThreads * kProducerRegs + kConsumerThreads * kConsumerRegs <= kThreads * kLaunchRegs,
+                "register split within the launch's registers");
   static_assert(BM % 128 == 0 && kBK * sizeof(T) == 128, "tiles of whole 128-row blocks, K steps of 128 bytes");
   static_assert(kSmem <= 227 * 1024, "shared memory of one CTA");
   static_assert(CM == 1 || CM == 2 || CM == 4, "clusters of 1, 2 or 4 CTAs along M");
@@ -213,18 +217,26 @@ __global__ void __launch_bounds__(kThreads, 1)
                                  Shape<Int<BM>, Int<kBK>>{}, make_coord(0, _));  // (BM, BK, KT)
           auto [tAgA, tAsA] =
               tma_partition(tma_a, Int<0>{}, Layout<_1>{}, group_modes<0, 2>(sA), group_modes<0, 2>(gA));
-          const T* src[kRows];  // this thread's pieces of the gathered rows, advanced by one K step per stage
+          // this thread's pieces of the gathered rows: pointers advanced by one K step per stage or, for 256-row tiles
+          // (twice the pieces in the producer's registers), 32-bit token rows
+          constexpr bool kRowsOnly = BM == 256;
+          std::conditional_t<kRowsOnly, uint32_t, const T*> src[kRows];
           uint32_t live = 0;    // bit i: row tid / 8 + 16 i is active (others zero-filled, not read)
           CUTE_UNROLL
           for (int i = 0; i < kRows; ++i) {
             const int j = m0 + tid / 8 + 16 * i;
             const bool on = j < cnt;  // loaded beside the run check, not after it
-            const int64_t row = on ? int64_t(__ldg(args.index + int64_t(j) * NG + g)) : 0;
-            src[i] = x + row * args.ldx + piece * 8;
+            const uint32_t row = on ? uint32_t(__ldg(args.index + int64_t(j) * NG + g)) : 0u;
+            if constexpr (kRowsOnly) {
+              src[i] = row;
+            } else {
+              src[i] = x + int64_t(row) * args.ldx + piece * 8;
+            }
             live |= uint32_t(on && !run) << i;
           }
           const bool gather = busy && !run;
-          for (int kt = 0; kt < KT; ++kt) {
+          const T* xk = x + piece * 8;  // this thread's column piece of the K step
+          for (int kt = 0; kt < KT; ++kt, xk += kBK) {
             EmptyBarrier::wait(&sm.empty[stage], phase ^ 1);
             if (tid == 0) {
               FullBarrier::arrive_and_expect_tx(&sm.full[stage], C::kTxBytes + (run ? C::kTxBytesA : 0u));
@@ -236,10 +248,16 @@ __global__ void __launch_bounds__(kThreads, 1)
               T* base = sm.a + stage * (BM * kBK) + soff;
               CUTE_UNROLL
               for (int i = 0; i < kRows; ++i) {
-                SM80_CP_ASYNC_CACHEGLOBAL_ZFILL<uint128_t>::copy(*reinterpret_cast<const uint128_t*>(src[i]),
+                const T* from;
+                if constexpr (kRowsOnly) {
+                  from = xk + int64_t(src[i]) * args.ldx;
+                } else {
+                  from = src[i];
+                  src[i] += kBK;
+                }
+                SM80_CP_ASYNC_CACHEGLOBAL_ZFILL<uint128_t>::copy(*reinterpret_cast<const uint128_t*>(from),
                                                                  *reinterpret_cast<uint128_t*>(base + i * 16 * kBK),
                                                                  (live >> i) & 1u);
-                src[i] += kBK;
               }
             }
             cutlass::arch::cpasync_barrier_arrive_noinc(&sm.full[stage]);
