@@ -106,3 +106,15 @@ def test_records_name_the_backend_variables_in_their_command(monkeypatch):
     assert command_line("kernels", args) == "WIDE_ATTN_BACKEND=cute wide bench kernels --ops attention_prefill"
     monkeypatch.delenv("WIDE_ATTN_BACKEND")
     assert command_line("e2e", argparse.Namespace(argv=["bench", "e2e"])) == "wide bench e2e"
+
+
+@pytest.mark.parametrize("name,tag", [("NVIDIA H200", "h200"), ("NVIDIA H100 80GB HBM3", "h100"),
+                                      ("NVIDIA A100-SXM4-80GB", "a100"),
+                                      ("NVIDIA GeForce RTX 4090", "nvidia_geforce_rtx_4090")])
+def test_result_files_are_named_after_the_gpu(name, tag, monkeypatch):
+    import torch
+
+    from wide.bench._args import gpu_tag
+
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda *a: name)
+    assert gpu_tag() == tag

@@ -141,6 +141,18 @@ def command_line(name: str, args) -> str:
     return " ".join([*env, "wide", "bench", name, *getattr(args, "argv", [])[2:]])
 
 
+def gpu_tag() -> str:
+    """Result file stem of the current GPU: its model in lower case (``h200``, ``h100``, ``a100``), else the letters
+    and digits of its name joined by ``_``."""
+    import re
+
+    import torch
+
+    name = torch.cuda.get_device_name()
+    m = re.search(r"\b([A-Z]\d{2,4}[A-Za-z]?)\b", name.replace("NVIDIA", ""))
+    return m.group(1).lower() if m else "_".join(re.findall(r"[a-z0-9]+", name.lower()))
+
+
 def provenance(name: str, args) -> dict:
     """What every record of ``wide bench <name>`` carries about its run: ``commit`` (short hash, "unknown" outside a
     git checkout), ``date`` (the commit's, else today), ``run_date`` (UTC, seconds) and ``command``

@@ -15,12 +15,14 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import sys
 import time
 
 from wide.bench._args import (
     choice_list,
     file_stem,
     float_above,
+    gpu_tag,
     group_list,
     int_at_least,
     int_list,
@@ -98,7 +100,8 @@ def add_arguments(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
     p.add_argument("--smollm2-text", default=None, help="text the auto engine measures SmolLM2's per-layer activity "
                    "on (a --text spec of wide calibrate, e.g. a .jsonl/.txt file; default: the bundled text)")
     p.add_argument("--out-dir", default="benchmarks/e2e", help="where results go (default: benchmarks/e2e)")
-    p.add_argument("--tag", default="h200", type=file_stem, help="result file stem e2e_<tag> (default: h200)")
+    p.add_argument("--tag", type=file_stem, help="result file stem e2e_<tag> (default: the GPU's model, e.g. h200 or "
+                                                 "h100; h200 with --report-only)")
     p.add_argument("--time-budget", default=1e9, type=float_above(0), help="seconds; no new point past this")
     p.add_argument("--report-only", action="store_true", help="rebuild table and plot from the JSON")
     return p
@@ -492,11 +495,16 @@ def _sweep(run: Run, base, traces: dict) -> None:
 def run(args) -> int:
     """Run the sweep of :func:`add_arguments` on the GPU (``--report-only``: rebuild the table and plot)."""
     if args.report_only:
+        args.tag = args.tag or "h200"
         return report_only(os.path.join(args.out_dir, f"e2e_{args.tag}.json"), write_report, args.out_dir, args.tag)
     import torch
 
     from wide.errors import WideError
 
+    if not torch.cuda.is_available():
+        print("wide bench e2e needs a CUDA GPU", file=sys.stderr)
+        return 2
+    args.tag = args.tag or gpu_tag()
     os.makedirs(args.out_dir, exist_ok=True)
     torch.backends.cuda.matmul.allow_tf32 = False
     run, traces = Run(args), {}

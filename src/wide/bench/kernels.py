@@ -28,6 +28,7 @@ from wide.bench._args import (
     choice_list,
     file_stem,
     float_above,
+    gpu_tag,
     group_list,
     int_at_least,
     int_list,
@@ -62,9 +63,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     parser.add_argument("--tokens", default=16384, type=int_at_least(1),
                         help="B*T of the prefill-attention points: B = tokens / T sequences of T (default: 16384)")
     parser.add_argument("--out-dir", default="benchmarks/kernels", help="results folder (default: benchmarks/kernels)")
-    parser.add_argument("--tag", default="h200", type=file_stem, help="result file stem kernels_<tag> (default: h200)")
+    parser.add_argument("--tag", type=file_stem,
+                        help="result file stem kernels_<tag> (default: the GPU's model, e.g. h200 or h100; h200 with "
+                             "--report-only)")
     parser.add_argument("--time-budget", default=520.0, type=float_above(0),
-                        help="seconds; the sweep stops (keeping what it measured) past this")
+                        help="seconds; the sweep stops (keeping what it measured) past this (default: 520)")
     parser.add_argument("--report-only", action="store_true", help="only rebuild table and plot from the JSON")
     return parser
 
@@ -423,14 +426,17 @@ def write_report(records, out_dir: str, tag: str) -> None:
 
 def run(args) -> int:
     """Run the sweep described by ``args`` (see :func:`add_arguments`); returns an exit code."""
-    out_json = os.path.join(args.out_dir, f"kernels_{args.tag}.json")
     if args.report_only:
-        return report_only(out_json, write_report, args.out_dir, args.tag)
+        args.tag = args.tag or "h200"
+        return report_only(os.path.join(args.out_dir, f"kernels_{args.tag}.json"), write_report, args.out_dir,
+                           args.tag)
     import torch
 
     if not torch.cuda.is_available():
         print("wide bench kernels needs a CUDA GPU", file=sys.stderr)
         return 2
+    args.tag = args.tag or gpu_tag()
+    out_json = os.path.join(args.out_dir, f"kernels_{args.tag}.json")
     os.makedirs(args.out_dir, exist_ok=True)
     torch.backends.cuda.matmul.allow_tf32 = False
     bench = _Run(args)

@@ -6,9 +6,9 @@
 // consume: wgmma on half the tile's rows each, the epilogue scatters the rows back to their original positions and
 // writes zeros for rows past the group's active count; a row tile wholly past it only writes zeros (level-0 skip).
 // Tiles: 128 x 256 (G a multiple of 256) or 256 x 128 for gemm_mn, 128 x 128 with the gate and up weights for the
-// SwiGLU.  With clusters of 2 CTAs along M, the two run adjacent row tiles of one N tile in step and each loads half of
-// every weight stage, multicast by TMA to both, which halves the weight traffic from L2; a CTA whose rows all skip
-// the group while its partner's run still passes its half on.  The dense fused SwiGLU (the baseline of the routed one) is the same kernel with the token tile loaded by
+// SwiGLU.  With clusters of 2 CTAs along M, the two run adjacent row tiles of one N tile in step, and each loads half
+// of every weight stage and multicasts it by TMA to both, which halves the weight traffic from L2.  When no row of a
+// CTA's tile executes the group but some row of its partner's does, the CTA still loads and multicasts its half.  The dense fused SwiGLU (the baseline of the routed one) is the same kernel with the token tile loaded by
 // TMA.
 
 #include "gemm_mn_sm90.h"
@@ -63,7 +63,7 @@ struct Config {
   // 16-byte pieces of A per producer thread and stage: column piece tid % 8 of rows tid / 8 + 16 i
   static constexpr int kGatherRows = BM * kBK * int(sizeof(T)) / 16 / kProducerThreads;
   static_assert(cosize_v<SmemLayoutA> == BM * kBK * STAGES, "one stage of A is BM * kBK elements");
-  // setmaxnreg split of the 64K registers: the gathering producer holds a pointer per piece
+  // setmaxnreg split: the gathering producer holds a pointer (256-row tiles: a 32-bit token row) per piece
   static constexpr int kProducerRegs = BM == 256 ? 88 : 56;
   static constexpr int kConsumerRegs = BM == 256 ? 208 : 224;
   // setmaxnreg only moves registers between the warpgroups: the split must fit what the launch gives the CTA (168 per
@@ -73,7 +73,7 @@ struct Config {
                 "register split within the launch's registers");
   static_assert(BM % 128 == 0 && kBK * sizeof(T) == 128, "tiles of whole 128-row blocks, K steps of 128 bytes");
   static_assert(kSmem <= 227 * 1024, "shared memory of one CTA");
-  static_assert(CM == 1 || CM == 2 || CM == 4, "clusters of 1, 2 or 4 CTAs along M");
+  static_assert(CM == 1 || CM == 2, "clusters of 1 or 2 CTAs along M");
   using TmaLoadB = std::conditional_t<CM == 1, SM90_TMA_LOAD, SM90_TMA_LOAD_MULTICAST>;
 };
 
