@@ -12,6 +12,7 @@ The tuned config's ``gemm_mn.cute_cluster_m`` takes the winner.
 
 import argparse
 import datetime
+import json
 import subprocess
 import sys
 
@@ -103,21 +104,21 @@ def main() -> None:
     if sm90.module(dev) is None:
         sys.exit("the CuTe kernels need an sm_90 GPU and a working build")
     group_m = tuned_config(dev)["gemm_mn"]["cute_group_m"]
-    records = [rec for M in (int(v) for v in args.M.split(",")) for rec in sweep_rows(M, clusters, group_m)]
-    if args.out:
-        import json
+    def git(*a: str) -> str:
+        return subprocess.run(["git", *a], capture_output=True, text=True).stdout.strip()
 
-        def git(*a: str) -> str:
-            return subprocess.run(["git", *a], capture_output=True, text=True).stdout.strip()
-
-        meta = dict(unit="sparsity s: fraction of (row, group) pairs skipped, Bernoulli",
-                    timing="kernel only (the reorder outside the timed region)", gpu=torch.cuda.get_device_name(),
-                    commit=git("rev-parse", "--short", "HEAD") or "unknown",
-                    date=git("show", "-s", "--format=%cs", "HEAD") or datetime.date.today().isoformat(),
-                    run_date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-                    command="python3 benchmarks/kernels/gemm_cluster_ab.py " + " ".join(sys.argv[1:]))
-        with open(args.out, "w") as f:
-            json.dump([{**r, **meta} for r in records], f, indent=1)
+    meta = dict(unit="sparsity s: fraction of (row, group) pairs skipped, Bernoulli",
+                timing="kernel only (the reorder outside the timed region)", gpu=torch.cuda.get_device_name(),
+                commit=git("rev-parse", "--short", "HEAD") or "unknown",
+                date=git("show", "-s", "--format=%cs", "HEAD") or datetime.date.today().isoformat(),
+                run_date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+                command="python3 benchmarks/kernels/gemm_cluster_ab.py " + " ".join(sys.argv[1:]))
+    records = []
+    for M in (int(v) for v in args.M.split(",")):
+        records += sweep_rows(M, clusters, group_m)
+        if args.out:  # after each row count, so a cut run keeps what it measured
+            with open(args.out, "w") as f:
+                json.dump([{**r, **meta} for r in records], f, indent=1)
 
 
 if __name__ == "__main__":
