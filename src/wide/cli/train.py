@@ -49,14 +49,15 @@ def add_parsers(sub) -> None:
                        f"(>= 2; default: {FIT_TOKENS}); one document in {HELDOUT_EVERY} of --text is held out of "
                        "training for it")
     g = lora.add_argument_group("LoRA (peft)")
-    g.add_argument("--lora-r", type=int, default=16, help="LoRA rank r")
-    g.add_argument("--lora-alpha", type=float, default=32.0, help="lora_alpha; peft scales by alpha / r")
+    g.add_argument("--lora-r", type=int, default=16, help="LoRA rank r (default: 16)")
+    g.add_argument("--lora-alpha", type=float, default=32.0, help="lora_alpha; peft scales by alpha / r (default: 32)")
     g.add_argument("--lora-dropout", type=float, default=0.1, help="LoRA input dropout in [0, 1) (default: 0.1)")
     for s, lr, func in ((cal, 5e-3, cmd_calibrate), (lora, 2e-4, cmd_lora)):
         C.add_train(s, lr=lr)
         g = s.add_argument_group("scaling out (FSDP2)")
-        g.add_argument("--nproc", type=int, help="run on N local GPUs as `torchrun --nproc-per-node N -m wide ...`; "
-                                                 "--batch-size is per process")
+        g.add_argument("--nproc", type=int, help="run as N local processes (one per GPU; without GPUs, "
+                                                 "N CPU processes over gloo), as `torchrun --nproc-per-node N "
+                                                 "-m wide ...`; --batch-size is per process")
         g.add_argument("--no-reshard-after-forward", dest="reshard_after_forward", action="store_false", help="keep "
                        "each layer's gathered weights from forward to backward (one all-gather a step, not two)")
         s.set_defaults(func=func)
