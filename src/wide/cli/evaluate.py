@@ -4,6 +4,7 @@ model."""
 from __future__ import annotations
 
 import json
+import os
 import shlex
 import sys
 import time
@@ -145,6 +146,7 @@ def _write_json(path, record) -> None:
     if path:
         from wide.config import atomic_write_text
         atomic_write_text(path, json.dumps(record, indent=2, default=str) + "\n")
+        print(f"results written to {os.path.abspath(path)}", file=sys.stderr)
 
 
 def cmd_eval_ppl(args) -> int:
