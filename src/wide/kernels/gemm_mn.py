@@ -6,7 +6,8 @@ multiple of 64, G of 128), ``"triton"`` (every GPU, and the CPU interpreter); ``
 the rows go through the reorder (M above ``direct_max_m``) and the GPU's config lists G for the op (``cute_G``: where
 it measured faster than Triton), Triton elsewhere. ``WIDE_GEMM_BACKEND`` in the environment overrides the table for
 ``"auto"`` calls: ``triton`` runs Triton everywhere, ``cute`` takes CuTe at every G it runs.  :data:`LAST_BACKEND`
-records what ran per op.
+records what ran per op.  The config's ``cute_group_m`` sets the CuTe kernel's L2 raster band and ``cute_cluster_m``
+(1 or 2) its CTAs per cluster along M (2: a pair shares each weight tile by TMA multicast).
 
 Tile kernel: a program owns a ``(BM, BN | G)`` tile of the reordered rows of one group, gathered and scattered
 through the reorder index; a tile whose first sorted row is inactive only writes zeros (level 0).  Up to the tuned
