@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import faulthandler
 import os
 
 import pytest
@@ -18,6 +19,23 @@ if not torch.cuda.is_available():
 import wide.inference.engine  # noqa: E402,F401  (imports wide.kernels.fused)
 import wide.kernels  # noqa: E402,F401
 from wide_testutil import random_text, tiny_model, tiny_tokenizer  # noqa: E402,F401
+
+GPU_TEST_LIMIT_S = 240  # a GPU test past this is a kernel waiting forever, not a slow test
+
+
+@pytest.fixture(autouse=True)
+def gpu_hang_guard(request):
+    """A ``gpu`` test still running after GPU_TEST_LIMIT_S ends the process with every thread's traceback, so a kernel
+    that never finishes fails its run at once instead of holding the GPU until an outer limit (module fixtures, such
+    as the CuTe build, run before the clock starts)."""
+    if request.node.get_closest_marker("gpu") is None or not torch.cuda.is_available():
+        yield
+        return
+    faulthandler.dump_traceback_later(GPU_TEST_LIMIT_S, exit=True)
+    try:
+        yield
+    finally:
+        faulthandler.cancel_dump_traceback_later()
 
 
 @pytest.fixture
