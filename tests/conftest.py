@@ -25,9 +25,9 @@ GPU_TEST_LIMIT_S = 240  # a GPU test past this is a kernel waiting forever, not 
 
 @pytest.fixture(autouse=True)
 def gpu_hang_guard(request):
-    """A ``gpu`` test still running after GPU_TEST_LIMIT_S ends the process with every thread's traceback, so a kernel
-    that never finishes fails its run at once instead of holding the GPU until an outer limit (module fixtures, such
-    as the CuTe build, run before the clock starts)."""
+    """A ``gpu`` test still running after GPU_TEST_LIMIT_S ends the test process (exit code 1; ``pytest -v`` names the
+    test it was in), so a kernel that never finishes fails the run at once instead of holding the GPU until an outer
+    limit.  Module fixtures, such as the CuTe build, run before the clock starts."""
     if request.node.get_closest_marker("gpu") is None or not torch.cuda.is_available():
         yield
         return
