@@ -10,9 +10,9 @@ from pathlib import Path
 
 import pytest
 import torch
-from kernel_testutil import DTYPES, KINDS, check_close, gpu, make_mask, poisoned, randn, seed_for
+from kernel_testutil import DTYPES, KINDS, check_close, gpu, hopper, make_mask, poisoned, randn, seed_for
 
-from wide.kernels import KernelArgumentError
+from wide.kernels import KernelArgumentError, sm90
 from wide.kernels.reference import expand_route, o_proj_ref
 from wide.kernels.token_order import token_order
 
@@ -126,6 +126,39 @@ def test_gpu_capturable():
     route.copy_(make_mask("random", (4096, 8), seed_for("o_proj_graph2"), 0.6))
     graph.replay()
     check_close(out, o_proj_ref(a.double(), w.double(), route, 512))
+
+
+@gpu
+@hopper
+@pytest.mark.parametrize("kind", KINDS + ["one_active"])
+@pytest.mark.parametrize("M,N,G,NG,dtype", [(1000, 512, 512, 8, torch.bfloat16), (600, 256, 128, 4, torch.float16),
+                                            (130, 256, 64, 1, torch.bfloat16), (4096, 4096, 512, 8, torch.bfloat16)])
+@pytest.mark.parametrize("cluster", [1, 2])
+def test_gpu_cute_against_reference(kind, M, N, G, NG, dtype, cluster, built, monkeypatch):
+    """The CuTe kernel on sorted, zeroed A: the K loop over the groups of the cluster's rows only, rows scattered to
+    their tokens; M not a multiple of the 128-row tile (600 and 1000: an odd tile count, the last pair's second CTA
+    idle), N_G = 1, every mask kind, clusters of 1 and 2 CTAs."""
+    monkeypatch.setattr(sm90, "cluster_m", lambda device: cluster)
+    gen = seed_for("o_proj_cute", kind, M, N, G, NG, dtype, cluster)
+    a, w = randn((M, G * NG), dtype, gen), randn((N, G * NG), dtype, gen, 0.05)
+    route = make_mask(kind, (M, NG), gen, 0.4)
+    a0 = torch.where(expand_route(route, G), a, torch.zeros((), dtype=dtype, device=a.device))
+    order = token_order(route)
+    out = poisoned((M, N), dtype)
+    mod.o_proj(a0[order.perm.long()], w, route, G, order=order, zeroed=True, a_sorted=True, out=out, backend="cute")
+    assert mod.LAST_BACKEND["o_proj"] == "cute"
+    check_close(out, o_proj_ref(a.double(), w.double(), route, G))
+    assert (out[~route.any(dim=1)] == 0).all(), "a row with no executed group must be exactly 0"
+
+
+def test_cute_refusals():
+    gen = seed_for("o_proj_cute_refusal")
+    a, w = randn((8, 128), torch.bfloat16, gen), randn((256, 128), torch.bfloat16, gen)
+    route = make_mask("random", (8, 2), gen)
+    with pytest.raises(KernelArgumentError, match="backend='tvm' is not allowed; allowed: 'auto', 'triton', 'cute'"):
+        mod.o_proj(a, w, route, 64, backend="tvm")
+    with pytest.raises(KernelArgumentError, match="backend='cute' cannot run this o_proj"):
+        mod.o_proj(a, w, route, 64, backend="cute")  # not sorted (and, on a CPU, no GPU)
 
 
 def test_compiles_for_sm90():

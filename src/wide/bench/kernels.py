@@ -197,15 +197,16 @@ def bench_kaxis(run: _Run, op: str, M: int, G: int, s: float) -> None:
     counted in full, each tile config timed, ``U`` the union density at 64 rows, ``U_tile`` at the winner's row tile),
     ``shared_sorted_a`` (O only: the same with A handed over in the sorted order, as the engine's O reads it: its copy
     of the attention output to token rows, which the dense path makes too, writes them sorted), ``gemm_k_splitk`` and
-    ``gemm_k_masked`` (select + cuBLAS); ``wide_ms`` is the best of them.  ``engine_path`` / ``engine_ms``: the path
+    ``gemm_k_masked`` (select + cuBLAS), and ``shared_sorted_a_cute`` (O on an sm_90 GPU: the CuTe kernel on the
+    sorted A); ``wide_ms`` is the best of them.  ``engine_path`` / ``engine_ms``: the path
     the engine's per-GPU table picks at this M and active fraction (cuBLAS where the kernels lose) and its time."""
     import torch
 
     from wide.inference.engine import kaxis_path
     from wide.kernels import gemm_k, reference, tuned_config
     from wide.kernels.o_proj import candidates as shared_candidates
+    from wide.kernels.o_proj import cute_unsupported, o_proj
     from wide.kernels.o_proj import launch as shared_launch
-    from wide.kernels.o_proj import o_proj
     from wide.kernels.token_order import MAX_GROUPS, token_order, union_density
 
     D, Fd = LLAMA["hidden"], LLAMA["ffn"]
@@ -254,13 +255,20 @@ def bench_kaxis(run: _Run, op: str, M: int, G: int, s: float) -> None:
             rec[f"{variant}_configs_ms"] = {k: v[1] for k, v in by_cfg.items()}
             bm = by_cfg[best][0]["BM"]
             rec[f"{variant}_U_tile"] = sum(union_density(st["order"], NG, max(64, bm)) for st in sets) / n_sets
+        if op == "o_proj" and not cute_unsupported(sets[0]["a_sorted"], sets[0]["w"], G, sets[0]["o"], True, True):
+            k_ms = time_ms(each(lambda st: o_proj(st["a_sorted"], st["w"], st["route"], G, order=st["order"],
+                                                  zeroed=True, a_sorted=True, out=st["o"], backend="cute")))
+            cands["shared_sorted_a_cute"] = sort_ms + k_ms
+            rec["shared_sorted_a_cute_kernel_ms"] = k_ms
         rec.update(U=sum(union_density(st["order"], NG) for st in sets) / n_sets, sort_ms=sort_ms, sort_share=1.0)
     best = min(cands, key=cands.get)
     active = sum(float(st["route"].float().mean()) for st in sets) / n_sets
     engine = "gemm_k" if M <= 4 else kaxis_path(tuned_config()["engine"], op, M, active)
     engine = "dense" if engine == "shared" and "shared" not in cands else engine
+    cute_engine = "shared_sorted_a_cute" in cands and tuned_config()["o_proj"]["cute"]  # what the engine's o_proj takes
     engine_ms = {"dense": rec["dense_ms"], "gemm_k": min(cands["gemm_k_splitk"], cands["gemm_k_masked"]),
-                 "shared": cands.get("shared_sorted_a" if op == "o_proj" else "shared")}[engine]
+                 "shared": cands.get(("shared_sorted_a_cute" if cute_engine else "shared_sorted_a") if op == "o_proj"
+                                     else "shared")}[engine]
     rec.update(wide_ms=cands[best], wide_path=best, candidates_ms=cands, active=active, engine_path=engine,
                engine_ms=engine_ms, engine_speedup=rec["dense_ms"] / engine_ms)
     if M <= 4096:
@@ -273,7 +281,11 @@ def bench_kaxis(run: _Run, op: str, M: int, G: int, s: float) -> None:
             errs["shared"] = _rel(o_proj(st["a"], st["w"], st["route"], G, order=st["order"], zeroed=True), ref)
             if op == "o_proj":
                 errs["shared_sorted_a"] = _rel(o_proj(st["a_sorted"], st["w"], st["route"], G, order=st["order"],
-                                                      zeroed=True, a_sorted=True), ref)
+                                                      zeroed=True, a_sorted=True, backend="triton"), ref)
+            if "shared_sorted_a_cute" in cands:
+                errs["shared_sorted_a_cute"] = _rel(o_proj(st["a_sorted"], st["w"], st["route"], G,
+                                                           order=st["order"], zeroed=True, a_sorted=True,
+                                                           backend="cute"), ref)
         rec["rel_err"] = max(errs.values())
         rec["rel_err_by_path"] = errs
     run.add(rec)

@@ -8,12 +8,17 @@ permutation (or reads them in place when the caller produced A in the sorted ord
 stores each output element once, scattered to its token's row: no split-K partials, no atomics.  A row that skips a
 group of its tile's union adds that group's A block, which is zero where the caller says so (``zeroed``) and is
 masked to zero otherwise.
+
+Backends: ``"triton"`` (every GPU, and the CPU interpreter) and ``"cute"`` (:mod:`wide.kernels.sm90` on sm_90a, for
+sorted, zeroed A in bf16 / fp16, K and G multiples of 64, N of 256: the sorted rows by TMA, the union over the cluster's
+tiles); ``"auto"`` takes CuTe where the GPU's config sets ``o_proj.cute`` (or ``WIDE_GEMM_BACKEND=cute``) and it runs.
+:data:`LAST_BACKEND` records what ran.
 """
 
 import torch
 
 from wide.kernels import _common as common
-from wide.kernels import reference
+from wide.kernels import reference, sm90
 from wide.kernels.token_order import MAX_GROUPS, TILE, TokenOrder, check_order, token_order
 
 if common.HAS_TRITON:
@@ -84,6 +89,25 @@ if common.HAS_TRITON:
         tl.store(o_ptrs, acc.to(out_ptr.dtype.element_ty), mask=valid[:, None] & nmask[None, :])
 
 
+BACKENDS = common.BACKEND_CHOICES
+LAST_BACKEND: dict[str, str] = {}  # "o_proj" -> what ran last: "cute", "triton" or "reference"
+
+
+def cute_unsupported(a, w, G: int, out, zeroed: bool, a_sorted: bool) -> str:
+    """Why the CuTe kernel cannot take these checked arguments ("" when it can); builds it on first use."""
+    if not (zeroed and a_sorted):
+        return "a not sorted and zeroed (it takes a_sorted=True, zeroed=True)"
+    if a.dtype not in (torch.bfloat16, torch.float16):
+        return f"dtype {str(a.dtype).replace('torch.', '')} (it takes bfloat16 and float16)"
+    if a.shape[1] % 64 or G % 64 or w.shape[0] % 256:
+        return f"K={a.shape[1]}, G={G}, N={w.shape[0]} (it takes K and G multiples of 64, N a multiple of 256)"
+    if not common.tma_aligned(a, w, out):
+        return "tensors not 16-byte aligned with unit column stride"
+    if not sm90.available(a.device):
+        return "no sm_90 GPU, or the CuTe kernels did not build (see the warning)"
+    return ""
+
+
 def candidates(G: int, M: int) -> list[dict]:
     """Tile configs ``(BM, BN, BK, GROUP_M, warps, stages, TMA)`` of the shared-order kernel, BK dividing G."""
     bk = min(64, common.pow2_part(G))
@@ -125,10 +149,23 @@ def launch(a, w, order: TokenOrder, G: int, out, cfg: dict, zeroed: bool, a_sort
     return out
 
 
-def _o_proj(a, w, route, G, order, zeroed, a_sorted, out) -> torch.Tensor:
+def _o_proj(a, w, route, G, order, zeroed, a_sorted, out, backend="auto") -> torch.Tensor:
     M, K = a.shape
     N = w.shape[0]
     out = torch.empty((M, N), dtype=a.dtype, device=a.device) if out is None else out
+    env = common.env_backend("WIDE_GEMM_BACKEND")
+    if backend == "cute" or (backend == "auto" and env != "triton" and a.is_cuda and
+                             (env == "cute" or common.tuned_config(a.device)["o_proj"]["cute"])):
+        why = cute_unsupported(a, w, G, out, zeroed, a_sorted) if a.is_cuda else f"a is on {a.device}, not an sm_90 GPU"
+        if M == 0 and a.is_cuda:
+            return out
+        if not why:
+            sm90.o_proj(a, w, order.perm, order.union, out, G)
+            LAST_BACKEND["o_proj"] = "cute"
+            return out
+        if backend == "cute":
+            common.fail(f"backend='cute' cannot run this o_proj: {why}")
+    LAST_BACKEND["o_proj"] = "triton" if common.use_triton(a) else "reference"
     if not common.use_triton(a):
         return out.copy_(reference.o_proj_ref(a, w, route, G, order.perm if a_sorted else None))
     if M == 0 or N == 0:
@@ -147,7 +184,8 @@ def _o_proj(a, w, route, G, order, zeroed, a_sorted, out) -> torch.Tensor:
 
 
 def o_proj(a: torch.Tensor, w: torch.Tensor, route: torch.Tensor, G: int, *, order: TokenOrder | None = None,
-           zeroed: bool = False, a_sorted: bool = False, out: torch.Tensor | None = None) -> torch.Tensor:
+           zeroed: bool = False, a_sorted: bool = False, out: torch.Tensor | None = None,
+           backend: str = "auto") -> torch.Tensor:
     """K-axis routed GEMM in the shared token order (Eq. 21): ``out[m] = sum over g with route[m, g] of
     a[m, K_g] @ w[:, K_g].T``, each output tile summing only the groups some row of its sorted rows executes.
 
@@ -155,8 +193,9 @@ def o_proj(a: torch.Tensor, w: torch.Tensor, route: torch.Tensor, G: int, *, ord
     ``[M, K // G]`` with ``1 <= K // G <= 16``, G a multiple of 16 dividing K, ``order`` the
     :func:`~wide.kernels.token_order` of route (computed here when None), out optional contiguous ``[M, N]`` in token
     order.  ``zeroed``: the caller guarantees ``a`` is zero in every (row, group) block the route skips, so the kernel
-    does not mask it.  Configs are timed on the first call of each shape.  Raises KernelArgumentError: bad arguments,
-    more than 16 groups, or ``a_sorted`` without ``order``.
+    does not mask it.  ``backend``: ``"auto"``, ``"triton"`` or ``"cute"`` (see the module).  Triton configs are timed
+    on the first call of each shape.  Raises KernelArgumentError: bad arguments, more than 16 groups, ``a_sorted``
+    without ``order``, or ``backend="cute"`` where the CuTe kernel cannot run.
     """
     M, N, K = common.check_gemm(a, w, route, G, "K", xname="a")
     if K // G > MAX_GROUPS:
@@ -166,6 +205,8 @@ def o_proj(a: torch.Tensor, w: torch.Tensor, route: torch.Tensor, G: int, *, ord
     common.check_flag("zeroed", zeroed)
     if common.check_flag("a_sorted", a_sorted) and order is None:
         common.fail("o_proj(a_sorted=True) needs the order a was sorted by: pass order=token_order(route)")
+    if backend not in BACKENDS:
+        common.fail(f"backend={backend!r} is not allowed; allowed: {', '.join(map(repr, BACKENDS))}")
     if order is not None:
         order = check_order(order, M, route.device)
-    return _o_proj(a, w, route, G, order, zeroed, a_sorted, out)
+    return _o_proj(a, w, route, G, order, zeroed, a_sorted, out, backend)

@@ -1,5 +1,6 @@
-"""CuTe backend on sm_90a (H100 / H200) of :func:`wide.kernels.gemm_mn` and :func:`wide.kernels.swiglu` (Algorithm 2)
-and of :func:`wide.kernels.routed_attention` for prefill (Algorithm 4).
+"""CuTe backend on sm_90a (H100 / H200) of :func:`wide.kernels.gemm_mn` and :func:`wide.kernels.swiglu` (Algorithm 2),
+of :func:`wide.kernels.o_proj` in the shared token order (Eq. 21) and of :func:`wide.kernels.routed_attention` for
+prefill (Algorithm 4).
 
 ``gemm_mn_sm90.cu`` and ``attention_sm90.cu`` (CUTLASS 4 / CuTe headers from the ``nvidia-cutlass`` package, no torch
 headers) and the thin torch binding ``binding.cpp`` are built with nvcc through ``torch.utils.cpp_extension`` (ninja)
@@ -160,6 +161,16 @@ def run(op: str, x: torch.Tensor, w: torch.Tensor, w2, index, counts, out: torch
     props = torch.cuda.get_device_properties(x.device)
     module(x.device).run(OPS[op], x, w, w2, index, counts, out, G, group_m, props.multi_processor_count,
                          cluster_m(x.device) if cluster is None else cluster)
+
+
+def o_proj(a: torch.Tensor, w: torch.Tensor, perm: torch.Tensor, unions: torch.Tensor, out: torch.Tensor,
+           G: int) -> None:
+    """Launch the K-axis O projection in the shared token order on checked, supported arguments (see
+    ``gemm_mn_sm90.h``: ``a`` sorted and zero in its skipped blocks, G columns per K group) on the current stream."""
+    tuned = tuned_config(a.device)["gemm_mn"]
+    props = torch.cuda.get_device_properties(a.device)
+    module(a.device).o_proj(a, w, perm, unions, out, G, tuned["cute_group_m"], props.multi_processor_count,
+                            cluster_m(a.device))
 
 
 def dense_swiglu(x: torch.Tensor, w_gate: torch.Tensor, w_up: torch.Tensor,

@@ -1,4 +1,5 @@
-// Torch binding of the sm_90a kernels (routed GEMM-MN / SwiGLU, routed prefill attention): tensors in, one launch
+// Torch binding of the sm_90a kernels (routed GEMM-MN / SwiGLU, the shared-order O projection, routed prefill
+// attention): tensors in, one launch
 // on the current stream.
 #include <c10/cuda/CUDAGuard.h>
 #include <c10/cuda/CUDAStream.h>
@@ -31,6 +32,25 @@ void run(int64_t op, const at::Tensor& x, const at::Tensor& w, const c10::option
                                    int(grid_ctas), int(cluster_m),
                                    c10::cuda::getCurrentCUDAStream(x.device().index()).stream());
   TORCH_CHECK(rc == 0, "wide sm90 kernel launch failed: ", cudaGetErrorString(cudaError_t(rc)));
+}
+
+// The O projection in the shared token order: a [M, K] sorted rows, w [N, K], out [M, N] in token order (unit column
+// strides), perm int32 [M] and unions int32 [ceil(M / 64)] (contiguous), Gk columns per K group; the caller checked
+// shapes, dtypes and devices.
+void o_proj(const at::Tensor& a, const at::Tensor& w, const at::Tensor& perm, const at::Tensor& unions, at::Tensor& out,
+            int64_t Gk, int64_t group_m, int64_t grid_ctas, int64_t cluster_m) {
+  TORCH_CHECK(a.is_cuda() && a.dim() == 2 && w.dim() == 2 && out.dim() == 2, "wide sm90: 2-D CUDA tensors expected");
+  TORCH_CHECK(a.stride(1) == 1 && w.stride(1) == 1 && out.stride(1) == 1, "wide sm90: unit column strides expected");
+  TORCH_CHECK(perm.is_contiguous() && unions.is_contiguous(), "wide sm90: contiguous perm and unions expected");
+  const auto st = a.scalar_type();
+  TORCH_CHECK(st == at::kBFloat16 || st == at::kHalf, "wide sm90: bfloat16 or float16 expected");
+  const c10::cuda::CUDAGuard guard(a.device());
+  const int rc = wide_sm90::launch_o_proj(
+      st == at::kBFloat16 ? wide_sm90::kBF16 : wide_sm90::kFP16, a.data_ptr(), a.stride(0), w.data_ptr(), w.stride(0),
+      out.data_ptr(), out.stride(0), perm.data_ptr<int32_t>(), unions.data_ptr<int32_t>(), int(a.size(0)),
+      int(w.size(0)), int(a.size(1)), int(Gk), int(group_m), int(grid_ctas), int(cluster_m),
+      c10::cuda::getCurrentCUDAStream(a.device().index()).stream());
+  TORCH_CHECK(rc == 0, "wide sm90 O projection launch failed: ", cudaGetErrorString(cudaError_t(rc)));
 }
 
 // q [B, Hq, Tq, d], k / v [B, Hk, Tk, d] (unit stride on d), index int32 [B, Tq, N_G] and counts int32 [B, N_G]
@@ -75,6 +95,7 @@ void attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, co
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("run", &run, "routed GEMM-MN / SwiGLU / dense SwiGLU on sm_90a");
+  m.def("o_proj", &o_proj, "K-axis O projection in the shared token order on sm_90a");
   m.def("smem_bytes", &wide_sm90::smem_bytes, "dynamic shared memory of one CTA (op, G)");
   m.def("attention", &attention, "routed prefill attention on sm_90a (d = 128)");
 }

@@ -35,8 +35,10 @@ constexpr int kThreads = kProducerThreads + kConsumerThreads;
 // T: element type; BM x BN: the tile (BM / 2 rows per consumer warpgroup); NB: weights (2: the SwiGLU's gate and
 // up); GATHER: rows through the reorder index (false: the dense kernel, every row active); STAGES: pipeline depth;
 // CM: CTAs of a cluster along M, which run CM consecutive row tiles of one N tile together and share its weight tiles:
-// each CTA loads 1 / CM of a stage's weights by TMA and multicasts it to all CM.
-template <class T, int BM_, int BN_, int NB_, bool GATHER_, int STAGES_, int CM_>
+// each CTA loads 1 / CM of a stage's weights by TMA and multicasts it to all CM.  KSKIP: the K-axis O projection in
+// the shared token order (token rows sorted, loaded by TMA; the K loop runs only the K groups some row of the
+// cluster's tiles executes; rows scattered to their tokens).
+template <class T, int BM_, int BN_, int NB_, bool GATHER_, int STAGES_, int CM_, bool KSKIP_ = false>
 struct Config {
   using Element = T;
   static constexpr int BM = BM_;
@@ -45,6 +47,7 @@ struct Config {
   static constexpr bool GATHER = GATHER_;
   static constexpr int STAGES = STAGES_;
   static constexpr int CM = CM_;
+  static constexpr bool KSKIP = KSKIP_;
   using SmemLayoutA =
       decltype(tile_to_shape(GMMA::Layout_K_SW128_Atom<T>{}, Shape<Int<BM>, Int<kBK>, Int<STAGES>>{}));
   using SmemLayoutB =
@@ -74,6 +77,7 @@ struct Config {
   static_assert(BM % 128 == 0 && kBK * sizeof(T) == 128, "tiles of whole 128-row blocks, K steps of 128 bytes");
   static_assert(kSmem <= 227 * 1024, "shared memory of one CTA");
   static_assert(CM == 1 || CM == 2, "clusters of 1 or 2 CTAs along M");
+  static_assert(!(KSKIP && GATHER), "the O projection reads its sorted rows by TMA");
   using TmaLoadB = std::conditional_t<CM == 1, SM90_TMA_LOAD, SM90_TMA_LOAD_MULTICAST>;
 };
 
@@ -85,7 +89,18 @@ struct Args {
   const int32_t* index;
   const int32_t* counts;
   int M, N, K, G, NG, group_m;
+  const int32_t* unions;  // KSKIP: per 64 sorted rows, the bit mask of the K groups some row executes
+  int Gk;                 // KSKIP: columns of A per K group (a multiple of kBK)
 };
+
+constexpr int kUnionRows = 64;  // sorted rows per entry of Args::unions
+
+// KSKIP: the K groups that some sorted row in [r0, r1) executes (bit g: group g), from the 64-row entries.
+__device__ __forceinline__ uint32_t groups_of_rows(const int32_t* unions, int r0, int r1) {
+  uint32_t u = 0;
+  for (int e = r0 / kUnionRows; e * kUnionRows < r1; ++e) u |= uint32_t(__ldg(unions + e));
+  return u;
+}
 
 // Tile t of the persistent order: bands of group_m row tiles, row tile fastest, so the CTAs running together share
 // the weight panels of a few N tiles and the token rows of a few row tiles in L2.
@@ -203,7 +218,14 @@ __global__ void __launch_bounds__(kThreads, 1)
         tile_coords(t, MC, NT, group_c, mc, nt);
         const int mt = mc * CM + rank, m0 = mt * BM, g = nt * BN / args.G;
         const int cnt = C::GATHER ? __ldg(args.counts + g) : M;
-        if (mc * CM * BM >= cnt) continue;  // level 0: no row of the cluster's tiles executes group g
+        // KSKIP: the K groups some row of the cluster's tiles executes, and their K steps (every CTA of the cluster
+        // runs the same steps: a group none of a CTA's rows executes adds their zeros)
+        const uint32_t groups =
+            C::KSKIP ? groups_of_rows(args.unions, mc * CM * BM, min(M, (mc + 1) * CM * BM)) : 0u;
+        const int per = args.Gk / kBK;
+        const int steps = C::KSKIP ? __popc(groups) * per : KT;
+        // level 0: no row of the cluster's tiles executes group g (N axis) or any group (KSKIP)
+        if (mc * CM * BM >= cnt || steps == 0) continue;
         // busy: some row of this CTA's tile executes group g; an idle CTA of a busy cluster still loads and
         // multicasts its slice of the weights
         const bool busy = CM == 1 || m0 < cnt;
@@ -271,7 +293,9 @@ __global__ void __launch_bounds__(kThreads, 1)
                                  make_coord(_, _));
           auto [tAgA, tAsA] =
               tma_partition(tma_a, Int<0>{}, Layout<_1>{}, group_modes<0, 2>(sA), group_modes<0, 2>(gA));
-          for (int kt = 0; kt < KT; ++kt) {
+          uint32_t rest = groups;  // KSKIP: the groups still to run, lowest first; kk: the step within the group
+          int kt = C::KSKIP ? (__ffs(int(rest)) - 1) * per : 0, kk = 0;
+          for (int s = 0; s < steps; ++s) {
             EmptyBarrier::wait(&sm.empty[stage], phase ^ 1);
             FullBarrier::arrive_and_expect_tx(&sm.full[stage], busy ? C::kTxBytes : C::kTxBytes - C::kTxBytesA);
             if (busy) copy(tma_a.with(sm.full[stage]), tAgA(_, mt, kt), tAsA(_, stage));
@@ -280,6 +304,13 @@ __global__ void __launch_bounds__(kThreads, 1)
             if (++stage == STAGES) {
               stage = 0;
               phase ^= 1;
+            }
+            if (C::KSKIP && ++kk == per) {
+              kk = 0;
+              rest &= rest - 1;
+              kt = rest ? (__ffs(int(rest)) - 1) * per : 0;
+            } else {
+              ++kt;
             }
           }
         }
@@ -311,9 +342,12 @@ __global__ void __launch_bounds__(kThreads, 1)
       tile_coords(t, MC, NT, group_c, mc, nt);
       const int m0 = (mc * CM + rank) * BM, n0 = nt * BN, g = n0 / args.G;
       const int cnt = C::GATHER ? __ldg(args.counts + g) : M;
-      if (m0 >= cnt) {
-        if (CM > 1 && mc * CM * BM < cnt) {  // an idle CTA of a busy cluster: the stages pass through unread
-          for (int kt = 0; kt < KT; ++kt) {
+      const int steps = C::KSKIP ? __popc(groups_of_rows(args.unions, mc * CM * BM, min(M, (mc + 1) * CM * BM))) *
+                                       (args.Gk / kBK)
+                                 : KT;
+      if (m0 >= cnt || steps == 0) {
+        if (CM > 1 && mc * CM * BM < cnt && steps > 0) {  // an idle CTA of a busy cluster: stages pass through unread
+          for (int kt = 0; kt < steps; ++kt) {
             FullBarrier::wait(&sm.full[stage], phase);
             release<CM>(&sm.empty[stage], ctid);
             if (++stage == STAGES) {
@@ -346,7 +380,7 @@ __global__ void __launch_bounds__(kThreads, 1)
       clear(acc);
       if constexpr (C::NB == 2) clear(acc2);
       int prev = 0;
-      for (int kt = 0; kt < KT; ++kt) {
+      for (int kt = 0; kt < steps; ++kt) {
         FullBarrier::wait(&sm.full[stage], phase);
         // the gathered rows were written by cp.async (generic proxy); wgmma reads through the async proxy
         if constexpr (C::GATHER) cutlass::arch::fence_view_async_shared();
@@ -382,7 +416,8 @@ __global__ void __launch_bounds__(kThreads, 1)
           const int j = m0 + int(get<0>(tCcC(make_coord(0, r, 0), mi, 0)));
           if (j < M) {
             const bool on = j < cnt;
-            const int64_t row = C::GATHER ? int64_t(__ldg(args.index + int64_t(j) * NG + g)) : int64_t(j);
+            const int64_t row =
+                C::GATHER || C::KSKIP ? int64_t(__ldg(args.index + int64_t(j) * NG + g)) : int64_t(j);
             T* orow = out + row * args.ldo + n0;
             CUTE_UNROLL
             for (int nb = 0; nb < BN / 8; ++nb) {
@@ -469,6 +504,8 @@ template <class T, int CM>
 using Swiglu = Config<T, 128, 128, 2, true, 4, CM>;  // gate and up: 128 x 256 of MMA per K step
 template <class T, int CM>
 using DenseSwiglu = Config<T, 128, 128, 2, false, 4, CM>;
+template <class T, int CM>
+using OProj = Config<T, 128, 256, 1, false, 4, CM, true>;  // sorted rows by TMA, K groups skipped per cluster tile
 
 template <class T, int CM>
 int dispatch(int op, const Args& a, const void* w, const void* w2, int64_t ldw, int grid_ctas, cudaStream_t s) {
@@ -485,6 +522,25 @@ int dispatch(int op, const Args& a, const void* w, const void* w2, int64_t ldw, 
              cudaStream_t s) {
   return cluster_m == 2 ? dispatch<T, 2>(op, a, w, w2, ldw, grid_ctas, s)
                         : dispatch<T, 1>(op, a, w, w2, ldw, grid_ctas, s);
+}
+
+int launch_o_proj(int dtype, const void* a, int64_t lda, const void* w, int64_t ldw, void* out, int64_t ldo,
+                  const int32_t* perm, const int32_t* unions, int M, int N, int K, int Gk, int group_m, int grid_ctas,
+                  int cluster_m, cudaStream_t stream) {
+  const auto aligned = [](const void* p) { return reinterpret_cast<uintptr_t>(p) % 16 == 0; };
+  if ((dtype != kBF16 && dtype != kFP16) || M < 0 || K <= 0 || Gk <= 0 || Gk % kBK || K % Gk || K / Gk > 32 ||
+      N <= 0 || N % 256 || group_m < 1 || grid_ctas < 1 || (cluster_m != 1 && cluster_m != 2) || lda % 8 ||
+      ldw % 8 || ldo % 8 || !aligned(a) || !aligned(w) || !aligned(out) || perm == nullptr || unions == nullptr) {
+    return int(cudaErrorInvalidValue);
+  }
+  // one "group" along N (G = N), the permutation as a one-column index
+  const Args args{a, lda, out, ldo, perm, nullptr, M, N, K, N, 1, group_m, unions, Gk};
+  if (dtype == kBF16) {
+    return cluster_m == 2 ? run<OProj<cutlass::bfloat16_t, 2>>(args, w, nullptr, ldw, grid_ctas, stream)
+                          : run<OProj<cutlass::bfloat16_t, 1>>(args, w, nullptr, ldw, grid_ctas, stream);
+  }
+  return cluster_m == 2 ? run<OProj<cutlass::half_t, 2>>(args, w, nullptr, ldw, grid_ctas, stream)
+                        : run<OProj<cutlass::half_t, 1>>(args, w, nullptr, ldw, grid_ctas, stream);
 }
 
 int smem_bytes(int op, int G) {
@@ -505,7 +561,7 @@ int launch(int op, int dtype, const void* x, int64_t ldx, const void* w, const v
       (gather && (index == nullptr || counts == nullptr))) {
     return int(cudaErrorInvalidValue);
   }
-  const Args args{x, ldx, out, ldo, index, counts, M, N, K, gather ? G : N, gather ? N / G : 1, group_m};
+  const Args args{x, ldx, out, ldo, index, counts, M, N, K, gather ? G : N, gather ? N / G : 1, group_m, nullptr, 0};
   return dtype == kBF16 ? dispatch<cutlass::bfloat16_t>(op, args, w, w2, ldw, grid_ctas, cluster_m, stream)
                         : dispatch<cutlass::half_t>(op, args, w, w2, ldw, grid_ctas, cluster_m, stream);
 }

@@ -26,6 +26,16 @@ int launch(int op, int dtype, const void* x, int64_t ldx, const void* w, const v
            int64_t ldo, const int32_t* index, const int32_t* counts, int M, int N, int K, int G, int group_m,
            int grid_ctas, int cluster_m, cudaStream_t stream);
 
+// The K-axis O projection in the shared token order (paper Eq. 21 over wide.kernels.token_order):
+// out[perm[j], :] = sum over the K groups g in the union of j's 64-row tile (unions[j / 64], bit g) of
+// a[j, g * Gk : (g + 1) * Gk] @ w[:, g * Gk : (g + 1) * Gk].T, for the sorted rows j of a [M, K] (row stride lda) whose
+// skipped (row, group) blocks are zero; w [N, K] (row stride ldw), out [M, N] (row stride ldo) in token order, perm
+// int32 [M], unions int32 [ceil(M / 64)].  Requires K % Gk == 0, Gk % 64 == 0, K / Gk <= 32, N % 256 == 0, 16-byte
+// aligned pointers and row strides.  grid_ctas and cluster_m as launch's.  Returns a cudaError_t.
+int launch_o_proj(int dtype, const void* a, int64_t lda, const void* w, int64_t ldw, void* out, int64_t ldo,
+                  const int32_t* perm, const int32_t* unions, int M, int N, int K, int Gk, int group_m, int grid_ctas,
+                  int cluster_m, cudaStream_t stream);
+
 // Dynamic shared memory (bytes) one CTA of this op and G uses.
 int smem_bytes(int op, int G);
 
