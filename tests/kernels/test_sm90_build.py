@@ -58,6 +58,19 @@ def test_attention_layouts_on_the_host(tmp_path):
     assert run.returncode == 0 and run.stdout.split() == ["ok", "33280", "ok", "33280"], run.stdout + run.stderr
 
 
+def test_gemm_work_order_on_the_host(tmp_path):
+    # every output tile once (clusters of 1 and 2 CTAs, odd and even tile counts, many grids and L2 bands) and the O
+    # projection's K steps exactly those of its groups: the kernel's own header in a host program
+    _, nvcc = _toolchain()
+    exe = tmp_path / "schedule"
+    src = os.path.join(os.path.dirname(os.path.abspath(__file__)), "sm90_gemm_schedule.cu")
+    r = subprocess.run([nvcc, "-std=c++17", f"-I{sm90.HERE}", "-o", str(exe), src], capture_output=True, text=True,
+                       timeout=600)
+    assert r.returncode == 0, (r.stdout + r.stderr)[-4000:]
+    run = subprocess.run([str(exe)], capture_output=True, text=True, timeout=60)
+    assert run.returncode == 0 and run.stdout.split() == ["ok", "4842"], run.stdout + run.stderr
+
+
 def test_every_source_is_compiled_here():
     assert sorted(KERNELS) == sorted(s for s in sm90.SOURCES if s.endswith(".cu"))
 

@@ -24,7 +24,8 @@ from wide.kernels._common import cache_dir, fail, tma_aligned, tuned_config
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 SOURCES = ("gemm_mn_sm90.cu", "attention_sm90.cu", "binding.cpp")
-HEADERS = ("gemm_mn_sm90.h", "attention_sm90.h", "attention_sm90_config.cuh", "common_sm90.cuh")
+HEADERS = ("gemm_mn_sm90.h", "gemm_schedule_sm90.cuh", "attention_sm90.h", "attention_sm90_config.cuh",
+           "common_sm90.cuh")
 ARCH_FLAG = "-gencode=arch=compute_90a,code=sm_90a"
 OPS = {"gemm_mn": 0, "swiglu": 1, "dense_swiglu": 2}
 _WARNED: list = []

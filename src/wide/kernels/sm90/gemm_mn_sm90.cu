@@ -13,6 +13,7 @@
 
 #include "gemm_mn_sm90.h"
 #include "common_sm90.cuh"
+#include "gemm_schedule_sm90.cuh"
 
 #include <cute/tensor.hpp>  // first: the atoms below need the whole of cute
 
@@ -100,17 +101,6 @@ __device__ __forceinline__ uint32_t groups_of_rows(const int32_t* unions, int r0
   uint32_t u = 0;
   for (int e = r0 / kUnionRows; e * kUnionRows < r1; ++e) u |= uint32_t(__ldg(unions + e));
   return u;
-}
-
-// Tile t of the persistent order: bands of group_m row tiles, row tile fastest, so the CTAs running together share
-// the weight panels of a few N tiles and the token rows of a few row tiles in L2.
-__device__ __forceinline__ void tile_coords(int t, int MT, int NT, int group_m, int& mt, int& nt) {
-  const int in_band = group_m * NT;
-  const int first_m = (t / in_band) * group_m;
-  const int size_m = min(MT - first_m, group_m);
-  const int r = t % in_band;
-  mt = first_m + r % size_m;
-  nt = r / size_m;
 }
 
 template <class T>
@@ -293,9 +283,9 @@ __global__ void __launch_bounds__(kThreads, 1)
                                  make_coord(_, _));
           auto [tAgA, tAsA] =
               tma_partition(tma_a, Int<0>{}, Layout<_1>{}, group_modes<0, 2>(sA), group_modes<0, 2>(gA));
-          uint32_t rest = groups;  // KSKIP: the groups still to run, lowest first; kk: the step within the group
-          int kt = C::KSKIP ? (__ffs(int(rest)) - 1) * per : 0, kk = 0;
+          KSteps ks(groups, per);  // KSKIP: the steps of the groups, lowest first (else kt counts 0 .. KT - 1)
           for (int s = 0; s < steps; ++s) {
+            const int kt = C::KSKIP ? ks.kt : s;
             EmptyBarrier::wait(&sm.empty[stage], phase ^ 1);
             FullBarrier::arrive_and_expect_tx(&sm.full[stage], busy ? C::kTxBytes : C::kTxBytes - C::kTxBytesA);
             if (busy) copy(tma_a.with(sm.full[stage]), tAgA(_, mt, kt), tAsA(_, stage));
@@ -305,13 +295,7 @@ __global__ void __launch_bounds__(kThreads, 1)
               stage = 0;
               phase ^= 1;
             }
-            if (C::KSKIP && ++kk == per) {
-              kk = 0;
-              rest &= rest - 1;
-              kt = rest ? (__ffs(int(rest)) - 1) * per : 0;
-            } else {
-              ++kt;
-            }
+            if constexpr (C::KSKIP) ks.next();
           }
         }
       }
