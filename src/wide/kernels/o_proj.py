@@ -104,7 +104,7 @@ def cute_unsupported(a, w, G: int, out, zeroed: bool, a_sorted: bool) -> str:
         return f"dtype {str(a.dtype).replace('torch.', '')} (it takes bfloat16 and float16)"
     if a.shape[1] % 64 or G % 64 or w.shape[0] % 256:
         return f"K={a.shape[1]}, G={G}, N={w.shape[0]} (it takes K and G multiples of 64, N a multiple of 256)"
-    if not common.tma_aligned(a, w, out):
+    if a.numel() and not common.tma_aligned(a, w, out):
         return "tensors not 16-byte aligned with unit column stride"
     if not sm90.available(a.device):
         return "no sm_90 GPU, or the CuTe kernels did not build (see the warning)"
@@ -160,7 +160,8 @@ def _o_proj(a, w, route, G, order, zeroed, a_sorted, out, backend="auto") -> tor
     if backend == "cute" or (backend == "auto" and env != "triton" and a.is_cuda and
                              (env == "cute" or common.tuned_config(a.device)["o_proj"]["cute"])):
         why = cute_unsupported(a, w, G, out, zeroed, a_sorted) if a.is_cuda else f"a is on {a.device}, not an sm_90 GPU"
-        if M == 0 and a.is_cuda:
+        if not why and M == 0:
+            LAST_BACKEND["o_proj"] = "cute"
             return out
         if not why and backend == "cute":
             sm90.o_proj(a, w, order.perm, order.union, out, G)

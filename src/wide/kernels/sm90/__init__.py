@@ -149,10 +149,11 @@ def available(device: torch.device | None) -> bool:
     return module(device) is not None
 
 
-def cluster_m(device: torch.device) -> int:
-    """CTAs per cluster along M of the GEMM kernels on ``device``: the tuned ``gemm_mn.cute_cluster_m`` (1, or 2 for
-    pairs of CTAs that share each weight tile by TMA multicast)."""
-    return int(tuned_config(device)["gemm_mn"]["cute_cluster_m"])
+def cluster_m(device: torch.device, op: str = "gemm_mn") -> int:
+    """CTAs per cluster along M of the CuTe kernels of ``op`` ("gemm_mn": gemm_mn and the SwiGLUs; "o_proj") on
+    ``device``: the tuned ``<op>.cute_cluster_m`` (1, or 2 for pairs of CTAs that share each weight tile by TMA
+    multicast)."""
+    return int(tuned_config(device)[op]["cute_cluster_m"])
 
 
 def run(op: str, x: torch.Tensor, w: torch.Tensor, w2, index, counts, out: torch.Tensor, G: int, group_m: int,
@@ -168,10 +169,9 @@ def o_proj(a: torch.Tensor, w: torch.Tensor, perm: torch.Tensor, unions: torch.T
            G: int) -> None:
     """Launch the K-axis O projection in the shared token order on checked, supported arguments (see
     ``gemm_mn_sm90.h``: ``a`` sorted and zero in its skipped blocks, G columns per K group) on the current stream."""
-    tuned = tuned_config(a.device)["gemm_mn"]
     props = torch.cuda.get_device_properties(a.device)
-    module(a.device).o_proj(a, w, perm, unions, out, G, tuned["cute_group_m"], props.multi_processor_count,
-                            cluster_m(a.device))
+    module(a.device).o_proj(a, w, perm, unions, out, G, tuned_config(a.device)["gemm_mn"]["cute_group_m"],
+                            props.multi_processor_count, cluster_m(a.device, "o_proj"))
 
 
 def dense_swiglu(x: torch.Tensor, w_gate: torch.Tensor, w_up: torch.Tensor,

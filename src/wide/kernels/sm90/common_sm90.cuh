@@ -36,6 +36,7 @@ int raise_smem_limit(int bytes) {
   if (err == cudaSuccess && (dev >= 64 || !raised[dev])) {
     err = cudaFuncSetAttribute(Kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, bytes);
     if (err == cudaSuccess && dev < 64) raised[dev] = true;
+    if (err != cudaSuccess) (void)cudaGetLastError();  // returned to the caller, not left set
   }
   return int(err);
 }

@@ -432,7 +432,10 @@ int max_active_clusters(const cudaLaunchConfig_t& cfg) {
   if (cudaGetDevice(&dev) != cudaSuccess) return 0;
   if (dev < 64 && cached[dev] > 0) return cached[dev];
   int n = 0;
-  if (cudaOccupancyMaxActiveClusters(&n, reinterpret_cast<const void*>(Kernel), &cfg) != cudaSuccess) return 0;
+  if (cudaOccupancyMaxActiveClusters(&n, reinterpret_cast<const void*>(Kernel), &cfg) != cudaSuccess) {
+    (void)cudaGetLastError();  // not left for the next launch check to report: the grid is then not capped
+    return 0;
+  }
   if (dev < 64) cached[dev] = n;
   return n;
 }
@@ -472,7 +475,9 @@ int run(const Args& args, const void* w, const void* w2, int64_t ldw, int grid_c
     }
     clusters = clusters < tiles ? clusters : tiles;
     cfg.gridDim = dim3(unsigned(C::CM * (clusters > 0 ? clusters : 1)));
-    return int(cudaLaunchKernelEx(&cfg, kernel, tma_a, tma_b, tma_b2, args));
+    const int err = int(cudaLaunchKernelEx(&cfg, kernel, tma_a, tma_b, tma_b2, args));
+    if (err) (void)cudaGetLastError();  // returned here, not left for an unrelated op's launch check to report
+    return err;
   };
   // the token tile by TMA: every tile of the dense kernel, the runs of consecutive rows of the gathering one
   auto x = make_tensor(make_gmem_ptr(static_cast<const T*>(args.x)), make_shape(args.M, args.K),
