@@ -101,6 +101,22 @@ def fail(msg: str):
 
 
 BACKEND_CHOICES = ("auto", "triton", "cute")
+_CUTE_FAILED: dict[str, RuntimeError] = {}  # op -> the failed CuTe launch of an "auto" call: Triton from then on
+
+
+def auto_cute(op: str, launch):
+    """``launch()`` (the CuTe kernel of an ``"auto"`` call of ``op``) unless a CuTe launch of ``op`` failed earlier in
+    this process; None when it did, or when this one raises RuntimeError (said once, and the Triton kernels run from
+    then on)."""
+    if op in _CUTE_FAILED:
+        return None
+    try:
+        return launch()
+    except RuntimeError as e:  # a launch the CuTe kernel refused
+        _CUTE_FAILED[op] = e
+        warnings.warn(f"wide.kernels: the CuTe {op} launch failed ({e}); the Triton kernels run from now on",
+                      RuntimeWarning, stacklevel=4)
+        return None
 
 
 def env_backend(var: str) -> str:

@@ -15,8 +15,6 @@ through the reorder index; a tile whose first sorted row is inactive only writes
 (N tile, K split) work of the groups some row executes; a tile's fp32 partials are summed in split order.
 """
 
-import warnings
-
 import torch
 
 from wide.kernels import _common as common
@@ -25,7 +23,6 @@ from wide.kernels.reorder import reorder
 
 BACKENDS = common.BACKEND_CHOICES
 LAST_BACKEND: dict[str, str] = {}  # op ("gemm_mn", "swiglu") -> what ran last: "cute", "triton" or "reference"
-_CUTE_FAILED: list = []  # a failed CuTe launch of an "auto" call: the process stays on Triton
 
 if common.HAS_TRITON:
     import triton
@@ -378,15 +375,9 @@ def _gemm_mn(x, w, w2, route, G, reordered, out, backend="auto"):
         if not why and backend == "cute":
             LAST_BACKEND[op] = "cute"
             return _cute(x, w, w2, route, G, reordered, out)
-        if not why and not _CUTE_FAILED:
-            try:
-                out = _cute(x, w, w2, route, G, reordered, out)
-                LAST_BACKEND[op] = "cute"
-                return out
-            except RuntimeError as e:  # a launch the CuTe kernel refused: Triton from now on, said once
-                _CUTE_FAILED.append(e)
-                warnings.warn(f"wide.kernels: the CuTe {op} launch failed ({e}); the Triton kernels run from now on",
-                              RuntimeWarning, stacklevel=3)
+        if not why and common.auto_cute(op, lambda: _cute(x, w, w2, route, G, reordered, out)) is not None:
+            LAST_BACKEND[op] = "cute"
+            return out
         if backend == "cute":
             common.fail(f"backend='cute' cannot run this {op}: {why}")
     LAST_BACKEND[op] = "triton" if common.use_triton(x) else "reference"

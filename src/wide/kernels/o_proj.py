@@ -15,8 +15,6 @@ tiles); ``"auto"`` takes CuTe where the GPU's config sets ``o_proj.cute`` (or ``
 :data:`LAST_BACKEND` records what ran.
 """
 
-import warnings
-
 import torch
 
 from wide.kernels import _common as common
@@ -93,7 +91,6 @@ if common.HAS_TRITON:
 
 BACKENDS = common.BACKEND_CHOICES
 LAST_BACKEND: dict[str, str] = {}  # "o_proj" -> what ran last: "cute", "triton" or "reference"
-_CUTE_FAILED: list = []  # a failed CuTe launch of an "auto" call: the process stays on Triton
 
 
 def cute_unsupported(a, w, G: int, out, zeroed: bool, a_sorted: bool) -> str:
@@ -167,15 +164,9 @@ def _o_proj(a, w, route, G, order, zeroed, a_sorted, out, backend="auto") -> tor
             sm90.o_proj(a, w, order.perm, order.union, out, G)
             LAST_BACKEND["o_proj"] = "cute"
             return out
-        if not why and not _CUTE_FAILED:
-            try:
-                sm90.o_proj(a, w, order.perm, order.union, out, G)
-                LAST_BACKEND["o_proj"] = "cute"
-                return out
-            except RuntimeError as e:  # a launch the CuTe kernel refused: Triton from now on, said once
-                _CUTE_FAILED.append(e)
-                warnings.warn(f"wide.kernels: the CuTe o_proj launch failed ({e}); the Triton kernel runs from now on",
-                              RuntimeWarning, stacklevel=3)
+        if not why and common.auto_cute("o_proj", lambda: sm90.o_proj(a, w, order.perm, order.union, out, G)):
+            LAST_BACKEND["o_proj"] = "cute"
+            return out
         if backend == "cute":
             common.fail(f"backend='cute' cannot run this o_proj: {why}")
     LAST_BACKEND["o_proj"] = "triton" if common.use_triton(a) else "reference"

@@ -166,12 +166,14 @@ def run(op: str, x: torch.Tensor, w: torch.Tensor, w2, index, counts, out: torch
 
 
 def o_proj(a: torch.Tensor, w: torch.Tensor, perm: torch.Tensor, unions: torch.Tensor, out: torch.Tensor,
-           G: int) -> None:
+           G: int) -> torch.Tensor:
     """Launch the K-axis O projection in the shared token order on checked, supported arguments (see
-    ``gemm_mn_sm90.h``: ``a`` sorted and zero in its skipped blocks, G columns per K group) on the current stream."""
+    ``gemm_mn_sm90.h``: ``a`` sorted and zero in its skipped blocks, G columns per K group) on the current stream;
+    returns ``out``."""
     props = torch.cuda.get_device_properties(a.device)
     module(a.device).o_proj(a, w, perm, unions, out, G, tuned_config(a.device)["gemm_mn"]["cute_group_m"],
                             props.multi_processor_count, cluster_m(a.device, "o_proj"))
+    return out
 
 
 def dense_swiglu(x: torch.Tensor, w_gate: torch.Tensor, w_up: torch.Tensor,
