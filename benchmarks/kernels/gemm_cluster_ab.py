@@ -1,9 +1,9 @@
 """The CuTe GEMM kernels with clusters of 1 and 2 CTAs along M (a pair shares each weight tile by TMA multicast),
 in one process on an sm_90 GPU, against cuBLAS and the dense SwiGLU baselines.  Llama-3.1-8B up / gate shapes
 (4096 -> 14336), M = 4096 / 16384 rows, G = 128 / 512, Bernoulli routes at s = 0 and 0.5 reordered outside the timed
-region (kernel time only); medians of ``triton.testing.do_bench_cudagraph``.  The routed SwiGLU is compared with the
-fastest dense SwiGLU of the run (cuBLAS on [W_gate; W_up] plus the activation, or the CuTe dense SwiGLU at either
-cluster size).  Prints one line per point; ``--out`` also writes the records.
+region (kernel time only); medians of ``wide.bench.kernels.time_ms`` (``do_bench_cudagraph``).  The routed SwiGLU
+is compared with the fastest dense SwiGLU of the run (cuBLAS on [W_gate; W_up] plus the activation, or the CuTe dense
+SwiGLU at either cluster size).  Prints one line per point; ``--out`` also writes the records.
 
     python3 benchmarks/kernels/gemm_cluster_ab.py --out benchmarks/kernels/gemm_cluster_h200.json
 
@@ -18,19 +18,13 @@ import sys
 
 import torch
 import torch.nn.functional as F
-import triton.testing as tt
 
+from wide.bench.kernels import time_ms
 from wide.kernels import reorder, sm90, tuned_config
 from wide.kernels.reference import gemm_mn_ref, swiglu_ref
 
 D, FFN = 4096, 14336
 CHECK_ROWS = 512  # rows checked against the float64 reference per point
-
-
-def bench(fn) -> float:
-    fn()
-    torch.cuda.synchronize()
-    return tt.do_bench_cudagraph(fn, rep=200, return_mode="median")
 
 
 def rel_err(out, ref) -> float:
@@ -50,17 +44,17 @@ def sweep_rows(M: int, clusters: list[int], group_m: int) -> list[dict]:
     tmp = torch.empty(M, 2 * FFN, device="cuda", dtype=torch.bfloat16)
     xc = x[:CHECK_ROWS].double()
     flop = 2.0 * M * FFN * D
-    cublas = bench(lambda: torch.matmul(x, wg.t(), out=out))
+    cublas = time_ms([lambda: torch.matmul(x, wg.t(), out=out)])
 
     def unfused():
         torch.matmul(x, w.t(), out=tmp)
         torch.mul(F.silu(tmp[:, :FFN]), tmp[:, FFN:], out=out)
 
-    dense_sw = {"cuBLAS [W_gate; W_up] + silu * up": bench(unfused)}
+    dense_sw = {"cuBLAS [W_gate; W_up] + silu * up": time_ms([unfused])}
     records = []
     for cm in clusters:
         name = f"CuTe dense SwiGLU, cluster {cm}"
-        dense_sw[name] = bench(lambda cm=cm: m.run(2, x, wg, wu, None, None, out, FFN, group_m, sms, cm))
+        dense_sw[name] = time_ms([lambda cm=cm: m.run(2, x, wg, wu, None, None, out, FFN, group_m, sms, cm)])
         ones = torch.ones(CHECK_ROWS, 1, dtype=torch.bool, device="cuda")
         err = rel_err(out[:CHECK_ROWS], swiglu_ref(xc, wg.double(), wu.double(), ones, FFN))
         records.append(dict(op="dense_swiglu", M=M, N=FFN, K=D, cluster_m=cm, wide_ms=dense_sw[name], rel_err=err))
@@ -82,7 +76,7 @@ def sweep_rows(M: int, clusters: list[int], group_m: int) -> list[dict]:
                        else gemm_mn_ref(xc, wg.double(), rc, G))
                 line = f"M={M} G={G} s={s} {op} dense {base_ms:.4f} ms"
                 for cm in clusters:
-                    ms = bench(lambda cm=cm: m.run(opid, x, wg, w2, r.index, r.counts, out, G, group_m, sms, cm))
+                    ms = time_ms([lambda cm=cm: m.run(opid, x, wg, w2, r.index, r.counts, out, G, group_m, sms, cm)])
                     err = rel_err(out[:CHECK_ROWS], ref)
                     line += f" | cluster {cm} {ms:.4f} ms {base_ms / ms:.3f}x err {err:.1e}"
                     records.append(dict(op=op, M=M, N=FFN, K=D, G=G, sparsity=s, cluster_m=cm, dense_ms=base_ms,

@@ -8,8 +8,8 @@
 // Tiles: 128 x 256 (G a multiple of 256) or 256 x 128 for gemm_mn, 128 x 128 with the gate and up weights for the
 // SwiGLU.  With clusters of 2 CTAs along M, the two run adjacent row tiles of one N tile in step, and each loads half
 // of every weight stage and multicasts it by TMA to both, which halves the weight traffic from L2.  When no row of a
-// CTA's tile executes the group but some row of its partner's does, the CTA still loads and multicasts its half.  The dense fused SwiGLU (the baseline of the routed one) is the same kernel with the token tile loaded by
-// TMA.
+// CTA's tile executes the group but some row of its partner's does, the CTA still loads and multicasts its half.  The
+// dense fused SwiGLU (the baseline of the routed one) is the same kernel with the token tile loaded by TMA.
 
 #include "gemm_mn_sm90.h"
 #include "common_sm90.cuh"
@@ -96,10 +96,15 @@ struct Args {
 
 constexpr int kUnionRows = 64;  // sorted rows per entry of Args::unions
 
-// KSKIP: the K groups that some sorted row in [r0, r1) executes (bit g: group g), from the 64-row entries.
-__device__ __forceinline__ uint32_t groups_of_rows(const int32_t* unions, int r0, int r1) {
+// KSKIP: the K groups (bit g: group g) that some sorted row of cluster tile mc executes, from the 64-row entries;
+// every CTA of the cluster runs their steps (a group none of a CTA's rows executes adds their zeros).  0 otherwise.
+template <class C>
+__device__ __forceinline__ uint32_t cluster_groups(const Args& args, int mc) {
   uint32_t u = 0;
-  for (int e = r0 / kUnionRows; e * kUnionRows < r1; ++e) u |= uint32_t(__ldg(unions + e));
+  if constexpr (C::KSKIP) {
+    const int r0 = mc * C::CM * C::BM, r1 = min(args.M, r0 + C::CM * C::BM);
+    for (int e = r0 / kUnionRows; e * kUnionRows < r1; ++e) u |= uint32_t(__ldg(args.unions + e));
+  }
   return u;
 }
 
@@ -208,10 +213,7 @@ __global__ void __launch_bounds__(kThreads, 1)
         tile_coords(t, MC, NT, group_c, mc, nt);
         const int mt = mc * CM + rank, m0 = mt * BM, g = nt * BN / args.G;
         const int cnt = C::GATHER ? __ldg(args.counts + g) : M;
-        // KSKIP: the K groups some row of the cluster's tiles executes, and their K steps (every CTA of the cluster
-        // runs the same steps: a group none of a CTA's rows executes adds their zeros)
-        const uint32_t groups =
-            C::KSKIP ? groups_of_rows(args.unions, mc * CM * BM, min(M, (mc + 1) * CM * BM)) : 0u;
+        const uint32_t groups = cluster_groups<C>(args, mc);
         const int per = args.Gk / kBK;
         const int steps = C::KSKIP ? __popc(groups) * per : KT;
         // level 0: no row of the cluster's tiles executes group g (N axis) or any group (KSKIP)
@@ -233,7 +235,7 @@ __global__ void __launch_bounds__(kThreads, 1)
           // (twice the pieces in the producer's registers), 32-bit token rows
           constexpr bool kRowsOnly = BM == 256;
           std::conditional_t<kRowsOnly, uint32_t, const T*> src[kRows];
-          uint32_t live = 0;    // bit i: row tid / 8 + 16 i is active (others zero-filled, not read)
+          uint32_t live = 0;  // bit i: row tid / 8 + 16 i is active (others zero-filled, not read)
           CUTE_UNROLL
           for (int i = 0; i < kRows; ++i) {
             const int j = m0 + tid / 8 + 16 * i;
@@ -326,9 +328,7 @@ __global__ void __launch_bounds__(kThreads, 1)
       tile_coords(t, MC, NT, group_c, mc, nt);
       const int m0 = (mc * CM + rank) * BM, n0 = nt * BN, g = n0 / args.G;
       const int cnt = C::GATHER ? __ldg(args.counts + g) : M;
-      const int steps = C::KSKIP ? __popc(groups_of_rows(args.unions, mc * CM * BM, min(M, (mc + 1) * CM * BM))) *
-                                       (args.Gk / kBK)
-                                 : KT;
+      const int steps = C::KSKIP ? __popc(cluster_groups<C>(args, mc)) * (args.Gk / kBK) : KT;
       if (m0 >= cnt || steps == 0) {
         if (CM > 1 && mc * CM * BM < cnt && steps > 0) {  // an idle CTA of a busy cluster: stages pass through unread
           for (int kt = 0; kt < steps; ++kt) {
