@@ -3,7 +3,7 @@ in one process on an sm_90 GPU, against cuBLAS and the dense SwiGLU baselines.  
 (4096 -> 14336), M = 4096 / 16384 rows, G = 128 / 512, Bernoulli routes at s = 0 and 0.5 reordered outside the timed
 region (kernel time only); medians of ``wide.bench.kernels.time_ms`` (``do_bench_cudagraph``).  The routed SwiGLU
 is compared with the fastest dense SwiGLU of the run (cuBLAS on [W_gate; W_up] plus the activation, or the CuTe dense
-SwiGLU at either cluster size).  Prints one line per point; ``--out`` also writes the records.
+SwiGLU at either cluster size).  Prints one line per launch; ``--out`` also writes the records, after each one.
 
     python3 benchmarks/kernels/gemm_cluster_ab.py --out benchmarks/kernels/gemm_cluster_h200.json
 
@@ -31,9 +31,10 @@ def rel_err(out, ref) -> float:
     return float((out.double() - ref).norm() / ref.norm().clamp_min(1e-30))
 
 
-def sweep_rows(M: int, clusters: list[int], group_m: int) -> list[dict]:
-    """Records of one row count M: the dense SwiGLU candidates, then gemm_mn and the routed SwiGLU per G, s and
-    cluster size."""
+def sweep_rows(M: int, clusters: list[int], group_m: int):
+    """Yields the records of one row count M as they are measured: the dense SwiGLU candidates, then gemm_mn and the
+    routed SwiGLU per G, s and cluster size.  Each launch's point is printed before it runs, so a run that stops
+    names the launch it stopped in."""
     m = sm90.module(torch.device("cuda"))
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     g = torch.Generator(device="cuda").manual_seed(M)
@@ -64,6 +65,7 @@ def sweep_rows(M: int, clusters: list[int], group_m: int) -> list[dict]:
           " | ".join(f"{k} {v:.4f} ms ({2 * flop / v / 1e9:.0f} TFLOP/s)" for k, v in dense_sw.items()), flush=True)
     for r in records:
         r.update(dense_ms=sw_ms, baseline=sw_base, speedup=sw_ms / r["wide_ms"], baseline_candidates_ms=dense_sw)
+        yield r
     for G in (128, 512):
         for s in (0.0, 0.5):
             route = torch.rand(M, FFN // G, device="cuda", generator=g) >= s
@@ -74,15 +76,13 @@ def sweep_rows(M: int, clusters: list[int], group_m: int) -> list[dict]:
                 w2 = wu if op == "swiglu" else None
                 ref = (swiglu_ref(xc, wg.double(), wu.double(), rc, G) if op == "swiglu"
                        else gemm_mn_ref(xc, wg.double(), rc, G))
-                line = f"M={M} G={G} s={s} {op} dense {base_ms:.4f} ms"
                 for cm in clusters:
+                    print(f"M={M} G={G} s={s} {op} cluster {cm}: ", end="", flush=True)
                     ms = time_ms([lambda cm=cm: m.run(opid, x, wg, w2, r.index, r.counts, out, G, group_m, sms, cm)])
                     err = rel_err(out[:CHECK_ROWS], ref)
-                    line += f" | cluster {cm} {ms:.4f} ms {base_ms / ms:.3f}x err {err:.1e}"
-                    records.append(dict(op=op, M=M, N=FFN, K=D, G=G, sparsity=s, cluster_m=cm, dense_ms=base_ms,
-                                        wide_ms=ms, speedup=base_ms / ms, baseline=base, rel_err=err))
-                print(line, flush=True)
-    return records
+                    print(f"{ms:.4f} ms, {base_ms / ms:.3f}x of dense {base_ms:.4f} ms, err {err:.1e}", flush=True)
+                    yield dict(op=op, M=M, N=FFN, K=D, G=G, sparsity=s, cluster_m=cm, dense_ms=base_ms, wide_ms=ms,
+                               speedup=base_ms / ms, baseline=base, rel_err=err)
 
 
 def main() -> None:
@@ -109,10 +109,11 @@ def main() -> None:
                 command="python3 benchmarks/kernels/gemm_cluster_ab.py " + " ".join(sys.argv[1:]))
     records = []
     for M in (int(v) for v in args.M.split(",")):
-        records += sweep_rows(M, clusters, group_m)
-        if args.out:  # after each row count, so a cut run keeps what it measured
-            with open(args.out, "w") as f:
-                json.dump([{**r, **meta} for r in records], f, indent=1)
+        for rec in sweep_rows(M, clusters, group_m):
+            records.append(rec)
+            if args.out:  # after each point, so a cut run keeps what it measured
+                with open(args.out, "w") as f:
+                    json.dump([{**r, **meta} for r in records], f, indent=1)
 
 
 if __name__ == "__main__":

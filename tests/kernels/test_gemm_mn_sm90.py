@@ -97,6 +97,31 @@ def test_runs_and_gathers_share_the_stage_ring(op, grid_ctas, built):
     check_close(out, ref)
 
 
+@gpu
+@hopper
+@pytest.mark.parametrize("cluster", [1, 2])
+@pytest.mark.parametrize("op,G", [("gemm_mn", 128), ("gemm_mn", 512), ("swiglu", 128), ("swiglu", 512)])
+def test_gathers_at_llama_scale(op, G, cluster, built):
+    """Bernoulli routes at s = 0.5 on the Llama-3.1-8B up / gate shape (4096 -> 14336), M = 4096: every busy row tile
+    gathers, and each CTA of the SM-count grid runs about a dozen (row tile, N tile) pairs of 64 K steps through the
+    ring.  Every 8th row is checked against the float64 reference, and every inactive (row, group) output is 0."""
+    M, N, K = 4096, 14336, 4096
+    gen = seed_for("sm90_scale", op, G, cluster)
+    x = randn((M, K), torch.bfloat16, gen)
+    w, w2 = randn((N, K), torch.bfloat16, gen, 0.02), randn((N, K), torch.bfloat16, gen, 0.02)
+    route = make_mask("random", (M, N // G), gen, 0.5)
+    r = reorder(route)
+    out = poisoned((M, N), torch.bfloat16)
+    sms = torch.cuda.get_device_properties(x.device).multi_processor_count
+    sm90.module(x.device).run(sm90.OPS[op], x, w, w2 if op == "swiglu" else None, r.index, r.counts, out, G, 8, sms,
+                              cluster)
+    rows = torch.arange(0, M, 8, device=DEVICE)
+    ref = (swiglu_ref(x[rows].double(), w.double(), w2.double(), route[rows], G) if op == "swiglu" else
+           gemm_mn_ref(x[rows].double(), w.double(), route[rows], G))
+    check_close(out[rows], ref)
+    assert (out[~expand_route(route, G)] == 0).all(), "an inactive (row, group) output must be exactly 0"
+
+
 def cluster_route(pattern: str, M: int) -> torch.Tensor:
     """Masks [M, 4] for the cluster test: "mixed" has group 0 on for tokens < 100 only (its count ends inside the
     first row tile), group 1 from token 50 on, group 2 off at every 7th token (gathers), group 3 on but at token 400;
