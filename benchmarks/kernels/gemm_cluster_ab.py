@@ -3,11 +3,12 @@ in one process on an sm_90 GPU, against cuBLAS and the dense SwiGLU baselines.  
 (4096 -> 14336), M = 4096 / 16384 rows, G = 128 / 512, Bernoulli routes at s = 0 and 0.5 reordered outside the timed
 region (kernel time only); medians of ``wide.bench.kernels.time_ms`` (``do_bench_cudagraph``).  The routed SwiGLU
 is compared with the fastest dense SwiGLU of the run (cuBLAS on [W_gate; W_up] plus the activation, or the CuTe dense
-SwiGLU at either cluster size).  Prints one line per launch; ``--out`` also writes the records, after each one.
+SwiGLU at either cluster size).  ``--group-m 4,8,16`` also times the row tiles per band of the persistent tile order.
+Prints one line per launch; ``--out`` also writes the records, after each one.
 
     python3 benchmarks/kernels/gemm_cluster_ab.py --out benchmarks/kernels/gemm_cluster_h200.json
 
-The tuned config's ``gemm_mn.cute_cluster_m`` takes the winner.
+The tuned config's ``gemm_mn.cute_cluster_m`` and ``cute_group_m`` take the winners.
 """
 
 import argparse
@@ -31,10 +32,10 @@ def rel_err(out, ref) -> float:
     return float((out.double() - ref).norm() / ref.norm().clamp_min(1e-30))
 
 
-def sweep_rows(M: int, clusters: list[int], group_m: int):
+def sweep_rows(M: int, variants: list[tuple[int, int]]):
     """Yields the records of one row count M as they are measured: the dense SwiGLU candidates, then gemm_mn and the
-    routed SwiGLU per G, s and cluster size.  Each launch's point is printed before it runs, so a run that stops
-    names the launch it stopped in."""
+    routed SwiGLU per G, s and variant (cluster size, group_m: row tiles per band of the persistent order).  Each
+    launch's point is printed before it runs, so a run that stops names the launch it stopped in."""
     m = sm90.module(torch.device("cuda"))
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     g = torch.Generator(device="cuda").manual_seed(M)
@@ -53,12 +54,13 @@ def sweep_rows(M: int, clusters: list[int], group_m: int):
 
     dense_sw = {"cuBLAS [W_gate; W_up] + silu * up": time_ms([unfused])}
     records = []
-    for cm in clusters:
-        name = f"CuTe dense SwiGLU, cluster {cm}"
-        dense_sw[name] = time_ms([lambda cm=cm: m.run(2, x, wg, wu, None, None, out, FFN, group_m, sms, cm)])
+    for cm, gm in variants:
+        name = f"CuTe dense SwiGLU, cluster {cm}" + (f", group_m {gm}" if len({v[1] for v in variants}) > 1 else "")
+        dense_sw[name] = time_ms([lambda cm=cm, gm=gm: m.run(2, x, wg, wu, None, None, out, FFN, gm, sms, cm)])
         ones = torch.ones(CHECK_ROWS, 1, dtype=torch.bool, device="cuda")
         err = rel_err(out[:CHECK_ROWS], swiglu_ref(xc, wg.double(), wu.double(), ones, FFN))
-        records.append(dict(op="dense_swiglu", M=M, N=FFN, K=D, cluster_m=cm, wide_ms=dense_sw[name], rel_err=err))
+        records.append(dict(op="dense_swiglu", M=M, N=FFN, K=D, cluster_m=cm, group_m=gm, wide_ms=dense_sw[name],
+                            rel_err=err))
     sw_ms = min(dense_sw.values())
     sw_base = min(dense_sw, key=dense_sw.get)
     print(f"M={M} cuBLAS {cublas:.4f} ms ({flop / cublas / 1e9:.0f} TFLOP/s) | dense SwiGLU " +
@@ -76,13 +78,20 @@ def sweep_rows(M: int, clusters: list[int], group_m: int):
                 w2 = wu if op == "swiglu" else None
                 ref = (swiglu_ref(xc, wg.double(), wu.double(), rc, G) if op == "swiglu"
                        else gemm_mn_ref(xc, wg.double(), rc, G))
-                for cm in clusters:
-                    print(f"M={M} G={G} s={s} {op} cluster {cm}: ", end="", flush=True)
-                    ms = time_ms([lambda cm=cm: m.run(opid, x, wg, w2, r.index, r.counts, out, G, group_m, sms, cm)])
+                for cm, gm in variants:
+                    print(f"M={M} G={G} s={s} {op} cluster {cm} group_m {gm}: ", end="", flush=True)
+                    ms = time_ms([lambda cm=cm, gm=gm: m.run(opid, x, wg, w2, r.index, r.counts, out, G, gm, sms,
+                                                             cm)])
                     err = rel_err(out[:CHECK_ROWS], ref)
                     print(f"{ms:.4f} ms, {base_ms / ms:.3f}x of dense {base_ms:.4f} ms, err {err:.1e}", flush=True)
-                    yield dict(op=op, M=M, N=FFN, K=D, G=G, sparsity=s, cluster_m=cm, dense_ms=base_ms, wide_ms=ms,
-                               speedup=base_ms / ms, baseline=base, rel_err=err)
+                    yield dict(op=op, M=M, N=FFN, K=D, G=G, sparsity=s, cluster_m=cm, group_m=gm, dense_ms=base_ms,
+                               wide_ms=ms, speedup=base_ms / ms, baseline=base, rel_err=err)
+
+
+def bad(msg: str) -> None:
+    """One line on stderr and exit status 2, as the CLI answers bad input."""
+    print(msg, file=sys.stderr)
+    sys.exit(2)
 
 
 def main() -> None:
@@ -90,14 +99,29 @@ def main() -> None:
     p.add_argument("--out", help="JSON file for the records")
     p.add_argument("--M", default="4096,16384", help="row counts (default: 4096,16384)")
     p.add_argument("--clusters", default="1,2", help="cluster sizes along M to time, 1 and / or 2 (default: 1,2)")
+    p.add_argument("--group-m", help="row tiles per band of the persistent tile order to time, comma-separated "
+                                     "(default: the GPU config's gemm_mn.cute_group_m)")
     args = p.parse_args()
     clusters = [int(v) for v in args.clusters.split(",") if v.strip()]
     if not clusters or any(c not in (1, 2) for c in clusters):
-        sys.exit(f"--clusters {args.clusters!r}: allowed are 1 and 2, comma-separated")
+        bad(f"--clusters {args.clusters!r}: allowed are 1 and 2, comma-separated")
+    try:
+        group_ms = [int(v) for v in args.group_m.split(",") if v.strip()] if args.group_m is not None else None
+    except ValueError:
+        group_ms = []
+    if group_ms is not None and (not group_ms or any(v < 1 for v in group_ms)):
+        bad(f"--group-m {args.group_m!r}: allowed are positive integers, comma-separated")
+    try:
+        rows = [int(v) for v in args.M.split(",") if v.strip()]
+    except ValueError:
+        rows = []
+    if not rows or any(v < 1 for v in rows):
+        bad(f"--M {args.M!r}: allowed are positive row counts, comma-separated")
     dev = torch.device("cuda")
     if sm90.module(dev) is None:
         sys.exit("the CuTe kernels need an sm_90 GPU and a working build")
-    group_m = tuned_config(dev)["gemm_mn"]["cute_group_m"]
+    variants = [(cm, gm) for gm in group_ms or [tuned_config(dev)["gemm_mn"]["cute_group_m"]] for cm in clusters]
+
     def git(*a: str) -> str:
         return subprocess.run(["git", *a], capture_output=True, text=True).stdout.strip()
 
@@ -108,8 +132,8 @@ def main() -> None:
                 run_date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
                 command="python3 benchmarks/kernels/gemm_cluster_ab.py " + " ".join(sys.argv[1:]))
     records = []
-    for M in (int(v) for v in args.M.split(",")):
-        for rec in sweep_rows(M, clusters, group_m):
+    for M in rows:
+        for rec in sweep_rows(M, variants):
             records.append(rec)
             if args.out:  # after each point, so a cut run keeps what it measured
                 with open(args.out, "w") as f:
