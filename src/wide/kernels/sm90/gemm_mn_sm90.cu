@@ -333,6 +333,10 @@ __global__ void __launch_bounds__(kThreads, 1)
         if (CM > 1 && mc * CM * BM < cnt && steps > 0) {  // an idle CTA of a busy cluster: stages pass through unread
           for (int kt = 0; kt < steps; ++kt) {
             FullBarrier::wait(&sm.full[stage], phase);
+            // every warp of the warpgroup has seen this fill before warp 0 hands the stage back (the busy loop gets
+            // this from the warpgroup-wide wgmma): a warp that polled later could find the stage refilled, its
+            // parity back to this fill's, and wait one phase behind for ever
+            cutlass::arch::NamedBarrier::sync(kConsumerThreads / 2, uint32_t(warp_group));
             release<CM>(&sm.empty[stage], ctid);
             if (++stage == STAGES) {
               stage = 0;
