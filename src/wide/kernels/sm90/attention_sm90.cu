@@ -145,7 +145,7 @@ __global__ void __launch_bounds__(kThreads, 1)
       int buf = 0;
       for (int t = int(blockIdx.x); t < tiles; t += int(gridDim.x)) {
         const Tile x = tile_of(t);
-        if (x.m0 >= x.cnt) continue;
+        if (x.m0 >= x.cnt || x.n_max <= x.n_min) continue;  // no key block: Q is not read, no Q barrier
         for (int r = gtid; r < kBM; r += kGatherThreads) {
           const int j = x.m0 + r;
           sm.rows[buf][r] = j < x.cnt ? __ldg(x.col + int64_t(j) * a.NG) : -1;
@@ -315,12 +315,11 @@ __global__ void __launch_bounds__(kThreads, 1)
         row_sum[r] = 0.0f;
       }
       clear(acc_o);
-      FullBarrier::wait(&sm.q_full, q_phase);
-      q_phase ^= 1;
-      cutlass::arch::fence_view_async_shared();  // Q was written by cp.async (generic proxy); wgmma reads it async
       const int n_min = x.n_min;
-      if (x.n_max <= n_min && lead) EmptyBarrier::arrive(&sm.q_empty);  // no key block: Q is not read
-      if (x.n_max > n_min) {
+      if (x.n_max > n_min) {  // no key block: no Q, no Q barrier (the gather skips it too)
+        FullBarrier::wait(&sm.q_full, q_phase);
+        q_phase ^= 1;
+        cutlass::arch::fence_view_async_shared();
         float alpha[2];
         int n = x.n_max - 1;
         FullBarrier::wait(&sm.k_full[stage], phase);
