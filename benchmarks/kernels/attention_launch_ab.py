@@ -9,13 +9,13 @@ The tuned config's ``attention.cute_pingpong`` / ``cute_persistent`` take the wi
 """
 
 import argparse
-import datetime
 import json
+import sys
 
 import torch
-import triton.testing as tt
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
+from wide.bench._args import run_provenance
 from wide.kernels import reorder, sm90
 
 
@@ -24,6 +24,9 @@ def main() -> None:
     p.add_argument("--out", help="JSON file for the records")
     args = p.parse_args()
     m = sm90.module(torch.device("cuda"))
+    if m is None:
+        sys.exit("the CuTe kernels need an sm_90 GPU and a working build")
+    import triton.testing as tt
     sdpa = torch.nn.functional.scaled_dot_product_attention
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     records = []
@@ -48,8 +51,8 @@ def main() -> None:
                                         baseline="SDPA CUDNN_ATTENTION"))
         print(line, flush=True)
     if args.out:
-        meta = dict(gpu=torch.cuda.get_device_name(), date=datetime.date.today().isoformat(),
-                    command="python3 benchmarks/kernels/attention_launch_ab.py --out " + args.out)
+        meta = dict(gpu=torch.cuda.get_device_name(),
+                    **run_provenance("python3 benchmarks/kernels/attention_launch_ab.py --out " + args.out))
         with open(args.out, "w") as f:
             json.dump([{**r, **meta} for r in records], f, indent=1)
 

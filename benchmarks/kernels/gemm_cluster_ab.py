@@ -12,14 +12,13 @@ The tuned config's ``gemm_mn.cute_cluster_m`` and ``cute_group_m`` take the winn
 """
 
 import argparse
-import datetime
 import json
-import subprocess
 import sys
 
 import torch
 import torch.nn.functional as F
 
+from wide.bench._args import run_provenance
 from wide.bench.kernels import time_ms
 from wide.kernels import reorder, sm90, tuned_config
 from wide.kernels.reference import gemm_mn_ref, swiglu_ref
@@ -94,6 +93,17 @@ def bad(msg: str) -> None:
     sys.exit(2)
 
 
+def int_list(flag: str, text: str, ok, allowed: str) -> list[int]:
+    """The comma-separated integers of ``text``, each passing ``ok``; else :func:`bad` naming ``flag``."""
+    try:
+        values = [int(v) for v in text.split(",") if v.strip()]
+    except ValueError:
+        values = []
+    if not values or not all(ok(v) for v in values):
+        bad(f"{flag} {text!r}: allowed are {allowed}, comma-separated")
+    return values
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--out", help="JSON file for the records")
@@ -102,35 +112,18 @@ def main() -> None:
     p.add_argument("--group-m", help="row tiles per band of the persistent tile order to time, comma-separated "
                                      "(default: the GPU config's gemm_mn.cute_group_m)")
     args = p.parse_args()
-    clusters = [int(v) for v in args.clusters.split(",") if v.strip()]
-    if not clusters or any(c not in (1, 2) for c in clusters):
-        bad(f"--clusters {args.clusters!r}: allowed are 1 and 2, comma-separated")
-    try:
-        group_ms = [int(v) for v in args.group_m.split(",") if v.strip()] if args.group_m is not None else None
-    except ValueError:
-        group_ms = []
-    if group_ms is not None and (not group_ms or any(v < 1 for v in group_ms)):
-        bad(f"--group-m {args.group_m!r}: allowed are positive integers, comma-separated")
-    try:
-        rows = [int(v) for v in args.M.split(",") if v.strip()]
-    except ValueError:
-        rows = []
-    if not rows or any(v < 1 for v in rows):
-        bad(f"--M {args.M!r}: allowed are positive row counts, comma-separated")
+    clusters = int_list("--clusters", args.clusters, lambda v: v in (1, 2), "1 and 2")
+    group_ms = None if args.group_m is None else int_list("--group-m", args.group_m, lambda v: v >= 1,
+                                                          "positive integers")
+    rows = int_list("--M", args.M, lambda v: v >= 1, "positive row counts")
     dev = torch.device("cuda")
     if sm90.module(dev) is None:
         sys.exit("the CuTe kernels need an sm_90 GPU and a working build")
     variants = [(cm, gm) for gm in group_ms or [tuned_config(dev)["gemm_mn"]["cute_group_m"]] for cm in clusters]
 
-    def git(*a: str) -> str:
-        return subprocess.run(["git", *a], capture_output=True, text=True).stdout.strip()
-
     meta = dict(unit="sparsity s: fraction of (row, group) pairs skipped, Bernoulli",
                 timing="kernel only (the reorder outside the timed region)", gpu=torch.cuda.get_device_name(),
-                commit=git("rev-parse", "--short", "HEAD") or "unknown",
-                date=git("show", "-s", "--format=%cs", "HEAD") or datetime.date.today().isoformat(),
-                run_date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-                command="python3 benchmarks/kernels/gemm_cluster_ab.py " + " ".join(sys.argv[1:]))
+                **run_provenance("python3 benchmarks/kernels/gemm_cluster_ab.py " + " ".join(sys.argv[1:])))
     records = []
     for M in rows:
         for rec in sweep_rows(M, variants):

@@ -154,9 +154,14 @@ def gpu_tag() -> str:
 
 
 def provenance(name: str, args) -> dict:
-    """What every record of ``wide bench <name>`` carries about its run: ``commit`` (short hash, "unknown" outside a
-    git checkout), ``date`` (the commit's, else today), ``run_date`` (UTC, seconds) and ``command``
-    (:func:`command_line`)."""
+    """What every record of ``wide bench <name>`` carries about its run: :func:`run_provenance` of
+    :func:`command_line`."""
+    return run_provenance(command_line(name, args))
+
+
+def run_provenance(command: str) -> dict:
+    """What every benchmark record carries about its run: ``commit`` (short hash, "unknown" outside a git checkout),
+    ``date`` (the commit's, else today), ``run_date`` (UTC, seconds) and ``command``."""
     import datetime
     import subprocess
 
@@ -166,4 +171,4 @@ def provenance(name: str, args) -> dict:
     return dict(commit=git("rev-parse", "--short", "HEAD") or "unknown",
                 date=git("show", "-s", "--format=%cs", "HEAD") or datetime.date.today().isoformat(),
                 run_date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-                command=command_line(name, args))
+                command=command)
