@@ -319,7 +319,7 @@ __global__ void __launch_bounds__(kThreads, 1)
       if (x.n_max > n_min) {  // no key block: no Q, no Q barrier (the gather skips it too)
         FullBarrier::wait(&sm.q_full, q_phase);
         q_phase ^= 1;
-        cutlass::arch::fence_view_async_shared();
+        cutlass::arch::fence_view_async_shared();  // Q was written by cp.async (generic proxy); wgmma reads it async
         float alpha[2];
         int n = x.n_max - 1;
         FullBarrier::wait(&sm.k_full[stage], phase);
