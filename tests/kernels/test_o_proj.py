@@ -151,6 +151,25 @@ def test_gpu_cute_against_reference(kind, M, N, G, NG, dtype, cluster, built, mo
     assert (out[~route.any(dim=1)] == 0).all(), "a row with no executed group must be exactly 0"
 
 
+@gpu
+@hopper
+def test_gpu_auto_takes_cute_where_asked(built, monkeypatch):
+    """An "auto" call on sorted, zeroed A takes the CuTe kernel where WIDE_GEMM_BACKEND=cute asks (or the GPU's config
+    sets o_proj.cute), and stays exact; unsorted A keeps the Triton kernel."""
+    monkeypatch.setenv("WIDE_GEMM_BACKEND", "cute")
+    gen = seed_for("o_proj_cute_auto")
+    M, N, G, NG = 1000, 512, 512, 8
+    a, w = randn((M, G * NG), torch.bfloat16, gen), randn((N, G * NG), torch.bfloat16, gen, 0.05)
+    route = make_mask("random", (M, NG), gen, 0.4)
+    a0 = torch.where(expand_route(route, G), a, torch.zeros((), dtype=a.dtype, device=a.device))
+    order = token_order(route)
+    out = mod.o_proj(a0[order.perm.long()], w, route, G, order=order, zeroed=True, a_sorted=True)
+    assert mod.LAST_BACKEND["o_proj"] == "cute"
+    check_close(out, o_proj_ref(a.double(), w.double(), route, G))
+    check_close(mod.o_proj(a0, w, route, G, order=order, zeroed=True), o_proj_ref(a.double(), w.double(), route, G))
+    assert mod.LAST_BACKEND["o_proj"] == "triton"
+
+
 def test_cute_refusals():
     gen = seed_for("o_proj_cute_refusal")
     a, w = randn((8, 128), torch.bfloat16, gen), randn((256, 128), torch.bfloat16, gen)

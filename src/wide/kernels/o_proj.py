@@ -160,11 +160,15 @@ def _o_proj(a, w, route, G, order, zeroed, a_sorted, out, backend="auto") -> tor
         if not why and M == 0:
             LAST_BACKEND["o_proj"] = "cute"
             return out
+
+        def cute_launch():
+            return sm90.o_proj(a, w, order.perm, order.union, out, G)
+
         if not why and backend == "cute":
-            sm90.o_proj(a, w, order.perm, order.union, out, G)
+            cute_launch()
             LAST_BACKEND["o_proj"] = "cute"
             return out
-        if not why and common.auto_cute("o_proj", lambda: sm90.o_proj(a, w, order.perm, order.union, out, G)):
+        if not why and common.auto_cute("o_proj", cute_launch) is not None:
             LAST_BACKEND["o_proj"] = "cute"
             return out
         if backend == "cute":
