@@ -8,7 +8,6 @@ Causal GQA 32 / 8 heads, d = 128, one sequence of T = 4096 / 16384 tokens, Berno
 The tuned config's ``attention.cute_pingpong`` / ``cute_persistent`` take the winner.
 """
 
-import argparse
 import json
 import sys
 
@@ -16,11 +15,12 @@ import torch
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from wide.bench._args import run_provenance
+from wide.cli.common import WideArgumentParser
 from wide.kernels import reorder, sm90
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p = WideArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--out", help="JSON file for the records")
     args = p.parse_args()
     m = sm90.module(torch.device("cuda"))

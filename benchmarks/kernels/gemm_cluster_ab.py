@@ -11,15 +11,15 @@ Prints one line per launch; ``--out`` also writes the records, after each one.
 The tuned config's ``gemm_mn.cute_cluster_m`` and ``cute_group_m`` take the winners.
 """
 
-import argparse
 import json
 import sys
 
 import torch
 import torch.nn.functional as F
 
-from wide.bench._args import run_provenance
+from wide.bench._args import choice_list, int_list, run_provenance
 from wide.bench.kernels import time_ms
+from wide.cli.common import WideArgumentParser
 from wide.kernels import reorder, sm90, tuned_config
 from wide.kernels.reference import gemm_mn_ref, swiglu_ref
 
@@ -87,45 +87,27 @@ def sweep_rows(M: int, variants: list[tuple[int, int]]):
                                wide_ms=ms, speedup=base_ms / ms, baseline=base, rel_err=err)
 
 
-def bad(msg: str) -> None:
-    """One line on stderr and exit status 2, as the CLI answers bad input."""
-    print(msg, file=sys.stderr)
-    sys.exit(2)
-
-
-def int_list(flag: str, text: str, ok, allowed: str) -> list[int]:
-    """The comma-separated integers of ``text``, each passing ``ok``; else :func:`bad` naming ``flag``."""
-    try:
-        values = [int(v) for v in text.split(",") if v.strip()]
-    except ValueError:
-        values = []
-    if not values or not all(ok(v) for v in values):
-        bad(f"{flag} {text!r}: allowed are {allowed}, comma-separated")
-    return values
-
-
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p = WideArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--out", help="JSON file for the records")
-    p.add_argument("--M", default="4096,16384", help="row counts (default: 4096,16384)")
-    p.add_argument("--clusters", default="1,2", help="cluster sizes along M to time, 1 and / or 2 (default: 1,2)")
-    p.add_argument("--group-m", help="row tiles per band of the persistent tile order to time, comma-separated "
-                                     "(default: the GPU config's gemm_mn.cute_group_m)")
+    p.add_argument("--M", default=[4096, 16384], type=int_list(1), help="row counts (default: 4096,16384)")
+    p.add_argument("--clusters", default=["1", "2"], type=choice_list("1", "2"),
+                   help="cluster sizes along M to time, 1 and / or 2 (default: 1,2)")
+    p.add_argument("--group-m", type=int_list(1),
+                   help="row tiles per band of the persistent tile order to time, comma-separated (default: the GPU "
+                        "config's gemm_mn.cute_group_m)")
     args = p.parse_args()
-    clusters = int_list("--clusters", args.clusters, lambda v: v in (1, 2), "1 and 2")
-    group_ms = None if args.group_m is None else int_list("--group-m", args.group_m, lambda v: v >= 1,
-                                                          "positive integers")
-    rows = int_list("--M", args.M, lambda v: v >= 1, "positive row counts")
     dev = torch.device("cuda")
     if sm90.module(dev) is None:
         sys.exit("the CuTe kernels need an sm_90 GPU and a working build")
-    variants = [(cm, gm) for gm in group_ms or [tuned_config(dev)["gemm_mn"]["cute_group_m"]] for cm in clusters]
+    variants = [(int(cm), gm) for gm in args.group_m or [tuned_config(dev)["gemm_mn"]["cute_group_m"]]
+                for cm in args.clusters]
 
     meta = dict(unit="sparsity s: fraction of (row, group) pairs skipped, Bernoulli",
                 timing="kernel only (the reorder outside the timed region)", gpu=torch.cuda.get_device_name(),
                 **run_provenance("python3 benchmarks/kernels/gemm_cluster_ab.py " + " ".join(sys.argv[1:])))
     records = []
-    for M in rows:
+    for M in args.M:
         for rec in sweep_rows(M, variants):
             records.append(rec)
             if args.out:  # after each point, so a cut run keeps what it measured
