@@ -319,7 +319,6 @@ __global__ void __launch_bounds__(kThreads, 1)
                   "BM / 128 wgmma atoms of 64 rows per consumer warpgroup, one atom wide");
     static_assert(decltype(size<0>(acc))::value == BN / 2, "values (2 columns, 2 rows, BN / 8) per thread and atom");
     // a thread's values per atom: (2 adjacent columns, rows r and r + 8, BN / 8 blocks of 8 columns)
-    using Pair = typename Io<T>::Pair;
     T* out = static_cast<T*>(args.out);
     int stage = 0;
     uint32_t phase = 0;
@@ -365,6 +364,17 @@ __global__ void __launch_bounds__(kThreads, 1)
         }
         continue;
       }
+      // the original rows of this thread's epilogue rows (r and r + 8 of each atom; -1 past M), loaded before the
+      // main loop so their latency hides behind it rather than delaying the stores
+      int32_t orows[kAtomsM][2];
+      CUTE_UNROLL
+      for (int mi = 0; mi < kAtomsM; ++mi) {
+        CUTE_UNROLL
+        for (int r = 0; r < 2; ++r) {
+          const int j = m0 + int(get<0>(tCcC(make_coord(0, r, 0), mi, 0)));
+          orows[mi][r] = j >= M ? -1 : C::GATHER || C::KSKIP ? __ldg(args.index + int64_t(j) * NG + g) : j;
+        }
+      }
       clear(acc);
       if constexpr (C::NB == 2) clear(acc2);
       int prev = 0;
@@ -396,26 +406,51 @@ __global__ void __launch_bounds__(kThreads, 1)
       if constexpr (C::NB == 2) warpgroup_fence_operand(acc2);
       release<CM>(&sm.empty[prev], ctid);
       // epilogue: rows r and r + 8 of each atom of this thread, scattered to their original rows; zeros past the
-      // active count
+      // active count.  A quad (4 lanes, one row) holds 2 adjacent columns of each 8-column block per lane; a 4 x 4
+      // transpose of 32-bit words within the quad (two xor shuffles) gives lane q all 8 columns of block b0 + q, one
+      // 16-byte store instead of four 4-byte ones.  The shuffles run in every lane, the stores only for rows < M.
+      const int q = ctid % 4;
       CUTE_UNROLL
       for (int mi = 0; mi < kAtomsM; ++mi) {
         CUTE_UNROLL
         for (int r = 0; r < 2; ++r) {
-          const int j = m0 + int(get<0>(tCcC(make_coord(0, r, 0), mi, 0)));
-          if (j < M) {
-            const bool on = j < cnt;
-            const int64_t row =
-                C::GATHER || C::KSKIP ? int64_t(__ldg(args.index + int64_t(j) * NG + g)) : int64_t(j);
-            T* orow = out + row * args.ldo + n0;
+          const bool on = m0 + int(get<0>(tCcC(make_coord(0, r, 0), mi, 0))) < cnt;
+          T* orow = out + int64_t(orows[mi][r]) * args.ldo + n0;
+          CUTE_UNROLL
+          for (int b0 = 0; b0 < BN / 8; b0 += 4) {
+            uint32_t w[4];  // w[k]: this lane's 2 columns of block b0 + k
             CUTE_UNROLL
-            for (int nb = 0; nb < BN / 8; ++nb) {
-              float v0 = acc(make_coord(0, r, nb), mi, 0), v1 = acc(make_coord(1, r, nb), mi, 0);
+            for (int k = 0; k < 4; ++k) {
+              float v0 = acc(make_coord(0, r, b0 + k), mi, 0), v1 = acc(make_coord(1, r, b0 + k), mi, 0);
               if constexpr (C::NB == 2) {
-                v0 = swiglu<T>(v0, acc2(make_coord(0, r, nb), mi, 0));
-                v1 = swiglu<T>(v1, acc2(make_coord(1, r, nb), mi, 0));
+                v0 = swiglu<T>(v0, acc2(make_coord(0, r, b0 + k), mi, 0));
+                v1 = swiglu<T>(v1, acc2(make_coord(1, r, b0 + k), mi, 0));
               }
-              *reinterpret_cast<Pair*>(orow + int(get<1>(tCcC(make_coord(0, r, nb), mi, 0)))) =
-                  on ? Io<T>::pack(v0, v1) : Io<T>::pack(0.0f, 0.0f);
+              w[k] = on ? Io<T>::pack_bits(v0, v1) : 0u;
+            }
+            // lane q and lane q ^ 1 swap the words whose block parity differs from the lane's, then lanes q and
+            // q ^ 2 likewise on bit 1: lane q ends with word p of lane p's block b0 + q, in column order
+            CUTE_UNROLL
+            for (int i = 0; i < 2; ++i) {
+              const uint32_t got = __shfl_xor_sync(0xffffffffu, (q & 1) ? w[2 * i] : w[2 * i + 1], 1);
+              if (q & 1) {
+                w[2 * i] = got;
+              } else {
+                w[2 * i + 1] = got;
+              }
+            }
+            CUTE_UNROLL
+            for (int i = 0; i < 2; ++i) {
+              const uint32_t got = __shfl_xor_sync(0xffffffffu, (q & 2) ? w[i] : w[i + 2], 2);
+              if (q & 2) {
+                w[i] = got;
+              } else {
+                w[i + 2] = got;
+              }
+            }
+            if (orows[mi][r] >= 0) {
+              const int col = int(get<1>(tCcC(make_coord(0, r, b0 + q), mi, 0))) - 2 * q;  // block b0 + q's first
+              *reinterpret_cast<uint4*>(orow + col) = make_uint4(w[0], w[1], w[2], w[3]);
             }
           }
         }
