@@ -8,7 +8,8 @@ Prints one line per launch; ``--out`` also writes the records, after each one.
 
     python3 benchmarks/kernels/gemm_cluster_ab.py --out benchmarks/kernels/gemm_cluster_h200.json
 
-The tuned config's ``gemm_mn.cute_cluster_m`` and ``cute_group_m`` take the winners.
+The tuned config's ``cute_launch`` takes the winner per op (``gemm_mn``, ``swiglu``, ``dense_swiglu``): the pair with
+the lowest geometric mean time over the op's points.
 """
 
 import json
@@ -20,7 +21,7 @@ import torch.nn.functional as F
 from wide.bench._args import choice_list, int_list, run_provenance
 from wide.bench.kernels import time_ms
 from wide.cli.common import WideArgumentParser
-from wide.kernels import reorder, sm90, tuned_config
+from wide.kernels import reorder, sm90
 from wide.kernels.reference import gemm_mn_ref, swiglu_ref
 
 D, FFN = 4096, 14336
@@ -95,13 +96,12 @@ def main() -> None:
                    help="cluster sizes along M to time, 1 and / or 2 (default: 1,2)")
     p.add_argument("--group-m", type=int_list(1),
                    help="row tiles per band of the persistent tile order to time, comma-separated (default: the GPU "
-                        "config's gemm_mn.cute_group_m)")
+                        "config's cute_launch.gemm_mn.group_m)")
     args = p.parse_args()
     dev = torch.device("cuda")
     if sm90.module(dev) is None:
         sys.exit("the CuTe kernels need an sm_90 GPU and a working build")
-    variants = [(int(cm), gm) for gm in args.group_m or [tuned_config(dev)["gemm_mn"]["cute_group_m"]]
-                for cm in args.clusters]
+    variants = [(int(cm), gm) for gm in args.group_m or [sm90.launch_shape(dev, "gemm_mn")[1]] for cm in args.clusters]
 
     meta = dict(unit="sparsity s: fraction of (row, group) pairs skipped, Bernoulli",
                 timing="kernel only (the reorder outside the timed region)", gpu=torch.cuda.get_device_name(),

@@ -6,8 +6,8 @@ multiple of 64, G of 128), ``"triton"`` (every GPU, and the CPU interpreter); ``
 the rows go through the reorder (M above ``direct_max_m``) and the GPU's config lists G for the op (``cute_G``: where
 it measured faster than Triton), Triton elsewhere. ``WIDE_GEMM_BACKEND`` in the environment overrides the table for
 ``"auto"`` calls: ``triton`` runs Triton everywhere, ``cute`` takes CuTe at every G it runs.  :data:`LAST_BACKEND`
-records what ran per op.  The config's ``cute_group_m`` sets the CuTe kernel's L2 raster band and ``cute_cluster_m``
-(1 or 2) its CTAs per cluster along M (2: a pair shares each weight tile by TMA multicast).
+records what ran per op.  The config's ``cute_launch`` sets, per op, the CuTe kernel's CTAs per cluster along M
+(``cluster_m``, 1 or 2: a pair shares each weight tile by TMA multicast) and its L2 raster band (``group_m``).
 
 Tile kernel: a program owns a ``(BM, BN | G)`` tile of the reordered rows of one group, gathered and scattered
 through the reorder index; a tile whose first sorted row is inactive only writes zeros (level 0).  Up to the tuned
@@ -357,8 +357,7 @@ def _cute(x, w, w2, route, G, reordered, out):
     out = torch.empty((x.shape[0], w.shape[0]), dtype=x.dtype, device=x.device) if out is None else out
     if w2 is not None and w2.stride(0) != w.stride(0):
         w, w2 = w.contiguous(), w2.contiguous()
-    group_m = common.tuned_config(x.device)["gemm_mn"].get("cute_group_m", 8)
-    sm90.run("gemm_mn" if w2 is None else "swiglu", x, w, w2, reordered.index, reordered.counts, out, G, group_m)
+    sm90.run("gemm_mn" if w2 is None else "swiglu", x, w, w2, reordered.index, reordered.counts, out, G)
     return out
 
 

@@ -149,20 +149,24 @@ def available(device: torch.device | None) -> bool:
     return module(device) is not None
 
 
-def cluster_m(device: torch.device, op: str = "gemm_mn") -> int:
-    """CTAs per cluster along M of the CuTe kernels of ``op`` ("gemm_mn": gemm_mn and the SwiGLUs; "o_proj") on
-    ``device``: the tuned ``<op>.cute_cluster_m`` (1, or 2 for pairs of CTAs that share each weight tile by TMA
-    multicast)."""
-    return int(tuned_config(device)[op]["cute_cluster_m"])
+def launch_shape(device: torch.device, op: str) -> tuple[int, int]:
+    """``(cluster_m, group_m)`` of the CuTe GEMM kernel of ``op`` ("gemm_mn", "swiglu", "dense_swiglu", "o_proj") on
+    ``device``, from the tuned config's ``cute_launch[op]``: CTAs per cluster along M (1, or 2 for pairs that share each
+    weight tile by TMA multicast) and row tiles per band of the persistent tile order (its L2 raster).  Per op, since
+    the best pair differs between them on one GPU (``benchmarks/kernels/gemm_cluster_ab.py`` measures them)."""
+    c = tuned_config(device)["cute_launch"][op]
+    return int(c["cluster_m"]), int(c["group_m"])
 
 
-def run(op: str, x: torch.Tensor, w: torch.Tensor, w2, index, counts, out: torch.Tensor, G: int, group_m: int,
-        cluster: int | None = None) -> None:
+def run(op: str, x: torch.Tensor, w: torch.Tensor, w2, index, counts, out: torch.Tensor, G: int,
+        group_m: int | None = None, cluster: int | None = None) -> None:
     """Launch ``op`` (``gemm_mn``, ``swiglu``, ``dense_swiglu``) on checked, supported arguments (see
-    ``gemm_mn_sm90.h``) on the current stream; ``cluster`` CTAs along M per cluster (None: :func:`cluster_m`)."""
+    ``gemm_mn_sm90.h``) on the current stream; ``cluster`` CTAs along M per cluster and ``group_m`` row tiles per band
+    (None: :func:`launch_shape`)."""
     props = torch.cuda.get_device_properties(x.device)
-    module(x.device).run(OPS[op], x, w, w2, index, counts, out, G, group_m, props.multi_processor_count,
-                         cluster_m(x.device) if cluster is None else cluster)
+    cm, gm = launch_shape(x.device, op)
+    module(x.device).run(OPS[op], x, w, w2, index, counts, out, G, gm if group_m is None else group_m,
+                         props.multi_processor_count, cm if cluster is None else cluster)
 
 
 def o_proj(a: torch.Tensor, w: torch.Tensor, perm: torch.Tensor, unions: torch.Tensor, out: torch.Tensor,
@@ -171,8 +175,8 @@ def o_proj(a: torch.Tensor, w: torch.Tensor, perm: torch.Tensor, unions: torch.T
     ``gemm_mn_sm90.h``: ``a`` sorted and zero in its skipped blocks, G columns per K group) on the current stream;
     returns ``out``."""
     props = torch.cuda.get_device_properties(a.device)
-    module(a.device).o_proj(a, w, perm, unions, out, G, tuned_config(a.device)["gemm_mn"]["cute_group_m"],
-                            props.multi_processor_count, cluster_m(a.device, "o_proj"))
+    cm, gm = launch_shape(a.device, "o_proj")
+    module(a.device).o_proj(a, w, perm, unions, out, G, gm, props.multi_processor_count, cm)
     return out
 
 
@@ -201,5 +205,5 @@ def dense_swiglu(x: torch.Tensor, w_gate: torch.Tensor, w_up: torch.Tensor,
         fail("dense_swiglu needs 16-byte aligned tensors with unit column stride")
     if not available(x.device):
         fail(f"dense_swiglu needs an sm_90 GPU and the built CuTe kernels; {x.device} has neither")
-    run("dense_swiglu", x, w_gate, w_up, None, None, out, N, 8)
+    run("dense_swiglu", x, w_gate, w_up, None, None, out, N)
     return out
