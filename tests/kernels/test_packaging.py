@@ -107,7 +107,8 @@ def test_tuned_config_per_gpu(tmp_path, monkeypatch):
     assert all(json.loads(p.read_text()).keys() <= default.keys() for p in gpus)
     for cfg in [default, *(json.loads(p.read_text()) for p in gpus)]:  # CuTe launch shapes: ops of the default's
         for op, launch in cfg.get("cute_launch", {}).items():
-            assert op in default["cute_launch"] and launch["cluster_m"] in (1, 2) and launch["group_m"] >= 1, (op, launch)
+            assert op in default["cute_launch"], op
+            assert launch["cluster_m"] in (1, 2) and launch["group_m"] >= 1, (op, launch)
     (tmp_path / "default.json").write_text(json.dumps({"gemm_k": {"masked_min_m": 512}, "router": {"max_rows": 32}}))
     (tmp_path / "Fake_GPU.json").write_text(json.dumps({"gemm_k": {"masked_min_m": 64}}))
     monkeypatch.setattr(_common, "CONFIG_DIR", str(tmp_path))
