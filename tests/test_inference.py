@@ -517,6 +517,37 @@ def test_cuda_fused_dense_swiglu_matches_cublas(ops):
 
 
 @cuda
+@pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability() != (9, 0),
+                    reason="needs an sm_90 GPU (H100 / H200)")
+def test_cuda_fused_swiglu_applies_the_route_in_its_epilogue():
+    """bf16 on an sm_90 GPU, G = 128 (three FFN groups): the fused SwiGLU that zeroes the skipped groups in its
+    epilogue (the router first) gives the logits of the masking pass after it (the router beside) and of two cuBLAS
+    GEMMs with the masked activation."""
+    from wide.inference import Engine
+
+    torch.manual_seed(11)
+    wm = WideModel(tiny_model(seed=11, intermediate_size=384), WideConfig(ffn_group_size=128), init_keep=0.5).eval()
+    for r in [*wm.attn_routers, *wm.ffn_routers]:
+        torch.nn.init.normal_(r.w2.weight, std=1.0)
+    wm.base.to("cuda", torch.bfloat16)
+    wm = wm.to("cuda")
+    ids = torch.randint(2, 128, (2, 40), device="cuda", generator=torch.Generator("cuda").manual_seed(11))
+    out, masks = [], []
+    for rows, in_kernel in ((None, False), (1, False), (1, True)):
+        eng = Engine(wm, naxis="dense", kaxis="dense")
+        eng.fused_swiglu_min_rows, eng.fused_swiglu_route = rows, in_kernel
+        eng.record_masks = True
+        out.append(eng.prefill(ids, None, eng.new_cache(2, 40), all_logits=True).float())
+        masks.append({k: v.clone() for k, v in eng.masks.items()})
+    ffn = [v for k, v in masks[0].items() if k[0] == "ffn"]
+    assert ffn and any(bool(v.any()) and not bool(v.all()) for v in ffn), "the FFN routers must skip some groups"
+    assert all(torch.equal(masks[0][k], m[k]) for m in masks[1:] for k in masks[0])
+    for o in out[1:]:
+        assert ((o - out[0]).abs().max() / out[0].abs().max()).item() < 1e-2
+    assert ((out[2] - out[1]).abs().max() / out[1].abs().max()).item() < 1e-3
+
+
+@cuda
 @pytest.mark.parametrize("naxis", ["auto", "dense"])
 @pytest.mark.parametrize("B", [1, 3, 6])
 def test_cuda_second_stream_changes_nothing(naxis, B):

@@ -56,7 +56,7 @@ def sweep_rows(M: int, variants: list[tuple[int, int]]):
     records = []
     for cm, gm in variants:
         name = f"CuTe dense SwiGLU, cluster {cm}" + (f", group_m {gm}" if len({v[1] for v in variants}) > 1 else "")
-        dense_sw[name] = time_ms([lambda cm=cm, gm=gm: m.run(2, x, wg, wu, None, None, out, FFN, gm, sms, cm)])
+        dense_sw[name] = time_ms([lambda cm=cm, gm=gm: m.run(2, x, wg, wu, None, None, None, out, FFN, gm, sms, cm)])
         ones = torch.ones(CHECK_ROWS, 1, dtype=torch.bool, device="cuda")
         err = rel_err(out[:CHECK_ROWS], swiglu_ref(xc, wg.double(), wu.double(), ones, FFN))
         records.append(dict(op="dense_swiglu", M=M, N=FFN, K=D, cluster_m=cm, group_m=gm, wide_ms=dense_sw[name],
@@ -80,8 +80,8 @@ def sweep_rows(M: int, variants: list[tuple[int, int]]):
                        else gemm_mn_ref(xc, wg.double(), rc, G))
                 for cm, gm in variants:
                     print(f"M={M} G={G} s={s} {op} cluster {cm} group_m {gm}: ", end="", flush=True)
-                    ms = time_ms([lambda cm=cm, gm=gm: m.run(opid, x, wg, w2, r.index, r.counts, out, G, gm, sms,
-                                                             cm)])
+                    ms = time_ms([lambda cm=cm, gm=gm: m.run(opid, x, wg, w2, r.index, r.counts, None, out, G, gm,
+                                                             sms, cm)])
                     err = rel_err(out[:CHECK_ROWS], ref)
                     print(f"{ms:.4f} ms, {base_ms / ms:.3f}x of dense {base_ms:.4f} ms, err {err:.1e}", flush=True)
                     yield dict(op=op, M=M, N=FFN, K=D, G=G, sparsity=s, cluster_m=cm, group_m=gm, dense_ms=base_ms,

@@ -90,8 +90,8 @@ def test_runs_and_gathers_share_the_stage_ring(op, grid_ctas, built):
     route[::7, 2] = False  # group 2 gathers throughout
     r = reorder(route)
     out = poisoned((M, N), torch.bfloat16)
-    sm90.module(x.device).run(sm90.OPS[op], x, w, w2 if op == "swiglu" else None, r.index, r.counts, out, G, 8,
-                              grid_ctas, 1)
+    sm90.module(x.device).run(sm90.OPS[op], x, w, w2 if op == "swiglu" else None, r.index, r.counts, None, out, G,
+                              8, grid_ctas, 1)
     ref = (gemm_mn_ref(x.double(), w.double(), route, G) if op == "gemm_mn" else
            swiglu_ref(x.double(), w.double(), w2.double(), route, G))
     check_close(out, ref)
@@ -116,8 +116,8 @@ def test_gathers_at_llama_scale(op, G, cluster, built):
     out = poisoned((M, N), torch.bfloat16)
     sms = torch.cuda.get_device_properties(x.device).multi_processor_count
     for _ in range(30):  # back to back, as a timing loop runs them: the pairs' idle-partner pass-throughs race
-        sm90.module(x.device).run(sm90.OPS[op], x, w, w2 if op == "swiglu" else None, r.index, r.counts, out, G, 8,
-                                  sms, cluster)
+        sm90.module(x.device).run(sm90.OPS[op], x, w, w2 if op == "swiglu" else None, r.index, r.counts, None, out, G,
+                                  8, sms, cluster)
     rows = torch.arange(0, M, 8, device=DEVICE)
     ref = (swiglu_ref(x[rows].double(), w.double(), w2.double(), route[rows], G) if op == "swiglu" else
            gemm_mn_ref(x[rows].double(), w.double(), route[rows], G))
@@ -164,7 +164,7 @@ def test_clusters_of_two_share_the_weights(op, G, grid_ctas, pattern, built):
     ctas = grid_ctas or torch.cuda.get_device_properties(x.device).multi_processor_count
     gated = op != "gemm_mn"
     sm90.module(x.device).run(sm90.OPS[op], x, w, w2 if gated else None, None if op == "dense_swiglu" else r.index,
-                              None if op == "dense_swiglu" else r.counts, out, G, 8, ctas, 2)
+                              None if op == "dense_swiglu" else r.counts, None, out, G, 8, ctas, 2)
     ref = (swiglu_ref(x.double(), w.double(), w2.double(), route, G) if gated else
            gemm_mn_ref(x.double(), w.double(), route, G))
     check_close(out, ref)
@@ -178,7 +178,7 @@ def test_cluster_size_is_checked(built):
     w = torch.zeros(256, 64, dtype=torch.bfloat16, device=DEVICE)
     out = torch.empty(256, 256, dtype=torch.bfloat16, device=DEVICE)
     with pytest.raises(RuntimeError, match="invalid argument"):
-        sm90.module(x.device).run(sm90.OPS["dense_swiglu"], x, w, w, None, None, out, 256, 8, 132, 3)
+        sm90.module(x.device).run(sm90.OPS["dense_swiglu"], x, w, w, None, None, None, out, 256, 8, 132, 3)
 
 
 @gpu
@@ -194,6 +194,26 @@ def test_dense_swiglu(M, K, dtype, built):
     assert sm90.dense_swiglu(x, wg, wu, out=out) is out
     ones = torch.ones((M, 1), dtype=torch.bool, device=DEVICE)
     check_close(out, swiglu_ref(x.double(), wg.double(), wu.double(), ones, 384))
+
+
+@gpu
+@hopper
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("M,G,dtype,cluster", [(300, 128, torch.bfloat16, 1), (1000, 256, torch.float16, 2),
+                                               (1, 384, torch.bfloat16, 2)])
+def test_dense_swiglu_with_route(kind, M, G, dtype, cluster, built, monkeypatch):
+    """The dense SwiGLU with a route: every row computed, the skipped (row, group) blocks written as exact zeros in
+    the epilogue (Eq. 3); M not a multiple of the tile, N_G = 3, both cluster sizes."""
+    monkeypatch.setattr(sm90, "launch_shape", lambda device, op: (cluster, 8))
+    gen = seed_for("dense_swiglu_route", kind, M, G, dtype, cluster)
+    N, K = 3 * G, 256
+    x = randn((M, K), dtype, gen)
+    wg, wu = randn((N, K), dtype, gen, 0.05), randn((N, K), dtype, gen, 0.05)
+    route = make_mask(kind, (M, N // G), gen, 0.5)
+    out = poisoned((M, N), dtype)
+    assert sm90.dense_swiglu(x, wg, wu, out=out, route=route) is out
+    check_close(out, swiglu_ref(x.double(), wg.double(), wu.double(), route, G))
+    assert (out[~expand_route(route, G)] == 0).all(), "a skipped (row, group) output must be exactly 0"
 
 
 @gpu
@@ -250,3 +270,7 @@ def test_backend_refusals():
         swiglu(x, w, w, r, 64, backend="cute")  # G = 64: the CuTe tiles take multiples of 128 (and CPU: no GPU)
     with pytest.raises(KernelArgumentError, match="dense_swiglu takes"):
         sm90.dense_swiglu(x, w[:, :32], w[:, :32])
+    for bad in (r.int(), r[:, :1].expand(8, 3), r[:4], torch.ones(8, 4, dtype=torch.bool, device=DEVICE)):
+        # not bool; N = 128 not a multiple of N_G = 3; other row count; G = 32, not a multiple of 128
+        with pytest.raises(KernelArgumentError, match=r"route must be a bool tensor \[M=8, N_G\]"):
+            sm90.dense_swiglu(x, w, w, route=bad)

@@ -237,18 +237,20 @@ class Layer(nn.Module):
         k_dense = path == "dense"
         beside = e.streams and self.ffn_router is not None
         g = u = flat = None
+        # a dense gate / up as the fused SwiGLU that zeroes the skipped groups in its epilogue: the router runs first
+        route_in_kernel = n_dense and e.fused_swiglu(M) and e.fused_swiglu_route and self.ffn_router is not None
         if f.phase == "decode" and not (n_dense and k_dense):  # the router reads h + o beside the norm
             m, (h, x) = e.beside(lambda: self.route("ffn", h, f, o), lambda: _norm(self.ln2, h, o), beside)
             flat, _ = self.reorder("ffn", m, not n_dense, False)
         else:
             h, x = _norm(self.ln2, h, o)
-            if n_dense and k_dense:  # only the activation reads the mask: the router beside gate / up
+            if n_dense and k_dense and not route_in_kernel:  # the router beside gate / up, which need no mask
                 m, (g, u) = e.beside(lambda: self.route("ffn", h, f),
                                      lambda: self.gate_up_dense(x.view(M, D), e.fused_swiglu(M)), beside)
             else:
                 m, flat, _ = self.route_reorder("ffn", h, f, not n_dense, False)
         route = m.view(M, -1) if m is not None else None
-        act = self.gate_up(x.view(M, D), route, flat, g, u, n_dense, e.g_ffn, e.fused_swiglu(M))
+        act = self.gate_up(x.view(M, D), route, flat, g, u, n_dense, e.g_ffn, e.fused_swiglu(M), route_in_kernel)
         order = self.token_order("ffn", m, path)
         return h, self.down_proj(act, route, "dense" if route is None else path, order, e.g_ffn).view(B, T, D)
 
@@ -380,11 +382,14 @@ class Layer(nn.Module):
         return F.linear(x, self.wg), F.linear(x, self.wu)
 
     @_op
-    def gate_up(self, x, route, flat, g, u, n_dense: bool, G: int, fused: bool):
+    def gate_up(self, x, route, flat, g, u, n_dense: bool, G: int, fused: bool, route_in_kernel: bool = False):
         """``silu(gate(x)) * up(x)`` with the skipped groups zero (``g``, ``u``: :meth:`dense_gate_up`'s output, if
-        already computed; ``fused``: the dense path as the fused SwiGLU)."""
+        already computed; ``fused``: the dense path as the fused SwiGLU; ``route_in_kernel``: that kernel zeroes the
+        skipped groups itself, with no masking pass after it)."""
         if not n_dense:
             return swiglu(x, self.wg, self.wu, route, G, reordered=flat)
+        if route_in_kernel and route is not None:
+            return sm90.dense_swiglu(x, self.wg, self.wu, route=route)
         if g is None:  # inside this op's range, not a second one (the trace sums the ranges)
             g, u = self.dense_gate_up(x, fused)
         if u is None:  # the fused SwiGLU's activation: only the skipped groups to zero
@@ -470,6 +475,9 @@ class Engine(nn.Module):
             rows is not None and self.fast and self.dtype in (torch.bfloat16, torch.float16)
             and env_backend("WIDE_GEMM_BACKEND") != "triton"
             and d.hidden_size % 64 == 0 and d.intermediate_size % 128 == 0 and sm90.available(self.device)) else None
+        # the fused SwiGLU applies the route in its epilogue, in place of a masking pass over its output (where the
+        # config says so and G is a multiple of its 128-column tiles)
+        self.fused_swiglu_route = bool(self.tuned["fused_swiglu_route"]) and self.g_ffn % 128 == 0
         self.expected_active = {(kind, i): 1.0 for kind, r in (("attn", attn_r[0]), ("ffn", ffn_r[0])) if r is None
                                 for i in range(L)}  # an unrouted kind executes every group
         self.record_masks, self.masks, self._ones, self._side = False, {}, {}, None

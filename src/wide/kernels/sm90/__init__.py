@@ -159,13 +159,13 @@ def launch_shape(device: torch.device, op: str) -> tuple[int, int]:
 
 
 def run(op: str, x: torch.Tensor, w: torch.Tensor, w2, index, counts, out: torch.Tensor, G: int,
-        group_m: int | None = None, cluster: int | None = None) -> None:
+        group_m: int | None = None, cluster: int | None = None, mask: torch.Tensor | None = None) -> None:
     """Launch ``op`` (``gemm_mn``, ``swiglu``, ``dense_swiglu``) on checked, supported arguments (see
     ``gemm_mn_sm90.h``) on the current stream; ``cluster`` CTAs along M per cluster and ``group_m`` row tiles per band
-    (None: :func:`launch_shape`)."""
+    (None: :func:`launch_shape`); ``mask`` the dense SwiGLU's contiguous bool route ``[M, N / G]``."""
     props = torch.cuda.get_device_properties(x.device)
     cm, gm = launch_shape(x.device, op)
-    module(x.device).run(OPS[op], x, w, w2, index, counts, out, G, gm if group_m is None else group_m,
+    module(x.device).run(OPS[op], x, w, w2, index, counts, mask, out, G, gm if group_m is None else group_m,
                          props.multi_processor_count, cm if cluster is None else cluster)
 
 
@@ -180,12 +180,14 @@ def o_proj(a: torch.Tensor, w: torch.Tensor, perm: torch.Tensor, unions: torch.T
     return out
 
 
-def dense_swiglu(x: torch.Tensor, w_gate: torch.Tensor, w_up: torch.Tensor,
-                 out: torch.Tensor | None = None) -> torch.Tensor:
+def dense_swiglu(x: torch.Tensor, w_gate: torch.Tensor, w_up: torch.Tensor, out: torch.Tensor | None = None,
+                 route: torch.Tensor | None = None) -> torch.Tensor:
     """Dense fused SwiGLU ``silu(x Wg^T) * (x Wu^T)`` (Eq. 3 with every group executed, the model MLP's rounding), the
     dense baseline of the routed SwiGLU: x ``[M, K]`` bf16 / fp16 on an sm_90 GPU, w_gate and w_up ``[N, K]``, K a
-    multiple of 64, N of 128, out optional contiguous ``[M, N]``.  Returns ``[M, N]``.  Raises KernelArgumentError
-    where the kernel cannot run (other shapes, dtypes or devices, or no build)."""
+    multiple of 64, N of 128, out optional contiguous ``[M, N]``.  With ``route`` (bool ``[M, N_G]``, True = execute,
+    G = N / N_G a multiple of 128) every row still runs, and the epilogue writes 0 for the skipped (row, group)
+    blocks: Eq. 3's output at the dense kernel's speed, with no masking pass after it.  Returns ``[M, N]``.  Raises
+    KernelArgumentError where the kernel cannot run (other shapes, dtypes or devices, or no build)."""
     ok = (isinstance(x, torch.Tensor) and x.dim() == 2 and x.dtype in (torch.bfloat16, torch.float16)
           and all(isinstance(t, torch.Tensor) and t.dim() == 2 and t.dtype == x.dtype and t.device == x.device
                   and t.shape == w_gate.shape for t in (w_gate, w_up))
@@ -197,6 +199,14 @@ def dense_swiglu(x: torch.Tensor, w_gate: torch.Tensor, w_up: torch.Tensor,
     out = torch.empty((M, N), dtype=x.dtype, device=x.device) if out is None else out
     if tuple(out.shape) != (M, N) or out.dtype != x.dtype or out.device != x.device or not out.is_contiguous():
         fail(f"out must be a contiguous {x.dtype} tensor of shape {(M, N)} on {x.device}")
+    G = N
+    if route is not None:
+        ng = route.shape[1] if isinstance(route, torch.Tensor) and route.dim() == 2 else 0
+        if (not isinstance(route, torch.Tensor) or route.dtype != torch.bool or route.device != x.device
+                or route.dim() != 2 or route.shape[0] != M or ng == 0 or N % ng or (N // ng) % 128):
+            fail(f"route must be a bool tensor [M={M}, N_G] on {x.device} with N={N} a multiple of N_G and G = N / N_G "
+                 f"a multiple of 128")
+        route, G = route.contiguous(), N // ng
     if M == 0:
         return out
     if w_up.stride(0) != w_gate.stride(0):
@@ -205,5 +215,5 @@ def dense_swiglu(x: torch.Tensor, w_gate: torch.Tensor, w_up: torch.Tensor,
         fail("dense_swiglu needs 16-byte aligned tensors with unit column stride")
     if not available(x.device):
         fail(f"dense_swiglu needs an sm_90 GPU and the built CuTe kernels; {x.device} has neither")
-    run("dense_swiglu", x, w_gate, w_up, None, None, out, N)
+    run("dense_swiglu", x, w_gate, w_up, None, None, out, G, mask=route)
     return out

@@ -13,11 +13,13 @@ namespace {
 const void* ptr(const c10::optional<at::Tensor>& t) { return t.has_value() ? t->data_ptr() : nullptr; }
 
 // op: 0 gemm_mn, 1 routed SwiGLU, 2 dense SwiGLU.  x [M, K], w (w2) [N, K] with one row stride, out [M, N], index
-// int32 [M, N / G] and counts int32 [N / G] (unused by op 2); the caller checked shapes, dtypes and devices.
+// int32 [M, N / G] and counts int32 [N / G] (unused by op 2), mask bool [M, N / G] contiguous or none (op 2 only: its
+// false groups written as zeros); the caller checked shapes, dtypes and devices.
 // cluster_m: 1, or 2 (pairs of CTAs along M sharing the weight tiles by TMA multicast).
 void run(int64_t op, const at::Tensor& x, const at::Tensor& w, const c10::optional<at::Tensor>& w2,
-         const c10::optional<at::Tensor>& index, const c10::optional<at::Tensor>& counts, at::Tensor& out, int64_t G,
-         int64_t group_m, int64_t grid_ctas, int64_t cluster_m) {
+         const c10::optional<at::Tensor>& index, const c10::optional<at::Tensor>& counts,
+         const c10::optional<at::Tensor>& mask, at::Tensor& out, int64_t G, int64_t group_m, int64_t grid_ctas,
+         int64_t cluster_m) {
   TORCH_CHECK(x.is_cuda() && x.dim() == 2 && w.dim() == 2 && out.dim() == 2, "wide sm90: 2-D CUDA tensors expected");
   TORCH_CHECK(x.stride(1) == 1 && w.stride(1) == 1 && out.stride(1) == 1, "wide sm90: unit column strides expected");
   TORCH_CHECK(!w2.has_value() || w2->stride(0) == w.stride(0), "wide sm90: w2 must have w's row stride");
@@ -26,9 +28,12 @@ void run(int64_t op, const at::Tensor& x, const at::Tensor& w, const c10::option
   const c10::cuda::CUDAGuard guard(x.device());
   const int32_t* idx = index.has_value() ? index->data_ptr<int32_t>() : nullptr;
   const int32_t* cnt = counts.has_value() ? counts->data_ptr<int32_t>() : nullptr;
+  TORCH_CHECK(!mask.has_value() || (mask->scalar_type() == at::kBool && mask->is_contiguous()),
+              "wide sm90: a contiguous bool mask expected");
+  const uint8_t* msk = mask.has_value() ? reinterpret_cast<const uint8_t*>(mask->data_ptr<bool>()) : nullptr;
   const int rc = wide_sm90::launch(int(op), st == at::kBFloat16 ? wide_sm90::kBF16 : wide_sm90::kFP16, x.data_ptr(),
                                    x.stride(0), w.data_ptr(), ptr(w2), w.stride(0), out.data_ptr(), out.stride(0), idx,
-                                   cnt, int(x.size(0)), int(w.size(0)), int(x.size(1)), int(G), int(group_m),
+                                   cnt, msk, int(x.size(0)), int(w.size(0)), int(x.size(1)), int(G), int(group_m),
                                    int(grid_ctas), int(cluster_m),
                                    c10::cuda::getCurrentCUDAStream(x.device().index()).stream());
   TORCH_CHECK(rc == 0, "wide sm90 kernel launch failed: ", cudaGetErrorString(cudaError_t(rc)));

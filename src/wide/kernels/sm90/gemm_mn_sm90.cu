@@ -92,6 +92,7 @@ struct Args {
   int M, N, K, G, NG, group_m;
   const int32_t* unions;  // KSKIP: per 64 sorted rows, the bit mask of the K groups some row executes
   int Gk;                 // KSKIP: columns of A per K group (a multiple of kBK)
+  const uint8_t* mask;    // dense SwiGLU: the route, bool [M, NG] row-major (its zero groups written as zeros), or null
 };
 
 constexpr int kUnionRows = 64;  // sorted rows per entry of Args::unions
@@ -364,15 +365,21 @@ __global__ void __launch_bounds__(kThreads, 1)
         }
         continue;
       }
-      // the original rows of this thread's epilogue rows (r and r + 8 of each atom; -1 past M), loaded before the
-      // main loop so their latency hides behind it rather than delaying the stores
+      // the original rows of this thread's epilogue rows (r and r + 8 of each atom; -1 past M) and whether they
+      // keep their values (active in the group; the dense SwiGLU: its route mask, if any), loaded before the main
+      // loop so their latency hides behind it rather than delaying the stores
       int32_t orows[kAtomsM][2];
+      bool keep[kAtomsM][2];
       CUTE_UNROLL
       for (int mi = 0; mi < kAtomsM; ++mi) {
         CUTE_UNROLL
         for (int r = 0; r < 2; ++r) {
           const int j = m0 + int(get<0>(tCcC(make_coord(0, r, 0), mi, 0)));
           orows[mi][r] = j >= M ? -1 : C::GATHER || C::KSKIP ? __ldg(args.index + int64_t(j) * NG + g) : j;
+          keep[mi][r] = j < cnt;
+          if constexpr (!C::GATHER && !C::KSKIP) {
+            if (args.mask != nullptr && j < M) keep[mi][r] = __ldg(args.mask + int64_t(j) * NG + g) != 0;
+          }
         }
       }
       clear(acc);
@@ -406,7 +413,7 @@ __global__ void __launch_bounds__(kThreads, 1)
       if constexpr (C::NB == 2) warpgroup_fence_operand(acc2);
       release<CM>(&sm.empty[prev], ctid);
       // epilogue: rows r and r + 8 of each atom of this thread, scattered to their original rows; zeros past the
-      // active count.  A quad (4 lanes, one row) holds 2 adjacent columns of each 8-column block per lane; a 4 x 4
+      // active count (or where the dense SwiGLU's mask is off).  A quad (4 lanes, one row) holds 2 adjacent columns of each 8-column block per lane; a 4 x 4
       // transpose of 32-bit words within the quad (two xor shuffles) gives lane q all 8 columns of block b0 + q, one
       // 16-byte store instead of four 4-byte ones.  The shuffles run in every lane, the stores only for rows < M.
       const int q = ctid % 4;
@@ -414,7 +421,7 @@ __global__ void __launch_bounds__(kThreads, 1)
       for (int mi = 0; mi < kAtomsM; ++mi) {
         CUTE_UNROLL
         for (int r = 0; r < 2; ++r) {
-          const bool on = m0 + int(get<0>(tCcC(make_coord(0, r, 0), mi, 0))) < cnt;
+          const bool on = keep[mi][r];
           T* orow = out + int64_t(orows[mi][r]) * args.ldo + n0;
           CUTE_UNROLL
           for (int b0 = 0; b0 < BN / 8; b0 += 4) {
@@ -562,7 +569,7 @@ int launch_o_proj(int dtype, const void* a, int64_t lda, const void* w, int64_t 
     return int(cudaErrorInvalidValue);
   }
   // one "group" along N (G = N), the permutation as a one-column index
-  const Args args{a, lda, out, ldo, perm, nullptr, M, N, K, N, 1, group_m, unions, Gk};
+  const Args args{a, lda, out, ldo, perm, nullptr, M, N, K, N, 1, group_m, unions, Gk, nullptr};
   if (dtype == kBF16) {
     return cluster_m == 2 ? run<OProj<cutlass::bfloat16_t, 2>>(args, w, nullptr, ldw, grid_ctas, stream)
                           : run<OProj<cutlass::bfloat16_t, 1>>(args, w, nullptr, ldw, grid_ctas, stream);
@@ -578,8 +585,8 @@ int smem_bytes(int op, int G) {
 }
 
 int launch(int op, int dtype, const void* x, int64_t ldx, const void* w, const void* w2, int64_t ldw, void* out,
-           int64_t ldo, const int32_t* index, const int32_t* counts, int M, int N, int K, int G, int group_m,
-           int grid_ctas, int cluster_m, cudaStream_t stream) {
+           int64_t ldo, const int32_t* index, const int32_t* counts, const uint8_t* mask, int M, int N, int K, int G,
+           int group_m, int grid_ctas, int cluster_m, cudaStream_t stream) {
   const bool gather = op != kDenseSwiglu;
   const auto aligned = [](const void* p) { return reinterpret_cast<uintptr_t>(p) % 16 == 0; };
   if (op < kGemmMn || op > kDenseSwiglu || (dtype != kBF16 && dtype != kFP16) || M < 0 || K <= 0 || K % kBK ||
@@ -589,7 +596,10 @@ int launch(int op, int dtype, const void* x, int64_t ldx, const void* w, const v
       (gather && (index == nullptr || counts == nullptr))) {
     return int(cudaErrorInvalidValue);
   }
-  const Args args{x, ldx, out, ldo, index, counts, M, N, K, gather ? G : N, gather ? N / G : 1, group_m, nullptr, 0};
+  // the dense SwiGLU reads G and N / G only for its route mask
+  const bool grouped = gather || mask != nullptr;
+  const Args args{x,       ldx, out, ldo, index, counts, M, N, K, grouped ? G : N, grouped ? N / G : 1, group_m,
+                  nullptr, 0,   gather ? nullptr : mask};
   return dtype == kBF16 ? dispatch<cutlass::bfloat16_t>(op, args, w, w2, ldw, grid_ctas, cluster_m, stream)
                         : dispatch<cutlass::half_t>(op, args, w, w2, ldw, grid_ctas, cluster_m, stream);
 }
