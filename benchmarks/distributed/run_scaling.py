@@ -154,12 +154,15 @@ def _all_max(values, env):
 
 
 def main() -> int:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    from wide.bench._args import int_at_least
+    from wide.cli.common import WideArgumentParser
+
+    p = WideArgumentParser(description=" ".join(__doc__.split("\n\n")[0].split()))
     p.add_argument("--models", nargs="+", default=["smollm2-135m", "llama-3.1-8b"], choices=list(SHAPES))
     p.add_argument("--device", choices=["cuda", "cpu"], default="cuda", help="cpu only checks this script")
-    p.add_argument("--gpus", type=int, nargs="+", default=[1, 2])
-    p.add_argument("--steps", type=int, default=8, help="measured steps")
-    p.add_argument("--warmup", type=int, default=3)
+    p.add_argument("--gpus", type=int_at_least(1), nargs="+", default=[1, 2])
+    p.add_argument("--steps", type=int_at_least(1), default=8, help="measured steps")
+    p.add_argument("--warmup", type=int_at_least(0), default=3)
     p.add_argument("--grad-checkpoint", choices=["off", "on", "both"], default="off",
                    help="activation checkpointing for the Llama-3.1-8B shape (SmolLM2 always off)")
     p.add_argument("--out", default=str(Path(__file__).resolve().parent))
@@ -168,11 +171,11 @@ def main() -> int:
                    help="FSDP2 runs (N > 1): free each layer's gathered weights after forward (on, default) or "
                         "keep them for backward (off: one all-gather a step; wide calibrate "
                         "--no-reshard-after-forward)")
-    p.add_argument("--micro-batch-8b", type=int, nargs="+", default=None,
+    p.add_argument("--micro-batch-8b", type=int_at_least(1), nargs="+", default=None,
                    help="micro-batches per GPU for the Llama-3.1-8B shape (default 1; the paper trains "
                         "16 x 4096 on 4 GPUs = 4 per GPU)")
     p.add_argument("--stages", nargs="+", choices=["router", "lora"], default=["router"],
-                   help="router = stage-1 calibration (the issue's measurement); lora = stage-2 LoRA recovery")
+                   help="router = stage-1 calibration (the scaling measurement); lora = stage-2 LoRA recovery")
     # worker mode (internal)
     p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--model", help=argparse.SUPPRESS)

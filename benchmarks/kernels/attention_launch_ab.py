@@ -9,7 +9,6 @@ The tuned config's ``attention.cute_pingpong`` / ``cute_persistent`` take the wi
 """
 
 import json
-import sys
 
 import torch
 from torch.nn.attention import SDPBackend, sdpa_kernel
@@ -20,12 +19,12 @@ from wide.kernels import reorder, sm90
 
 
 def main() -> None:
-    p = WideArgumentParser(description=__doc__.splitlines()[0])
+    p = WideArgumentParser(description=" ".join(__doc__.split("\n\n")[0].split()))
     p.add_argument("--out", help="JSON file for the records")
     args = p.parse_args()
     m = sm90.module(torch.device("cuda"))
     if m is None:
-        sys.exit("the CuTe kernels need an sm_90 GPU and a working build")
+        p.exit(2, f"{p.prog}: the CuTe kernels need an sm_90 GPU and a working build\n")
     import triton.testing as tt
     sdpa = torch.nn.functional.scaled_dot_product_attention
     sms = torch.cuda.get_device_properties(0).multi_processor_count

@@ -89,19 +89,20 @@ def sweep_rows(M: int, variants: list[tuple[int, int]]):
 
 
 def main() -> None:
-    p = WideArgumentParser(description=__doc__.splitlines()[0])
+    p = WideArgumentParser(description=" ".join(__doc__.split("\n\n")[0].split()))
     p.add_argument("--out", help="JSON file for the records")
     p.add_argument("--M", default=[4096, 16384], type=int_list(1), help="row counts (default: 4096,16384)")
     p.add_argument("--clusters", default=["1", "2"], type=choice_list("1", "2"),
                    help="cluster sizes along M to time, 1 and / or 2 (default: 1,2)")
     p.add_argument("--group-m", type=int_list(1),
-                   help="row tiles per band of the persistent tile order to time, comma-separated (default: the GPU "
-                        "config's cute_launch.gemm_mn.group_m)")
+                   help="row tiles per band of the persistent tile order to time, comma-separated (default: those of "
+                        "the GPU config's cute_launch for gemm_mn, swiglu and dense_swiglu)")
     args = p.parse_args()
     dev = torch.device("cuda")
     if sm90.module(dev) is None:
-        sys.exit("the CuTe kernels need an sm_90 GPU and a working build")
-    variants = [(int(cm), gm) for gm in args.group_m or [sm90.launch_shape(dev, "gemm_mn")[1]] for cm in args.clusters]
+        p.exit(2, f"{p.prog}: the CuTe kernels need an sm_90 GPU and a working build\n")
+    group_m = args.group_m or sorted({sm90.launch_shape(dev, op)[1] for op in ("gemm_mn", "swiglu", "dense_swiglu")})
+    variants = [(int(cm), gm) for gm in group_m for cm in args.clusters]
 
     meta = dict(unit="sparsity s: fraction of (row, group) pairs skipped, Bernoulli",
                 timing="kernel only (the reorder outside the timed region)", gpu=torch.cuda.get_device_name(),

@@ -13,18 +13,26 @@ import argparse
 
 import torch
 
+from wide.bench._args import int_at_least, sparsity_list
+from wide.cli.common import WideArgumentParser
 from wide.kernels import gemm_mn, reorder, swiglu
 from wide.kernels.sm90 import dense_swiglu
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--M", type=int, default=4096)
-    p.add_argument("--K", type=int, default=4096)
-    p.add_argument("--N", type=int, default=14336)
-    p.add_argument("--G", type=int, default=512)
-    p.add_argument("--sparsity", type=float, nargs="+", default=[0.0, 0.5])
+    p = WideArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--M", type=int_at_least(1), default=4096)
+    p.add_argument("--K", type=int_at_least(64), default=4096)
+    p.add_argument("--N", type=int_at_least(128), default=14336)
+    p.add_argument("--G", type=int_at_least(128), default=512, help="FFN group size, a multiple of 128 dividing N")
+    p.add_argument("--sparsity", type=sparsity_list, nargs="+", default=[[0.0], [0.5]],
+                   help="skip ratios in [0, 1), space- or comma-separated")
     a = p.parse_args()
+    a.sparsity = [s for group in a.sparsity for s in group]
+    if a.G % 128 or a.N % a.G or a.K % 64:
+        p.error(f"--G {a.G}, --N {a.N}, --K {a.K}: G must be a multiple of 128 dividing N, K a multiple of 64")
+    if not torch.cuda.is_available():
+        p.exit(2, f"{p.prog}: needs a CUDA GPU (sm_90 for the CuTe kernels)\n")
     gen = torch.Generator(device="cuda").manual_seed(0)
     x = torch.randn(a.M, a.K, device="cuda", dtype=torch.bfloat16, generator=gen)
     w, w2 = (torch.randn(a.N, a.K, device="cuda", dtype=torch.bfloat16, generator=gen) / a.K**0.5 for _ in range(2))

@@ -138,7 +138,7 @@ def test_gpu_cute_against_reference(kind, M, N, G, NG, dtype, cluster, built, mo
     """The CuTe kernel on sorted, zeroed A: the K loop over the groups of the cluster's rows only, rows scattered to
     their tokens; M not a multiple of the 128-row tile (600 and 1000: an odd tile count, the last pair's second CTA
     idle), N_G = 1, every mask kind, clusters of 1 and 2 CTAs."""
-    monkeypatch.setattr(sm90, "cluster_m", lambda device, op="gemm_mn": cluster)
+    monkeypatch.setattr(sm90, "launch_shape", lambda device, op: (cluster, 8))
     gen = seed_for("o_proj_cute", kind, M, N, G, NG, dtype, cluster)
     a, w = randn((M, G * NG), dtype, gen), randn((N, G * NG), dtype, gen, 0.05)
     route = make_mask(kind, (M, NG), gen, 0.4)

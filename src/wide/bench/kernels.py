@@ -177,9 +177,9 @@ def bench_gemm(run: _Run, op: str, M: int, G: int, s: float) -> None:
                wide_ms=kernel_ms + share * reorder_ms, kernel_ms=kernel_ms, reorder_ms=reorder_ms, reorder_share=share,
                n_input_sets=n_sets,  # realized fraction of the weight read: groups some row executes
                active=sum(float(st["route"].any(dim=0).float().mean()) for st in sets) / n_sets)
-    if sm90.available(sets[0]["x"].device):  # the CuTe GEMMs' (cluster_m, group_m) of this run, routed and dense
-        rec["cute_launch"] = {o: list(sm90.launch_shape(sets[0]["x"].device, o)) for o in (op, "dense_swiglu")
-                              if o != "gemm_k"}
+    launched = ([op] if backend == "cute" else []) + (["dense_swiglu"] if FUSED_SWIGLU in cands else [])
+    if launched:  # the CuTe GEMMs' (cluster_m, group_m) of this run: the routed op's and the dense baseline's
+        rec["cute_launch"] = {o: list(sm90.launch_shape(sets[0]["x"].device, o)) for o in launched}
     if M <= 4096:
         st = sets[0]
         wide(st)

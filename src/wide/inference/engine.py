@@ -238,7 +238,8 @@ class Layer(nn.Module):
         beside = e.streams and self.ffn_router is not None
         g = u = flat = None
         # a dense gate / up as the fused SwiGLU that zeroes the skipped groups in its epilogue: the router runs first
-        route_in_kernel = n_dense and e.fused_swiglu(M) and e.fused_swiglu_route and self.ffn_router is not None
+        route_in_kernel = (e.ops == "routed" and f.phase == "prefill" and n_dense and e.fused_swiglu(M)
+                           and e.fused_swiglu_route and self.ffn_router is not None)
         if f.phase == "decode" and not (n_dense and k_dense):  # the router reads h + o beside the norm
             m, (h, x) = e.beside(lambda: self.route("ffn", h, f, o), lambda: _norm(self.ln2, h, o), beside)
             flat, _ = self.reorder("ffn", m, not n_dense, False)

@@ -206,7 +206,7 @@ def dense_swiglu(x: torch.Tensor, w_gate: torch.Tensor, w_up: torch.Tensor, out:
                 or route.dim() != 2 or route.shape[0] != M or ng == 0 or N % ng or (N // ng) % 128):
             fail(f"route must be a bool tensor [M={M}, N_G] on {x.device} with N={N} a multiple of N_G and G = N / N_G "
                  f"a multiple of 128")
-        route, G = route.contiguous(), N // ng
+        G = N // ng
     if M == 0:
         return out
     if w_up.stride(0) != w_gate.stride(0):
@@ -215,5 +215,5 @@ def dense_swiglu(x: torch.Tensor, w_gate: torch.Tensor, w_up: torch.Tensor, out:
         fail("dense_swiglu needs 16-byte aligned tensors with unit column stride")
     if not available(x.device):
         fail(f"dense_swiglu needs an sm_90 GPU and the built CuTe kernels; {x.device} has neither")
-    run("dense_swiglu", x, w_gate, w_up, None, None, out, G, mask=route)
+    run("dense_swiglu", x, w_gate, w_up, None, None, out, G, mask=None if route is None else route.contiguous())
     return out

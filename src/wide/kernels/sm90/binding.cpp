@@ -28,8 +28,10 @@ void run(int64_t op, const at::Tensor& x, const at::Tensor& w, const c10::option
   const c10::cuda::CUDAGuard guard(x.device());
   const int32_t* idx = index.has_value() ? index->data_ptr<int32_t>() : nullptr;
   const int32_t* cnt = counts.has_value() ? counts->data_ptr<int32_t>() : nullptr;
-  TORCH_CHECK(!mask.has_value() || (mask->scalar_type() == at::kBool && mask->is_contiguous()),
-              "wide sm90: a contiguous bool mask expected");
+  TORCH_CHECK(!mask.has_value() || (op == 2 && mask->scalar_type() == at::kBool && mask->is_contiguous() &&
+                                     mask->device() == x.device() && mask->dim() == 2 &&
+                                     mask->size(0) == x.size(0) && G > 0 && mask->size(1) * G == w.size(0)),
+              "wide sm90: a mask only for the dense SwiGLU, contiguous bool [M, N / G] on x's device");
   const uint8_t* msk = mask.has_value() ? reinterpret_cast<const uint8_t*>(mask->data_ptr<bool>()) : nullptr;
   const int rc = wide_sm90::launch(int(op), st == at::kBFloat16 ? wide_sm90::kBF16 : wide_sm90::kFP16, x.data_ptr(),
                                    x.stride(0), w.data_ptr(), ptr(w2), w.stride(0), out.data_ptr(), out.stride(0), idx,

@@ -413,16 +413,16 @@ __global__ void __launch_bounds__(kThreads, 1)
       if constexpr (C::NB == 2) warpgroup_fence_operand(acc2);
       release<CM>(&sm.empty[prev], ctid);
       // epilogue: rows r and r + 8 of each atom of this thread, scattered to their original rows; zeros past the
-      // active count (or where the dense SwiGLU's mask is off).  A quad (4 lanes, one row) holds 2 adjacent columns of each 8-column block per lane; a 4 x 4
-      // transpose of 32-bit words within the quad (two xor shuffles) gives lane q all 8 columns of block b0 + q, one
-      // 16-byte store instead of four 4-byte ones.  The shuffles run in every lane, the stores only for rows < M.
+      // active count (or where the dense SwiGLU's mask is off).  A quad (4 lanes, one row) holds 2 adjacent columns
+      // of each 8-column block per lane; a 4 x 4 transpose of 32-bit words within the quad (two xor shuffles) gives
+      // lane q all 8 columns of block b0 + q, one 16-byte store instead of four 4-byte ones.  The shuffles run in
+      // every lane, the stores only for rows < M.
       const int q = ctid % 4;
       CUTE_UNROLL
       for (int mi = 0; mi < kAtomsM; ++mi) {
         CUTE_UNROLL
         for (int r = 0; r < 2; ++r) {
           const bool on = keep[mi][r];
-          T* orow = out + int64_t(orows[mi][r]) * args.ldo + n0;
           CUTE_UNROLL
           for (int b0 = 0; b0 < BN / 8; b0 += 4) {
             uint32_t w[4];  // w[k]: this lane's 2 columns of block b0 + k
@@ -457,6 +457,7 @@ __global__ void __launch_bounds__(kThreads, 1)
             }
             if (orows[mi][r] >= 0) {
               const int col = int(get<1>(tCcC(make_coord(0, r, b0 + q), mi, 0))) - 2 * q;  // block b0 + q's first
+              T* orow = out + int64_t(orows[mi][r]) * args.ldo + n0;
               *reinterpret_cast<uint4*>(orow + col) = make_uint4(w[0], w[1], w[2], w[3]);
             }
           }

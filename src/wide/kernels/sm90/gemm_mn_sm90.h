@@ -19,8 +19,9 @@ enum DType : int { kBF16 = 0, kFP16 = 1 };
 
 // x [M, K] (row stride ldx), w / w2 [N, K] (row stride ldw), out [M, N] (row stride ldo), index int32 [M, N / G]
 // (reordered rows of each group, active first), counts int32 [N / G] (active rows per group), mask bool [M, N / G]
-// row-major or null (the dense SwiGLU's route; ignored by the routed ops); all on the current device.  Requires K % 64 == 0, G % 128 == 0 (G % 256 == 0 for the 128 x 256 tile), N % G == 0, 16-byte aligned
-// pointers and row strides.  grid_ctas: the persistent grid (the GPU's SM count); cluster_m: 1, or 2 for clusters of
+// row-major or null (the dense SwiGLU's route; null for the routed ops); all on the current device.  Requires
+// K % 64 == 0, G % 128 == 0 (G % 256 == 0 for the 128 x 256 tile), N % G == 0, 16-byte aligned pointers and row
+// strides.  grid_ctas: the persistent grid (the GPU's SM count); cluster_m: 1, or 2 for clusters of
 // two CTAs along M that share the weight tiles by TMA multicast.  Returns a cudaError_t (0: ok,
 // cudaErrorInvalidValue: a shape it does not take).
 int launch(int op, int dtype, const void* x, int64_t ldx, const void* w, const void* w2, int64_t ldw, void* out,
