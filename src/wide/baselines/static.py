@@ -27,9 +27,9 @@ PRUNING_NAME = "static_pruning.json"
 
 @torch.no_grad()
 def group_scores(model: nn.Module, blocks: torch.Tensor, attn_group_size: int, ffn_group_size: int,
-                 batch_size: int = 4) -> dict[str, torch.Tensor]:
+                 batch_size: int = 4, progress: bool = False) -> dict[str, torch.Tensor]:
     """Group importance (module docstring) over int64 ``blocks`` ``[N, T]``: float64 ``{"attn": [L, N_attn],
-    "ffn": [L, N_ffn]}`` on the CPU."""
+    "ffn": [L, N_ffn]}`` on the CPU; ``progress``: a progress bar over the batches."""
     layers = decoder_layers(model)
     sq = {"attn": [0.0] * len(layers), "ffn": [0.0] * len(layers)}
     def hook(kind, i):
@@ -39,7 +39,7 @@ def group_scores(model: nn.Module, blocks: torch.Tensor, attn_group_size: int, f
     handles = [lin.register_forward_pre_hook(hook(kind, i)) for i, layer in enumerate(layers)
                for kind, lin in (("attn", layer.self_attn.o_proj), ("ffn", layer.mlp.down_proj))]
     try:
-        perplexity(model, blocks, batch_size, progress=False)  # the forward passes the hooks read
+        perplexity(model, blocks, batch_size, progress=progress, desc="scoring groups")  # the passes the hooks read
     finally:
         for h in handles:
             h.remove()
@@ -140,17 +140,18 @@ def check_group_sizes(dims: ModelDims, attn_group_size: int | None, ffn_group_si
 
 def prune(model: nn.Module, blocks: torch.Tensor, sparsity: float, attn_group_size: int | None = None,
           ffn_group_size: int = 128, batch_size: int = 4, attn_sparsity: float | None = None,
-          ffn_sparsity: float | None = None, select_blocks: int = 4) -> StaticPruning:
+          ffn_sparsity: float | None = None, select_blocks: int = 4, progress: bool = False) -> StaticPruning:
     """Score the groups of a dense HF causal LM on int64 ``blocks`` ``[N, T]`` and choose the static pruning for
     target ``S`` in [0, 1) (module docstring); ``attn_sparsity`` / ``ffn_sparsity`` fix the split instead (both
     or neither, rounded to whole groups); the split's LM loss is measured on the first ``select_blocks`` blocks.
-    Raises WideError for bad group sizes or sparsities."""
+    ``progress``: progress bars over the scoring and over each candidate split.  Raises WideError for bad group
+    sizes or sparsities."""
     check_architecture(model.config)
     g_a = check_group_sizes(dims_of(model.config), attn_group_size, ffn_group_size)
     WideConfig(target_sparsity=sparsity)
     if (attn_sparsity is None) != (ffn_sparsity is None):
         raise WideError("give both --attn-sparsity and --ffn-sparsity, or neither")
-    scores = group_scores(model, blocks, g_a, ffn_group_size, batch_size)
+    scores = group_scores(model, blocks, g_a, ffn_group_size, batch_size, progress)
     n_a, n_f = scores["attn"].shape[1], scores["ffn"].shape[1]
     if attn_sparsity is not None:
         pairs = [(min(round(attn_sparsity * n_a), n_a - 1), min(round(ffn_sparsity * n_f), n_f - 1))]
@@ -161,10 +162,11 @@ def prune(model: nn.Module, blocks: torch.Tensor, sparsity: float, attn_group_si
     best = cands[0]
     if len(cands) > 1:
         losses = []
-        for c in cands:
+        for k, c in enumerate(cands):
             wm = c.apply(model)
             try:
-                losses.append(perplexity(wm, blocks[:select_blocks], batch_size, progress=False)["nll"])
+                losses.append(perplexity(wm, blocks[:select_blocks], batch_size, progress=progress,
+                                         desc=f"split {k + 1}/{len(cands)}")["nll"])
             finally:
                 for h in wm._handles:  # detach the routing hooks from the base model
                     h.remove()

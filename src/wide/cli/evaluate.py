@@ -366,7 +366,7 @@ def cmd_prune_static(args) -> int:
     t0 = time.time()
     p = prune(model, data["blocks"], args.sparsity, attn_group_size=args.attn_group_size,
               ffn_group_size=args.ffn_group_size, batch_size=args.batch_size, attn_sparsity=args.attn_sparsity,
-              ffn_sparsity=args.ffn_sparsity)
+              ffn_sparsity=args.ffn_sparsity, progress=True)
     p.model, p.fingerprint = src.ref, fingerprint(model)
     small = slice_model(model, p)
     save_pruned(small, tok, p, args.output)
