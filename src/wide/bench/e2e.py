@@ -81,8 +81,8 @@ def add_arguments(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
     p.add_argument("--models", default="llama8b,smollm2", type=choice_list("llama8b", "smollm2"), help="llama8b "
                    "(Llama-3.1-8B shapes, random weights), smollm2 (the bundled model with its calibrated routers) "
                    "(default: both)")
-    p.add_argument("--runs", default=50, type=int_at_least(5), help="calls timed per point, over 10 CUDA-graph "
-                   "replays (default: 50; fewer where a replay would take over ~0.6 s)")
+    p.add_argument("--runs", default=50, type=int_at_least(5), help="calls timed per point, at least 5, over 10 "
+                   "CUDA-graph replays (default: 50; fewer where a replay would take over ~0.6 s)")
     p.add_argument("--max-prefill-tokens", default=65536, type=int_at_least(1),
                    help="skip prefills with batch*prompt above (default: 65536)")
     p.add_argument("--max-kv-gb", default=40.0, type=float_above(0),
