@@ -154,10 +154,10 @@ def _all_max(values, env):
 
 
 def main() -> int:
-    from wide.bench._args import int_at_least
+    from wide.bench._args import doc_summary, int_at_least
     from wide.cli.common import WideArgumentParser
 
-    p = WideArgumentParser(description=" ".join(__doc__.split("\n\n")[0].split()))
+    p = WideArgumentParser(description=doc_summary(__doc__))
     p.add_argument("--models", nargs="+", default=["smollm2-135m", "llama-3.1-8b"], choices=list(SHAPES))
     p.add_argument("--device", choices=["cuda", "cpu"], default="cuda", help="cpu only checks this script")
     p.add_argument("--gpus", type=int_at_least(1), nargs="+", default=[1, 2])

@@ -13,18 +13,16 @@ import json
 import torch
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-from wide.bench._args import run_provenance
+from wide.bench._args import doc_summary, require_sm90, run_provenance
 from wide.cli.common import WideArgumentParser
-from wide.kernels import reorder, sm90
+from wide.kernels import reorder
 
 
 def main() -> None:
-    p = WideArgumentParser(description=" ".join(__doc__.split("\n\n")[0].split()))
+    p = WideArgumentParser(description=doc_summary(__doc__))
     p.add_argument("--out", help="JSON file for the records")
     args = p.parse_args()
-    m = sm90.module(torch.device("cuda"))
-    if m is None:
-        p.exit(2, f"{p.prog}: the CuTe kernels need an sm_90 GPU and a working build\n")
+    m = require_sm90(p)
     import triton.testing as tt
     sdpa = torch.nn.functional.scaled_dot_product_attention
     sms = torch.cuda.get_device_properties(0).multi_processor_count

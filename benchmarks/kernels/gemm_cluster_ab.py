@@ -18,18 +18,14 @@ import sys
 import torch
 import torch.nn.functional as F
 
-from wide.bench._args import choice_list, int_list, run_provenance
-from wide.bench.kernels import time_ms
+from wide.bench._args import choice_list, doc_summary, int_list, require_sm90, run_provenance
+from wide.bench.kernels import rel_err, time_ms
 from wide.cli.common import WideArgumentParser
 from wide.kernels import reorder, sm90
 from wide.kernels.reference import gemm_mn_ref, swiglu_ref
 
 D, FFN = 4096, 14336
 CHECK_ROWS = 512  # rows checked against the float64 reference per point
-
-
-def rel_err(out, ref) -> float:
-    return float((out.double() - ref).norm() / ref.norm().clamp_min(1e-30))
 
 
 def sweep_rows(M: int, variants: list[tuple[int, int]]):
@@ -89,7 +85,7 @@ def sweep_rows(M: int, variants: list[tuple[int, int]]):
 
 
 def main() -> None:
-    p = WideArgumentParser(description=" ".join(__doc__.split("\n\n")[0].split()))
+    p = WideArgumentParser(description=doc_summary(__doc__))
     p.add_argument("--out", help="JSON file for the records")
     p.add_argument("--M", default=[4096, 16384], type=int_list(1), help="row counts (default: 4096,16384)")
     p.add_argument("--clusters", default=["1", "2"], type=choice_list("1", "2"),
@@ -98,9 +94,8 @@ def main() -> None:
                    help="row tiles per band of the persistent tile order to time, comma-separated (default: those of "
                         "the GPU config's cute_launch for gemm_mn, swiglu and dense_swiglu)")
     args = p.parse_args()
+    require_sm90(p)
     dev = torch.device("cuda")
-    if sm90.module(dev) is None:
-        p.exit(2, f"{p.prog}: the CuTe kernels need an sm_90 GPU and a working build\n")
     group_m = args.group_m or sorted({sm90.launch_shape(dev, op)[1] for op in ("gemm_mn", "swiglu", "dense_swiglu")})
     variants = [(int(cm), gm) for gm in group_m for cm in args.clusters]
 

@@ -15,8 +15,8 @@ import sys
 
 import torch
 
-from wide.bench._args import int_list, run_provenance
-from wide.bench.kernels import time_ms
+from wide.bench._args import doc_summary, int_list, require_sm90, run_provenance
+from wide.bench.kernels import rel_err, time_ms
 from wide.cli.common import WideArgumentParser
 from wide.kernels import reorder, sm90, swiglu
 from wide.kernels.reference import expand_route, swiglu_ref
@@ -26,13 +26,12 @@ CHECK_ROWS = 512
 
 
 def main() -> None:
-    p = WideArgumentParser(description=" ".join(__doc__.split("\n\n")[0].split()))
+    p = WideArgumentParser(description=doc_summary(__doc__))
     p.add_argument("--out", help="JSON file for the records")
     p.add_argument("--M", default=[4096, 16384], type=int_list(1), help="row counts (default: 4096,16384)")
     args = p.parse_args()
+    require_sm90(p)
     dev = torch.device("cuda")
-    if sm90.module(dev) is None:
-        p.exit(2, f"{p.prog}: the CuTe kernels need an sm_90 GPU and a working build\n")
     meta = dict(G=G, unit="sparsity s: Bernoulli probability that a (token, group) is skipped",
                 gpu=torch.cuda.get_device_name(), cute_launch={o: list(sm90.launch_shape(dev, o))
                                                               for o in ("swiglu", "dense_swiglu")},
@@ -63,7 +62,7 @@ def main() -> None:
             for name, fn in variants.items():  # each variant's own output checked after its timing
                 out.fill_(float("nan"))
                 ms[name] = time_ms([fn])
-                errs[name] = float((out[:CHECK_ROWS].double() - ref).norm() / ref.norm().clamp_min(1e-30))
+                errs[name] = rel_err(out[:CHECK_ROWS], ref)
                 zeros = zeros and bool((out[skipped] == 0).all())
             err = max(errs.values())
             gain = ms["fused SwiGLU + masking pass"] / ms["fused SwiGLU, route in the epilogue"]

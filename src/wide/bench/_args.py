@@ -172,3 +172,20 @@ def run_provenance(command: str) -> dict:
                 date=git("show", "-s", "--format=%cs", "HEAD") or datetime.date.today().isoformat(),
                 run_date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
                 command=command)
+
+
+def doc_summary(doc: str) -> str:
+    """The first paragraph of a script's docstring as one line: its ``--help`` description."""
+    return " ".join(doc.split("\n\n")[0].split())
+
+
+def require_sm90(parser):
+    """The built CuTe module on the current GPU; without one, one line from ``parser`` and exit code 2."""
+    import torch
+
+    from wide.kernels import sm90
+
+    m = sm90.module(torch.device("cuda")) if torch.cuda.is_available() else None
+    if m is None:
+        parser.exit(2, f"{parser.prog}: the CuTe kernels need an sm_90 GPU and a working build\n")
+    return m

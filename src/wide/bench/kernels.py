@@ -84,7 +84,8 @@ def time_ms(fns) -> float:
     return do_bench_cudagraph(lambda: [f() for f in fns], rep=30, return_mode="median") / len(fns)
 
 
-def _rel(out, ref) -> float:
+def rel_err(out, ref) -> float:
+    """Relative error ||out - ref|| / ||ref|| in float32 (the largest |out| where ref is all zero)."""
     nr = ref.float().norm().item()
     return (out.float() - ref.float()).norm().item() / nr if nr > 0 else out.float().abs().max().item()
 
@@ -186,7 +187,7 @@ def bench_gemm(run: _Run, op: str, M: int, G: int, s: float) -> None:
         xf, wf = st["x"].float(), st["w"].float()
         ref = (reference.swiglu_ref(xf, wf[:N], wf[N:], st["route"], G) if op == "swiglu"
                else (reference.gemm_mn_ref if op == "gemm_mn" else reference.gemm_k_ref)(xf, wf, st["route"], G))
-        rec["rel_err"] = _rel(st["o"], ref)
+        rec["rel_err"] = rel_err(st["o"], ref)
     run.add(rec)
     del sets
     torch.cuda.empty_cache()
@@ -279,14 +280,14 @@ def bench_kaxis(run: _Run, op: str, M: int, G: int, s: float) -> None:
         ref = reference.gemm_k_ref(st["a"].float(), st["w"].float(), st["route"], G)
         errs = {}
         for path in ("splitk", "masked"):
-            errs[f"gemm_k_{path}"] = _rel(gemm_k(st["a"], st["w"], st["route"], G, path=path), ref)
+            errs[f"gemm_k_{path}"] = rel_err(gemm_k(st["a"], st["w"], st["route"], G, path=path), ref)
         if "order" in st:
-            errs["shared"] = _rel(o_proj(st["a"], st["w"], st["route"], G, order=st["order"], zeroed=True), ref)
+            errs["shared"] = rel_err(o_proj(st["a"], st["w"], st["route"], G, order=st["order"], zeroed=True), ref)
             if op == "o_proj":
-                errs["shared_sorted_a"] = _rel(o_proj(st["a_sorted"], st["w"], st["route"], G, order=st["order"],
+                errs["shared_sorted_a"] = rel_err(o_proj(st["a_sorted"], st["w"], st["route"], G, order=st["order"],
                                                       zeroed=True, a_sorted=True, backend="triton"), ref)
             if "shared_sorted_a_cute" in cands:
-                errs["shared_sorted_a_cute"] = _rel(o_proj(st["a_sorted"], st["w"], st["route"], G,
+                errs["shared_sorted_a_cute"] = rel_err(o_proj(st["a_sorted"], st["w"], st["route"], G,
                                                            order=st["order"], zeroed=True, a_sorted=True,
                                                            backend="cute"), ref)
         rec["rel_err"] = max(errs.values())
@@ -339,7 +340,7 @@ def bench_attention(run: _Run, T: int, s: float, decode: bool = False) -> None:
                backend="decode" if decode else LAST_BACKEND.get("attention_prefill"))
     if decode or B * Hq * Tq * T <= 2**29:
         routed_attention(q, k, v, route, not decode, reordered=r, out=out)
-        rec["rel_err"] = _rel(out, attention_ref(q.float(), k.float(), v.float(), route, not decode))
+        rec["rel_err"] = rel_err(out, attention_ref(q.float(), k.float(), v.float(), route, not decode))
     run.add(rec)
     torch.cuda.empty_cache()
 
