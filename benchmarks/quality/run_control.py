@@ -96,13 +96,13 @@ def plan_jobs(a) -> list[dict]:
     if "bound" in a.parts:
         train("wide", "groups", 0.5)
         train("wide", "groups", 0.5, a.max_module_sparsity)
-    if "equal" in a.parts:
+    if "equal" in a.parts:  # the trainings first (the longest path), the unrouted zero-shot jobs beside them
+        srcs = {(m, s): train(m, "groups", s) for s in a.equal_targets for m in ("wide", "skipgpt")}
         jobs.append({"key": "zs-dense", "kind": "zs", "needs": None, "method": "dense", "target": 0.0})
         for s in a.equal_targets:
             jobs.append({"key": f"zs-static-s{pct(s)}", "kind": "zs", "needs": None, "method": "static", "target": s})
             for m in ("wide", "skipgpt"):
-                src = train(m, "groups", s)
-                jobs.append({"key": f"zs-{src}", "kind": "zs", "needs": src, "method": m, "target": s})
+                jobs.append({"key": f"zs-{srcs[m, s]}", "kind": "zs", "needs": srcs[m, s], "method": m, "target": s})
     return jobs
 
 
