@@ -235,7 +235,9 @@ def test_memory_estimate_bounds_measured_steps():
     earlier tests cannot hide the growth), after a warm-up step, as the growth of VmHWM over the step less the
     library pages read back in (the three run side by side, about 15 s on 2 cores). The estimate must never be
     below what the check relies on (measured <= estimate / HEADROOM) nor wildly above (<= 2x); measured
-    here: 1.3-1.4x."""
+    here: 1.3-1.4x. Under other processes' memory load, library pages evicted during the step and read back after
+    its peak can make the subtraction undercount it, so a case above 2x is measured once more
+    on its own and the bounds apply to that measurement."""
     import importlib.util
     import os
     import subprocess
@@ -252,13 +254,21 @@ def test_memory_estimate_bounds_measured_steps():
     cases = {"stage1": (False, False), "stage1-grad-checkpoint": (True, False)}
     if importlib.util.find_spec("peft") is not None:
         cases["lora"] = (False, True)
-    procs = {name: subprocess.Popen([sys.executable, "-c", _MEASURE, json.dumps([MEASURED_MODEL, 4, 512, ckpt, lora])],
-                                    stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
-             for name, (ckpt, lora) in cases.items()}
-    for name, proc in procs.items():
+
+    def start(ckpt, lora):
+        return subprocess.Popen([sys.executable, "-c", _MEASURE, json.dumps([MEASURED_MODEL, 4, 512, ckpt, lora])],
+                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+
+    def result(name, proc):
         out, err = proc.communicate(timeout=300)
         assert proc.returncode == 0, (name, err[-2000:])
-        got = json.loads(out.strip().splitlines()[-1])
+        return json.loads(out.strip().splitlines()[-1])
+
+    procs = {name: start(*case) for name, case in cases.items()}
+    for name, proc in procs.items():
+        got = result(name, proc)
+        if got["estimate"] > 2 * got["measured"]:  # library pages evicted by other processes' load and faulted back
+            got = result(name, start(*cases[name]))  # after the peak undercount the step: measure it once more, alone
         est, measured = got["estimate"], got["measured"]
         assert measured > 100 * 2 ** 20, (name, got)  # the step itself, not noise, dominates
         assert measured <= est / HEADROOM, (name, got)
