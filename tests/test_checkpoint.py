@@ -120,6 +120,22 @@ def test_router_shapes_that_do_not_fit(tmp_path, model):
         load(path, model=tiny_model())
 
 
+def test_edited_group_size_is_named_as_an_edit(tmp_path, model):
+    """A legal but different FFN group size written into wide_config.json after saving: the shape error says the
+    config changed after it was saved; an empty path is refused before anything is read."""
+    import json
+
+    _, path = _saved(tmp_path, model)
+    cfg = json.loads((path / "wide_config.json").read_text())
+    cfg["ffn_group_size"] = 64
+    (path / "wide_config.json").write_text(json.dumps(cfg))
+    with pytest.raises(WideError, match=r"wide_config.json does not match its SHA-256 in base_model.json: it changed "
+                                        r"after it was saved"):
+        load(path, model=tiny_model())
+    with pytest.raises(WideError, match="wide.load: path is empty"):
+        load("", model=tiny_model())
+
+
 def test_checkpoint_files_get_the_new_file_mode(tmp_path, model):
     """routers.safetensors, wide_config.json, base_model.json: 0666 & ~umask like train_log.jsonl, not 0600."""
     import os

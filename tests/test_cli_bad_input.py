@@ -515,9 +515,11 @@ CASES = [
          id="eval --tasks all without wiki.test.raw"),
     case("lm-eval --model wide --tasks nosuchtask", "wide lm-eval: error: Tasks not found: nosuchtask", loads=True,
          needs="lm_eval"),
-    *[case(f"bench {b} --out-dir {{out}}", f"wide bench: error: wide bench {b} times GPU code and needs a CUDA GPU",
+    *[case(f"bench {b} --out-dir {{out}}", f"wide bench {b}: error: this benchmark times GPU code and needs a CUDA GPU",
            setup=lambda c: c.cuda(0)) for b in ("kernels", "e2e")],
     *[case(f"bench {b} --report-only --out-dir {{out}} --tag x", "no results at", "--tag") for b in ("kernels", "e2e")],
+    *[case(f"bench {b} --report-only --out-dir {{afile}}", f"wide bench {b}: error: --out-dir '{{afile}}' is a file")
+      for b in ("kernels", "e2e")],
     *[case(f"bench {b} --report-only --out-dir {{full}} --tag y", "is not a readable JSON file",
            setup=lambda c, b=b: (c["full"] / f"{b}_y.json").write_text("{not json")) for b in ("kernels", "e2e")],
     *[case(f"{cmd} --model {{model}}", f"{var}='{value}' is not allowed", "'triton', 'cute'", before="weights",

@@ -200,8 +200,13 @@ def _read_checked(path: Path, what: str, expected: str) -> tuple[WideConfig, dic
     try:
         check_router_weights(routers, router_shapes(saved, config))
     except WideError as e:
-        raise WideError(f"{path / ROUTERS_NAME}: {e} (the shapes it needs come from the dims recorded in "
-                        f"{path / BASE_NAME} and the group sizes of {path / CONFIG_NAME})") from None
+        now, recorded = _hashes(path), info["files"]
+        edited = now.get(CONFIG_NAME) != recorded.get(CONFIG_NAME) and now.get(ROUTERS_NAME) == recorded.get(
+            ROUTERS_NAME)
+        why = (f" ({path / CONFIG_NAME} does not match its SHA-256 in {BASE_NAME}: it changed after it was saved)"
+               if edited else f" (the shapes it needs come from the dims recorded in {path / BASE_NAME} and the group "
+               f"sizes of {path / CONFIG_NAME})")
+        raise WideError(f"{path / ROUTERS_NAME}: {e}{why}") from None
     now, recorded = _hashes(path), info["files"]
     for name in sorted(set(now) | set(recorded)):
         if now.get(name) != recorded.get(name):
@@ -264,6 +269,8 @@ def load(path: str | os.PathLike, model: str | torch.nn.Module | None = None, de
     if not isinstance(path, (str, os.PathLike)):
         raise WideError(f"wide.load: path must be a WIDE checkpoint directory (str or os.PathLike), got "
                         f"{type(path).__name__} {path!r}")
+    if not os.fspath(path):
+        raise WideError("wide.load: path is empty; give a WIDE checkpoint directory")
     if tokenizer and isinstance(model, torch.nn.Module):
         raise WideError("wide.load: tokenizer=True loads the tokenizer with the base model, so model must be None or "
                         "a --model string, not an already loaded module (load its tokenizer with transformers)")

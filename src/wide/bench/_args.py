@@ -118,9 +118,11 @@ def report_only(path: str, write_report, out_dir: str, tag: str) -> int:
         except (TypeError, ValueError, ZeroDivisionError) as e:
             raise WideError(f"--report-only: a record of {path} holds a value of the wrong type or out of range "
                             f"({type(e).__name__}: {e}); the file is not this benchmark's output") from None
-        for name in os.listdir(tmp):
+        names = sorted(os.listdir(tmp))
+        for name in names:
             shutil.move(os.path.join(tmp, name), os.path.join(out_dir, name))
-    print(f"rebuilt the table and plot of {tag!r} in {out_dir} from {path}", flush=True)
+    plot = "" if any(n.endswith(".png") for n in names) else " (no plot: matplotlib is not installed)"
+    print(f"rebuilt {', '.join(names)} in {out_dir} from {path}{plot}", flush=True)
     return 0
 
 

@@ -122,7 +122,8 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError as e:  # bad input: a ValueError of ours (WideError, the kernels' KernelArgumentError)
         if not any(c.__module__.split(".")[0] == "wide" for c in type(e).__mro__):
             raise
-        print(f"wide {args.command}: error: {e}", file=sys.stderr)
+        sub = getattr(args, "bench", None) if args.command == "bench" else None  # wide bench <name>: its own prefix
+        print(f"wide {args.command}{'' if sub is None else ' ' + sub}: error: {e}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
         how = " (SIGTERM)" if term["signal"] is not None else ""

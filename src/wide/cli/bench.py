@@ -14,13 +14,17 @@ BENCHMARKS = {
 def _runner(name: str, module: str):
     def run(args) -> int:
         """Run ``wide bench <name>``; raises WideError without a CUDA GPU (unless ``--report-only``)."""
+        import os
+
+        from wide.errors import WideError
+
+        if args.out_dir and os.path.exists(args.out_dir) and not os.path.isdir(args.out_dir):
+            raise WideError(f"--out-dir {args.out_dir!r} is a file; give a folder (it is created if missing)")
         if not args.report_only:
             import torch
 
-            from wide.errors import WideError
-
             if not torch.cuda.is_available():
-                raise WideError(f"wide bench {name} times GPU code and needs a CUDA GPU; none is available "
+                raise WideError("this benchmark times GPU code and needs a CUDA GPU; none is available "
                                 "(--report-only rebuilds the table and plot from an earlier run's JSON)")
         return importlib.import_module(module).run(args)
     return run
