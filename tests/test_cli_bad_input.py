@@ -256,6 +256,7 @@ CASES = [
     case(NOWHERE_CAL + " --max-blocks -1", "--max-blocks -1 must be >= 1"),
     case(NOWHERE_CAL + " --seq-len 1", "--seq-len 1 must be >= 2"),
     case(NOWHERE_CAL + " --steps 10 --warmup-steps 11", "--warmup-steps 11 must be <= --steps 10"),
+    case(NOWHERE_CAL + " --steps 10 --warmup-steps -1", "--warmup-steps -1 must be >= 0"),
     *[case(f"demo --model {{nowhere}} --text {{text}} -o {{out}} --device cpu {opt} {v}", f"{opt} {v} must be >= {low}")
       for opt, v, low in (("--steps", 0, 1), ("--steps", -3, 1), ("--seq-len", 0, 2), ("--ctx", 0, 2),
                           ("--eval-tokens", 0, 2), ("--eval-tokens", 1, 2))],

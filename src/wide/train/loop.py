@@ -75,7 +75,9 @@ class CalibrationArgs:
                             f"stage 2 2e-4)")
         if not isinstance(self.seed, int) or isinstance(self.seed, bool) or not 0 <= self.seed <= SEED_MAX:
             raise WideError(f"--seed {self.seed!r} must be an integer from 0 to {SEED_MAX} (2**32 - 1)")
-        if not 0 <= self.warmup_steps <= self.steps:
+        if self.warmup_steps < 0:
+            raise WideError(f"--warmup-steps {self.warmup_steps!r} must be >= 0 (0 to --steps {self.steps!r})")
+        if self.warmup_steps > self.steps:
             raise WideError(f"--warmup-steps {self.warmup_steps!r} must be <= --steps {self.steps!r} "
                             f"(0 to {self.steps})")
 
