@@ -6,6 +6,7 @@ routed compute skipped, at the checkpoint's training context, else the evaluatio
 from __future__ import annotations
 
 import math
+import sys
 from dataclasses import dataclass, field
 
 import torch
@@ -63,6 +64,12 @@ class SparsityMeter:
         return out
 
 
+def bar_interval() -> float:
+    """Seconds between progress-bar refreshes: tqdm's 0.1 on a terminal or in a notebook, 30 where stderr is a file
+    or a pipe (a log gets one line per 30 s, not ten per second)."""
+    return 0.1 if sys.stderr.isatty() or "ipykernel" in sys.modules else 30.0
+
+
 @torch.no_grad()
 def perplexity(model: nn.Module, windows: torch.Tensor, batch_size: int = 1, progress: bool = True,
                desc: str = "perplexity") -> dict:
@@ -75,7 +82,8 @@ def perplexity(model: nn.Module, windows: torch.Tensor, batch_size: int = 1, pro
         model.stochastic = False
         meter = SparsityMeter(model.dims.num_layers)
     nll, count = 0.0, 0
-    for b in tqdm(range(0, windows.shape[0], batch_size), desc=desc, disable=not progress, dynamic_ncols=True):
+    for b in tqdm(range(0, windows.shape[0], batch_size), desc=desc, disable=not progress, dynamic_ncols=True,
+                  mininterval=bar_interval()):
         ids = windows[b:b + batch_size].to(device)
         with torch.autocast(device.type, dtype=torch.bfloat16, enabled=device.type == "cuda"):
             logits = model(ids).logits

@@ -301,6 +301,8 @@ def train(wm: WideModel, blocks: torch.Tensor, args: CalibrationArgs, output: st
     to resume, a failed write, a batch that does not fit, or a diverged step (the last saved state is kept)."""
     from tqdm.auto import tqdm
 
+    from wide.eval.perplexity import bar_interval
+
     args.validate()
     wm.config.check_training()
     check_reachable(wm.config.target_sparsity, wm.config.max_module_sparsity, wm.config.sparsity_unit)
@@ -357,7 +359,7 @@ def train(wm: WideModel, blocks: torch.Tensor, args: CalibrationArgs, output: st
     flops_w = torch.tensor(module_weights(wm.dims, cfg, "flops"), dtype=torch.float64, device=device)
     flops_w = (flops_w / flops_w.sum()).float()
     bar = tqdm(total=args.steps, initial=start, disable=not (progress and env.is_main), desc=f"train {stage}",
-               dynamic_ncols=True)
+               dynamic_ncols=True, mininterval=bar_interval())
     try:
         for step in range(start, args.steps):
             t0 = time.perf_counter()
