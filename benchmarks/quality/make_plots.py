@@ -214,7 +214,9 @@ def _by(records: list[dict], field: str) -> dict:
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    from wide.cli.common import WideArgumentParser  # usage errors in one line
+
+    p = WideArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--results", default=None, help="a run_quality.py record file (for --profile)")
     p.add_argument("--profile", default=None,
                    help="record key (or index) whose per_layer sparsity to draw (Figure 9)")

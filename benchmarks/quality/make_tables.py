@@ -235,7 +235,9 @@ def render_control(exact: list[dict], dial: list[dict], bound: list[dict], indom
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    from wide.cli.common import WideArgumentParser  # usage errors in one line
+
+    p = WideArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--records", nargs="+", default=[str(HERE / "table.json")], help="record files to render")
     p.add_argument("--chance", default=str(HERE / "chance.json"), help="stored chance levels (read, and written "
                    "with --write-chance)")

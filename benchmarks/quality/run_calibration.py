@@ -10,7 +10,6 @@ Each sparsity is one ``wide calibrate`` run into ``--runs`` followed by ``wide e
 
 from __future__ import annotations
 
-import argparse
 import datetime as dt
 import json
 import shlex
@@ -32,7 +31,9 @@ def wide(*args) -> None:
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    from wide.cli.common import WideArgumentParser  # usage errors in one line
+
+    p = WideArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--model", default="smollm2-135m")
     p.add_argument("--calib", required=True, help="calibration text (a --text of wide calibrate)")
     p.add_argument("--eval", required=True, help="evaluation text, e.g. WikiText-2's wiki.test.raw")

@@ -535,7 +535,9 @@ def importlib_missing(name: str) -> bool:
 
 
 def parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    from wide.cli.common import WideArgumentParser  # usage errors in one line
+
+    p = WideArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--parts", nargs="+", choices=list(PART_FILES), default=list(PART_FILES))
     p.add_argument("--model", default="smollm2-135m")
     p.add_argument("--calib", required=True, help="calibration text (.jsonl with 'text'); one document in ten is "

@@ -30,7 +30,9 @@ HERE = Path(__file__).resolve().parent
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    from wide.cli.common import WideArgumentParser  # usage errors in one line
+
+    p = WideArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--checkpoint", default=str(HERE / "checkpoints" / "smollm2-global-s50-g128"))
     p.add_argument("--model", default="smollm2-135m")
     p.add_argument("--wikitext", required=True, help="WikiText-2's wiki.test.raw")

@@ -128,7 +128,9 @@ def main() -> None:
     argv = sys.argv[1:]
     common_argv = argv[argv.index("--") + 1:] if "--" in argv else []
     own = argv[: argv.index("--")] if "--" in argv else argv
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    from wide.cli.common import WideArgumentParser  # usage errors in one line
+
+    p = WideArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--plans", nargs="+", choices=list(PLAN_ARGS), default=["table", "uniform", "sparsity", "group"])
     p.add_argument("--workers", type=int, default=8, help="jobs running at once (all GPUs together)")
     p.add_argument("--gpus", type=int, default=None, help="GPUs to use (default: all visible)")

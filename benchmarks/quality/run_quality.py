@@ -293,7 +293,9 @@ def text_paths(a) -> dict[str, str | None]:
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    from wide.cli.common import WideArgumentParser  # usage errors in one line
+
+    p = WideArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--plan", choices=["table", "group", "sparsity", "uniform"], default="table")
     p.add_argument("--model", default="smollm2-135m")
     p.add_argument("--calib", required=True, help="calibration / LoRA text (.jsonl with 'text')")
