@@ -414,20 +414,3 @@ def test_bench_options_parse():
     k = _subparser("bench", "kernels").parse_args(["--tokens", "4096", "--decode-batch", "4"])
     assert k.tokens == 4096 and k.decode_batch == 4
 
-
-def test_progress_bars_refresh_rarely_into_a_log(monkeypatch):
-    """Progress bars refresh every 0.1 s on a terminal, every 30 s where stderr is a file or a pipe."""
-    import io
-    import sys
-
-    from wide.eval.perplexity import bar_interval
-
-    class Tty(io.StringIO):
-        def isatty(self):
-            return True
-
-    monkeypatch.delitem(sys.modules, "ipykernel", raising=False)
-    monkeypatch.setattr(sys, "stderr", io.StringIO())
-    assert bar_interval() == 30.0
-    monkeypatch.setattr(sys, "stderr", Tty())
-    assert bar_interval() == 0.1

@@ -1,4 +1,5 @@
 import json
+import re
 
 import pytest
 import torch
@@ -346,3 +347,34 @@ def test_available_memory_reads_meminfo():
         pytest.skip("no /proc/meminfo")
     n, where = got
     assert n > 0 and where in ("MemAvailable of this machine", "this cgroup's memory limit minus its usage")
+
+
+def test_progress_bars_draw_rarely_into_a_log(tmp_path, capsys):
+    """Where stderr is not a terminal (a log file, a pipe; here pytest's capture), the training and perplexity bars
+    draw when they open and close, not at every step: one line per 30 s at most. On a terminal tqdm's defaults hold."""
+    import io
+    import sys
+    import time
+
+    from wide.eval.perplexity import bar_intervals, perplexity
+
+    wm = WideModel(tiny_model(), WideConfig(ffn_group_size=32))
+    slow = lambda *_: time.sleep(0.15)  # noqa: E731  (each step outlasts tqdm's terminal interval of 0.1 s)
+    calibrate(wm, blocks(), CalibrationArgs(steps=12, batch_size=1, lr=1e-2), tmp_path, "tiny", progress=True,
+              on_step=slow)
+    hook = wm.base.register_forward_pre_hook(slow)
+    perplexity(wm, blocks(n=8), batch_size=1, progress=True)
+    hook.remove()
+    err = capsys.readouterr().err
+    draws = [d for d in re.split(r"[\r\n]", err) if d.strip()]
+    assert sum("train" in d for d in draws) <= 3 and sum("perplexity" in d for d in draws) <= 3, draws
+    assert any("12/12" in d for d in draws) and any("8/8" in d for d in draws), draws  # the closing draws
+
+    class Tty(io.StringIO):
+        def isatty(self):
+            return True
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.delitem(sys.modules, "ipykernel", raising=False)
+        mp.setattr(sys, "stderr", Tty())
+        assert bar_intervals() == {"mininterval": 0.1, "maxinterval": 10.0}

@@ -160,13 +160,12 @@ class WideConfig:
         g_attn = dims.gqa_group_size if self.attn_group_size is None else self.attn_group_size
         if g_attn % dims.head_dim or dims.attn_width % g_attn:
             raise WideError(f"attention group size G={g_attn} must be a multiple of head_dim={dims.head_dim} that "
-                            f"divides the attention width {dims.attn_width} (--attn-group-size); legal: "
-                            f"{dims.legal_attn_group_sizes()}")
+                            f"divides the attention width {dims.attn_width}; legal: {dims.legal_attn_group_sizes()}")
         if not dims.legal_ffn_group_sizes():
             raise WideError(dims.ffn_group_size_error(self.ffn_group_size))
         if dims.intermediate_size % self.ffn_group_size:
             raise WideError(f"FFN group size G={self.ffn_group_size} does not divide the intermediate size "
-                            f"{dims.intermediate_size} (--ffn-group-size); legal: {dims.legal_ffn_group_sizes()}")
+                            f"{dims.intermediate_size}; legal: {dims.legal_ffn_group_sizes()}")
         return dataclasses.replace(self, attn_group_size=g_attn)
 
     def n_groups(self, dims: ModelDims) -> tuple[int, int]:

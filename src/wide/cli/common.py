@@ -322,7 +322,17 @@ def load(args, cfg=None, pre=(), hf_check=None, env=None):
     from wide.model import dims_of
     def config_check(hf):
         if cfg is not None:
-            cfg.resolve(dims_of(hf))
+            d = dims_of(hf)
+            if cfg.method != "skipgpt":  # the flags' own messages, ahead of the library's for the same sizes
+                bad = d.ffn_group_size_error(cfg.ffn_group_size)
+                if bad:
+                    raise WideError(bad)
+                g = cfg.attn_group_size
+                if g is not None and g not in d.legal_attn_group_sizes():
+                    raise WideError(f"attention group size G={g} must be a multiple of head_dim={d.head_dim} that "
+                                    f"divides the attention width {d.attn_width}: pass --attn-group-size with one "
+                                    f"of {d.legal_attn_group_sizes()}")
+            cfg.resolve(d)
         for f in pre:
             f(hf)
     if env is not None and env.active:

@@ -64,10 +64,11 @@ class SparsityMeter:
         return out
 
 
-def bar_interval() -> float:
-    """Seconds between progress-bar refreshes: tqdm's 0.1 on a terminal or in a notebook, 30 where stderr is a file
-    or a pipe (a log gets one line per 30 s, not ten per second)."""
-    return 0.1 if sys.stderr.isatty() or "ipykernel" in sys.modules else 30.0
+def bar_intervals() -> dict:
+    """tqdm's ``mininterval`` / ``maxinterval`` (seconds between refreshes): its defaults 0.1 / 10 on a terminal or in
+    a notebook, 30 / 30 where stderr is a file or a pipe (a log gets a line per 30 s, not ten per second)."""
+    tty = sys.stderr.isatty() or "ipykernel" in sys.modules
+    return {"mininterval": 0.1, "maxinterval": 10.0} if tty else {"mininterval": 30.0, "maxinterval": 30.0}
 
 
 @torch.no_grad()
@@ -83,7 +84,7 @@ def perplexity(model: nn.Module, windows: torch.Tensor, batch_size: int = 1, pro
         meter = SparsityMeter(model.dims.num_layers)
     nll, count = 0.0, 0
     for b in tqdm(range(0, windows.shape[0], batch_size), desc=desc, disable=not progress, dynamic_ncols=True,
-                  mininterval=bar_interval()):
+                  **bar_intervals()):
         ids = windows[b:b + batch_size].to(device)
         with torch.autocast(device.type, dtype=torch.bfloat16, enabled=device.type == "cuda"):
             logits = model(ids).logits

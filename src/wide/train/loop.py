@@ -301,7 +301,7 @@ def train(wm: WideModel, blocks: torch.Tensor, args: CalibrationArgs, output: st
     to resume, a failed write, a batch that does not fit, or a diverged step (the last saved state is kept)."""
     from tqdm.auto import tqdm
 
-    from wide.eval.perplexity import bar_interval
+    from wide.eval.perplexity import bar_intervals
 
     args.validate()
     wm.config.check_training()
@@ -359,7 +359,7 @@ def train(wm: WideModel, blocks: torch.Tensor, args: CalibrationArgs, output: st
     flops_w = torch.tensor(module_weights(wm.dims, cfg, "flops"), dtype=torch.float64, device=device)
     flops_w = (flops_w / flops_w.sum()).float()
     bar = tqdm(total=args.steps, initial=start, disable=not (progress and env.is_main), desc=f"train {stage}",
-               dynamic_ncols=True, mininterval=bar_interval())
+               dynamic_ncols=True, **bar_intervals())
     try:
         for step in range(start, args.steps):
             t0 = time.perf_counter()
@@ -407,9 +407,9 @@ def train(wm: WideModel, blocks: torch.Tensor, args: CalibrationArgs, output: st
             if env.is_main:
                 with log_path.open("a") as f:
                     f.write(json.dumps(r) + "\n")
-                bar.update(1)
                 bar.set_postfix(lm=f"{lm:.3f}", attn=f"{r['attn_sparsity']:.2f}", ffn=f"{r['ffn_sparsity']:.2f}",
-                                tau=f"{wm.tau:.2f}", tok_s=f"{r['tokens_per_s']:.0f}")
+                                tau=f"{wm.tau:.2f}", tok_s=f"{r['tokens_per_s']:.0f}", refresh=False)
+                bar.update(1)  # draws, postfix included, at most every mininterval
             if on_step is not None:
                 on_step(r)
             if (step + 1) % args.save_every == 0 or step + 1 == args.steps:
