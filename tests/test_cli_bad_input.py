@@ -522,6 +522,8 @@ CASES = [
     *[case(f"bench {b} --report-only --out-dir {{out}} --tag x", "no results at", "--tag") for b in ("kernels", "e2e")],
     *[case(f"bench {b} --report-only --out-dir {{afile}}", f"wide bench {b}: error: --out-dir '{{afile}}' is a file")
       for b in ("kernels", "e2e")],
+    *[case(f"bench {b} --out-dir {{afile}}/sub", f"wide bench {b}: error: --out-dir '{{afile}}/sub': '{{afile}}' is a "
+           "file, not a directory") for b in ("kernels", "e2e")],
     *[case(f"bench {b} --report-only --out-dir {{full}} --tag y", "is not a readable JSON file",
            setup=lambda c, b=b: (c["full"] / f"{b}_y.json").write_text("{not json")) for b in ("kernels", "e2e")],
     *[case(f"{cmd} --model {{model}}", f"{var}='{value}' is not allowed", "'triton', 'cute'", before="weights",

@@ -201,12 +201,11 @@ def _read_checked(path: Path, what: str, expected: str) -> tuple[WideConfig, dic
         check_router_weights(routers, router_shapes(saved, config))
     except WideError as e:
         now, recorded = _hashes(path), info["files"]
-        edited = now.get(CONFIG_NAME) != recorded.get(CONFIG_NAME) and now.get(ROUTERS_NAME) == recorded.get(
-            ROUTERS_NAME)
-        why = (f" ({path / CONFIG_NAME} does not match its SHA-256 in {BASE_NAME}: it changed after it was saved)"
-               if edited else f" (the shapes it needs come from the dims recorded in {path / BASE_NAME} and the group "
-               f"sizes of {path / CONFIG_NAME})")
-        raise WideError(f"{path / ROUTERS_NAME}: {e}{why}") from None
+        changed = [f"{n} {'is not recorded in' if n not in recorded else 'does not match its SHA-256 in'} "
+                   f"{BASE_NAME}" for n in (ROUTERS_NAME, CONFIG_NAME) if now.get(n) != recorded.get(n)]
+        edits = f"; {' and '.join(changed)}: changed after it was saved" if changed else ""
+        raise WideError(f"{path / ROUTERS_NAME}: {e} (the shapes it needs come from the dims recorded in "
+                        f"{path / BASE_NAME} and the group sizes of {path / CONFIG_NAME}{edits})") from None
     now, recorded = _hashes(path), info["files"]
     for name in sorted(set(now) | set(recorded)):
         if now.get(name) != recorded.get(name):

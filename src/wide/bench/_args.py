@@ -91,6 +91,7 @@ def report_only(path: str, write_report, out_dir: str, tag: str) -> int:
     """``--report-only``: rebuild the table and plot of ``tag`` in ``out_dir`` from the records at ``path``; raises
     WideError for a missing or unreadable file, or one that is not this benchmark's list of records (then nothing in
     ``out_dir`` is written: the report is built in a temporary folder and moved in whole)."""
+    import importlib.util
     import json
     import os
     import shutil
@@ -121,7 +122,7 @@ def report_only(path: str, write_report, out_dir: str, tag: str) -> int:
         names = sorted(os.listdir(tmp))
         for name in names:
             shutil.move(os.path.join(tmp, name), os.path.join(out_dir, name))
-    plot = "" if any(n.endswith(".png") for n in names) else " (no plot: matplotlib is not installed)"
+    plot = "" if importlib.util.find_spec("matplotlib") else " (no plot: matplotlib is not installed)"
     print(f"rebuilt {', '.join(names)} in {out_dir} from {path}{plot}", flush=True)
     return 0
 
