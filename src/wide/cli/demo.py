@@ -22,8 +22,8 @@ def add_parser(sub) -> None:
     """Add ``demo`` to the ``wide`` subcommands."""
     s = sub.add_parser("demo", help="dense ppl, short calibration to S=0.5, WIDE ppl, per-layer table, save")
     C.add_model(s)
-    s.add_argument("--text", help="text for calibration and evaluation, used whole for both (default: BoolQ passages, "
-                                  "disjoint calibration / evaluation splits)")
+    s.add_argument("--text", help="text for calibration and evaluation, used whole for both (default: "
+                                  "boolq-passages, the BoolQ passages, disjoint calibration / evaluation splits)")
     s.add_argument("--output", "-o", default="runs/demo", help="checkpoint folder, also gets demo_result.json "
                                                                "(default: runs/demo); empty or new unless --overwrite")
     s.add_argument("--overwrite", action="store_true", help="write into a non-empty --output (an earlier run's "

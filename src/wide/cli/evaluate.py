@@ -35,7 +35,7 @@ def add_parsers(sub) -> None:
         C.add_model(s)
         s.add_argument("--wide", help=f"{what} checkpoint directory (omit for the dense --model alone)")
         s.add_argument("--json", help="write the results to this JSON file")
-    ppl.add_argument("--text", help="evaluation text (default: BoolQ passages, evaluation split)")
+    ppl.add_argument("--text", help="evaluation text (default: boolq-passages, the BoolQ passages, evaluation split)")
     ppl.add_argument("--ctx", type=int, default=2048, help="tokens per window (>= 2, at most the model's context; "
                                                            "default: 2048)")
     ppl.add_argument("--batch-size", type=int, default=1, help="windows per forward pass (>= 1; default: 1)")
@@ -77,7 +77,7 @@ def add_parsers(sub) -> None:
     s.add_argument("--sparsity", "-S", type=float, help="target S in [0, 1): the mean removed fraction of attention "
                    "and FFN modules, split by the calibration loss (or --attn-sparsity and --ffn-sparsity)")
     s.add_argument("--output", "-o", required=True, help="output directory (a HF checkpoint usable as --model)")
-    s.add_argument("--text", help="calibration text (default: BoolQ passages, calibration split)")
+    s.add_argument("--text", help="calibration text (default: boolq-passages, the BoolQ passages, calibration split)")
     s.add_argument("--attn-group-size", type=int, help="a multiple of the GQA group H_q/H_k x head_dim (default: it)")
     s.add_argument("--ffn-group-size", type=int, default=128, help="FFN G: power of two >= 16 (default: 128)")
     s.add_argument("--attn-sparsity", type=float, help="fix the attention fraction (with --ffn-sparsity)")

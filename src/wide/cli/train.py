@@ -33,7 +33,8 @@ def add_parsers(sub) -> None:
     for s, text, output in ((cal, "calibration text", "checkpoint directory"),
                             (lora, "training text", "output WIDE directory (routers, config, adapter/)")):
         C.add_model(s)
-        s.add_argument("--text", help=f"{text}: .txt, .jsonl of 'text', datasets folder (default: BoolQ passages)")
+        s.add_argument("--text", help=f"{text}: .txt, .jsonl of 'text', datasets folder (default: boolq-passages, "
+                                      "the BoolQ passages)")
         s.add_argument("--output", "-o", required=True, help=output)
         s.add_argument("--resume", action="store_true", help="continue the run in --output, with its options")
         s.add_argument("--overwrite", action="store_true", help="start a new run in a non-empty --output (the "
