@@ -193,7 +193,9 @@ def main() -> int:
 
     command = "PYTHONPATH=src python3 " + " ".join(shlex.quote(x) for x in sys.argv)
     date = dt.datetime.now(dt.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
-    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
+    from wide.bench._args import source_commit
+
+    commit = source_commit()[0]
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
     records = []

@@ -23,7 +23,6 @@ import argparse
 import datetime as dt
 import json
 import shlex
-import subprocess
 import sys
 from pathlib import Path
 
@@ -49,8 +48,9 @@ def chance_levels(limits: set, path: Path, write: bool) -> dict:
         for lim in missing:
             have[lim] = task_chance_levels("zeroshot", limit=None if lim is None else int(lim))
         if write:
-            commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
-                                    cwd=HERE).stdout.strip()
+            from wide.bench._args import source_commit
+
+            commit = source_commit()[0]
             recs = [{"limit": lim, "unit": "accuracy of a uniform guess: mean over the first `limit` evaluated "
                      "documents of 1 / number of choices", "tasks": tasks, "commit": commit,
                      "date": dt.date.today().isoformat(), "command": "python " + shlex.join(sys.argv)}

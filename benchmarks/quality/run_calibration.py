@@ -53,7 +53,9 @@ def main() -> None:
         p.error("--steps takes one value or one per --sparsity")
     steps_of = dict(zip(a.sparsity, a.steps * len(a.sparsity) if len(a.steps) == 1 else a.steps))
     command = "python " + shlex.join(sys.argv)
-    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
+    from wide.bench._args import source_commit
+
+    commit = source_commit()[0]
     import torch
 
     gpu = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"

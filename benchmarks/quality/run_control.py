@@ -602,8 +602,9 @@ def main() -> None:
             if not Path(path).is_file():
                 raise SystemExit(f"run_control.py: error: {what} {path!r} not found")
         a.command = "python " + shlex.join([sys.argv[0], *argv])
-        a.commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
-                                  cwd=HERE).stdout.strip() or None
+        from wide.bench._args import source_commit
+
+        a.commit = source_commit()[0]
         launcher_main(a, [*argv, "--command", a.command, "--commit", str(a.commit)])
     else:
         worker_main(a)

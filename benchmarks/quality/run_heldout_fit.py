@@ -21,7 +21,6 @@ import datetime as dt
 import json
 import platform
 import shlex
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -57,6 +56,7 @@ def main() -> None:
     import torch
 
     import wide
+    from wide.bench._args import source_commit
     from wide.calibrate import fit_shifts
     from wide.config import atomic_write_text
     from wide.data import load_texts, ppl_windows
@@ -74,8 +74,7 @@ def main() -> None:
         "dialed_from": wm.config.target_sparsity, "trained_unit": wm.config.sparsity_unit,
         "checkpoint": str(Path(a.checkpoint).resolve().relative_to(HERE.parents[1])) if Path(a.checkpoint).resolve()
         .is_relative_to(HERE.parents[1]) else a.checkpoint,
-        "commit": subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
-                                 cwd=HERE).stdout.strip() or None,
+        "commit": source_commit()[0],
         "date": dt.date.today().isoformat(), "command": "python " + shlex.join(sys.argv),
         "gpu": torch.cuda.get_device_name() if device.type == "cuda" else f"cpu ({platform.processor() or 'x86_64'})",
     }

@@ -31,7 +31,6 @@ import datetime as dt
 import gc
 import json
 import shlex
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -363,7 +362,9 @@ def main() -> None:
     tag = a.tag or a.plan
     out = Path(a.out)
     command = a.record_command or "python " + " ".join(shlex.quote(x) for x in sys.argv)
-    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
+    from wide.bench._args import source_commit
+
+    commit = source_commit()[0]
     gpu = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     t_start = time.time()

@@ -122,3 +122,28 @@ def test_result_files_are_named_after_the_gpu(name, tag, monkeypatch):
 
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda *a: name)
     assert gpu_tag() == tag
+
+
+def test_an_archived_tree_names_its_commit(tmp_path):
+    """`git archive` fills in wide/COMMIT (export-subst), so records written from a tree carried as an archive to
+    another machine name its commit and date, as a checkout's do."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[2]
+    git = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, cwd=root)
+    if git.returncode != 0:
+        pytest.skip("not a git checkout")
+    date = subprocess.run(["git", "show", "-s", "--format=%cs", "HEAD"], capture_output=True, text=True,
+                          cwd=root).stdout.strip()
+    archive = subprocess.run(["git", "archive", "HEAD", "src/wide"], capture_output=True, cwd=root, check=True)
+    subprocess.run(["tar", "-x", "-C", str(tmp_path)], input=archive.stdout, check=True)
+    got = subprocess.run([sys.executable, "-c", "from wide.bench._args import source_commit; print(*source_commit())"],
+                         capture_output=True, text=True, cwd=tmp_path, env={"PATH": "/nonexistent",
+                                                                             "PYTHONPATH": str(tmp_path / "src")})
+    assert got.returncode == 0, got.stderr
+    assert got.stdout.split() == [git.stdout.strip(), date]
+    from wide.bench._args import source_commit
+
+    assert source_commit() == (git.stdout.strip(), date)  # a checkout: from git

@@ -162,17 +162,39 @@ def provenance(name: str, args) -> dict:
     return run_provenance(command_line(name, args))
 
 
-def run_provenance(command: str) -> dict:
-    """What every benchmark record carries about its run: ``commit`` (short hash, "unknown" outside a git checkout),
-    ``date`` (the commit's, else today), ``run_date`` (UTC, seconds) and ``command``."""
-    import datetime
+def source_commit() -> tuple[str | None, str | None]:
+    """``(short hash, commit date)`` of the source tree that runs: from git in a checkout, else from ``wide/COMMIT``,
+    which ``git archive`` fills in (``export-subst``: a tree carried to another machine as an archive still names
+    its commit); ``(None, None)`` when neither knows."""
+    import os
     import subprocess
 
-    def git(*a: str) -> str:
-        return subprocess.run(["git", *a], capture_output=True, text=True).stdout.strip()
+    here = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # the wide package folder
 
-    return dict(commit=git("rev-parse", "--short", "HEAD") or "unknown",
-                date=git("show", "-s", "--format=%cs", "HEAD") or datetime.date.today().isoformat(),
+    def git(*a: str) -> str:
+        try:
+            return subprocess.run(["git", *a], capture_output=True, text=True, cwd=here).stdout.strip()
+        except OSError:  # no git on this machine
+            return ""
+
+    commit = git("rev-parse", "--short", "HEAD")
+    if commit:
+        return commit, git("show", "-s", "--format=%cs", "HEAD") or None
+    try:
+        with open(os.path.join(here, "COMMIT")) as f:
+            words = f.read().split()
+    except OSError:
+        return None, None
+    return (words[0], words[1] if len(words) > 1 else None) if words and "$" not in words[0] else (None, None)
+
+
+def run_provenance(command: str) -> dict:
+    """What every benchmark record carries about its run: ``commit`` (short hash, :func:`source_commit`; "unknown"
+    where it knows none), ``date`` (the commit's, else today), ``run_date`` (UTC, seconds) and ``command``."""
+    import datetime
+
+    commit, date = source_commit()
+    return dict(commit=commit or "unknown", date=date or datetime.date.today().isoformat(),
                 run_date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
                 command=command)
 
