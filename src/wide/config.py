@@ -52,6 +52,15 @@ class ModelDims:
         """Every multiple of ``head_dim`` that divides the attention width."""
         return [g for g in range(self.head_dim, self.attn_width + 1, self.head_dim) if self.attn_width % g == 0]
 
+    def attn_group_size_error(self, g, where: str = "") -> str | None:
+        """The one-line message for an attention group size ``g`` that does not fit (``where`` names the model), else
+        None."""
+        if g in self.legal_attn_group_sizes():
+            return None
+        return (f"attention group size G={g} must be a positive multiple of head_dim={self.head_dim} that divides the "
+                f"attention width {self.attn_width}{where}: pass --attn-group-size with one of "
+                f"{self.legal_attn_group_sizes()}")
+
     def legal_ffn_group_sizes(self) -> list[int]:
         """Every power of two ``>= 16`` that divides the FFN width (the paper's set ``T``)."""
         return [1 << k for k in range(4, self.intermediate_size.bit_length()) if self.intermediate_size % (1 << k) == 0]

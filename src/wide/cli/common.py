@@ -182,10 +182,7 @@ def check_attn_group_size(args) -> None:
     if g is not None and g < 1:
         from wide.model import dims_of
         src, hf = hf_config(args.model)
-        d = dims_of(hf)
-        raise WideError(f"attention group size G={g} must be a positive multiple of head_dim={d.head_dim} that "
-                        f"divides the attention width {d.attn_width} of {src.ref}: pass --attn-group-size with one "
-                        f"of {d.legal_attn_group_sizes()}")
+        raise WideError(dims_of(hf).attn_group_size_error(g, f" of {src.ref}"))
 
 
 def config_from(args):
@@ -324,14 +321,10 @@ def load(args, cfg=None, pre=(), hf_check=None, env=None):
         if cfg is not None:
             d = dims_of(hf)
             if cfg.method != "skipgpt":  # the flags' own messages, ahead of the library's for the same sizes
-                bad = d.ffn_group_size_error(cfg.ffn_group_size)
+                bad = d.ffn_group_size_error(cfg.ffn_group_size) or (
+                    None if cfg.attn_group_size is None else d.attn_group_size_error(cfg.attn_group_size))
                 if bad:
                     raise WideError(bad)
-                g = cfg.attn_group_size
-                if g is not None and g not in d.legal_attn_group_sizes():
-                    raise WideError(f"attention group size G={g} must be a multiple of head_dim={d.head_dim} that "
-                                    f"divides the attention width {d.attn_width}: pass --attn-group-size with one "
-                                    f"of {d.legal_attn_group_sizes()}")
             cfg.resolve(d)
         for f in pre:
             f(hf)
