@@ -4,7 +4,6 @@
 from __future__ import annotations
 
 import importlib
-import os
 
 BENCHMARKS = {
     "kernels": ("wide.bench.kernels", "routed kernels against cuBLAS / SDPA flash on one GPU (benchmarks/kernels/)"),
@@ -18,9 +17,7 @@ def _runner(name: str, module: str):
         from wide.cli.common import check_writable
         from wide.errors import WideError
 
-        if args.out_dir and os.path.exists(args.out_dir) and not os.path.isdir(args.out_dir):
-            raise WideError(f"--out-dir {args.out_dir!r} is a file; give a folder (it is created if missing)")
-        check_writable("--out-dir", args.out_dir)  # a path below a file, or a folder that takes no new entry
+        check_writable("--out-dir", args.out_dir, folder="for the results (it is created if missing)")
         if not args.report_only:
             import torch
 

@@ -224,11 +224,14 @@ def train_args_from(args, steps: int | None = None):
     return a
 
 
-def check_writable(option: str, path, file: bool = False) -> None:
+def check_writable(option: str, path, file: bool = False, folder: str | None = None) -> None:
     """Refuse a path below a file, or whose nearest existing folder takes no new entry (probed: root too), or for a
-    ``file`` (``--json``; None passes) a folder."""
+    ``file`` (``--json``; None passes) a folder, or for a ``folder`` (the hint that ends the message: what the folder
+    is for) a file."""
     if path is None:
         return
+    if folder is not None and os.path.exists(path) and not os.path.isdir(path):
+        raise WideError(f"{option} {str(path)!r} is a file; give a directory {folder}")
     if file and os.path.isdir(path):
         raise WideError(f"{option} {str(path)!r} is a directory; give a file path")
     target = Path(os.path.abspath(path))
@@ -281,9 +284,7 @@ def check_output(args, stage: str | None = "router") -> None:
     out = str(args.output)
     if not out.strip():
         raise WideError(f"-o {out!r} is empty; give a directory for the checkpoint")
-    if os.path.exists(out) and not os.path.isdir(out):
-        raise WideError(f"-o {out!r} is a file; give a directory for the checkpoint")
-    check_writable("-o", out)
+    check_writable("-o", out, folder="for the checkpoint")
     resume = getattr(args, "resume", False)
     if resume and args.overwrite:
         raise WideError(f"--resume and --overwrite exclude each other: --resume continues the run in {out!r}, "
